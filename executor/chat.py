@@ -1,0 +1,166 @@
+"""Chat messages -> prompt text -> token ids, through the model's own Jinja chat template.
+
+Templates are rendered the way HuggingFace renders ``tokenizer_config.json`` templates (the dialect
+they are written for, and the one llama.cpp emulates): a sandboxed Jinja environment with
+``trim_blocks`` and ``lstrip_blocks``, the ``loopcontrols`` extension, a ``{% generation %}`` block,
+a ``tojson`` filter that keeps non-ASCII text, and the ``raise_exception`` and ``strftime_now``
+globals.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+from collections.abc import Sequence
+from datetime import datetime
+from typing import TYPE_CHECKING, Any, NoReturn
+
+import jinja2
+from jinja2 import nodes
+from jinja2.ext import Extension, loopcontrols
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+from planner.errors import StrataError
+
+if TYPE_CHECKING:
+    from executor.tokenizer import GGUFTokenizer
+
+
+class ChatError(StrataError, ValueError):
+    """The messages are malformed, or the chat template is missing or fails on them."""
+
+
+NO_TEMPLATE = "this model has no chat template; pass --chat-template FILE or use --prompt"
+
+
+class _GenerationBlock(Extension):
+    """``{% generation %}...{% endgeneration %}``: HF marks assistant text with it; we render it."""
+
+    tags = {"generation"}
+
+    def parse(self, parser: Any) -> list[nodes.Node]:
+        next(parser.stream)  # the "generation" name
+        return parser.parse_statements(("name:endgeneration",), drop_needle=True)
+
+
+def _raise_exception(message: str) -> NoReturn:
+    raise ChatError(f"the chat template rejected the messages: {message}")
+
+
+def _tojson(
+    value: Any,
+    ensure_ascii: bool = False,
+    indent: int | None = None,
+    separators: tuple[str, str] | None = None,
+    sort_keys: bool = False,
+) -> str:
+    # Jinja's own tojson escapes HTML characters and non-ASCII text; templates expect plain JSON.
+    return json.dumps(
+        value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
+    )
+
+
+def _strftime_now(fmt: str) -> str:
+    return datetime.now().strftime(fmt)
+
+
+@functools.lru_cache(maxsize=1)
+def _environment() -> ImmutableSandboxedEnvironment:
+    env = ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols, _GenerationBlock]
+    )
+    env.filters["tojson"] = _tojson
+    env.globals["raise_exception"] = _raise_exception
+    env.globals["strftime_now"] = _strftime_now
+    return env
+
+
+@functools.lru_cache(maxsize=8)
+def _compile(template: str) -> jinja2.Template:
+    try:
+        return _environment().from_string(template)
+    except jinja2.TemplateSyntaxError as e:
+        raise ChatError(
+            f"the chat template is not valid Jinja (line {e.lineno}): {e.message}"
+        ) from e
+
+
+def _check_messages(messages: object) -> None:
+    if not isinstance(messages, Sequence) or isinstance(messages, str) or not messages:
+        raise ChatError("messages must be a non-empty list of {role, content} objects")
+    for i, message in enumerate(messages):
+        if not isinstance(message, dict):
+            raise ChatError(f"messages[{i}] must be an object with 'role' and 'content'")
+        for key in ("role", "content"):
+            if not isinstance(message.get(key), str):
+                raise ChatError(f"messages[{i}].{key} must be a string")
+
+
+def render_chat(
+    template: str,
+    messages: list[dict],
+    bos_token: str,
+    eos_token: str,
+    add_generation_prompt: bool = True,
+) -> str:
+    """Render ``messages`` with a chat template into the prompt text.
+
+    Args:
+        template: the Jinja chat template (e.g. the GGUF's ``tokenizer.chat_template``).
+        messages: ``[{"role": str, "content": str, ...}, ...]``; extra keys are passed through.
+        bos_token, eos_token: the texts of the model's BOS/EOS tokens, for templates using them.
+        add_generation_prompt: end with the header that opens the assistant's reply.
+
+    Returns:
+        The rendered text (special tokens appear as text, e.g. ``<|im_start|>``).
+
+    Raises:
+        ChatError: malformed messages, a template that is not valid Jinja, fails while rendering,
+            or calls ``raise_exception``.
+    """
+    _check_messages(messages)
+    compiled = _compile(template)
+    try:
+        return compiled.render(
+            messages=messages,
+            tools=None,
+            documents=None,
+            add_generation_prompt=add_generation_prompt,
+            bos_token=bos_token,
+            eos_token=eos_token,
+        )
+    except jinja2.TemplateError as e:
+        raise ChatError(f"the chat template failed: {e}") from e
+
+
+def messages_to_ids(
+    tokenizer: GGUFTokenizer,
+    messages: list[dict],
+    template: str | None = None,
+    add_generation_prompt: bool = True,
+) -> list[int]:
+    """Prompt token ids for a chat, as llama.cpp builds them.
+
+    Renders ``messages`` with ``template`` (default: the GGUF's), tokenizes the text with special
+    tokens recognised, and prepends BOS only when the GGUF asks for it and the rendered text does
+    not already start with it (templates that write ``{{ bos_token }}`` must not get two).
+
+    Raises:
+        ChatError: no template (neither given nor in the GGUF), malformed messages, or a template
+            failure (see ``render_chat``).
+    """
+    template = tokenizer.chat_template if template is None else template
+    if template is None:
+        raise ChatError(NO_TEMPLATE)
+    bos = _token_text(tokenizer, tokenizer.bos_id)
+    text = render_chat(
+        template, messages, bos, _token_text(tokenizer, tokenizer.eos_id), add_generation_prompt
+    )
+    ids = tokenizer.encode(text, add_bos=False, parse_special=True)
+    if tokenizer.add_bos and not (bos and text.startswith(bos)):
+        ids.insert(0, tokenizer.bos_id)
+    return ids
+
+
+def _token_text(tokenizer: GGUFTokenizer, token_id: int | None) -> str:
+    return "" if token_id is None else tokenizer.token_text(token_id)

@@ -1,0 +1,100 @@
+"""The executor's commands, behind ``execute.py``'s argument parsing.
+
+Text streams to stdout as it is generated and stats go to stderr; ``--json`` prints one object
+(``prompt_ids``, ``output_ids``, ``text``, ``stats``) instead. User errors are one line on stderr
+with exit status 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+from planner.errors import StrataError, run_command
+from planner.sizes import format_size
+
+
+def _read_messages(path: str) -> list[dict]:
+    p = Path(path)
+    if not p.is_file():
+        raise StrataError(f"--messages {path}: no such file")
+    try:
+        return json.loads(p.read_text())
+    except (ValueError, UnicodeDecodeError) as e:
+        raise StrataError(f"--messages {path}: not valid JSON ({e})") from None
+
+
+def _parse_ids(text: str) -> list[int]:
+    try:
+        return [int(t) for t in text.replace(" ", "").split(",") if t]
+    except ValueError:
+        raise StrataError(
+            f"--prompt-ids {text!r}: give comma-separated integers, e.g. 1,2,3"
+        ) from None
+
+
+def prompt_ids_for(engine, args: argparse.Namespace) -> list[int]:
+    """The prompt's token ids from --prompt, --messages or --prompt-ids."""
+    from executor.chat import messages_to_ids
+
+    if args.prompt_ids is not None:
+        return _parse_ids(args.prompt_ids)
+    if args.messages is not None:
+        template = None
+        if args.chat_template:
+            tp = Path(args.chat_template)
+            if not tp.is_file():
+                raise StrataError(f"--chat-template {tp}: no such file")
+            template = tp.read_text()
+        return messages_to_ids(engine.tokenizer, _read_messages(args.messages), template)
+    return engine.tokenizer.encode(args.prompt)
+
+
+def cmd_run(args: argparse.Namespace) -> None:
+    from executor.engine import Engine
+    from executor.plan_loader import load_plan
+    from executor.sampling import SamplingParams
+
+    params = SamplingParams(args.temperature, args.top_k, args.top_p, args.seed)
+    t0 = time.perf_counter()
+    engine = Engine(load_plan(args.plan))
+    load_s = time.perf_counter() - t0
+    ids = prompt_ids_for(engine, args)
+
+    def write(piece: str) -> None:
+        sys.stdout.write(piece)
+        sys.stdout.flush()
+
+    gen = engine.generate(ids, params, args.max_tokens, None if args.json else write)
+    gen.stats["load_s"] = round(load_s, 3)
+    if args.json:
+        out = {
+            "prompt_ids": gen.prompt_ids,
+            "output_ids": gen.output_ids,
+            "text": gen.text,
+            "stats": gen.stats,
+        }
+        print(json.dumps(out, ensure_ascii=False))
+        return
+    s = gen.stats
+    print(file=sys.stdout)
+    print(
+        f"[{s['prompt_tokens']} prompt tokens, {s['output_tokens']} generated, "
+        f"{s['finish_reason']}] prefill {s['prefill_tok_s']:.1f} tok/s, decode "
+        f"{s['decode_tok_s']:.1f} tok/s, peak RSS {format_size(s['peak_rss_bytes'])}, peak MLX "
+        f"{format_size(s['peak_mlx_bytes'])}, read "
+        + ", ".join(f"{t} {format_size(b)}" for t, b in s["bytes_read"].items())
+        + f", load {load_s:.1f} s",
+        file=sys.stderr,
+    )
+
+
+COMMANDS = {"run": cmd_run}
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run one command; user errors become one line on stderr and exit status 2."""
+    return run_command(lambda: COMMANDS[args.command](args))

@@ -1,0 +1,187 @@
+"""Running a loaded plan: tokenizer, weights on their tiers, the forward pass, generation, stats.
+
+The generation loop is short on purpose: chunked prefill of the prompt, then one decode step per
+token until an end-of-generation token (kept in the output) or ``max_tokens``.
+"""
+
+from __future__ import annotations
+
+import resource
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import mlx.core as mx
+import numpy as np
+
+from executor.models import ARCHITECTURES, build_model
+from executor.plan_loader import LoadedPlan
+from executor.sampling import Sampler, SamplingParams
+from executor.tokenizer import GGUFTokenizer, StreamDecoder
+from executor.weights import WeightStore
+from planner.errors import StrataError
+
+DTYPES = {"float32": mx.float32, "float16": mx.float16, "bfloat16": mx.bfloat16}
+
+
+def peak_rss_bytes() -> int:
+    """Peak resident set size of this process, bytes (``ru_maxrss`` is KiB on Linux, B on macOS)."""
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return int(rss if sys.platform == "darwin" else rss * 1024)
+
+
+@dataclass
+class Generation:
+    """The result of one request.
+
+    Attributes:
+        prompt_ids: the prompt's token ids.
+        output_ids: generated ids, including a final end-of-generation token if one was produced.
+        text: the generated text (special tokens dropped, as llama.cpp does).
+        stats: ``prefill_tok_s``, ``decode_tok_s``, ``peak_rss_bytes``, ``peak_mlx_bytes``,
+            ``bytes_read`` ({tier: bytes}), ``host_copy_s``, token counts, ``finish_reason``.
+    """
+
+    prompt_ids: list[int]
+    output_ids: list[int]
+    text: str
+    stats: dict = field(default_factory=dict)
+
+
+class Engine:
+    """A plan made runnable: weights loaded on their tiers, tokenizer and model built.
+
+    Args:
+        loaded: a plan whose inputs were checked (``executor.plan_loader.load_plan``).
+
+    Raises:
+        StrataError: unsupported architecture or tensor type, or a plan the executor cannot run.
+    """
+
+    def __init__(self, loaded: LoadedPlan):
+        self.loaded = loaded
+        arch = loaded.desc.architecture
+        if arch.name not in ARCHITECTURES:
+            raise StrataError(
+                f"architecture {arch.name!r} is not supported by the executor yet "
+                f"(supported: {', '.join(sorted(ARCHITECTURES))})"
+            )
+        plan = loaded.plan
+        self.dtype = DTYPES[plan.runtime.compute_dtype]
+        self.tokenizer = GGUFTokenizer.from_reader(loaded.gguf.reader)
+        self.store = WeightStore(loaded.gguf, loaded.desc, plan.tier_of(), self.dtype)
+        self.model = build_model(arch, self.store, self.dtype)
+        self.context = plan.request.context
+        self.prefill_chunk = plan.batch.prefill_chunk
+
+    def prefill(self, ids: list[int], cache) -> mx.array:
+        """Run the prompt in chunks of ``prefill_chunk`` tokens; returns the last logits [1, V]."""
+        logits = None
+        for start in range(0, len(ids), self.prefill_chunk):
+            logits = self.model.forward(ids[start : start + self.prefill_chunk], cache)
+            mx.eval(logits)
+        return logits
+
+    def logits_for(self, ids: list[int]) -> np.ndarray:
+        """Float32 logits after each position of ``ids`` ([T, vocab]), for teacher-forced checks."""
+        self._check_prompt(ids)
+        cache = self.model.make_cache(self.context)
+        rows = []
+        for start in range(0, len(ids), self.prefill_chunk):
+            out = self.model.forward(
+                ids[start : start + self.prefill_chunk], cache, all_logits=True
+            )
+            rows.append(np.array(out))
+        return np.concatenate(rows)
+
+    def _check_prompt(self, ids: list[int]) -> None:
+        if not ids:
+            raise StrataError("the prompt is empty; give at least one token")
+        vocab = self.loaded.desc.architecture.vocab_size
+        bad = [i for i in ids if not 0 <= i < vocab]
+        if bad:
+            raise StrataError(f"token id {bad[0]} is outside the vocabulary (0..{vocab - 1})")
+        if len(ids) >= self.context:
+            raise StrataError(
+                f"the prompt has {len(ids)} tokens but the plan's context is {self.context}; "
+                "re-plan with a larger --context"
+            )
+
+    def generate(
+        self,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        max_tokens: int = 256,
+        on_text: Callable[[str], None] | None = None,
+    ) -> Generation:
+        """Generate up to ``max_tokens`` tokens after ``prompt_ids``.
+
+        Generation stops at the GGUF's end-of-generation tokens (kept in ``output_ids``), at
+        ``max_tokens``, or at the plan's context (``finish_reason`` says which).
+
+        Args:
+            prompt_ids: token ids of the prompt.
+            params: sampling parameters (temperature 0 = greedy).
+            max_tokens: most tokens to generate.
+            on_text: called with each new piece of text as it is decoded (never a split UTF-8
+                character).
+
+        Raises:
+            StrataError: empty prompt, ids outside the vocabulary, prompt longer than the context.
+        """
+        if max_tokens < 0:
+            raise StrataError(f"--max-tokens {max_tokens} is negative")
+        self._check_prompt(prompt_ids)
+        sampler = Sampler(params)
+        stream = StreamDecoder(self.tokenizer)
+        eog = self.tokenizer.eog_ids
+        read0 = dict(self.store.bytes_read)
+        copy0 = self.store.copy_seconds
+        mx.reset_peak_memory()
+        cache = self.model.make_cache(self.context)
+
+        t0 = time.perf_counter()
+        logits = self.prefill(prompt_ids, cache)
+        t_prefill = time.perf_counter() - t0
+        out: list[int] = []
+        finish = "length"
+        t1 = time.perf_counter()
+        decode_steps = 0
+        while len(out) < max_tokens:
+            tok = sampler(np.array(logits[0]))
+            out.append(tok)
+            if on_text is not None:
+                piece = stream.push(tok)
+                if piece:
+                    on_text(piece)
+            if tok in eog:
+                finish = "stop"
+                break
+            if len(out) >= max_tokens:
+                break
+            if cache.offset + 1 > self.context:
+                finish = "context"
+                break
+            logits = self.model.forward([tok], cache)
+            mx.eval(logits)
+            decode_steps += 1
+        t_decode = time.perf_counter() - t1
+        if on_text is not None:
+            tail = stream.flush()
+            if tail:
+                on_text(tail)
+        stats = {
+            "prompt_tokens": len(prompt_ids),
+            "output_tokens": len(out),
+            "finish_reason": finish,
+            "prefill_s": round(t_prefill, 6),
+            "prefill_tok_s": round(len(prompt_ids) / t_prefill, 3) if t_prefill > 0 else 0.0,
+            "decode_s": round(t_decode, 6),
+            "decode_tok_s": round(decode_steps / t_decode, 3) if decode_steps else 0.0,
+            "peak_rss_bytes": peak_rss_bytes(),
+            "peak_mlx_bytes": int(mx.get_peak_memory()),
+            "bytes_read": {k: v - read0[k] for k, v in self.store.bytes_read.items()},
+            "host_copy_s": round(self.store.copy_seconds - copy0, 6),
+        }
+        return Generation(prompt_ids, out, self.tokenizer.decode(out), stats)

@@ -1,0 +1,178 @@
+"""The few compute helpers the model code uses, so tier placement never changes numerics.
+
+Every weight, wherever it lives, goes through :func:`to_mlx` and is used only through
+:func:`linear` and :func:`embedding`; a layer computes the same numbers whichever tier
+(memory, device) the planner puts it on.
+
+Compute dtype is float32 on CPU: MLX's CPU backend is about 30x slower in float16 here.
+
+Scales (measured on MLX 0.32.4, CPU): ``executor.quant.repack`` stores scales/biases as
+float16 where that is exact. ``mx.quantized_matmul`` with float32 activations accepts them
+(it inserts a cast of scales/biases to the activation dtype on every call; the result is
+bit-identical to passing float32 scales), costing ~5-8 % at batch 1 on CPU. So
+:func:`to_mlx` keeps the stored dtype by default (least memory) and, given
+``dtype=mx.float32``, widens scales/biases once at load time (exact) to skip the per-call
+cast. ``mx.dequantize`` with float16 scales computes in float16 even when asked for a
+float32 result, so :func:`embedding` widens the gathered rows' scales before
+dequantizing. Note: bfloat16 activations with float16 scales promote to a float32 result.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import mlx.core as mx
+import numpy as np
+
+from executor.quant import PackedWeight
+
+__all__ = ["QuantLinear", "embedding", "linear", "to_mlx"]
+
+
+@dataclass(frozen=True)
+class QuantLinear:
+    """An MLX affine-quantized ``[rows, cols]`` matrix (``out_features, in_features``).
+
+    Attributes:
+        weight: uint32 ``[rows, cols * bits // 32]``.
+        scales: float ``[rows, cols // group_size]``.
+        biases: same dtype and shape as ``scales``; ``w = scales * q + biases``.
+        bits: bits per element (4 or 8).
+        group_size: elements per scale/bias group.
+    """
+
+    weight: mx.array
+    scales: mx.array
+    biases: mx.array
+    bits: int
+    group_size: int
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        """Logical ``(rows, cols)`` = ``(out_features, in_features)``."""
+        return int(self.weight.shape[0]), int(self.weight.shape[1]) * 32 // self.bits
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of weight + scales + biases."""
+        return int(self.weight.nbytes + self.scales.nbytes + self.biases.nbytes)
+
+
+def _np_dtype(dtype: mx.Dtype) -> np.dtype | None:
+    """The numpy dtype matching an MLX float dtype, or None (bfloat16 has none)."""
+    return {mx.float32: np.dtype(np.float32), mx.float16: np.dtype(np.float16)}.get(dtype)
+
+
+def _convert_exact(a: np.ndarray, dtype: mx.Dtype | None, what: str) -> mx.array:
+    """``a`` as an mx array of ``dtype`` (None: as is), refusing any conversion that rounds."""
+    if dtype is None:
+        return mx.array(a)
+    np_dtype = _np_dtype(dtype)
+    if np_dtype is not None:
+        with np.errstate(over="ignore"):
+            converted = a.astype(np_dtype)
+        same = converted.astype(np.float64) == a.astype(np.float64)
+        if not np.all(same | (np.isnan(a) & np.isnan(converted))):
+            raise ValueError(f"converting {what} from {a.dtype} to {dtype} would change values")
+        return mx.array(converted)
+    out = mx.array(a).astype(dtype)  # bfloat16: check on the MLX side
+    back = np.array(out.astype(mx.float32)).astype(np.float64)
+    if not np.all((back == a.astype(np.float64)) | (np.isnan(back) & np.isnan(a))):
+        raise ValueError(f"converting {what} from {a.dtype} to {dtype} would change values")
+    return out
+
+
+def to_mlx(w: PackedWeight | np.ndarray, dtype: mx.Dtype | None = None) -> QuantLinear | mx.array:
+    """Move a repacked weight (host numpy) into MLX arrays.
+
+    Args:
+        w: a :class:`executor.quant.PackedWeight` or a plain float numpy array, as
+            returned by :func:`executor.quant.repack`.
+        dtype: None keeps the stored dtypes (least memory). Otherwise the compute dtype:
+            scales/biases of a quantized weight, or a plain float array, are converted to
+            it once here (e.g. ``mx.float32`` on CPU, saving a cast per call). Only exact
+            conversions are allowed.
+
+    Returns:
+        :class:`QuantLinear` for a PackedWeight, else an ``mx.array`` of ``w``'s shape.
+
+    Raises:
+        ValueError: the conversion to ``dtype`` would round or overflow some value.
+        TypeError: ``w`` is neither a PackedWeight nor a numpy array.
+    """
+    if isinstance(w, PackedWeight):
+        return QuantLinear(
+            weight=mx.array(w.weight),
+            scales=_convert_exact(w.scales, dtype, "scales"),
+            biases=_convert_exact(w.biases, dtype, "biases"),
+            bits=w.bits,
+            group_size=w.group_size,
+        )
+    if isinstance(w, np.ndarray):
+        return _convert_exact(w, dtype, "weight")
+    raise TypeError(f"to_mlx expects a PackedWeight or numpy array, got {type(w).__name__}")
+
+
+def linear(x: mx.array, w: QuantLinear | mx.array) -> mx.array:
+    """``x @ w.T``: ``x`` ``[..., in]`` times ``w`` ``[out, in]`` gives ``[..., out]``.
+
+    Quantized weights go through ``mx.quantized_matmul(..., transpose=True)`` (no
+    dequantized copy). The result dtype is MLX's promotion of ``x`` and the weight's
+    (scales') dtype: float32 activations give float32.
+
+    Raises:
+        ValueError: ``x.shape[-1]`` differs from the weight's in_features.
+    """
+    if isinstance(w, QuantLinear):
+        cols = w.shape[1]
+        if x.shape[-1] != cols:
+            raise ValueError(
+                f"linear: input has {x.shape[-1]} features, weight {w.shape} expects {cols}"
+            )
+        return mx.quantized_matmul(
+            x,
+            w.weight,
+            w.scales,
+            w.biases,
+            transpose=True,
+            group_size=w.group_size,
+            bits=w.bits,
+        )
+    if w.ndim != 2 or x.shape[-1] != w.shape[1]:
+        raise ValueError(
+            f"linear: input has {x.shape[-1]} features, weight {tuple(w.shape)} is not [out, in]"
+        )
+    return x @ w.T
+
+
+def embedding(
+    ids: mx.array, table: QuantLinear | mx.array, dtype: mx.Dtype = mx.float32
+) -> mx.array:
+    """Look up rows ``ids`` of ``table`` ``[vocab, d]``, giving ``[*ids.shape, d]`` in ``dtype``.
+
+    Only the requested rows are gathered, and only they are dequantized, so a lookup never
+    dequantizes the whole table. For a quantized table the gathered scales/biases are
+    widened to ``dtype`` first (MLX dequantizes in the scales' dtype), which for float32
+    reproduces ``gguf.quants.dequantize`` of those rows bit for bit.
+
+    Args:
+        ids: integer token ids of any shape, each in ``[0, vocab)``; not range-checked
+            (that would force a device sync), out-of-range ids give undefined rows.
+        table: the embedding matrix, quantized or plain.
+        dtype: result dtype (float32 on CPU).
+
+    Raises:
+        TypeError: ``ids`` is not an integer array.
+    """
+    if not mx.issubdtype(ids.dtype, mx.integer):
+        raise TypeError(f"embedding: ids must be integers, got {ids.dtype}")
+    if not isinstance(table, QuantLinear):
+        return mx.take(table, ids, axis=0).astype(dtype)
+    flat = ids.reshape(-1)  # mx.dequantize wants a 2-D [n, words] input
+    rows = mx.take(table.weight, flat, axis=0)
+    scales = mx.take(table.scales, flat, axis=0).astype(dtype)
+    biases = mx.take(table.biases, flat, axis=0).astype(dtype)
+    out = mx.dequantize(
+        rows, scales, biases, group_size=table.group_size, bits=table.bits, dtype=dtype
+    )
+    return out.reshape(*ids.shape, table.shape[1])

@@ -1,0 +1,160 @@
+"""Weight stores per tier: where the plan put a unit decides how its tensors reach the compute.
+
+- ``gpu``: resident MLX arrays, made once at load.
+- ``ram``: host-resident copies in MLX layout (numpy arrays, repacked once at load), copied into
+  MLX arrays each time the unit is used — on unified memory this is a memcpy, on a discrete GPU the
+  host->device transfer the planner's ``host_copy_s`` term models.
+- ``nvme``: direct-I/O streaming arrives with tier streaming; a plan that uses it is refused.
+
+Numerics never depend on the tier: all three hand the same repacked arrays to the same ops.
+Counters are honest: ``bytes_read[tier]`` counts, per use, the bytes of weights the forward pass
+took from that tier (for ``ram``, exactly the bytes copied).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+
+import gguf
+import mlx.core as mx
+import numpy as np
+
+from executor.ops import QuantLinear, embedding, to_mlx
+from executor.quant import PackedWeight, UnsupportedQuantError, repack
+from planner.errors import PlanError, StrataError
+from planner.gguf_file import GGUFFile
+from planner.schemas import ModelDescription
+
+Weight = QuantLinear | mx.array
+HostWeight = PackedWeight | np.ndarray
+
+
+def _host_nbytes(w: HostWeight) -> int:
+    return int(w.nbytes)
+
+
+def _rows(w: HostWeight, ids: np.ndarray) -> HostWeight:
+    """The given rows of a host weight, still in MLX layout."""
+    if isinstance(w, PackedWeight):
+        return PackedWeight(
+            weight=w.weight[ids],
+            scales=w.scales[ids],
+            biases=w.biases[ids],
+            bits=w.bits,
+            group_size=w.group_size,
+            shape=(len(ids), w.shape[1]),
+        )
+    return w[ids]
+
+
+class WeightStore:
+    """All of a model's tensors, each held on the tier the plan chose for its unit.
+
+    Args:
+        g: the opened GGUF.
+        desc: its description (tensor -> unit).
+        tiers: unit name -> tier ("gpu", "ram"; "nvme" is refused for now).
+        dtype: compute dtype for float tensors (float32 on CPU).
+
+    Raises:
+        PlanError: a unit is placed on ``nvme``.
+        StrataError: a tensor has a GGML type the executor cannot load (names tensor and type).
+    """
+
+    def __init__(self, g: GGUFFile, desc: ModelDescription, tiers: dict[str, str], dtype: mx.Dtype):
+        streamed = sorted(u for u, t in tiers.items() if t == "nvme")
+        if streamed:
+            raise PlanError(
+                f"the plan puts {len(streamed)} units on nvme (e.g. {streamed[0]}); NVMe streaming "
+                "is not in this version yet — plan with a larger --ram-budget"
+            )
+        self.dtype = dtype
+        self.bytes_read = {"gpu": 0, "ram": 0, "nvme": 0}
+        self.copy_seconds = 0.0
+        self._tier_of_unit = dict(tiers)
+        self._unit_tensors: dict[str, list[str]] = {}
+        self._gpu: dict[str, Weight] = {}
+        self._ram: dict[str, HostWeight] = {}
+        by_name = {t.name: t for t in g.reader.tensors}
+        for info in desc.tensors:
+            t = by_name[info.name]
+            self._unit_tensors.setdefault(info.unit, []).append(info.name)
+            try:
+                host = repack(
+                    gguf.GGMLQuantizationType(t.tensor_type),
+                    g.tensor_bytes(t),
+                    tuple(int(d) for d in reversed(info.shape)),
+                )
+            except UnsupportedQuantError as e:
+                raise StrataError(f"tensor {info.name}: {e}") from None
+            if isinstance(host, np.ndarray) and host.dtype != np.float16:
+                host = host.astype(np.float32, copy=False)
+            if tiers[info.unit] == "gpu":
+                self._gpu[info.name] = self._to_device(host)
+            else:
+                # A host copy that owns its memory: the mmap'd file is not the RAM tier.
+                self._ram[info.name] = host
+        mx.eval([w.weight if isinstance(w, QuantLinear) else w for w in self._gpu.values()])
+
+    def _to_device(self, host: HostWeight) -> Weight:
+        w = to_mlx(host)
+        if isinstance(w, mx.array) and w.dtype != self.dtype:
+            w = w.astype(self.dtype)
+        return w
+
+    def tier(self, unit: str) -> str:
+        """The tier a unit lives on."""
+        return self._tier_of_unit[unit]
+
+    def has(self, name: str) -> bool:
+        """Whether the model has a tensor of this name."""
+        return name in self._gpu or name in self._ram
+
+    def unit(self, unit: str) -> dict[str, Weight]:
+        """The unit's tensors as MLX arrays, by GGUF tensor name (short names also: ``attn_q``).
+
+        A ``ram`` unit is copied from its host copies now; the copy time adds to
+        ``copy_seconds``.
+        """
+        tier = self._tier_of_unit[unit]
+        out: dict[str, Weight] = {}
+        if tier == "gpu":
+            for name in self._unit_tensors[unit]:
+                out[name] = self._gpu[name]
+                self.bytes_read["gpu"] += _weight_nbytes(self._gpu[name])
+        else:
+            t0 = time.perf_counter()
+            for name in self._unit_tensors[unit]:
+                out[name] = self._to_device(self._ram[name])
+                self.bytes_read["ram"] += _host_nbytes(self._ram[name])
+            self.copy_seconds += time.perf_counter() - t0
+        return out
+
+    def rows(self, name: str, unit: str, ids: Sequence[int]) -> mx.array:
+        """Rows ``ids`` of a (possibly quantized) table, dequantized to the compute dtype.
+
+        Only the rows asked for are read (and, on ``ram``, copied): an embedding lookup never
+        touches the whole table. Returns shape [len(ids), d].
+        """
+        idx = np.asarray(ids, dtype=np.int64)
+        if self._tier_of_unit[unit] == "gpu":
+            w = self._gpu[name]
+            table_rows = w.shape[0] if isinstance(w, mx.array) else w.weight.shape[0]
+            self.bytes_read["gpu"] += _weight_nbytes(w) * len(idx) // table_rows
+            return embedding(mx.array(idx.astype(np.int32)), w, self.dtype)
+        host = _rows(self._ram[name], idx)
+        self.bytes_read["ram"] += _host_nbytes(host)
+        return embedding(mx.arange(len(idx)), self._to_device(host), self.dtype)
+
+    def resident_nbytes(self) -> dict[str, int]:
+        """Bytes held per tier (gpu: MLX arrays; ram: host copies)."""
+        return {
+            "gpu": sum(_weight_nbytes(w) for w in self._gpu.values()),
+            "ram": sum(_host_nbytes(w) for w in self._ram.values()),
+            "nvme": 0,
+        }
+
+
+def _weight_nbytes(w: Weight) -> int:
+    return int(w.nbytes)

@@ -1,0 +1,47 @@
+#!/usr/bin/env python3
+"""Strata's planner command line: describe, profile, plan, diff, explain (argument parsing only)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from planner.cli import run
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="plan.py", description=__doc__)
+    sub = p.add_subparsers(dest="command", required=True)
+
+    d = sub.add_parser("describe", help="model description (YAML) from a GGUF header")
+    d.add_argument("model", help="catalog name (smollm2-135m, gemma3-270m) or GGUF path")
+    d.add_argument("-o", "--output", help="write here instead of stdout")
+
+    pr = sub.add_parser("profile", help="measure this machine's hardware profile")
+    pr.add_argument("-o", "--output", help="write here instead of stdout")
+    pr.add_argument("--name", default=None, help="profile name (default: from the host name)")
+    pr.add_argument("--disk-dir", default=None, help="folder on the disk to test (default: cache)")
+    pr.add_argument("--quick", action="store_true", help="short tests (less accurate)")
+
+    pl = sub.add_parser("plan", help="solve the placement ILP and write a plan")
+    pl.add_argument("--model", required=True, help="catalog name or GGUF path")
+    pl.add_argument("--profile", required=True, help="hardware profile YAML")
+    pl.add_argument("--context", type=int, default=4096, help="tokens per sequence (default 4096)")
+    pl.add_argument("--concurrency", type=int, default=1, help="sequences at once (default 1)")
+    pl.add_argument("--objective", choices=("latency", "throughput"), default="latency")
+    pl.add_argument("--gpu-budget", help="override the device working set, e.g. 512MiB, 8GiB")
+    pl.add_argument("--ram-budget", help="override host RAM available, e.g. 8GB")
+    pl.add_argument("-o", "--output", required=True, help="plan file to write")
+
+    df = sub.add_parser("diff", help="what differs between two plans")
+    df.add_argument("a")
+    df.add_argument("b")
+
+    ex = sub.add_parser("explain", help="why each unit is where it is; the bottleneck")
+    ex.add_argument("plan")
+
+    return run(p.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,95 @@
+"""The planner's commands, behind ``plan.py``'s argument parsing.
+
+Every user-facing failure is a ``StrataError`` printed as one line (``error: ...``, exit status 2);
+solve time and progress go to stderr, documents to stdout or ``-o FILE``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import socket
+import sys
+from pathlib import Path
+
+from planner.errors import run_command
+from planner.schemas import Plan, Request
+from planner.sizes import format_size, parse_size
+from planner.yamlio import parse_doc, read_yaml, to_yaml, write_yaml
+
+
+def _emit(doc, output: str | None) -> None:
+    if output:
+        write_yaml(doc, output)
+        print(f"wrote {output}", file=sys.stderr)
+    else:
+        sys.stdout.write(to_yaml(doc))
+
+
+def cmd_describe(args: argparse.Namespace) -> None:
+    from planner.describe import describe
+
+    desc, _ = describe(args.model)
+    _emit(desc, args.output)
+
+
+def cmd_profile(args: argparse.Namespace) -> None:
+    from planner.catalog import cache_dir
+    from planner.profile import measure_profile
+
+    name = args.name or socket.gethostname().split(".")[0].lower() or "this-machine"
+    disk = Path(args.disk_dir) if args.disk_dir else cache_dir()
+    _emit(measure_profile(disk, name, quick=args.quick), args.output)
+
+
+def request_from_args(args: argparse.Namespace) -> Request:
+    """The planning request from ``plan.py plan``'s options (sizes parsed, bounds checked)."""
+    return parse_doc(
+        {
+            "context": args.context,
+            "concurrency": args.concurrency,
+            "objective": args.objective,
+            "gpu_budget_bytes": parse_size(args.gpu_budget) if args.gpu_budget else None,
+            "ram_budget_bytes": parse_size(args.ram_budget) if args.ram_budget else None,
+        },
+        Request,
+        "request",
+    )
+
+
+def cmd_plan(args: argparse.Namespace) -> None:
+    from planner.planning import build_plan
+
+    plan = build_plan(args.model, Path(args.profile), request_from_args(args), Path(args.output))
+    write_yaml(plan, args.output)
+    tiers: dict[str, int] = {}
+    for p in plan.placement:
+        tiers[p.tier] = tiers.get(p.tier, 0) + p.bytes
+    where = ", ".join(f"{t} {format_size(b)}" for t, b in sorted(tiers.items()))
+    tok_s = plan.prediction.decode_tok_s if plan.prediction else 0
+    print(f"wrote {args.output}: {where}; predicted {tok_s:.1f} tok/s", file=sys.stderr)
+
+
+def cmd_diff(args: argparse.Namespace) -> None:
+    from planner.diff import diff
+
+    print(diff(read_yaml(args.a, Plan), read_yaml(args.b, Plan)))
+
+
+def cmd_explain(args: argparse.Namespace) -> None:
+    from planner.explain import explain
+
+    print(explain(read_yaml(args.plan, Plan)))
+
+
+COMMANDS = {
+    "describe": cmd_describe,
+    "profile": cmd_profile,
+    "plan": cmd_plan,
+    "diff": cmd_diff,
+    "explain": cmd_explain,
+}
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run one command; user errors become one line on stderr and exit status 2."""
+    return run_command(lambda: COMMANDS[args.command](args))

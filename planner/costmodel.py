@@ -1,0 +1,546 @@
+"""The per-decode-step cost model: time and memory of a placement, as pure functions.
+
+The ILP (``planner.ilp``) builds its linear expressions from the coefficients defined here, and
+``score`` evaluates the very same model on pinned variables (a tier per unit and a prefetch depth),
+which is how the brute-force test, ``explain``, ``diff`` and calibration judge any plan.
+
+Symbols (per unit u of the model description): ``b_u`` bytes in MLX form, ``a_u`` fraction of the
+unit one decoded token reads, ``f_u`` FLOPs of one decoded token. ``B`` is the decode batch: 1 for
+the ``latency`` objective, ``request.concurrency`` for ``throughput``. A step reads unit u whenever
+at least one of its B sequences needs it; with independent routing (the same assumption as the
+description's uniform top-k/n) that happens with probability ``a_u(B) = 1 - (1 - a_u)^B``, which is
+``a_u`` at B = 1 and 1 for dense units. Bandwidths and FLOP/s come from the hardware profile:
+``gpu_bw`` (gpu.memory_bandwidth_bytes_s), ``gpu_flops`` (gpu.compute_flops_s), ``h2d_bw``
+(ram.host_to_device_bytes_s), ``nvme_bw`` (nvme.read_bytes_s).
+
+Time of one decode step (seconds):
+
+- ``compute_s   = sum_u a_u(B) * b_u / gpu_bw + B * sum_u f_u / gpu_flops`` — every unit is read
+  from device memory by the kernels wherever it is stored, so compute does not depend on placement
+  (decode is bandwidth-bound: the mlx-lm / vLLM-on-Metal observation).
+- ``host_copy_s = sum_{u on ram} a_u(B) * b_u / h2d_bw``
+  ``          [+ sum_{u on nvme} a_u(B) * b_u / h2d_bw  when memory is not unified]`` — a direct-I/O
+  read lands in host memory and must then be copied to the device; on unified memory the pool slot
+  is what the GPU reads.
+- ``disk_s      = sum_{u on nvme} a_u(B) * b_u / nvme_bw``.
+- The executor copies RAM-tier units on the compute thread when they are used (synchronous) while
+  I/O threads read NVMe units ``depth`` units ahead, so
+  ``step_s = max(compute_s + host_copy_s, disk_s)`` when depth >= 1 and
+  ``step_s = compute_s + host_copy_s + disk_s`` when depth = 0 (reads are synchronous).
+- The objective is ``step_s / B``: seconds per token for one stream (latency) or the inverse of the
+  aggregate tokens/s (throughput); ``decode_tok_s = B / step_s``.
+
+Why a bottleneck and not a per-layer overlap formulation: the executor runs the same unit sequence
+every step and its I/O threads wrap around into the next step's units, so in steady state the disk
+and the compute thread each work for their total time per step and the step lasts as long as the
+busier of the two. That is exact for uniform layers and needs one continuous variable and three
+rows, where a per-layer model needs an ordering of units, start-time variables per unit and per
+depth (O(units x depth) big-M rows) and a cyclic boundary; it would also depend on the executor's
+unit order, which the plan does not fix. The price: the model is optimistic when streamed units
+cluster (a run of NVMe units with little compute between them needs a deep prefetch to hide), and
+since it cannot see that, depth >= 2 buys nothing in it: the solver picks depth 1 (or 0 when memory
+is tight) whenever anything streams. Calibration against measured steps is where that shows.
+
+Memory (bytes), per capacity row (``capacity_rows``):
+
+- gpu: weights on gpu + KV cache + activations + pool <= gpu capacity, where
+  ``KV = kv_num_blocks * kv_block_size * kv_elements_per_token * dtype_bytes`` (the paged cache the
+  executor allocates: ``concurrency * ceil(context/16)`` blocks of 16 tokens, so context rounded up
+  to whole blocks), ``pool = slots * slot_bytes`` (``slots = depth + 1`` when anything streams, else
+  0; ``slot_bytes`` = the largest streamed unit), and activations per ``activation_bytes``.
+- ram: weights on ram [+ pool when memory is not unified: the host staging buffers the direct-I/O
+  reads land in] <= ram capacity (non-unified machines only).
+- unified memory: gpu row + weights on ram <= ram capacity (GPU and CPU share one memory, so the
+  device working set and the RAM tier come out of the same bytes).
+- nvme is unbounded: the model file already lives there.
+
+Capacities: gpu = ``request.gpu_budget_bytes`` or ``profile.gpu.working_set_bytes``; ram =
+``request.ram_budget_bytes`` or ``profile.ram.capacity_bytes - profile.os_reserve_bytes``.
+
+Not modelled (yet): KV-cache reads per step (constant in the placement), attention-score buffers of
+a prefill chunk (the fused SDPA kernels do not materialize them), MoE expert caching.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from planner.errors import PlanError
+from planner.schemas import (
+    TIERS,
+    BatchLimits,
+    HardwareProfile,
+    ModelDescription,
+    Plan,
+    Pool,
+    Prediction,
+    Request,
+    TierMemory,
+)
+
+DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
+"""Bytes per element of the activation / KV-cache dtype (``profile.compute_dtype``)."""
+
+LOGIT_BYTES = 4
+"""Bytes per logit: sampling works on float32 logits whatever the compute dtype."""
+
+KV_BLOCK_SIZE = 16
+"""Tokens per paged KV-cache block (vLLM's default)."""
+
+PREFILL_CHUNK = 512
+"""Largest prefill chunk, tokens (a fixed choice for now, not an ILP variable)."""
+
+MAX_DEPTH = 8
+"""Largest prefetch depth the ILP considers."""
+
+BINDING_TOL = 0.005
+"""A constraint binds when its left side is within this fraction of its bound."""
+
+TERM_OVERLAP_COMPUTE = "step = compute + host copy"
+TERM_OVERLAP_DISK = "step = disk"
+TERM_SERIAL = "step = compute + host copy + disk (no prefetch)"
+
+
+# --------------------------------------------------------------------------- request-derived sizes
+
+
+def batch_size(request: Request, batch: BatchLimits | None = None) -> int:
+    """Sequences decoded per step: 1 for ``latency``, ``concurrency`` for ``throughput``.
+
+    Args:
+        request: the plan's request.
+        batch: a plan's batch limits; when given, ``max_num_seqs`` caps the batch (hand-written
+            plans may allow fewer sequences than requested).
+    """
+    b = 1 if request.objective == "latency" else request.concurrency
+    return min(b, batch.max_num_seqs) if batch is not None else b
+
+
+def batch_limits(request: Request) -> BatchLimits:
+    """Continuous-batching limits; fixed choices for now (not ILP variables).
+
+    ``max_num_seqs = concurrency``; ``kv_block_size = 16``; ``kv_num_blocks = concurrency *
+    ceil(context / 16)`` (every sequence may reach the full context); ``prefill_chunk = min(512,
+    context)``; ``max_num_batched_tokens = max(prefill_chunk, concurrency)`` (one step can carry a
+    whole chunk, or one decode token per sequence).
+    """
+    chunk = min(PREFILL_CHUNK, request.context)
+    return BatchLimits(
+        max_num_seqs=request.concurrency,
+        max_num_batched_tokens=max(chunk, request.concurrency),
+        kv_block_size=KV_BLOCK_SIZE,
+        kv_num_blocks=request.concurrency * math.ceil(request.context / KV_BLOCK_SIZE),
+        prefill_chunk=chunk,
+    )
+
+
+def kv_cache_bytes(desc: ModelDescription, profile: HardwareProfile, batch: BatchLimits) -> int:
+    """Bytes of the paged KV cache on the device.
+
+    ``kv_num_blocks * kv_block_size * kv_elements_per_token * dtype_bytes(compute_dtype)``.
+    """
+    tokens = batch.kv_num_blocks * batch.kv_block_size
+    return tokens * desc.kv_elements_per_token * DTYPE_BYTES[profile.compute_dtype]
+
+
+def activation_bytes(desc: ModelDescription, profile: HardwareProfile, batch: BatchLimits) -> int:
+    """Bytes of the activations of the largest step (device tier).
+
+    ``max_num_batched_tokens * (2 d + (2 n_head + 2 n_kv) * head_dim + 3 ff_e) * dtype_bytes
+    + max_num_seqs * vocab * 4``: per token the residual stream and its normed copy (2 d), Q, K,
+    V and the attention output ((2 n_head + 2 n_kv) * head_dim), the FFN gate, up and their product
+    (3 ff_e, with ``ff_e = feed_forward_length * max(1, expert_used_count)`` for MoE), summed
+    rather than maxed over the attention and FFN phases (a conservative bound); plus one float32
+    vocabulary row of logits per sequence (only a sequence's last token is sampled).
+    """
+    a = desc.architecture
+    ff_e = a.feed_forward_length * max(1, a.expert_used_count)
+    width = (
+        2 * a.embedding_length + (2 * a.head_count + 2 * a.head_count_kv) * a.head_dim + 3 * ff_e
+    )
+    per_step = batch.max_num_batched_tokens * width * DTYPE_BYTES[profile.compute_dtype]
+    return per_step + batch.max_num_seqs * a.vocab_size * LOGIT_BYTES
+
+
+# --------------------------------------------------------------------------- time coefficients
+
+
+@dataclass(frozen=True)
+class UnitCost:
+    """One unit's contributions to a decode step at batch B (seconds, bytes)."""
+
+    name: str
+    bytes: int
+    compute_s: float
+    """``a_u(B) * b_u / gpu_bw + B * f_u / gpu_flops``: the same on every tier."""
+    copy_s: float
+    """``a_u(B) * b_u / h2d_bw``: one host -> device copy of what a step reads."""
+    read_s: float
+    """``a_u(B) * b_u / nvme_bw``: one direct-I/O read of what a step reads."""
+
+    def host_copy_s(self, tier: str, unified: bool) -> float:
+        """Host-copy seconds this unit adds on ``tier`` (ram always; nvme when not unified)."""
+        if tier == "ram" or (tier == "nvme" and not unified):
+            return self.copy_s
+        return 0.0
+
+    def disk_s(self, tier: str) -> float:
+        """Disk seconds this unit adds on ``tier`` (nvme only)."""
+        return self.read_s if tier == "nvme" else 0.0
+
+
+def _rate(value: float, what: str) -> float:
+    if value <= 0:
+        raise PlanError(
+            f"hardware profile has {what} = 0; measure it (plan.py profile) or fix the profile"
+        )
+    return value
+
+
+def unit_costs(
+    desc: ModelDescription,
+    profile: HardwareProfile,
+    request: Request,
+    batch: BatchLimits | None = None,
+) -> list[UnitCost]:
+    """Per-unit time coefficients, in ``desc.units`` order.
+
+    Args:
+        desc: the model description (bytes_mlx, access_per_token, flops_per_token per unit).
+        profile: bandwidths (bytes/s) and compute throughput (FLOP/s).
+        request: the objective decides the batch B (``batch_size``).
+        batch: a plan's batch limits (caps B), or None.
+
+    Raises:
+        PlanError: a bandwidth or the compute throughput in the profile is zero.
+    """
+    gpu_bw = _rate(profile.gpu.memory_bandwidth_bytes_s.value, "gpu.memory_bandwidth_bytes_s")
+    gpu_flops = _rate(profile.gpu.compute_flops_s.value, "gpu.compute_flops_s")
+    h2d_bw = _rate(profile.ram.host_to_device_bytes_s.value, "ram.host_to_device_bytes_s")
+    nvme_bw = _rate(profile.nvme.read_bytes_s.value, "nvme.read_bytes_s")
+    b = batch_size(request, batch)
+    out = []
+    for u in desc.units:
+        # P(at least one of B sequences reads the unit) under independent routing.
+        access = 1.0 - (1.0 - u.access_per_token) ** b
+        moved = access * u.bytes_mlx
+        out.append(
+            UnitCost(
+                name=u.name,
+                bytes=u.bytes_mlx,
+                compute_s=moved / gpu_bw + b * u.flops_per_token / gpu_flops,
+                copy_s=moved / h2d_bw,
+                read_s=moved / nvme_bw,
+            )
+        )
+    return out
+
+
+# --------------------------------------------------------------------------- capacities
+
+
+@dataclass(frozen=True)
+class CapacityRow:
+    """One memory constraint: ``sum of weights on weight_tiers + fixed + [pool] <= capacity``."""
+
+    name: str
+    """Stable constraint name, as listed in ``Prediction.binding``."""
+    tier_label: str
+    """How error messages call the memory, e.g. ``gpu tier``."""
+    capacity: int
+    weight_tiers: tuple[str, ...]
+    fixed: tuple[tuple[str, int], ...]
+    """Placement-independent parts held here: (label, bytes), e.g. KV cache, activations."""
+    counts_pool: bool
+    budget_flag: str
+    """The ``plan.py`` option that raises this capacity, for infeasibility messages."""
+
+    def used(self, weights: Mapping[str, int], pool_bytes: int) -> int:
+        """Bytes this row holds, given weight bytes per tier and the pool's bytes."""
+        return (
+            sum(weights.get(t, 0) for t in self.weight_tiers)
+            + sum(b for _, b in self.fixed)
+            + (pool_bytes if self.counts_pool else 0)
+        )
+
+
+def capacities(profile: HardwareProfile, request: Request) -> dict[str, int]:
+    """Capacity in bytes of the gpu and ram tiers (request budgets override the profile).
+
+    gpu = ``gpu_budget_bytes`` or ``gpu.working_set_bytes``; ram = ``ram_budget_bytes`` or
+    ``ram.capacity_bytes - os_reserve_bytes`` (never below 0).
+    """
+    gpu = request.gpu_budget_bytes
+    if gpu is None:
+        gpu = int(profile.gpu.working_set_bytes.value)
+    ram = request.ram_budget_bytes
+    if ram is None:
+        ram = max(0, int(profile.ram.capacity_bytes.value - profile.os_reserve_bytes.value))
+    return {"gpu": gpu, "ram": ram}
+
+
+def capacity_rows(
+    desc: ModelDescription,
+    profile: HardwareProfile,
+    request: Request,
+    batch: BatchLimits | None = None,
+) -> list[CapacityRow]:
+    """The memory constraints of a request on a machine (see the module docstring).
+
+    Args:
+        batch: the plan's batch limits; default ``batch_limits(request)``.
+    """
+    batch = batch or batch_limits(request)
+    cap = capacities(profile, request)
+    device = (
+        ("KV cache", kv_cache_bytes(desc, profile, batch)),
+        ("activations", activation_bytes(desc, profile, batch)),
+    )
+    rows = [
+        CapacityRow(
+            name="gpu capacity",
+            tier_label="gpu tier",
+            capacity=cap["gpu"],
+            weight_tiers=("gpu",),
+            fixed=device,
+            counts_pool=True,
+            budget_flag="--gpu-budget",
+        )
+    ]
+    if profile.unified_memory:
+        rows.append(
+            CapacityRow(
+                name="unified memory capacity (gpu + ram)",
+                tier_label="unified memory (gpu + ram tiers)",
+                capacity=cap["ram"],
+                weight_tiers=("gpu", "ram"),
+                fixed=device,
+                counts_pool=True,
+                budget_flag="--ram-budget",
+            )
+        )
+    else:
+        rows.append(
+            CapacityRow(
+                name="ram capacity",
+                tier_label="ram tier",
+                capacity=cap["ram"],
+                weight_tiers=("ram",),
+                fixed=(),
+                counts_pool=True,  # host staging buffers of the direct-I/O reads
+                budget_flag="--ram-budget",
+            )
+        )
+    return rows
+
+
+# --------------------------------------------------------------------------- pinned placements
+
+
+def _check_tiers(desc: ModelDescription, tiers: Mapping[str, str]) -> None:
+    names = {u.name for u in desc.units}
+    missing = [u.name for u in desc.units if u.name not in tiers]
+    extra = sorted(set(tiers) - names)
+    bad = sorted(n for n, t in tiers.items() if t not in TIERS)
+    if missing or extra or bad:
+        parts = []
+        if missing:
+            parts.append(f"units without a tier: {', '.join(missing[:5])}")
+        if extra:
+            parts.append(f"units not in the model: {', '.join(extra[:5])}")
+        if bad:
+            parts.append(f"unknown tiers for: {', '.join(bad[:5])} (tiers are {', '.join(TIERS)})")
+        raise PlanError(
+            f"placement does not match the model description ({'; '.join(parts)}); "
+            "re-run plan.py for this model"
+        )
+
+
+def pool_for(desc: ModelDescription, tiers: Mapping[str, str], depth: int) -> Pool:
+    """The pool a placement needs: ``depth + 1`` slots of the largest streamed unit, or none."""
+    streamed = [u.bytes_mlx for u in desc.units if tiers.get(u.name) == "nvme"]
+    if not streamed:
+        return Pool(slots=0, slot_bytes=0)
+    return Pool(slots=depth + 1, slot_bytes=max(streamed))
+
+
+def weights_by_tier(desc: ModelDescription, tiers: Mapping[str, str]) -> dict[str, int]:
+    """Bytes of weights on each tier (MLX form)."""
+    out = dict.fromkeys(TIERS, 0)
+    for u in desc.units:
+        out[tiers[u.name]] += u.bytes_mlx
+    return out
+
+
+def capacity_use(
+    desc: ModelDescription,
+    profile: HardwareProfile,
+    request: Request,
+    tiers: Mapping[str, str],
+    depth: int,
+    *,
+    pool: Pool | None = None,
+    batch: BatchLimits | None = None,
+) -> list[tuple[CapacityRow, int]]:
+    """Each capacity row with the bytes a pinned placement puts in it (``used <= capacity`` fits).
+
+    Args:
+        tiers: unit name -> tier, for every unit of ``desc``.
+        depth: prefetch depth (units read ahead).
+        pool, batch: a plan's own pool and batch limits; default: what ``depth`` and ``request``
+            imply (``pool_for``, ``batch_limits``).
+
+    Raises:
+        PlanError: ``tiers`` does not cover exactly the units of ``desc``.
+    """
+    _check_tiers(desc, tiers)
+    pool = pool or pool_for(desc, tiers, depth)
+    weights = weights_by_tier(desc, tiers)
+    pool_bytes = pool.slots * pool.slot_bytes
+    return [(r, r.used(weights, pool_bytes)) for r in capacity_rows(desc, profile, request, batch)]
+
+
+def tier_memory(
+    desc: ModelDescription,
+    profile: HardwareProfile,
+    request: Request,
+    tiers: Mapping[str, str],
+    depth: int,
+    *,
+    pool: Pool | None = None,
+    batch: BatchLimits | None = None,
+) -> dict[str, TierMemory]:
+    """Bytes per tier under a pinned placement, for ``Plan.memory``.
+
+    nvme's ``capacity`` is 0, meaning unbounded (the model file already lives there). On non-unified
+    machines the pool is counted on gpu (device slots) and on ram (host staging buffers).
+
+    Raises:
+        PlanError: ``tiers`` does not cover exactly the units of ``desc``.
+    """
+    _check_tiers(desc, tiers)
+    batch = batch or batch_limits(request)
+    pool = pool or pool_for(desc, tiers, depth)
+    pool_bytes = pool.slots * pool.slot_bytes
+    weights = weights_by_tier(desc, tiers)
+    cap = capacities(profile, request)
+    return {
+        "gpu": TierMemory(
+            capacity=cap["gpu"],
+            weights=weights["gpu"],
+            kv_cache=kv_cache_bytes(desc, profile, batch),
+            pool=pool_bytes,
+            activations=activation_bytes(desc, profile, batch),
+        ),
+        "ram": TierMemory(
+            capacity=cap["ram"],
+            weights=weights["ram"],
+            pool=0 if profile.unified_memory else pool_bytes,
+        ),
+        "nvme": TierMemory(capacity=0, weights=weights["nvme"]),
+    }
+
+
+def step_terms(
+    compute_s: float, host_copy_s: float, disk_s: float, depth: int
+) -> list[tuple[str, float]]:
+    """The lower bounds on the step time (name, seconds); the step is their maximum.
+
+    depth >= 1: ``compute + host copy`` and ``disk`` (I/O threads overlap the compute thread);
+    depth = 0: ``compute + host copy + disk`` (reads are synchronous).
+    """
+    if depth >= 1:
+        return [(TERM_OVERLAP_COMPUTE, compute_s + host_copy_s), (TERM_OVERLAP_DISK, disk_s)]
+    return [(TERM_SERIAL, compute_s + host_copy_s + disk_s)]
+
+
+def _bottleneck(compute_s: float, host_copy_s: float, disk_s: float, depth: int) -> str:
+    # With overlap the disk only limits when it outlasts the compute thread; otherwise the larger
+    # share of the compute thread's time (ties resolve in the order compute, host_copy, disk).
+    if depth >= 1 and disk_s > compute_s + host_copy_s:
+        return "disk"
+    shares = [("compute", compute_s), ("host_copy", host_copy_s)]
+    if depth == 0:
+        shares.append(("disk", disk_s))
+    return max(shares, key=lambda kv: kv[1])[0]
+
+
+def score(
+    desc: ModelDescription,
+    profile: HardwareProfile,
+    request: Request,
+    tiers: Mapping[str, str],
+    depth: int,
+    *,
+    pool: Pool | None = None,
+    batch: BatchLimits | None = None,
+) -> Prediction:
+    """Predict one decode step of a pinned placement with the cost model (see module docstring).
+
+    Args:
+        desc: the model description.
+        profile: the machine.
+        request: context, concurrency and objective (which sets the batch B).
+        tiers: unit name -> ``gpu`` / ``ram`` / ``nvme`` for every unit of ``desc``.
+        depth: prefetch depth (units the I/O threads read ahead; 0 = synchronous reads).
+        pool, batch: a plan's own pool and batch limits (for hand-written plans); default what
+            ``depth`` and ``request`` imply.
+
+    Returns:
+        The step time split into compute / host copy / disk (seconds), the bottleneck, aggregate
+        decode tokens/s ``B / step_s``, and the binding constraints: capacity rows within
+        ``BINDING_TOL`` of their capacity and the step-time terms within ``BINDING_TOL`` of the
+        step. It does not check that the placement fits (``capacity_use`` does).
+
+    Raises:
+        PlanError: ``tiers`` does not cover exactly the units of ``desc``, or the profile has a
+            zero bandwidth or compute throughput.
+    """
+    use = capacity_use(desc, profile, request, tiers, depth, pool=pool, batch=batch)
+    costs = unit_costs(desc, profile, request, batch)
+    unified = profile.unified_memory
+    compute_s = sum(c.compute_s for c in costs)
+    host_copy_s = sum(c.host_copy_s(tiers[c.name], unified) for c in costs)
+    disk_s = sum(c.disk_s(tiers[c.name]) for c in costs)
+    terms = step_terms(compute_s, host_copy_s, disk_s, depth)
+    step_s = max(v for _, v in terms)
+    binding = [
+        r.name for r, used in use if r.capacity > 0 and used >= (1 - BINDING_TOL) * r.capacity
+    ]
+    binding += [name for name, v in terms if v >= (1 - BINDING_TOL) * step_s]
+    b = batch_size(request, batch)
+    return Prediction(
+        compute_s=compute_s,
+        host_copy_s=host_copy_s,
+        disk_s=disk_s,
+        step_s=step_s,
+        bottleneck=_bottleneck(compute_s, host_copy_s, disk_s, depth),  # type: ignore[arg-type]
+        decode_tok_s=b / step_s if step_s > 0 else 0.0,
+        binding=binding,
+    )
+
+
+def objective(prediction: Prediction, request: Request, batch: BatchLimits | None = None) -> float:
+    """The ILP's objective for a prediction: ``step_s / B`` (seconds per generated token)."""
+    return prediction.step_s / batch_size(request, batch)
+
+
+def score_plan(plan: Plan, desc: ModelDescription, profile: HardwareProfile) -> Prediction:
+    """Score an existing (possibly hand-written) plan on a machine with the cost model.
+
+    Uses the plan's own placement, prefetch depth, pool and batch limits.
+
+    Raises:
+        PlanError: the plan's placement does not match ``desc``'s units.
+    """
+    return score(
+        desc,
+        profile,
+        plan.request,
+        plan.tier_of(),
+        plan.prefetch.depth,
+        pool=plan.pool,
+        batch=plan.batch,
+    )

@@ -1,0 +1,224 @@
+"""The model description: every tensor's placement facts, from the GGUF header alone.
+
+Tensors are grouped into placement units that always move together: a block's attention
+(``blk.N.attn``: norm, Q/K/V/O and their biases and norms), a block's FFN (``blk.N.ffn``), the token
+embedding (``token_embd``) and the output head (``output``: final norm and head matrix). With tied
+embeddings the head reuses ``token_embd``, so that unit is read whole by every decoded token;
+untied, a token reads one row of it (access = 1/vocab).
+"""
+
+from __future__ import annotations
+
+import re
+
+import gguf
+
+from planner.catalog import ResolvedModel, resolve_model
+from planner.errors import GGUFError
+from planner.gguf_file import GGUFFile, open_gguf
+from planner.schemas import Architecture, ModelDescription, ModelSource, TensorInfo, UnitInfo
+
+_BLOCK = re.compile(r"^blk\.(\d+)\.(.+)$")
+
+
+def classify(name: str) -> tuple[int | None, str, str]:
+    """Map a GGUF tensor name to (layer, role, unit).
+
+    Names follow llama.cpp's ``LLM_TENSOR_NAMES`` (gguf-py ``constants.TENSOR_NAMES``).
+    """
+    m = _BLOCK.match(name)
+    if not m:
+        if name.startswith("token_embd"):
+            return None, "embedding", "token_embd"
+        if name.startswith("output_norm"):
+            return None, "norm", "output"
+        if name.startswith("output"):
+            return None, "output", "output"
+        return None, "other", "globals"
+    layer, rest = int(m.group(1)), m.group(2)
+    if "_exps" in rest or "_shexp" in rest:
+        return layer, "expert", f"blk.{layer}.ffn_exps"
+    if rest.startswith("ffn_gate_inp"):
+        return layer, "router", f"blk.{layer}.ffn_exps"
+    if rest.startswith(("ffn", "post_ffw")):
+        return layer, ("norm" if "norm" in rest else "ffn"), f"blk.{layer}.ffn"
+    if rest.startswith(("attn", "post_attention")):
+        return layer, ("norm" if "norm" in rest else "attention"), f"blk.{layer}.attn"
+    return layer, "other", f"blk.{layer}.attn"
+
+
+def _arch_field(g: GGUFFile, arch: str, key: str, default: object = None) -> object:
+    v = g.field(f"{arch}.{key}", default)
+    if v is None:
+        raise GGUFError(
+            f"{g.path}: architecture {arch!r} has no {arch}.{key} in its metadata; "
+            "this GGUF is not a text-generation model Strata can describe"
+        )
+    return v
+
+
+def read_architecture(g: GGUFFile) -> Architecture:
+    """Hyperparameters from the ``{arch}.*`` metadata keys.
+
+    Raises:
+        GGUFError: a required key is missing.
+    """
+    arch = g.architecture
+    heads = int(_arch_field(g, arch, "attention.head_count"))
+    width = int(_arch_field(g, arch, "embedding_length"))
+    head_dim = int(g.field(f"{arch}.attention.key_length") or width // heads)
+    tokens = g.reader.fields.get("tokenizer.ggml.tokens")
+    vocab = g.field(f"{arch}.vocab_size") or (len(tokens.data) if tokens else 0)
+    if not vocab:
+        out = next((t for t in g.reader.tensors if t.name == "token_embd.weight"), None)
+        vocab = int(out.shape[1]) if out is not None else 1
+    names = {t.name for t in g.reader.tensors}
+    return Architecture(
+        name=arch,
+        block_count=int(_arch_field(g, arch, "block_count")),
+        context_length=int(_arch_field(g, arch, "context_length", 2048)),
+        embedding_length=width,
+        feed_forward_length=int(g.field(f"{arch}.feed_forward_length") or 0),
+        head_count=heads,
+        head_count_kv=int(g.field(f"{arch}.attention.head_count_kv") or heads),
+        head_dim=head_dim,
+        vocab_size=int(vocab),
+        rope_freq_base=float(g.field(f"{arch}.rope.freq_base") or 10000.0),
+        rope_dimension_count=int(g.field(f"{arch}.rope.dimension_count") or head_dim),
+        rms_norm_eps=float(
+            g.field(f"{arch}.attention.layer_norm_rms_epsilon")
+            or g.field(f"{arch}.attention.layer_norm_epsilon")
+            or 1e-5
+        ),
+        tied_embeddings="output.weight" not in names,
+        expert_count=int(g.field(f"{arch}.expert_count") or 0),
+        expert_used_count=int(g.field(f"{arch}.expert_used_count") or 0),
+    )
+
+
+def _mlx_bytes(qtype: gguf.GGMLQuantizationType, shape: list[int]) -> tuple[int, bool]:
+    """(bytes in MLX form, supported by the executor today)."""
+    from executor.quant import SUPPORTED_TYPES, mlx_nbytes
+
+    rows_first = tuple(reversed(shape))
+    if qtype in SUPPORTED_TYPES:
+        return mlx_nbytes(qtype, rows_first), True
+    # Unsupported types are counted at their file size until a repacking exists for them.
+    block, size = gguf.GGML_QUANT_SIZES[qtype]
+    n = 1
+    for d in shape:
+        n *= d
+    return n // block * size, False
+
+
+def describe_gguf(g: GGUFFile, source: ModelSource) -> ModelDescription:
+    """Build the model description of an opened GGUF.
+
+    Raises:
+        GGUFError: missing hyperparameters.
+    """
+    arch = read_architecture(g)
+    tensors: list[TensorInfo] = []
+    for t in g.reader.tensors:
+        layer, role, unit = classify(t.name)
+        shape = [int(d) for d in t.shape]
+        qtype = gguf.GGMLQuantizationType(t.tensor_type)
+        mlx_bytes, supported = _mlx_bytes(qtype, shape)
+        access = 1.0
+        if role == "embedding" and not arch.tied_embeddings:
+            access = 1.0 / arch.vocab_size  # a token reads one row of an untied embedding
+        elif role == "expert" and arch.expert_count:
+            access = arch.expert_used_count / arch.expert_count
+        tensors.append(
+            TensorInfo(
+                name=t.name,
+                layer=layer,
+                role=role,
+                unit=unit,
+                shape=shape,
+                ggml_type=qtype.name,
+                offset=int(t.data_offset),
+                bytes_gguf=int(t.n_bytes),
+                bytes_mlx=mlx_bytes,
+                supported=supported,
+                access_per_token=access,
+            )
+        )
+    units: dict[str, list[TensorInfo]] = {}
+    for ti in tensors:
+        units.setdefault(ti.unit, []).append(ti)
+    unit_infos = [_unit(name, members, arch) for name, members in units.items()]
+    unit_infos.sort(key=lambda u: (_unit_order(u), u.name))
+    return ModelDescription(
+        model=source,
+        architecture=arch,
+        file_type=_file_type(g),
+        kv_elements_per_token=2 * arch.block_count * arch.head_count_kv * arch.head_dim,
+        bytes_gguf=sum(t.bytes_gguf for t in tensors),
+        bytes_mlx=sum(t.bytes_mlx for t in tensors),
+        units=unit_infos,
+        tensors=tensors,
+    )
+
+
+def _file_type(g: GGUFFile) -> str:
+    ft = g.field("general.file_type")
+    try:
+        return gguf.LlamaFileType(ft).name
+    except (ValueError, TypeError):
+        return str(ft)
+
+
+def _unit_order(u: UnitInfo) -> tuple[int, int]:
+    kind = {"token_embd": 0, "globals": 1}.get(u.name, 3 if u.name == "output" else 2)
+    return (kind, -1 if u.layer is None else u.layer)
+
+
+def _unit(name: str, members: list[TensorInfo], arch: Architecture) -> UnitInfo:
+    roles = [t.role for t in members if t.role != "norm"] or ["norm"]
+    role = max(set(roles), key=roles.count)
+    heaviest = max(members, key=lambda t: t.bytes_gguf)
+    # A 2-D weight costs 2 FLOPs per element per use (one multiply-add); a tied embedding is also
+    # the output head, so every token multiplies with all of it.
+    flops = 0
+    for t in members:
+        if len(t.shape) >= 2 and not (t.role == "embedding" and not arch.tied_embeddings):
+            n = 1
+            for d in t.shape:
+                n *= d
+            flops += int(2 * n * t.access_per_token)
+    if name == "token_embd" and arch.tied_embeddings:
+        role = "embedding"
+    return UnitInfo(
+        name=name,
+        layer=members[0].layer,
+        role=role,
+        tensors=[t.name for t in members],
+        bytes_gguf=sum(t.bytes_gguf for t in members),
+        bytes_mlx=sum(t.bytes_mlx for t in members),
+        access_per_token=heaviest.access_per_token,
+        flops_per_token=flops,
+        supported=all(t.supported for t in members),
+    )
+
+
+def source_for(resolved: ResolvedModel, header_sha256: str) -> ModelSource:
+    """The ModelSource of a resolved model (catalog name, or path)."""
+    return ModelSource(
+        name=resolved.name,
+        path=None if resolved.name else str(resolved.path),
+        size_bytes=resolved.size_bytes,
+        sha256=resolved.sha256,
+        header_sha256=header_sha256,
+    )
+
+
+def describe(spec: str) -> tuple[ModelDescription, GGUFFile]:
+    """Resolve ``spec`` (catalog name or path), open and describe it.
+
+    Raises:
+        StrataError: unknown catalog name, fetch failure, malformed GGUF, missing hyperparameters.
+    """
+    resolved = resolve_model(spec, progress=True)
+    g = open_gguf(resolved.path)
+    return describe_gguf(g, source_for(resolved, g.header_sha256)), g

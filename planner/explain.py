@@ -1,0 +1,296 @@
+"""``plan.py explain``: a plan in words — where each unit is, what fills each tier, what binds.
+
+Also home of the grouping and formatting helpers ``planner.diff`` shares: units grouped by role
+into runs of contiguous layers (``blk 0–9``), times and rates formatted for people.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable, Hashable
+from dataclasses import dataclass, field
+
+from planner.costmodel import TERM_SERIAL, batch_size
+from planner.schemas import TIERS, ModelDescription, Plan
+from planner.sizes import format_size
+
+# --------------------------------------------------------------------------- shared helpers
+
+
+@dataclass(frozen=True)
+class UnitRef:
+    """A placed unit as explain/diff see it: name, role, block index (None outside), bytes."""
+
+    name: str
+    role: str
+    layer: int | None
+    bytes: int
+
+
+_BLOCK = re.compile(r"^blk\.(\d+)\.(.+)$")
+
+
+def infer_role(name: str) -> tuple[int | None, str]:
+    """(layer, role) from a unit name as ``planner.describe`` writes them (``blk.3.ffn``,
+    ``blk.3.ffn_exps``, ``token_embd``, ``output``); ``other`` when the name says nothing."""
+    m = _BLOCK.match(name)
+    if not m:
+        return None, {"token_embd": "embedding", "output": "output"}.get(name, "other")
+    rest = m.group(2)
+    if "exps" in rest or "shexp" in rest:
+        role = "expert"
+    elif rest.startswith("ffn"):
+        role = "ffn"
+    elif rest.startswith("attn"):
+        role = "attention"
+    else:
+        role = "other"
+    return int(m.group(1)), role
+
+
+def unit_refs(plan: Plan, desc: ModelDescription | None = None) -> list[UnitRef]:
+    """The plan's units in placement order, with role and layer from ``desc`` when given (else
+    inferred from the unit names)."""
+    info = {u.name: u for u in desc.units} if desc else {}
+    out = []
+    for p in plan.placement:
+        u = info.get(p.unit)
+        layer, role = (u.layer, u.role) if u else infer_role(p.unit)
+        out.append(UnitRef(p.unit, role, layer, p.bytes))
+    return out
+
+
+@dataclass
+class Run:
+    """Consecutive units of one role, on contiguous layers, sharing one key (e.g. a tier)."""
+
+    role: str
+    key: Hashable
+    units: list[UnitRef] = field(default_factory=list)
+
+    @property
+    def bytes(self) -> int:
+        """Total bytes of the run's units."""
+        return sum(u.bytes for u in self.units)
+
+    @property
+    def span(self) -> str:
+        """``blk 0–9``, ``blk 5``, or the unit name outside blocks."""
+        first, last = self.units[0].layer, self.units[-1].layer
+        if first is None or last is None:
+            return ", ".join(u.name for u in self.units)
+        return f"blk {first}" if first == last else f"blk {first}–{last}"
+
+
+def group_runs(refs: list[UnitRef], key: Callable[[UnitRef], Hashable]) -> dict[str, list[Run]]:
+    """Group units by role (in order of first appearance) into runs of equal ``key`` over
+    contiguous layers (a layer may hold several units, e.g. experts). Units outside blocks are
+    runs of their own."""
+    by_role: dict[str, list[UnitRef]] = {}
+    for r in refs:
+        by_role.setdefault(r.role, []).append(r)
+    out: dict[str, list[Run]] = {}
+    for role, units in by_role.items():
+        order = sorted(
+            range(len(units)), key=lambda i: (units[i].layer is not None, units[i].layer or 0, i)
+        )
+        runs: list[Run] = []
+        for i in order:
+            u, k = units[i], key(units[i])
+            last = runs[-1] if runs else None
+            if (
+                last is not None
+                and last.key == k
+                and u.layer is not None
+                and last.units[-1].layer is not None
+                and u.layer - last.units[-1].layer in (0, 1)
+            ):
+                last.units.append(u)
+            else:
+                runs.append(Run(role, k, [u]))
+        out[role] = runs
+    return out
+
+
+def format_time(s: float) -> str:
+    """Seconds for people: ``1.234 s``, ``85.30 ms``, ``412.0 µs``."""
+    if abs(s) >= 1:
+        return f"{s:.3f} s"
+    if abs(s) >= 1e-3:
+        return f"{s * 1e3:.2f} ms"
+    return f"{s * 1e6:.1f} µs"
+
+
+def format_rate(tok_s: float) -> str:
+    """Tokens per second with three significant figures (``0.205``, ``21.3``, ``1234``)."""
+    return f"{tok_s:.0f}" if tok_s >= 1000 else f"{tok_s:.3g}"
+
+
+def model_label(plan: Plan) -> str:
+    """The plan's model: catalog name or path, and the start of its file (or header) sha256."""
+    m = plan.fingerprints.model
+    sha = m.sha256 or m.header_sha256
+    return f"{m.name or m.path or '(unnamed)'} ({'sha256' if m.sha256 else 'header'} {sha[:12]})"
+
+
+def profile_label(plan: Plan) -> str:
+    """The plan's profile: name and the start of its sha256 (``(none…)`` for hand-written plans)."""
+    p = plan.fingerprints.profile
+    return f"{p.name} (sha256 {p.sha256[:12]})" if p else "(none: hand-written plan)"
+
+
+def request_label(plan: Plan) -> str:
+    """``context 4096, concurrency 1, objective latency[, gpu budget …][, ram budget …]``."""
+    r = plan.request
+    text = f"context {r.context} tokens, concurrency {r.concurrency}, objective {r.objective}"
+    if r.gpu_budget_bytes is not None:
+        text += f", gpu budget {format_size(r.gpu_budget_bytes)}"
+    if r.ram_budget_bytes is not None:
+        text += f", ram budget {format_size(r.ram_budget_bytes)}"
+    return text
+
+
+def pool_label(plan: Plan) -> str:
+    """``2 slots × 564 MiB = 1.10 GiB, prefetch depth 1, 1 I/O thread`` or ``none``."""
+    p, f = plan.pool, plan.prefetch
+    pool = (
+        f"{p.slots} slots × {format_size(p.slot_bytes)} = {format_size(p.slots * p.slot_bytes)}"
+        if p.slots
+        else "none (nothing streams)"
+    )
+    threads = f"{f.io_threads} I/O thread{'s' if f.io_threads != 1 else ''}"
+    return f"{pool}; prefetch depth {f.depth}, {threads}"
+
+
+def batch_label(plan: Plan) -> str:
+    """The batch limits in one line."""
+    b = plan.batch
+    return (
+        f"up to {b.max_num_seqs} sequences, {b.max_num_batched_tokens} tokens per step, "
+        f"prefill chunk {b.prefill_chunk}, KV cache {b.kv_num_blocks} blocks × {b.kv_block_size} "
+        f"tokens"
+    )
+
+
+def weights_per_tier(plan: Plan) -> dict[str, int]:
+    """Bytes of weights per tier, summed from the placement."""
+    out = dict.fromkeys(TIERS, 0)
+    for p in plan.placement:
+        out[p.tier] += p.bytes
+    return out
+
+
+# --------------------------------------------------------------------------- explain
+
+
+def _memory_lines(plan: Plan) -> list[str]:
+    lines = ["Memory per tier:"]
+    head = f"  {'tier':<5} {'weights':>10} {'KV cache':>10} {'pool':>10} {'activations':>12} "
+    lines.append(head + f"{'total':>10} {'capacity':>10}  used")
+    if plan.memory is None:
+        for t, w in weights_per_tier(plan).items():
+            lines.append(f"  {t:<5} {format_size(w):>10}   (no memory section: capacities unknown)")
+        return lines
+    for t in TIERS:
+        m = plan.memory.get(t)  # type: ignore[call-overload]
+        if m is None:
+            continue
+        total = m.weights + m.kv_cache + m.pool + m.activations
+        cap = format_size(m.capacity) if m.capacity else "unbounded"
+        used = f"{100 * total / m.capacity:.1f}%" if m.capacity else "-"
+        lines.append(
+            f"  {t:<5} {format_size(m.weights):>10} {format_size(m.kv_cache):>10} "
+            f"{format_size(m.pool):>10} {format_size(m.activations):>12} {format_size(total):>10} "
+            f"{cap:>10}  {used}"
+        )
+    return lines
+
+
+def _placement_lines(plan: Plan, desc: ModelDescription | None) -> list[str]:
+    lines = ["Placement (by role, contiguous layers):"]
+    tiers = plan.tier_of()
+    groups = group_runs(unit_refs(plan, desc), key=lambda u: tiers[u.name])
+    for role, runs in groups.items():
+        parts = [
+            f"{r.span}  {r.key} ({format_size(r.bytes)}"
+            + (f", {len(r.units)} units)" if len(r.units) > 1 else ")")
+            for r in runs
+        ]
+        lines.append(f"  {role:<10} " + ";  ".join(parts))
+    return lines
+
+
+def _why(plan: Plan) -> str:
+    w = weights_per_tier(plan)
+    pred = plan.prediction
+    binding = pred.binding if pred else []
+    if w["ram"] == 0 and w["nvme"] == 0:
+        return "Every weight is on the device: nothing is copied or streamed per token."
+    full = [b for b in binding if "capacity" in b]
+    reason = f"the device memory is full (binding: {', '.join(full)})" if full else "it is faster"
+    moved = []
+    if w["ram"]:
+        moved.append(f"{format_size(w['ram'])} sit in RAM and are copied to the device when used")
+    if w["nvme"]:
+        moved.append(f"{format_size(w['nvme'])} stream from NVMe through the pool")
+    return f"Because {reason}, " + " and ".join(moved) + "."
+
+
+def _prediction_lines(plan: Plan) -> list[str]:
+    p = plan.prediction
+    if p is None:
+        return ["Prediction: none (hand-written plan; run plan.py to score it)"]
+    b = batch_size(plan.request, plan.batch)
+    overlap = TERM_SERIAL not in p.binding and plan.prefetch.depth >= 1
+    form = "max(compute + host copy, disk)" if overlap else "compute + host copy + disk"
+    return [
+        f"Predicted decode step at batch {b}: {format_time(p.step_s)} = {form}",
+        f"  compute    {format_time(p.compute_s)}",
+        f"  host copy  {format_time(p.host_copy_s)}",
+        f"  disk       {format_time(p.disk_s)}",
+        f"  bottleneck: {p.bottleneck}",
+        f"  binding: {', '.join(p.binding) if p.binding else 'none'}",
+        f"Predicted decode: {format_rate(p.decode_tok_s)} tok/s"
+        + (f" aggregate ({b} sequences)" if b > 1 else ""),
+    ]
+
+
+def explain(plan: Plan, desc: ModelDescription | None = None) -> str:
+    """A readable summary of a plan.
+
+    Args:
+        plan: the plan (solver-made or hand-written: missing memory or prediction sections are
+            reported as such).
+        desc: the model description, for units' roles and layers; without it they are inferred
+            from unit names.
+
+    Returns:
+        Text: the request; bytes per tier (weights, KV cache, pool, activations) against capacity;
+        placement grouped by role and contiguous layer ranges; pool and prefetch; batch limits;
+        the predicted step split into compute / host copy / disk with the bottleneck and binding
+        constraints; predicted tokens/s; the solver's result.
+    """
+    lines = [
+        f"Plan for {model_label(plan)} on {profile_label(plan)}",
+        f"Request: {request_label(plan)}",
+        f"Runtime: backend {plan.runtime.backend}, compute dtype {plan.runtime.compute_dtype}",
+        "",
+        *_memory_lines(plan),
+        "",
+        *_placement_lines(plan, desc),
+        _why(plan),
+        "",
+        f"Pool: {pool_label(plan)}",
+        f"Expert cache: {plan.expert_cache.slots} slots"
+        + (f", pinned {', '.join(plan.expert_cache.pinned)}" if plan.expert_cache.pinned else ""),
+        f"Batch: {batch_label(plan)}",
+        "",
+        *_prediction_lines(plan),
+    ]
+    if plan.solver:
+        s = plan.solver
+        lines.append(
+            f"Solver: {s.name}, {s.status}, objective {format_time(s.objective)} per token, "
+            f"gap {s.gap:g}"
+        )
+    return "\n".join(lines) + "\n"

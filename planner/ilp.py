@@ -1,0 +1,621 @@
+"""The placement ILP: tiers, pool, prefetch depth and step time decided together, solved by CBC.
+
+The cost model and its formulas are in ``planner.costmodel``; this module turns them into a mixed
+integer linear program (PuLP, CBC bundled with PuLP, one thread, fixed seed, time limit) and turns
+the solver's answer back into plan parts. Variables and rows (``b`` in MiB, times in units of
+``tau = compute_s / 1000`` so that both stay well scaled for the solver's absolute tolerances):
+
+- ``n[c,t]`` integer in [0, N_c]: how many units of class c are stored on tier t. A class is a set
+  of units the cost model cannot tell apart (same bytes, access and FLOPs: the 80 FFNs of a dense
+  model); ``n[c,t]`` is the per-unit binary ``x[u,t]`` summed over the class. Without this
+  aggregation CBC branches through the permutations of identical layers and a 70B model takes
+  over 30 s; with it, a fraction of a second. A class of one unit is exactly ``x[u,t]``.
+  Row ``one_tier_c``: ``sum_t n[c,t] = N_c`` (each unit on exactly one tier). Within a class units
+  fill gpu, then ram, then nvme in description order (``_decisions``).
+- ``w[c]`` binary: some unit of class c streams. Rows ``streams_ub_c``/``streams_lb_c``:
+  ``w_c <= n[c,nvme] <= N_c * w_c``.
+- ``y[k]`` binary, k = 0..MAX_DEPTH: prefetch depth is k (one-hot). Row ``one_depth``:
+  ``sum_k y[k] = 1``; depth ``d = sum_k k * y[k]``.
+- ``z`` binary: anything streams (= io_threads). Rows ``stream_ge_c``: ``z >= w_c``;
+  ``stream_le``: ``z <= sum_c w_c``; ``depth_needs_stream``: ``sum_{k>=1} y[k] <= z``.
+- ``s`` >= 0: pool slot bytes. Rows ``slot_ge_c``: ``s >= b_c * w_c``.
+- ``P`` >= 0: pool bytes ``= (d + 1) * s`` when streaming, linearized per depth choice with big-M:
+  rows ``pool_k``: ``P >= (k + 1) * s - M_P * (1 - y[k])``, ``M_P = (MAX_DEPTH + 1) * max_u b_u``.
+  (With nothing streaming s = 0 and P = 0.)
+- capacity rows (``costmodel.capacity_rows``), e.g. ``cap_gpu``:
+  ``sum_c b_c * n[c,gpu] + KV + activations + P <= gpu capacity``.
+- ``T`` >= 0: step time. Rows ``T_compute``: ``T >= C``, with
+  ``C = sum_u compute_u + sum_c sum_t host_copy_c(t) * n[c,t]``; ``T_disk``: ``T >= D``, with
+  ``D = sum_c read_c * n[c,nvme]``; ``T_serial``: ``T >= C + D - M_T * (1 - y[0])`` with
+  ``M_T = sum_u read_u`` (the largest D): depth 0 makes the reads synchronous (``T >= C + D``),
+  depth >= 1 relaxes the row and leaves ``T = max(C, D)``.
+
+Objective, lexicographic in two solves: (1) minimize ``T`` (``T / B`` up to the constant B);
+(2) with ``T <= T*`` added, minimize a deterministic tie-break: bytes off the gpu tier (nvme counted
+twice) plus pool bytes. Two solves keep the tie-break from ever trading away step time, which a
+single ``T + eps * tiebreak`` objective can do within the solver's tolerances.
+
+Batch limits are fixed choices for now (``costmodel.batch_limits``), not variables; the expert cache
+is not modelled (empty).
+
+An infeasible request is re-solved as a phase-1 model with a slack variable per capacity row,
+minimizing the total slack; the error then names each short row, its shortfall in bytes and what
+fills it.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import re
+import subprocess
+import tempfile
+import time
+import warnings
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pulp
+
+from planner.costmodel import (
+    MAX_DEPTH,
+    CapacityRow,
+    batch_limits,
+    capacity_rows,
+    capacity_use,
+    objective,
+    pool_for,
+    score,
+    tier_memory,
+    unit_costs,
+    weights_by_tier,
+)
+from planner.errors import PlanError
+from planner.schemas import (
+    TIERS,
+    BatchLimits,
+    ExpertCache,
+    Fingerprints,
+    HardwareProfile,
+    ModelDescription,
+    Placement,
+    Plan,
+    Pool,
+    Prediction,
+    Prefetch,
+    Request,
+    Runtime,
+    SolverResult,
+    TierMemory,
+)
+from planner.sizes import format_size
+
+MIB = 2**20
+TIME_UNITS = 1000.0
+"""The placement-independent compute time maps to this many solver time units."""
+
+SEED = 20240601
+CBC_OPTIONS = [
+    f"randomSeed {SEED}",
+    f"randomCbcSeed {SEED}",
+    "allowableGap 1e-7",
+    "increment 1e-7",
+]
+"""Fixed CBC options: seeds for determinism; an absolute gap and cutoff increment small enough that
+an exact rung is exact to ~1e-10 relative, given T >= TIME_UNITS."""
+
+RUNGS: tuple[tuple[float, int], ...] = ((0.0, 500), (1e-3, 10_000))
+"""(relative gap, node limit) of the step-time solves, tried in turn: an exact search first, which
+settles small and uniform models; then a search that stops at a proven 0.01%. Placements of many
+units of distinct sizes are subset-sum problems whose last fraction of a percent CBC proves
+slowly; node limits (unlike a time limit) stop the search at the same point on every machine."""
+
+ACCEPT_GAP = 1e-2
+"""A search stopped by its node limit is accepted when its incumbent is proven within this
+relative gap of the optimum; ``SolverResult.gap`` reports the gap reached."""
+
+TIEBREAK_RUNG = (1e-3, 2_000)
+"""(relative gap, node limit) of the tie-break stage, which never changes the step time."""
+
+
+@dataclass
+class Solution:
+    """The ILP's decisions and the cost model's prediction for them.
+
+    ``solve_time_s`` (wall seconds of all solver calls) is not part of plans and not compared.
+    """
+
+    placement: list[Placement]
+    pool: Pool
+    prefetch: Prefetch
+    expert_cache: ExpertCache
+    batch: BatchLimits
+    memory: dict[str, TierMemory]
+    prediction: Prediction
+    solver: SolverResult
+    runtime: Runtime
+    solve_time_s: float = field(compare=False)
+
+    def to_plan(self, fingerprints: Fingerprints, request: Request) -> Plan:
+        """The plan document for this solution."""
+        return Plan(
+            fingerprints=fingerprints,
+            request=request,
+            runtime=self.runtime,
+            placement=self.placement,
+            pool=self.pool,
+            prefetch=self.prefetch,
+            expert_cache=self.expert_cache,
+            batch=self.batch,
+            memory=self.memory,  # type: ignore[arg-type]
+            prediction=self.prediction,
+            solver=self.solver,
+        )
+
+
+def _cbc_path() -> str:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        return pulp.PULP_CBC_CMD().path
+
+
+@functools.cache
+def cbc_version() -> str:
+    """The bundled CBC's version string (e.g. ``2.10.3``), or ``unknown``."""
+    try:
+        out = subprocess.run(
+            [_cbc_path(), "-quit"], capture_output=True, text=True, timeout=10
+        ).stdout
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+    for line in out.splitlines():
+        if line.strip().startswith("Version:"):
+            return line.split(":", 1)[1].strip()
+    return "unknown"
+
+
+def solver_description(time_limit_s: float = 30) -> str:
+    """Solver name, version and options, for ``Fingerprints.solver``."""
+    return (
+        f"CBC {cbc_version()} (PuLP {pulp.__version__}), threads=1, timeLimit={time_limit_s:g}s, "
+        f"{' '.join(CBC_OPTIONS)}, lexicographic: step time then tie-break"
+    )
+
+
+# --------------------------------------------------------------------------- model building
+
+
+@dataclass(frozen=True)
+class _Class:
+    """Units the cost model cannot tell apart: same bytes, access and FLOPs (desc indices)."""
+
+    members: tuple[int, ...]
+    bytes: int
+
+
+def _classes(desc: ModelDescription) -> list[_Class]:
+    groups: dict[tuple[int, float, int], list[int]] = {}
+    for i, u in enumerate(desc.units):
+        groups.setdefault((u.bytes_mlx, u.access_per_token, u.flops_per_token), []).append(i)
+    return [_Class(tuple(m), desc.units[m[0]].bytes_mlx) for m in groups.values()]
+
+
+SLOT_LEVELS = 32
+"""Most distinct slot sizes the ILP distinguishes exactly (see ``_slot_levels``)."""
+
+
+def _slot_levels(b: list[float]) -> list[float]:
+    """The slot level (MiB) each class needs when it streams: its own size when the model has at
+    most SLOT_LEVELS distinct sizes; otherwise its size rounded up to 1/256 of the largest.
+
+    Many nearly equal sizes (a per-layer mix of quant types) give many slot levels that each
+    change the pool by a few MiB; CBC then cannot raise its bound by branching on them. Rounding
+    up only over-reserves the pool (by under 0.4% of the largest unit per slot): every placement
+    the ILP accepts fits, and the plan's pool is computed exactly from the placement.
+    """
+    if len(set(b)) <= SLOT_LEVELS:
+        return list(b)
+    grid = max(b) / 256
+    return [math.ceil(v / grid - 1e-9) * grid for v in b]
+
+
+@dataclass
+class _Model:
+    prob: pulp.LpProblem
+    classes: list[_Class]
+    n: list[dict[str, pulp.LpVariable]]
+    y: list[pulp.LpVariable]
+    T: pulp.LpVariable
+    tau: float
+    """Seconds per solver time unit."""
+    tiebreak: pulp.LpAffineExpression
+
+
+def _build(
+    desc: ModelDescription,
+    profile: HardwareProfile,
+    request: Request,
+    rows: list[CapacityRow],
+    *,
+    phase1: bool,
+) -> _Model:
+    costs = unit_costs(desc, profile, request)
+    classes = _classes(desc)
+    # Per class: bytes (MiB) and the unit's cost coefficients (identical for all members).
+    b = [c.bytes / MIB for c in classes]
+    cc = [costs[c.members[0]] for c in classes]
+    size = [len(c.members) for c in classes]
+    bmax = max(b, default=0.0)
+    compute_total = sum(c.compute_s for c in costs)
+    tau = compute_total / TIME_UNITS if compute_total > 0 else 1e-3
+    unified = profile.unified_memory
+    J = range(len(classes))
+
+    prob = pulp.LpProblem("strata_phase1" if phase1 else "strata_placement", pulp.LpMinimize)
+    n = [
+        {
+            t: prob.add_variable(f"n_{j}_{t}", lowBound=0, upBound=size[j], cat="Integer")
+            for t in TIERS
+        }
+        for j in J
+    ]
+    # Slot levels: the distinct unit sizes, largest first (S_1 > ... > S_m, S_{m+1} = 0).
+    level = _slot_levels(b)
+    sizes = sorted(set(level), reverse=True)
+    rank = {v: i for i, v in enumerate(sizes)}
+    q = [prob.add_variable(f"q_{i}", cat="Binary") for i in range(len(sizes))]
+    y = [prob.add_variable(f"y_{k}", cat="Binary") for k in range(MAX_DEPTH + 1)]
+    s = prob.add_variable("slot_mib", lowBound=0)
+    P = prob.add_variable("pool_mib", lowBound=0)
+    T = prob.add_variable("T", lowBound=0)
+
+    for j in J:
+        # one_tier_c: sum_t n[c,t] = N_c  (each unit of the class on exactly one tier)
+        prob += pulp.lpSum(n[j].values()) == size[j], f"one_tier_{j}"
+        # stream_allowed_c: n[c,nvme] <= N_c * q[i(c)]  (a streamed unit needs a slot >= b_c)
+        prob += n[j]["nvme"] <= size[j] * q[rank[level[j]]], f"stream_allowed_{j}"
+    # staircase_i: q_i <= q_{i+1}  (a slot >= S_i is also >= every smaller S)
+    for i in range(len(sizes) - 1):
+        prob += q[i] <= q[i + 1], f"staircase_{i}"
+    # slot_def: s = sum_i (S_i - S_{i+1}) q_i  (the slot is the largest S_i with q_i = 1)
+    steps = [sizes[i] - (sizes[i + 1] if i + 1 < len(sizes) else 0.0) for i in range(len(sizes))]
+    prob += s == pulp.lpSum(d * qi for d, qi in zip(steps, q, strict=True)), "slot_def"
+    # z = q_m: anything streams (= io_threads). stream_le: z <= sum_c n[c,nvme]  (no pool when
+    # nothing streams)
+    z = q[-1] if q else 0
+    prob += z <= pulp.lpSum(n[j]["nvme"] for j in J), "stream_le"
+    # one_depth: sum_k y[k] = 1
+    prob += pulp.lpSum(y) == 1, "one_depth"
+    # depth_needs_stream: sum_{k>=1} y[k] <= z  (no prefetch depth without streaming)
+    prob += pulp.lpSum(y[1:]) <= z, "depth_needs_stream"
+    # pool_one: P >= s  (a streaming plan has at least one slot; s = 0 otherwise)
+    prob += P >= s, "pool_one"
+    # pool_k: P >= (k+1) * s - k * max_c b_c * (1 - y[k])  (depth k: k+1 slots). M = k * max b is
+    # the least valid big-M given pool_one, since (k+1) s - k max b <= s.
+    for k in range(1, MAX_DEPTH + 1):
+        prob += P >= (k + 1) * s - k * bmax * (1 - y[k]), f"pool_{k}"
+    # pool_two: P >= 2 s - max_c b_c * y[0]  (any depth >= 1 means two slots or more; a valid
+    # inequality that is tighter than the pool_k rows when y is fractional)
+    prob += P >= 2 * s - bmax * y[0], "pool_two"
+
+    # cap_r: sum_{c, t in row} b_c n[c,t] + fixed + [P] <= capacity  [+ slack_r in phase 1]
+    slacks = []
+    for r_i, r in enumerate(rows):
+        lhs = pulp.lpSum(b[j] * n[j][t] for j in J for t in r.weight_tiers)
+        lhs += sum(v for _, v in r.fixed) / MIB
+        if r.counts_pool:
+            lhs += P
+        rhs: pulp.LpAffineExpression | float = r.capacity / MIB
+        if phase1:
+            slacks.append(prob.add_variable(f"slack_{r_i}", lowBound=0))
+            rhs = rhs + slacks[-1]
+        prob += lhs <= rhs, f"cap_{r_i}"
+
+    # C = sum_u compute_u + sum_{c,t} host_copy_c(t) n[c,t]   (compute thread, time units)
+    C = compute_total / tau + pulp.lpSum(
+        cc[j].host_copy_s(t, unified) / tau * n[j][t]
+        for j in J
+        for t in TIERS
+        if cc[j].host_copy_s(t, unified) > 0
+    )
+    # D = sum_c read_c n[c,nvme]   (I/O threads)
+    D = pulp.lpSum(cc[j].read_s / tau * n[j]["nvme"] for j in J)
+    # M_T >= min(C, D) at every point: the least of the largest C (every unit's host copy) and
+    # the largest D (every unit streamed). A small M keeps the LP relaxation tight.
+    c_max = compute_total / tau + sum(
+        max(c.host_copy_s(t, unified) for t in TIERS) / tau for c in costs
+    )
+    big_t = min(c_max, sum(c.read_s for c in costs) / tau)
+    prob += T >= C, "T_compute"  # T >= compute + host copy
+    prob += T >= D, "T_disk"  # T >= disk
+    prob += T >= C + D - big_t * (1 - y[0]), "T_serial"  # depth 0: T >= compute + host copy + disk
+
+    # Tie-break (MiB): bytes off the gpu tier (nvme counted twice) plus pool bytes.
+    tiebreak = pulp.lpSum(b[j] * (n[j]["ram"] + 2 * n[j]["nvme"]) for j in J) + P
+    prob.setObjective(pulp.lpSum(slacks) if phase1 else T + 0)
+    return _Model(prob=prob, classes=classes, n=n, y=y, T=T, tau=tau, tiebreak=tiebreak)
+
+
+@dataclass(frozen=True)
+class _Outcome:
+    status: str
+    """PuLP status name."""
+    optimal: bool
+    """CBC proved its incumbent optimal within the rung's gap."""
+    incumbent: bool
+    """There is an integer solution (proven or not)."""
+    bound: float
+    """CBC's lower bound on the objective (inf when proven infeasible, the cutoff when proven to
+    have nothing below it, -inf when unknown)."""
+    out_of_time: bool
+    """The wall-clock deadline passed (an answer that depends on the machine: never used)."""
+
+    @property
+    def proven(self) -> bool:
+        """CBC finished: optimal within its gap, or infeasible (below the cutoff, if any)."""
+        return self.optimal or self.status == "Infeasible"
+
+
+def _cbc(
+    m: _Model,
+    rung: tuple[float, int],
+    deadline: float,
+    *,
+    warm: bool = False,
+    cutoff: float | None = None,
+) -> _Outcome:
+    """One CBC run with a relative gap and node limit (and optionally an objective cutoff: only
+    solutions below it count), within the wall-clock deadline."""
+    ratio_gap, nodes = rung
+    options = [*CBC_OPTIONS, f"ratioGap {ratio_gap:g}", f"maxNodes {nodes}"]
+    if cutoff is not None:
+        options.append(f"cutoff {cutoff!r}")
+    with tempfile.TemporaryDirectory(prefix="strata-cbc-") as tmp:
+        log = Path(tmp) / "cbc.log"
+        with warnings.catch_warnings():
+            # PuLP 3.3 flags PULP_CBC_CMD for removal in 4.0; it is the CBC this project pins.
+            warnings.simplefilter("ignore", DeprecationWarning)
+            # No ``threads`` option: CBC's default (0) searches on the calling thread. With
+            # ``-threads 1`` CBC 2.10.3 starts one worker thread that, when the search ends at
+            # the root, sometimes waits 10 s to start ("waiting to start 10.000" in its log).
+            cmd = pulp.PULP_CBC_CMD(
+                msg=False,
+                timeLimit=max(1.0, deadline - time.perf_counter()),
+                options=options,
+                warmStart=warm,
+                logPath=str(log),
+            )
+        m.prob.solve(cmd)
+        text = log.read_text() if log.is_file() else ""
+    status = pulp.LpStatus[m.prob.status]
+    # An "Optimal" status with an integer-feasible (unproven) solution means a limit was hit.
+    optimal = status == "Optimal" and m.prob.sol_status == pulp.LpSolutionOptimal
+    incumbent = m.prob.sol_status in (pulp.LpSolutionOptimal, pulp.LpSolutionIntegerFeasible)
+    if status == "Infeasible":
+        bound = math.inf if cutoff is None else cutoff
+    else:
+        bound = _log_bound(text, exact=optimal)
+    return _Outcome(status, optimal, incumbent, bound, time.perf_counter() >= deadline)
+
+
+def _log_bound(text: str, *, exact: bool) -> float:
+    """CBC's lower bound from its summary: ``Lower bound:``, else (a proven run) the objective."""
+    found = dict(re.findall(r"^(Objective value|Lower bound):\s+(\S+)", text, re.M))
+    for key in ("Lower bound", "Objective value") if exact else ("Lower bound",):
+        try:
+            return float(found[key])
+        except (KeyError, ValueError):
+            continue
+    return -math.inf
+
+
+def _run(m: _Model, deadline: float, cutoff: float | None = None) -> _Outcome:
+    """Minimize the model's objective up the ``RUNGS``; the first proven outcome, or the last."""
+    out = _Outcome("Not Solved", False, False, -math.inf, False)
+    for rung in RUNGS:
+        out = _cbc(m, rung, deadline, cutoff=cutoff)
+        if out.proven or out.out_of_time:
+            break
+    return out
+
+
+def _decisions(desc: ModelDescription, m: _Model) -> tuple[dict[str, str], int]:
+    """Unit tiers and depth from the solved counts: within a class, units in description order
+    fill gpu, then ram, then nvme (early layers stay on the device, the last ones stream)."""
+    tiers = {}
+    for cls, counts in zip(m.classes, m.n, strict=True):
+        order = [t for t in TIERS for _ in range(round(counts[t].value() or 0))]
+        if len(order) != len(cls.members):
+            raise PlanError("the solver returned unit counts that do not add up; this is a bug")
+        for i, t in zip(cls.members, order, strict=True):
+            tiers[desc.units[i].name] = t
+    depth = next(k for k, v in enumerate(m.y) if (v.value() or 0) > 0.5)
+    return tiers, depth
+
+
+# --------------------------------------------------------------------------- infeasibility
+
+
+def _shortfall_message(
+    desc: ModelDescription,
+    profile: HardwareProfile,
+    request: Request,
+    tiers: dict[str, str],
+    depth: int,
+) -> tuple[str, dict[str, int]]:
+    pool = pool_for(desc, tiers, depth)
+    weights = weights_by_tier(desc, tiers)
+    parts, flags, short = [], [], {}
+    for row, used in capacity_use(desc, profile, request, tiers, depth):
+        if used <= row.capacity:
+            continue
+        short[row.name] = used - row.capacity
+        items = list(row.fixed)
+        if row.counts_pool:
+            items.append(("pool", pool.slots * pool.slot_bytes))
+        items += [(f"{t} weights", weights[t]) for t in row.weight_tiers]
+        shown = " + ".join(f"{label} {format_size(v)}" for label, v in items if v > 0) or "nothing"
+        if "gpu" in row.weight_tiers and weights["gpu"] == 0:
+            shown += ", with every weight off the device"
+        parts.append(
+            f"{row.tier_label} is short by {format_size(used - row.capacity)} "
+            f"({used - row.capacity} bytes): needs {format_size(used)} ({shown}), "
+            f"capacity {format_size(row.capacity)}"
+        )
+        if row.budget_flag not in flags:
+            flags.append(row.budget_flag)
+    fix = f"lower --context/--concurrency or raise {' / '.join(flags)}"
+    return f"does not fit: {'; '.join(parts)}; {fix}", short
+
+
+def _infeasible(
+    desc: ModelDescription,
+    profile: HardwareProfile,
+    request: Request,
+    rows: list[CapacityRow],
+    deadline: float,
+) -> PlanError:
+    m = _build(desc, profile, request, rows, phase1=True)
+    out = _run(m, deadline)
+    if not out.optimal:
+        return PlanError(
+            f"the placement ILP found no feasible placement and its phase-1 model ended "
+            f"{out.status}; raise the time limit"
+        )
+    tiers, depth = _decisions(desc, m)
+    msg, short = _shortfall_message(desc, profile, request, tiers, depth)
+    if not short:
+        return PlanError(
+            "the solver found no feasible placement within its limits, yet one exists "
+            "(every tier fits in phase 1); raise the time limit"
+        )
+    err = PlanError(msg)
+    err.short_bytes = short  # type: ignore[attr-defined]
+    return err
+
+
+# --------------------------------------------------------------------------- solve
+
+TIE_UNITS = 1e-6
+"""Step times within this many solver time units (>= 1000 per step) are equal."""
+
+
+def _branch(
+    desc: ModelDescription,
+    profile: HardwareProfile,
+    request: Request,
+    rows: list[CapacityRow],
+    *,
+    y0: int,
+) -> _Model:
+    """The stage-1 model with y[0] fixed: 1 = depth 0 (synchronous reads or no streaming),
+    0 = prefetch depth >= 1."""
+    m = _build(desc, profile, request, rows, phase1=False)
+    m.prob += m.y[0] == y0, "branch_y0"
+    return m
+
+
+def _step_units(
+    desc: ModelDescription, profile: HardwareProfile, request: Request, m: _Model
+) -> float:
+    """The exact step time of the model's current (integral) decisions, in solver time units."""
+    tiers, depth = _decisions(desc, m)
+    return score(desc, profile, request, tiers, depth).step_s / m.tau
+
+
+def solve(
+    desc: ModelDescription, profile: HardwareProfile, request: Request, *, time_limit_s: float = 30
+) -> Solution:
+    """Place every unit on a tier and choose pool and prefetch depth to minimize ``step_s / B``.
+
+    Args:
+        desc: the model description (units with bytes, access, FLOPs).
+        profile: the machine (capacities in bytes, bandwidths in bytes/s, FLOP/s).
+        request: context and concurrency (sizing KV cache and batch limits), objective (B = 1 for
+            latency, concurrency for throughput), optional gpu/ram budgets in bytes.
+        time_limit_s: wall-clock limit of all CBC calls together, seconds. Normally unused: node
+            limits (``RUNGS``, ``TIEBREAK_RUNG``) bound the work, the same on every machine.
+
+    Returns:
+        The Solution: placement, pool, prefetch, batch limits, memory per tier, the cost model's
+        prediction of the chosen placement (``costmodel.score``), solver result (status Optimal
+        and the relative gap proven) and runtime.
+
+    Raises:
+        PlanError: the request does not fit (the message names each short tier, the shortfall in
+            bytes and the fix), or CBC proved no placement within 1% of optimal (time limit,
+            numerical trouble).
+    """
+    start = time.perf_counter()
+    deadline = start + time_limit_s
+    rows = capacity_rows(desc, profile, request)
+
+    # Stage 1, split on y[0] (CBC's own branching rarely picks it, and each side's relaxation is
+    # far tighter: the T_serial and pool big-Ms vanish). Prefetching first (usually the faster
+    # side), then depth 0 with a cutoff just above it, so it only searches for placements at
+    # least as fast; on a tie depth 0 wins (fewer pool slots).
+    overlap = _branch(desc, profile, request, rows, y0=0)
+    out_a = _run(overlap, deadline)
+    t_a = _step_units(desc, profile, request, overlap) if out_a.incumbent else None
+    serial = _branch(desc, profile, request, rows, y0=1)
+    cutoff = None if t_a is None else t_a + TIE_UNITS
+    out_b = _run(serial, deadline, cutoff=cutoff)
+    t_b = _step_units(desc, profile, request, serial) if out_b.incumbent else None
+    if t_a is None and t_b is None:
+        if out_a.status == "Infeasible" and out_b.status == "Infeasible":
+            raise _infeasible(desc, profile, request, rows, deadline)
+        raise PlanError(
+            f"the placement ILP found no placement in {time.perf_counter() - start:.1f} s "
+            f"(ended {out_a.status} / {out_b.status}); raise the time limit"
+        )
+    if t_b is not None and (t_a is None or t_b <= t_a + TIE_UNITS):
+        m, t_star = serial, t_b
+    else:
+        m, t_star = overlap, t_a
+    assert t_star is not None
+    # Proven gap of the whole model: the best step against the lower of the two sides' bounds.
+    gap = max(0.0, (t_star - min(out_a.bound, out_b.bound)) / t_star)
+    if out_a.out_of_time or out_b.out_of_time or gap > ACCEPT_GAP:
+        raise PlanError(
+            f"the placement ILP proved no placement within {ACCEPT_GAP:.0%} of optimal in "
+            f"{time.perf_counter() - start:.1f} s (gap {gap:.2%}); raise the time limit"
+        )
+
+    # Stage 2: keep the step time, minimize the tie-break. The bound is the exact step time of
+    # stage 1's (integral) decisions, not CBC's T, which its solution file rounds to 8
+    # significant digits; TIE_UNITS is 1e-9 of a step or less.
+    m.prob += m.T <= t_star + TIE_UNITS, "T_at_optimum"
+    m.prob.setObjective(m.tiebreak)
+    # Warm-started from stage 1, so there is always an incumbent; any incumbent is as fast as
+    # stage 1's placement and breaks ties at least as well, proven or stopped by the node limit.
+    out2 = _cbc(m, TIEBREAK_RUNG, deadline, warm=True)
+    if out2.out_of_time:
+        raise PlanError(
+            f"the placement ILP's tie-break stage ran out of time ({time_limit_s:g} s); "
+            "raise the time limit"
+        )
+    tiers, depth = _decisions(desc, m)
+    solve_time = time.perf_counter() - start
+
+    pool = pool_for(desc, tiers, depth)
+    prediction = score(desc, profile, request, tiers, depth)
+    return Solution(
+        placement=[
+            Placement(unit=u.name, tier=tiers[u.name], bytes=u.bytes_mlx)  # type: ignore[arg-type]
+            for u in desc.units
+        ],
+        pool=pool,
+        prefetch=Prefetch(depth=depth, io_threads=1 if pool.slots else 0),
+        expert_cache=ExpertCache(),
+        batch=batch_limits(request),
+        memory=tier_memory(desc, profile, request, tiers, depth),
+        prediction=prediction,
+        solver=SolverResult(
+            name=f"CBC {cbc_version()} (PuLP {pulp.__version__})",
+            status="Optimal",
+            objective=objective(prediction, request),
+            gap=round(gap, 6),
+        ),
+        runtime=Runtime(backend=profile.backend, compute_dtype=profile.compute_dtype),
+        solve_time_s=solve_time,
+    )

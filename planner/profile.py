@@ -1,0 +1,645 @@
+"""Measure this machine into a :class:`~planner.schemas.HardwareProfile`.
+
+Each number is a :class:`~planner.schemas.Figure` that says how it was obtained. What is measured,
+and how (units: bytes, bytes/s, FLOP/s, seconds):
+
+- memory: host RAM from ``psutil.virtual_memory().total``; the device working set from MLX
+  (Metal's ``max_recommended_working_set_size``, CUDA's free device memory) or, on the CPU backend,
+  RAM less the OS reserve;
+- OS reserve: :func:`os_reserve_bytes`, a stated rule (not a measurement);
+- disk: a real sequential read of a freshly written random file on the disk that holds the models,
+  with direct I/O (``O_DIRECT`` on Linux, ``F_NOCACHE`` on macOS) into page-aligned buffers, at a
+  stated block size and queue depth (threads issuing ``os.preadv`` in parallel);
+- device memory bandwidth: an MLX float32 sum over a large array, best of a few runs;
+- compute: MLX matmuls at a prefill-like and a decode-like shape; the profile's figure is the
+  prefill-like one (see :func:`measure_matmul_flops`);
+- host-to-device copy: ``mx.array(numpy_array)`` + ``mx.eval``, which is how the executor moves
+  RAM-tier weights into MLX arrays.
+
+Progress goes to stderr. The default profile takes well under 30 s on a 2-core machine;
+``quick=True`` shrinks every test (for unit tests, about a second).
+"""
+
+from __future__ import annotations
+
+import datetime
+import errno
+import math
+import mmap
+import os
+import platform
+import shutil
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import psutil
+
+from planner.errors import StrataError
+from planner.schemas import Figure, GPUTier, HardwareProfile, NVMeTier, RAMTier
+from planner.sizes import format_size
+
+KiB = 1 << 10
+MiB = 1 << 20
+GiB = 1 << 30
+
+DEFAULT_READ_BYTES = 256 * MiB
+"""Size of the disk read test file, bytes: large enough that per-request latency is amortized."""
+DEFAULT_BLOCK_BYTES = 4 * MiB
+"""Read size of the disk test, bytes: the order of one streamed tensor slice (a few MiB)."""
+DEFAULT_QUEUE_DEPTH = 4
+"""Reads in flight during the disk test: the executor's default number of prefetch I/O threads."""
+
+_ALIGN = 4096
+"""O_DIRECT needs offsets, sizes and buffers aligned to the logical block size (512 B or 4 KiB);
+4 KiB covers both, and an anonymous mmap is page-aligned."""
+
+_F_NOCACHE_DARWIN = 48
+"""``F_NOCACHE`` from macOS's <sys/fcntl.h>; Python's fcntl module does not always export it."""
+
+_QUICK_READ_BYTES = 8 * MiB
+_QUICK_BLOCK_BYTES = 1 * MiB
+_QUICK_QUEUE_DEPTH = 2
+
+
+def _say(msg: str) -> None:
+    print(f"[profile] {msg}", file=sys.stderr, flush=True)
+
+
+def _today() -> str:
+    return datetime.datetime.now(datetime.UTC).date().isoformat()
+
+
+def _gbs(bytes_s: float) -> str:
+    return f"{bytes_s / 1e9:.2f} GB/s"
+
+
+# --------------------------------------------------------------------------- memory
+
+
+def os_reserve_bytes(total_bytes: int) -> int:
+    """Memory left to the OS and other programs, bytes: ``max(2 GiB, 10% of RAM)``.
+
+    The 10% follows vLLM's default ``gpu_memory_utilization=0.9`` (it leaves a tenth of the memory
+    it manages to everything else); the 2 GiB floor is an assumption: an idle OS session plus this
+    Python process with MLX loaded, which on small machines is more than a tenth of RAM.
+    """
+    return max(2 * GiB, total_bytes // 10)
+
+
+RESERVE_RULE = (
+    "rule max(2 GiB, 10% of RAM): 10% as vLLM's default gpu_memory_utilization=0.9 leaves, "
+    "2 GiB floor assumed for the OS session and this process"
+)
+
+
+def detect_backend() -> str:
+    """The MLX backend of this machine: ``"metal"``, ``"cuda"`` or ``"cpu"``."""
+    import mlx.core as mx
+
+    if mx.metal.is_available():
+        return "metal"
+    if hasattr(mx, "cuda") and mx.cuda.is_available():
+        return "cuda"
+    return "cpu"
+
+
+def _device_info(backend: str) -> dict:
+    """MLX's device info for the default device (``mx.device_info`` in MLX 0.32; older MLX had
+    only ``mx.metal.device_info``)."""
+    import mlx.core as mx
+
+    info: dict = {}
+    dev = mx.gpu if backend in ("metal", "cuda") else mx.cpu
+    if hasattr(mx, "device_info"):
+        info.update(mx.device_info(dev))
+    if backend == "metal" and "max_recommended_working_set_size" not in info:
+        info.update(mx.metal.device_info())
+    return info
+
+
+def working_set(backend: str, total_ram: int, reserve: int, info: dict) -> Figure:
+    """The device working set, bytes, and how it was obtained.
+
+    Raises:
+        StrataError: MLX reports no memory size for the GPU (an MLX build this code does not know).
+    """
+    date = _today()
+    if backend == "metal":
+        if "max_recommended_working_set_size" not in info:
+            raise StrataError(
+                "MLX reports no working-set size for the Metal GPU; upgrade mlx (0.32+) and re-run"
+            )
+        v = int(info["max_recommended_working_set_size"])
+        return Figure(
+            value=v,
+            source="measured",
+            how=f"MLX device_info max_recommended_working_set_size (Metal's "
+            f"recommendedMaxWorkingSetSize, {v / total_ram:.0%} of RAM), {date}",
+        )
+    if backend == "cuda":
+        # free, not total: the CUDA context and other processes already hold part of the card.
+        key = "free_memory" if "free_memory" in info else "total_memory"
+        if key not in info:
+            raise StrataError(
+                "MLX reports no memory size for the CUDA device; upgrade mlx (0.32+) and re-run"
+            )
+        v = int(info[key])
+        return Figure(
+            value=v, source="measured", how=f"MLX mx.device_info(mx.gpu)['{key}'], {date}"
+        )
+    return Figure(
+        value=total_ram - reserve,
+        source="derived",
+        how="host RAM less the OS reserve: MLX's CPU backend computes in host RAM",
+    )
+
+
+# --------------------------------------------------------------------------- disk
+
+
+@dataclass(frozen=True)
+class ReadResult:
+    """One timed sequential read of a file."""
+
+    bytes_read: int
+    seconds: float
+    direct: bool
+    """True when the page cache was bypassed (O_DIRECT or F_NOCACHE), False for the buffered
+    fallback after dropping the file from the page cache."""
+    method: str
+    """How the file was opened, for the profile's ``how``."""
+
+    @property
+    def bytes_s(self) -> float:
+        """Read bandwidth, bytes/s."""
+        return self.bytes_read / self.seconds
+
+
+def _drop_from_page_cache(fd: int) -> None:
+    # After fsync the pages are clean, so DONTNEED really evicts them (Linux).
+    if hasattr(os, "posix_fadvise"):
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+
+
+def _set_nocache(fd: int) -> None:
+    import fcntl
+
+    fcntl.fcntl(fd, getattr(fcntl, "F_NOCACHE", _F_NOCACHE_DARWIN), 1)
+
+
+def _pread_into(fd: int, mv: memoryview, offset: int) -> int:
+    if hasattr(os, "preadv"):
+        return os.preadv(fd, [mv], offset)
+    data = os.pread(fd, len(mv), offset)  # macOS before 11 has no preadv
+    mv[: len(data)] = data
+    return len(data)
+
+
+def _open_uncached(path: Path) -> tuple[int, bool, str]:
+    """Open ``path`` for reading past the page cache: (fd, direct, method)."""
+    if sys.platform == "darwin":
+        # macOS has no O_DIRECT; F_NOCACHE on the descriptor turns its caching off.
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            _set_nocache(fd)
+        except OSError:
+            os.close(fd)
+            raise
+        return fd, True, "F_NOCACHE"
+    if hasattr(os, "O_DIRECT"):
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
+        except OSError as e:
+            if e.errno != errno.EINVAL:  # tmpfs refuses O_DIRECT at open with EINVAL
+                raise
+        else:
+            # Some filesystems (overlay on some kernels) accept the flag but refuse the read.
+            probe = mmap.mmap(-1, _ALIGN)
+            try:
+                with memoryview(probe) as mv:
+                    os.preadv(fd, [mv], 0)
+                return fd, True, "O_DIRECT"
+            except OSError as e:
+                os.close(fd)
+                if e.errno != errno.EINVAL:
+                    raise
+            finally:
+                probe.close()
+    fd = os.open(path, os.O_RDONLY)
+    _drop_from_page_cache(fd)
+    why = "the filesystem refused O_DIRECT"
+    return fd, False, f"buffered reads after posix_fadvise(POSIX_FADV_DONTNEED) ({why})"
+
+
+def read_sequential(
+    path: Path,
+    nbytes: int,
+    *,
+    block_bytes: int = DEFAULT_BLOCK_BYTES,
+    queue_depth: int = DEFAULT_QUEUE_DEPTH,
+) -> ReadResult:
+    """Read the first ``nbytes`` of ``path`` with direct I/O and time it.
+
+    ``queue_depth`` threads each own one page-aligned buffer of ``block_bytes`` and read every
+    ``queue_depth``-th block with ``os.preadv`` (which releases the GIL), so that ``queue_depth``
+    reads of neighbouring blocks are in flight at once: a sequential stream at that depth.
+
+    Args:
+        path: the file to read.
+        nbytes: bytes to read; a multiple of ``block_bytes``.
+        block_bytes: bytes per read, a multiple of 4096.
+        queue_depth: reads in flight (threads), >= 1.
+
+    Returns:
+        Bytes read, seconds taken, whether the page cache was bypassed, and the method.
+
+    Raises:
+        StrataError: bad sizes, the file cannot be opened, a read fails, or a read returns fewer
+            bytes than asked (a short read: the file is shorter than ``nbytes``).
+    """
+    if block_bytes < _ALIGN or block_bytes % _ALIGN:
+        raise StrataError(f"block size {block_bytes} B is not a multiple of 4096; pass e.g. 4 MiB")
+    if nbytes <= 0 or nbytes % block_bytes:
+        raise StrataError(
+            f"read size {nbytes} B is not a positive multiple of the block size {block_bytes} B"
+        )
+    if queue_depth < 1:
+        raise StrataError(f"queue depth {queue_depth} must be at least 1")
+    try:
+        fd, direct, method = _open_uncached(path)
+    except OSError as e:
+        raise StrataError(f"cannot open {path} for the read test: {e.strerror}") from None
+    nblocks = nbytes // block_bytes
+    depth = min(queue_depth, nblocks)
+    bufs = [mmap.mmap(-1, block_bytes) for _ in range(depth)]
+
+    def reader(t: int) -> None:
+        with memoryview(bufs[t]) as mv:
+            for i in range(t, nblocks, depth):
+                off = i * block_bytes
+                try:
+                    n = _pread_into(fd, mv, off)
+                except OSError as e:
+                    raise StrataError(
+                        f"read of {path} at byte {off} failed: {e.strerror}"
+                    ) from None
+                if n != block_bytes:
+                    raise StrataError(
+                        f"short read of {path} at byte {off}: got {n} of {block_bytes} bytes "
+                        f"(the file is shorter than the {nbytes} bytes asked for, or the disk "
+                        "failed); check the file and the disk, then re-run"
+                    )
+
+    try:
+        with ThreadPoolExecutor(max_workers=depth) as pool:
+            t0 = time.perf_counter()
+            futures = [pool.submit(reader, t) for t in range(depth)]
+            for f in futures:
+                f.result()  # re-raises a reader's StrataError here
+            seconds = time.perf_counter() - t0
+    finally:
+        os.close(fd)
+        for b in bufs:
+            b.close()
+    return ReadResult(bytes_read=nbytes, seconds=seconds, direct=direct, method=method)
+
+
+def _write_random_file(path: Path, nbytes: int, chunk: int = 4 * MiB) -> None:
+    # Random bytes: a compressing or deduplicating filesystem must store (and read back) each one.
+    rng = np.random.default_rng()
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    try:
+        if sys.platform == "darwin":
+            _set_nocache(fd)  # keep the written pages out of the unified buffer cache
+        done = 0
+        while done < nbytes:
+            n = min(chunk, nbytes - done)
+            data = rng.bytes(n)
+            view = memoryview(data)
+            while view:  # os.write may write less than asked
+                view = view[os.write(fd, view) :]
+            done += n
+        os.fsync(fd)
+        _drop_from_page_cache(fd)
+    finally:
+        os.close(fd)
+
+
+def _mount_of(path: Path) -> str:
+    """'device (fstype) at mountpoint' for the filesystem holding ``path``, for ``how``."""
+    p = path.resolve()
+    while not os.path.ismount(p) and p != p.parent:
+        p = p.parent
+    for part in psutil.disk_partitions(all=True):
+        if Path(part.mountpoint) == p:
+            return f"{part.device} ({part.fstype}) at {p}"
+    return f"the filesystem at {p}"
+
+
+def _check_disk_dir(disk_dir: Path, nbytes: int) -> None:
+    if not disk_dir.is_dir():
+        raise StrataError(
+            f"{disk_dir}: no such folder; pass the folder that holds (or will hold) the model files"
+        )
+    if not os.access(disk_dir, os.W_OK | os.X_OK):
+        raise StrataError(
+            f"{disk_dir} is not writable; pass a writable folder on the disk that holds the models"
+        )
+    free = shutil.disk_usage(disk_dir).free
+    if free < nbytes + 64 * MiB:
+        raise StrataError(
+            f"{disk_dir} has {format_size(free)} free, the read test needs {format_size(nbytes)}; "
+            "free some space or pass a smaller read size"
+        )
+
+
+def measure_disk(
+    disk_dir: Path,
+    *,
+    read_bytes: int = DEFAULT_READ_BYTES,
+    block_bytes: int = DEFAULT_BLOCK_BYTES,
+    queue_depth: int = DEFAULT_QUEUE_DEPTH,
+) -> NVMeTier:
+    """Direct-I/O sequential read bandwidth of the disk holding ``disk_dir``, bytes/s.
+
+    Writes a random test file of ``read_bytes`` (rounded up to a whole number of blocks) in
+    ``disk_dir``, fsyncs it and drops it from the page cache, reads it once with
+    :func:`read_sequential`, and deletes it (also on failure).
+
+    Raises:
+        StrataError: ``disk_dir`` is missing, not writable or too full; the test file cannot be
+            written; or the read fails or comes back short.
+    """
+    nbytes = max(1, math.ceil(read_bytes / block_bytes)) * block_bytes
+    disk_dir = Path(disk_dir)
+    _check_disk_dir(disk_dir, nbytes)
+    path = disk_dir / f".strata-readtest-{os.getpid()}.bin"
+    where = _mount_of(disk_dir)
+    try:
+        _say(f"disk: writing a {format_size(nbytes)} random test file in {disk_dir}")
+        try:
+            _write_random_file(path, nbytes)
+        except OSError as e:
+            raise StrataError(
+                f"cannot write the {format_size(nbytes)} read-test file in {disk_dir}: "
+                f"{e.strerror}; free space there or pass another folder on the model disk"
+            ) from None
+        _say(f"disk: reading it back, {format_size(block_bytes)} blocks, queue depth {queue_depth}")
+        r = read_sequential(path, nbytes, block_bytes=block_bytes, queue_depth=queue_depth)
+    finally:
+        path.unlink(missing_ok=True)
+    _say(f"disk: {_gbs(r.bytes_s)} ({r.method})")
+    how = (
+        f"sequential read of a {format_size(nbytes)} random file on {where}, "
+        f"{r.method}, os.preadv into page-aligned buffers, {format_size(block_bytes)} blocks, "
+        f"queue depth {queue_depth} (threads), {r.seconds:.3f} s, {_today()}"
+    )
+    if not r.direct:
+        how += "; NOT direct I/O, so the figure may differ from the raw disk's"
+    return NVMeTier(
+        read_bytes_s=Figure(value=r.bytes_s, source="measured", how=how),
+        block_bytes=block_bytes,
+        queue_depth=queue_depth,
+    )
+
+
+# --------------------------------------------------------------------------- MLX measurements
+
+
+def _best_seconds(fn, repeats: int) -> float:
+    fn()  # warm-up: kernel compilation, allocator caches
+    best = math.inf
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+def measure_memory_bandwidth(nbytes: int, repeats: int = 5) -> Figure:
+    """Device memory read bandwidth, bytes/s: MLX float32 reductions over an array of ``nbytes``.
+
+    The array is materialized first, so each timed reduction reads every byte once. Two forms are
+    timed, a sum of everything and a column sum of a (rows, 1024) view, because MLX's kernels
+    reach different rates on them (on a 2-core Linux CPU: ~8 vs ~30 GB/s); the figure is the
+    faster, best of ``repeats`` runs each (the least disturbed by other work). A reduction costs
+    what a matrix-vector product over weights costs at the memory bus, with negligible arithmetic.
+    """
+    import mlx.core as mx
+
+    n = nbytes // 4 // 1024 * 1024
+    a = mx.arange(n, dtype=mx.float32)
+    mx.eval(a)
+    cols = a.reshape(-1, 1024)
+    full_s = _best_seconds(lambda: mx.eval(mx.sum(a)), repeats)
+    col_s = _best_seconds(lambda: mx.eval(mx.sum(cols, axis=0)), repeats)
+    secs = min(full_s, col_s)
+    bw = n * 4 / secs
+    dev = mx.default_device()
+    _say(f"memory: {_gbs(bw)} ({dev})")
+    return Figure(
+        value=bw,
+        source="measured",
+        how=f"MLX float32 reductions over {format_size(n * 4)} on {dev}, best of {repeats} runs "
+        f"each: mx.sum(all) {_gbs(n * 4 / full_s)}, mx.sum(axis=0) of a (rows, 1024) view "
+        f"{_gbs(n * 4 / col_s)}; the faster is the figure, {_today()}",
+    )
+
+
+def _matmul_flops(m: int, k: int, n: int, dtype, repeats: int) -> tuple[float, float]:
+    import mlx.core as mx
+
+    a = mx.random.normal((m, k)).astype(dtype)
+    b = mx.random.normal((k, n)).astype(dtype)
+    mx.eval(a, b)
+    secs = _best_seconds(lambda: mx.eval(a @ b), repeats)
+    return 2.0 * m * k * n / secs, secs
+
+
+def measure_matmul_flops(
+    prefill: tuple[int, int, int],
+    decode: tuple[int, int, int],
+    dtype_name: str,
+    repeats: int = 3,
+) -> Figure:
+    """Sustained matmul throughput, FLOP/s, at a prefill-like (m x k @ k x n) shape.
+
+    The decode-like shape (one row) is timed too and stated in ``how``, but it is not the figure:
+    a one-row product is bound by reading the weights, which the cost model already charges at
+    the memory bandwidth, so using its FLOP/s would count that time twice. The prefill-like
+    product is the compute ceiling that batched decode and prefill approach.
+    """
+    import mlx.core as mx
+
+    dtype = getattr(mx, dtype_name)
+    pf, pf_s = _matmul_flops(*prefill, dtype, repeats)
+    df, df_s = _matmul_flops(*decode, dtype, repeats)
+    _say(f"compute: {pf / 1e9:.1f} GFLOP/s prefill-like, {df / 1e9:.1f} GFLOP/s decode-like")
+    shape = "{}x{} @ {}x{}"
+    return Figure(
+        value=pf,
+        source="measured",
+        how=f"MLX {dtype_name} matmul on {mx.default_device()}, best of {repeats}: prefill-like "
+        f"{shape.format(prefill[0], prefill[1], prefill[1], prefill[2])} "
+        f"{pf / 1e9:.1f} GFLOP/s ({pf_s * 1e3:.2f} ms) is the figure; decode-like "
+        f"{shape.format(decode[0], decode[1], decode[1], decode[2])} {df / 1e9:.2f} GFLOP/s "
+        f"({df_s * 1e3:.2f} ms) is memory-bound and charged by the bandwidth term instead, "
+        f"{_today()}",
+    )
+
+
+def measure_host_to_device(
+    nbytes: int, repeats: int = 3, *, touch_on_device: bool = False
+) -> Figure:
+    """Host-to-device copy bandwidth, bytes/s: ``mx.array(numpy_array)`` + ``mx.eval``.
+
+    That is how the executor turns RAM-tier weights into MLX arrays. With ``touch_on_device``
+    (CUDA, whose MLX arrays behave like managed memory), the first device read of the new array
+    (an ``mx.sum``) is included, since that is when the bytes actually cross to the GPU.
+    """
+    import mlx.core as mx
+
+    host = np.arange(nbytes // 4, dtype=np.float32)  # written, so its pages exist before timing
+
+    def copy() -> None:
+        x = mx.array(host)
+        mx.eval(x)
+        if touch_on_device:
+            mx.eval(mx.sum(x))
+
+    secs = _best_seconds(copy, repeats)
+    bw = host.nbytes / secs
+    _say(f"host->device copy: {_gbs(bw)}")
+    what = "mx.array(numpy float32) + mx.eval"
+    if touch_on_device:
+        what += " + first device read (mx.sum)"
+    return Figure(
+        value=bw,
+        source="measured",
+        how=f"{what} of {format_size(host.nbytes)} on {mx.default_device()}, best of {repeats} "
+        f"({secs * 1e3:.1f} ms), {_today()}",
+    )
+
+
+# --------------------------------------------------------------------------- the profile
+
+
+@dataclass(frozen=True)
+class _Sizes:
+    mem_bytes: int
+    copy_bytes: int
+    prefill: tuple[int, int, int]
+    decode: tuple[int, int, int]
+    repeats: int
+
+
+def _sizes(backend: str, quick: bool) -> _Sizes:
+    if quick:
+        return _Sizes(16 * MiB, 16 * MiB, (64, 256, 256), (1, 512, 512), 2)
+    if backend == "cpu":
+        # 256 MiB is far beyond any CPU cache; 512x2048x2048 (4.3 GFLOP) runs ~0.1 s on 2 cores.
+        return _Sizes(256 * MiB, 256 * MiB, (512, 2048, 2048), (1, 4096, 4096), 3)
+    # GPUs: 1 GiB is many times the L2 (60 MB on an H200) and long against launch overhead;
+    # 4096x8192x8192 is ~550 GFLOP, about a millisecond on an H200.
+    return _Sizes(1 * GiB, 256 * MiB, (4096, 8192, 8192), (1, 8192, 8192), 5)
+
+
+def _describe(backend: str, info: dict, total_ram: int) -> str:
+    cpu = info.get("device_name") if backend == "cpu" else platform.processor()
+    parts = [
+        f"{cpu or platform.machine()}, {psutil.cpu_count(logical=True)} CPU threads",
+        f"{format_size(total_ram)} RAM",
+        f"{platform.system()} {platform.release()}",
+    ]
+    if backend == "cpu":
+        parts.append("no GPU: MLX CPU backend")
+    else:
+        gpu = info.get("device_name", info.get("architecture", "?"))
+        parts.append(f"GPU {gpu} (MLX {backend})")
+    return ", ".join(parts) + f"; measured by planner.profile on {_today()}"
+
+
+def measure_profile(
+    disk_dir: Path,
+    name: str,
+    *,
+    read_bytes: int = DEFAULT_READ_BYTES,
+    quick: bool = False,
+    block_bytes: int = DEFAULT_BLOCK_BYTES,
+    queue_depth: int = DEFAULT_QUEUE_DEPTH,
+) -> HardwareProfile:
+    """Measure this machine.
+
+    Args:
+        disk_dir: a writable folder on the disk that holds (or will hold) the model files; the
+            direct-I/O read test writes and deletes a file of ``read_bytes`` there.
+        name: the profile's short name, e.g. ``dev-linux-cpu``.
+        read_bytes: size of the disk test, bytes (rounded up to whole blocks).
+        quick: shrink every test (8 MiB disk test in 1 MiB blocks at depth 2, 16 MiB memory and
+            copy tests, small matmuls): about a second, for unit tests; the figures are rough.
+        block_bytes: read size of the disk test, bytes, a multiple of 4096.
+        queue_depth: reads in flight during the disk test.
+
+    Returns:
+        The profile: capacities in bytes, bandwidths in bytes/s, compute in FLOP/s, each with
+        its source and method.
+
+    Raises:
+        StrataError: an empty ``name``, or a disk test problem (see :func:`measure_disk`).
+    """
+    if not name.strip():
+        raise StrataError("profile name is empty; pass a short machine name, e.g. m1-max-32gb")
+    import mlx.core as mx
+
+    t_start = time.perf_counter()
+    backend = detect_backend()
+    if backend in ("metal", "cuda"):
+        mx.set_default_device(mx.gpu)
+    info = _device_info(backend)
+    date = _today()
+    total_ram = int(psutil.virtual_memory().total)
+    reserve = os_reserve_bytes(total_ram)
+    _say(f"backend {backend}; RAM {format_size(total_ram)}, OS reserve {format_size(reserve)}")
+
+    if quick:
+        read_bytes = min(read_bytes, _QUICK_READ_BYTES)
+        block_bytes, queue_depth = _QUICK_BLOCK_BYTES, min(queue_depth, _QUICK_QUEUE_DEPTH)
+    nvme = measure_disk(
+        Path(disk_dir), read_bytes=read_bytes, block_bytes=block_bytes, queue_depth=queue_depth
+    )
+
+    sz = _sizes(backend, quick)
+    compute_dtype = "float32" if backend == "cpu" else "float16"
+    gpu = GPUTier(
+        working_set_bytes=working_set(backend, total_ram, reserve, info),
+        memory_bandwidth_bytes_s=measure_memory_bandwidth(sz.mem_bytes, sz.repeats + 2),
+        compute_flops_s=measure_matmul_flops(sz.prefill, sz.decode, compute_dtype, sz.repeats),
+    )
+    ram = RAMTier(
+        capacity_bytes=Figure(
+            value=total_ram, source="measured", how=f"psutil.virtual_memory().total, {date}"
+        ),
+        host_to_device_bytes_s=measure_host_to_device(
+            sz.copy_bytes, sz.repeats, touch_on_device=backend == "cuda"
+        ),
+    )
+    profile = HardwareProfile(
+        name=name,
+        description=_describe(backend, info, total_ram),
+        backend=backend,  # type: ignore[arg-type]
+        # CPU and Apple GPUs share one memory; MLX's CUDA arrays live in device memory.
+        unified_memory=backend != "cuda",
+        # float32 on CPU: MLX's CPU float16 ran ~30x slower here. float16 on GPUs; bfloat16 is
+        # an option on GPUs that have it (same speed, wider range).
+        compute_dtype=compute_dtype,  # type: ignore[arg-type]
+        os_reserve_bytes=Figure(value=reserve, source="derived", how=RESERVE_RULE),
+        gpu=gpu,
+        ram=ram,
+        nvme=nvme,
+    )
+    _say(f"done in {time.perf_counter() - t_start:.1f} s")
+    return profile

@@ -1,0 +1,330 @@
+"""The three documents of Strata as pydantic v2 schemas: model description, hardware profile, plan.
+
+Every schema forbids unknown keys (a YAML typo is an error naming the key, not a silent default),
+bounds its numbers, and documents each field. Sizes are integer bytes, bandwidths bytes/s, times
+seconds. ``planner.yamlio`` writes them with stable key order so two documents diff cleanly.
+
+Format versions are ``MAJOR.MINOR``: a reader refuses a different major version (the meaning of a
+field changed) and accepts any minor version of its own major (fields were only added).
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+TIERS: tuple[str, ...] = ("gpu", "ram", "nvme")
+"""Storage tiers, fastest first: the device working set, host RAM, NVMe (direct I/O)."""
+
+Tier = Literal["gpu", "ram", "nvme"]
+Role = Literal["embedding", "attention", "norm", "ffn", "expert", "router", "output", "other"]
+
+DESCRIPTION_VERSION = "1.0"
+PROFILE_VERSION = "1.0"
+PLAN_VERSION = "1.0"
+
+
+class Strict(BaseModel):
+    """Base: unknown keys are errors, values are validated on assignment."""
+
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+def check_major(version: str, expected: str, what: str) -> str:
+    """Accept ``version`` if its major is ``expected``'s; else raise ValueError naming the fix."""
+    major = version.split(".")[0]
+    if major != expected.split(".")[0]:
+        raise ValueError(
+            f"{what} format_version {version} is not readable by this Strata "
+            f"(it reads {expected.split('.')[0]}.x); re-create the {what} with this version"
+        )
+    return version
+
+
+# --------------------------------------------------------------------------- model description
+
+
+class TensorInfo(Strict):
+    """One GGUF tensor as the planner sees it."""
+
+    name: str = Field(description="GGUF tensor name, e.g. blk.0.attn_q.weight")
+    layer: int | None = Field(ge=0, description="block index, None for non-block tensors")
+    role: Role = Field(description="what the tensor does in the forward pass")
+    unit: str = Field(description="the placement unit it moves with (a layer's attention, FFN...)")
+    shape: list[int] = Field(description="GGUF order (ne0 first: ne0 is the contiguous row length)")
+    ggml_type: str = Field(description="GGML quantization type name, e.g. Q4_1")
+    offset: int = Field(ge=0, description="absolute byte offset of the tensor data in the file")
+    bytes_gguf: int = Field(ge=0, description="bytes on disk")
+    bytes_mlx: int = Field(ge=0, description="bytes once repacked into MLX form")
+    supported: bool = Field(description="whether the executor can load this GGML type today")
+    access_per_token: float = Field(
+        ge=0, le=1, description="fraction of the tensor one decoded token reads (1 for dense)"
+    )
+
+
+class UnitInfo(Strict):
+    """A placement unit: tensors that always move together between tiers."""
+
+    name: str = Field(description="e.g. blk.3.attn, blk.3.ffn, token_embd, output")
+    layer: int | None = Field(ge=0, description="block index, None for non-block units")
+    role: Role = Field(description="dominant role of the unit's tensors")
+    tensors: list[str] = Field(description="names of the unit's tensors")
+    bytes_gguf: int = Field(ge=0, description="sum of the tensors' bytes on disk")
+    bytes_mlx: int = Field(ge=0, description="sum of the tensors' bytes in MLX form")
+    access_per_token: float = Field(
+        ge=0,
+        le=1,
+        description="fraction of the unit a decoded token reads (1 dense, top-k/n experts)",
+    )
+    flops_per_token: int = Field(ge=0, description="multiply-adds x 2 of one decoded token")
+    supported: bool = Field(description="all tensors of the unit have supported GGML types")
+
+
+class Architecture(Strict):
+    """Hyperparameters from the GGUF metadata (``{arch}.*`` keys)."""
+
+    name: str = Field(description="general.architecture, e.g. llama")
+    block_count: int = Field(ge=1)
+    context_length: int = Field(ge=1, description="training context, tokens")
+    embedding_length: int = Field(ge=1, description="model width d")
+    feed_forward_length: int = Field(ge=0, description="FFN hidden width")
+    head_count: int = Field(ge=1)
+    head_count_kv: int = Field(ge=1)
+    head_dim: int = Field(ge=1, description="key/query head dimension")
+    vocab_size: int = Field(ge=1)
+    rope_freq_base: float = Field(gt=0)
+    rope_dimension_count: int = Field(ge=0)
+    rms_norm_eps: float = Field(gt=0)
+    tied_embeddings: bool = Field(
+        description="no separate output.weight: the head reuses token_embd"
+    )
+    expert_count: int = Field(default=0, ge=0)
+    expert_used_count: int = Field(default=0, ge=0)
+
+
+class ModelSource(Strict):
+    """Which file a description (or plan) is about."""
+
+    name: str | None = Field(description="catalog name (e.g. smollm2-135m) or None for a path")
+    path: str | None = Field(description="file path as given, None for a catalog model")
+    size_bytes: int | None = Field(ge=0, description="file size; None for --arch descriptions")
+    sha256: str | None = Field(
+        description="file sha256; None for --arch descriptions (not executable)"
+    )
+    header_sha256: str = Field(description="sha256 of the metadata and tensor table (the header)")
+
+
+class ModelDescription(Strict):
+    """Everything the planner needs about a model, from the GGUF header alone."""
+
+    format_version: str = DESCRIPTION_VERSION
+    model: ModelSource
+    architecture: Architecture
+    file_type: str = Field(description="GGUF general.file_type, e.g. MOSTLY_Q4_1")
+    kv_elements_per_token: int = Field(
+        ge=0, description="K and V elements one token adds to the KV cache over all layers"
+    )
+    bytes_gguf: int = Field(ge=0, description="sum of tensor bytes on disk")
+    bytes_mlx: int = Field(ge=0, description="sum of tensor bytes in MLX form")
+    units: list[UnitInfo]
+    tensors: list[TensorInfo]
+
+    @field_validator("format_version")
+    @classmethod
+    def _major(cls, v: str) -> str:
+        return check_major(v, DESCRIPTION_VERSION, "model description")
+
+
+# --------------------------------------------------------------------------- hardware profile
+
+Source = Literal["measured", "spec", "derived", "assumed"]
+
+
+class Figure(Strict):
+    """A number with how it was obtained."""
+
+    value: float = Field(ge=0, description="the number, in the unit its field name states")
+    source: Source = Field(description="measured here, from a spec sheet, derived, or assumed")
+    how: str = Field(min_length=1, description="method and date, or the spec's source")
+
+
+class GPUTier(Strict):
+    """The device working set: where weights must be to be computed on at full speed."""
+
+    working_set_bytes: Figure = Field(description="bytes the device may keep resident")
+    memory_bandwidth_bytes_s: Figure = Field(description="device memory read bandwidth, bytes/s")
+    compute_flops_s: Figure = Field(description="sustained matmul throughput, FLOP/s")
+
+
+class RAMTier(Strict):
+    """Host RAM outside the device working set."""
+
+    capacity_bytes: Figure = Field(description="total host RAM, bytes")
+    host_to_device_bytes_s: Figure = Field(
+        description="copy bandwidth from a host buffer into a device (MLX) array, bytes/s"
+    )
+
+
+class NVMeTier(Strict):
+    """The disk that holds the model files, read with direct I/O."""
+
+    read_bytes_s: Figure = Field(description="direct-I/O sequential read bandwidth, bytes/s")
+    block_bytes: int = Field(ge=512, description="read size of the bandwidth test, bytes")
+    queue_depth: int = Field(ge=1, description="reads in flight during the bandwidth test")
+
+
+class HardwareProfile(Strict):
+    """A machine: tier capacities and bandwidths, compute, reserve."""
+
+    format_version: str = PROFILE_VERSION
+    name: str = Field(min_length=1, description="short machine name, e.g. m1-max-32gb")
+    description: str = Field(description="what the machine is")
+    backend: Literal["cpu", "metal", "cuda"] = Field(description="MLX backend the executor uses")
+    unified_memory: bool = Field(description="GPU and CPU share one physical memory (Apple, CPU)")
+    compute_dtype: Literal["float32", "float16", "bfloat16"] = Field(
+        description="activation and KV-cache dtype (float32 on CPU: MLX's CPU float16 is slow)"
+    )
+    os_reserve_bytes: Figure = Field(description="memory left to the OS and other programs")
+    gpu: GPUTier
+    ram: RAMTier
+    nvme: NVMeTier
+
+    @field_validator("format_version")
+    @classmethod
+    def _major(cls, v: str) -> str:
+        return check_major(v, PROFILE_VERSION, "hardware profile")
+
+
+# --------------------------------------------------------------------------- plan
+
+
+class ProfileRef(Strict):
+    """Which profile a plan was made for."""
+
+    name: str
+    path: str = Field(description="profile file, relative to the plan file's folder")
+    sha256: str = Field(description="sha256 of the profile's canonical content")
+
+
+class Fingerprints(Strict):
+    """What a plan was made from; the executor refuses a plan whose inputs changed."""
+
+    model: ModelSource
+    profile: ProfileRef | None = Field(default=None, description="None for a hand-written plan")
+    request_sha256: str | None = None
+    planner_version: str | None = None
+    solver: str | None = Field(default=None, description="solver name, version and options")
+
+
+class Request(Strict):
+    """What the plan was asked to serve."""
+
+    context: int = Field(ge=1, description="tokens of context per sequence (prompt + output)")
+    concurrency: int = Field(default=1, ge=1, description="sequences served at once")
+    objective: Literal["latency", "throughput"] = "latency"
+    gpu_budget_bytes: int | None = Field(default=None, ge=0, description="override of the profile")
+    ram_budget_bytes: int | None = Field(default=None, ge=0, description="override of the profile")
+
+
+class Placement(Strict):
+    """One unit on one tier."""
+
+    unit: str
+    tier: Tier
+    bytes: int = Field(ge=0, description="MLX-form bytes of the unit")
+
+
+class Pool(Strict):
+    """The streaming pool: fixed slots that NVMe reads land in, reused without reallocation."""
+
+    slots: int = Field(ge=0)
+    slot_bytes: int = Field(ge=0, description="bytes per slot (the largest streamed unit)")
+
+
+class Prefetch(Strict):
+    """How far ahead streamed units are read."""
+
+    depth: int = Field(ge=0, description="units read ahead of the one being computed")
+    io_threads: int = Field(ge=0)
+
+
+class ExpertCache(Strict):
+    """MoE expert cache (zero for dense models)."""
+
+    slots: int = Field(default=0, ge=0)
+    pinned: list[str] = Field(default_factory=list)
+
+
+class BatchLimits(Strict):
+    """Continuous-batching limits, sized from the memory left for the KV cache."""
+
+    max_num_seqs: int = Field(ge=1)
+    max_num_batched_tokens: int = Field(ge=1, description="token budget of one step")
+    kv_block_size: int = Field(ge=1, description="tokens per KV-cache block")
+    kv_num_blocks: int = Field(ge=1)
+    prefill_chunk: int = Field(ge=1, description="tokens of one prefill chunk")
+
+
+class TierMemory(Strict):
+    """Bytes a tier holds under the plan, and its capacity."""
+
+    capacity: int = Field(ge=0)
+    weights: int = Field(ge=0)
+    kv_cache: int = Field(default=0, ge=0)
+    pool: int = Field(default=0, ge=0)
+    activations: int = Field(default=0, ge=0)
+
+
+class Prediction(Strict):
+    """The cost model's per-token prediction for one decode step at the plan's batch."""
+
+    compute_s: float = Field(ge=0, description="device compute + device-memory reads, seconds")
+    host_copy_s: float = Field(ge=0, description="RAM -> device copies, seconds")
+    disk_s: float = Field(ge=0, description="NVMe reads, seconds")
+    step_s: float = Field(ge=0, description="predicted time of one decode step, seconds")
+    bottleneck: Literal["compute", "host_copy", "disk"]
+    decode_tok_s: float = Field(ge=0, description="aggregate decode tokens/s at the plan's batch")
+    binding: list[str] = Field(default_factory=list, description="constraints at their bound")
+
+
+class SolverResult(Strict):
+    """How the ILP ended (solve time goes to stderr, never into the plan)."""
+
+    name: str
+    status: Literal["Optimal"]
+    objective: float
+    gap: float = Field(ge=0)
+
+
+class Runtime(Strict):
+    """Executor settings that follow from the profile."""
+
+    backend: Literal["cpu", "metal", "cuda"] = "cpu"
+    compute_dtype: Literal["float32", "float16", "bfloat16"] = "float32"
+
+
+class Plan(Strict):
+    """A plan: where every unit lives and how the executor runs. Hand-writable."""
+
+    format_version: str = PLAN_VERSION
+    fingerprints: Fingerprints
+    request: Request
+    runtime: Runtime = Field(default_factory=Runtime)
+    placement: list[Placement]
+    pool: Pool = Field(default_factory=lambda: Pool(slots=0, slot_bytes=0))
+    prefetch: Prefetch = Field(default_factory=lambda: Prefetch(depth=0, io_threads=0))
+    expert_cache: ExpertCache = Field(default_factory=ExpertCache)
+    batch: BatchLimits
+    memory: dict[Tier, TierMemory] | None = None
+    prediction: Prediction | None = None
+    solver: SolverResult | None = None
+
+    @field_validator("format_version")
+    @classmethod
+    def _major(cls, v: str) -> str:
+        return check_major(v, PLAN_VERSION, "plan")
+
+    def tier_of(self) -> dict[str, str]:
+        """Unit name -> tier."""
+        return {p.unit: p.tier for p in self.placement}

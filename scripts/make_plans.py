@@ -1,0 +1,40 @@
+#!/usr/bin/env python3
+"""Re-make the example plans checked in under plans/ (tests/test_plans.py keeps them current).
+
+Run from the project root: ``.venv/bin/python scripts/make_plans.py``.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from planner.planning import build_plan  # noqa: E402
+from planner.schemas import Plan, Request  # noqa: E402
+from planner.yamlio import write_yaml  # noqa: E402
+
+# plan file -> (model, profile file, request)
+EXAMPLES: dict[str, tuple[str, str, dict]] = {
+    "smollm2-135m.dev-linux-cpu.yaml": ("smollm2-135m", "dev-linux-cpu.yaml", {"context": 2048}),
+    "smollm2-135m.m1-max-32gb.yaml": ("smollm2-135m", "m1-max-32gb.yaml", {"context": 8192}),
+    "smollm2-135m.h200-host.yaml": (
+        "smollm2-135m",
+        "h200-host.yaml",
+        {"context": 8192, "concurrency": 16, "objective": "throughput"},
+    ),
+}
+
+
+def make(name: str) -> Plan:
+    """The example plan ``name`` made afresh from its inputs."""
+    model, profile, request = EXAMPLES[name]
+    return build_plan(model, ROOT / "profiles" / profile, Request(**request), ROOT / "plans" / name)
+
+
+if __name__ == "__main__":
+    for name in EXAMPLES:
+        write_yaml(make(name), ROOT / "plans" / name)
+        print(f"wrote plans/{name}")

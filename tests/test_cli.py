@@ -1,0 +1,190 @@
+"""The command lines: real subprocesses, one-line errors for bad input, deterministic plans."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+
+import pytest
+import yaml
+from conftest import DEV_PROFILE, ROOT, make_plan_file
+from gguf_factory import write_tiny_llama
+
+
+def cli(*args: str, ok: bool = True) -> subprocess.CompletedProcess:
+    """Run ``plan.py``/``execute.py`` as a user would."""
+    done = subprocess.run(
+        [sys.executable, *args], cwd=ROOT, capture_output=True, text=True, timeout=600
+    )
+    if ok:
+        assert done.returncode == 0, done.stderr
+    return done
+
+
+def assert_one_line_error(done: subprocess.CompletedProcess, *words: str) -> None:
+    assert done.returncode == 2, done.stderr
+    assert "Traceback" not in done.stderr
+    lines = [ln for ln in done.stderr.splitlines() if ln.startswith("error: ")]
+    assert len(lines) == 1, done.stderr
+    for w in words:
+        assert w in lines[0], lines[0]
+
+
+def test_run_json(smollm2_plan):
+    done = cli(
+        "execute.py",
+        "run",
+        str(smollm2_plan),
+        "--prompt",
+        "The capital of France is",
+        "--max-tokens",
+        "4",
+        "--json",
+    )
+    out = json.loads(done.stdout)
+    assert out["prompt_ids"] == [504, 3575, 282, 4649, 314]
+    assert out["output_ids"][0] == 7042 and out["text"].startswith(" Paris")
+    for key in ("prefill_tok_s", "decode_tok_s", "peak_rss_bytes", "peak_mlx_bytes"):
+        assert out["stats"][key] > 0
+    assert set(out["stats"]["bytes_read"]) == {"gpu", "ram", "nvme"}
+
+
+def test_run_streams_text_and_stats(smollm2_plan, tmp_path):
+    msgs = tmp_path / "m.json"
+    msgs.write_text(
+        json.dumps([{"role": "user", "content": "What is 2+2? Answer with one number."}])
+    )
+    done = cli("execute.py", "run", str(smollm2_plan), "--messages", str(msgs), "--max-tokens", "8")
+    assert "4" in done.stdout
+    assert "decode" in done.stderr and "tok/s" in done.stderr
+
+
+def test_plan_is_byte_identical_and_stale_model_refused(tmp_path):
+    model = write_tiny_llama(tmp_path / "tiny.gguf")
+    a = make_plan_file(str(model), tmp_path / "a.yaml", context=256)
+    b = make_plan_file(str(model), tmp_path / "b.yaml", context=256)
+    assert a.read_bytes() == b.read_bytes()
+    write_tiny_llama(model, seed=1)  # same shapes, other weights: the file changed
+    done = cli("execute.py", "run", str(a), "--prompt", "hi", ok=False)
+    assert_one_line_error(done, "changed", "re-run plan.py plan")
+
+
+def test_changed_profile_refused(tmp_path):
+    model = write_tiny_llama(tmp_path / "tiny.gguf")
+    prof = tmp_path / "prof.yaml"
+    shutil.copy(DEV_PROFILE, prof)
+    plan = make_plan_file(str(model), tmp_path / "p.yaml", profile=prof, context=256)
+    data = yaml.safe_load(prof.read_text())
+    data["nvme"]["queue_depth"] = 7
+    prof.write_text(yaml.safe_dump(data))
+    assert_one_line_error(
+        cli("execute.py", "run", str(plan), "--prompt", "hi", ok=False), "profile", "changed"
+    )
+
+
+def test_unknown_architecture(tmp_path):
+    model = write_tiny_llama(tmp_path / "odd.gguf", arch="odd")
+    plan = make_plan_file(str(model), tmp_path / "p.yaml", context=256)  # planning works
+    assert_one_line_error(
+        cli("execute.py", "run", str(plan), "--prompt", "hi", ok=False),
+        "architecture 'odd' is not supported",
+    )
+
+
+@pytest.mark.parametrize(
+    "make, words",
+    [
+        (lambda d: d / "missing.gguf", ("no such file",)),
+        (
+            lambda d: (d / "text.gguf").write_text("not a model at all") and d / "text.gguf",
+            ("not a GGUF",),
+        ),
+        (lambda d: _truncated(d), ("truncated",)),
+    ],
+    ids=["missing", "not-gguf", "truncated"],
+)
+def test_describe_bad_files(tmp_path, make, words):
+    assert_one_line_error(cli("plan.py", "describe", str(make(tmp_path)), ok=False), *words)
+
+
+def _truncated(d):
+    good = write_tiny_llama(d / "good.gguf").read_bytes()
+    (d / "cut.gguf").write_bytes(good[: len(good) - 500])
+    return d / "cut.gguf"
+
+
+def test_unknown_catalog_name():
+    assert_one_line_error(
+        cli("plan.py", "describe", "smollm3-1b", ok=False),
+        "unknown model 'smollm3-1b'",
+        "smollm2-135m",
+    )
+
+
+def test_profile_typo(tmp_path):
+    data = yaml.safe_load(DEV_PROFILE.read_text())
+    data["nvme"]["queue_dept"] = data["nvme"].pop("queue_depth")
+    prof = tmp_path / "typo.yaml"
+    prof.write_text(yaml.safe_dump(data))
+    model = write_tiny_llama(tmp_path / "tiny.gguf")
+    done = cli(
+        "plan.py",
+        "plan",
+        "--model",
+        str(model),
+        "--profile",
+        str(prof),
+        "-o",
+        str(tmp_path / "p.yaml"),
+        ok=False,
+    )
+    assert_one_line_error(done, "nvme.queue_dept", "did you mean 'nvme.queue_depth'")
+
+
+def test_plan_of_unknown_major_version(tmp_path):
+    model = write_tiny_llama(tmp_path / "tiny.gguf")
+    plan = make_plan_file(str(model), tmp_path / "p.yaml", context=256)
+    data = yaml.safe_load(plan.read_text())
+    data["format_version"] = "2.0"
+    plan.write_text(yaml.safe_dump(data, sort_keys=False))
+    assert_one_line_error(
+        cli("execute.py", "run", str(plan), "--prompt", "hi", ok=False), "format_version 2.0"
+    )
+    assert_one_line_error(cli("plan.py", "explain", str(plan), ok=False), "format_version 2.0")
+
+
+def test_bad_sizes_and_infeasible(tmp_path):
+    model = write_tiny_llama(tmp_path / "tiny.gguf")
+    base = (
+        "plan.py",
+        "plan",
+        "--model",
+        str(model),
+        "--profile",
+        str(DEV_PROFILE),
+        "-o",
+        str(tmp_path / "p.yaml"),
+    )
+    assert_one_line_error(cli(*base, "--gpu-budget", "12 parsecs", ok=False), "cannot read size")
+    done = cli(
+        *base, "--context", "100000", "--gpu-budget", "1MiB", "--ram-budget", "1MiB", ok=False
+    )
+    assert_one_line_error(done, "short by")
+    assert not (tmp_path / "p.yaml").exists()
+
+
+def test_prompt_too_long_and_bad_ids(tmp_path):
+    model = write_tiny_llama(tmp_path / "tiny.gguf")
+    plan = make_plan_file(str(model), tmp_path / "p.yaml", context=16)
+    assert_one_line_error(
+        cli("execute.py", "run", str(plan), "--prompt", "x" * 40, ok=False), "context"
+    )
+    assert_one_line_error(
+        cli("execute.py", "run", str(plan), "--prompt-ids", "1,x", ok=False), "--prompt-ids"
+    )
+    assert_one_line_error(
+        cli("execute.py", "run", str(plan), "--prompt-ids", "99999", ok=False),
+        "outside the vocabulary",
+    )

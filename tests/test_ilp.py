@@ -1,0 +1,293 @@
+"""The placement ILP: brute force, capacities, infeasibility messages, determinism, 70B size."""
+
+from __future__ import annotations
+
+import itertools
+import random
+import time
+from collections import Counter
+
+import pytest
+
+from planner.costmodel import (
+    MAX_DEPTH,
+    activation_bytes,
+    batch_limits,
+    batch_size,
+    capacity_use,
+    kv_cache_bytes,
+    objective,
+    score,
+)
+from planner.errors import PlanError
+from planner.ilp import Solution, solve
+from planner.schemas import TIERS, Fingerprints, Request
+from planner.yamlio import to_yaml
+from tests.synthetic_desc import (
+    GIB,
+    MIB,
+    U,
+    llama70b_desc,
+    m1max32_profile,
+    make_desc,
+    make_profile,
+)
+
+
+def _brute_force(desc, profile, request):
+    """Enumerate every tier assignment x depth with the cost model: (best objective, tiers,
+    depth), or (None, least total shortfall in bytes) when nothing fits."""
+    best, least_short = None, None
+    names = [u.name for u in desc.units]
+    for assign in itertools.product(TIERS, repeat=len(names)):
+        tiers = dict(zip(names, assign, strict=True))
+        for depth in range(MAX_DEPTH + 1):
+            use = capacity_use(desc, profile, request, tiers, depth)
+            short = sum(max(0, used - row.capacity) for row, used in use)
+            if short:
+                least_short = short if least_short is None else min(least_short, short)
+                continue
+            obj = objective(score(desc, profile, request, tiers, depth), request)
+            if best is None or obj < best[0]:
+                best = (obj, tiers, depth)
+    return best or (None, least_short)
+
+
+def _instance(seed: int):
+    """A small random instance: 4-7 units (some identical), capacities that force spilling."""
+    rng = random.Random(seed)
+    n = rng.randint(4, 7)
+    units: list[U] = []
+    for i in range(n):
+        if units and rng.random() < 0.3:  # an identical twin: exercises the ILP's unit classes
+            t = rng.choice(units)
+            units.append(U(f"blk.{i}.ffn", t.role, i, t.bytes, t.access, t.flops))
+            continue
+        role = rng.choice(["attention", "ffn", "expert"])
+        units.append(
+            U(
+                f"blk.{i}.{ {'attention': 'attn', 'ffn': 'ffn', 'expert': 'ffn_exps'}[role] }",
+                role,
+                i,
+                rng.randint(4, 64) * MIB + rng.randint(0, 4095),
+                access=rng.choice([1.0, 1.0, 0.25]) if role == "expert" else 1.0,
+                flops=rng.randint(0, 4) * 10**8,
+            )
+        )
+    desc = make_desc(units)
+    total = sum(u.bytes for u in units)
+    unified = seed % 2 == 0
+    request = Request(
+        context=rng.choice([128, 1000, 4096]),
+        concurrency=rng.randint(1, 4),
+        objective="throughput" if seed % 3 == 0 else "latency",
+    )
+    batch = batch_limits(request)
+    fixed = kv_cache_bytes(desc, make_profile(gpu_bytes=0, ram_bytes=0), batch)
+    fixed += activation_bytes(desc, make_profile(gpu_bytes=0, ram_bytes=0), batch)
+    gpu = fixed + int(total * rng.uniform(0.3, 1.0))
+    ram = (gpu if unified else 0) + int(total * rng.uniform(0.1, 0.6))
+    profile = make_profile(
+        gpu_bytes=gpu,
+        ram_bytes=ram,
+        unified=unified,
+        h2d_bw=rng.choice([10e9, 50e9]),
+        nvme_bw=rng.choice([2e9, 7e9, 40e9]),
+        flops=rng.choice([1e12, 10e12]),
+    )
+    return desc, profile, request
+
+
+SEEDS = [*range(16), 24, 40]  # 24 and 40: optimal placements that prefetch (depth >= 1)
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+def test_ilp_equals_brute_force(seed: int) -> None:
+    desc, profile, request = _instance(seed)
+    best = _brute_force(desc, profile, request)
+    if best[0] is None:
+        # The phase-1 model finds the least total shortfall too.
+        with pytest.raises(PlanError, match="does not fit") as e:
+            solve(desc, profile, request)
+        assert sum(e.value.short_bytes.values()) == pytest.approx(best[1], abs=16)  # type: ignore[attr-defined]
+        return
+    sol = solve(desc, profile, request)
+    tiers = {p.unit: p.tier for p in sol.placement}
+    use = capacity_use(desc, profile, request, tiers, sol.prefetch.depth)
+    assert all(used <= row.capacity for row, used in use)
+    got = objective(sol.prediction, request)
+    assert got == pytest.approx(best[0], rel=1e-9, abs=0)
+    assert sol.solver.objective == pytest.approx(got, rel=1e-12)
+
+
+def test_brute_force_instances_cover_the_tiers_and_modes() -> None:
+    """The instances above are not all the same easy case: both objectives, unified or not, and
+    optimal placements that use ram and nvme, with and without prefetch."""
+    seen: Counter[str] = Counter()
+    for seed in SEEDS:
+        desc, profile, request = _instance(seed)
+        seen[request.objective] += 1
+        seen["unified" if profile.unified_memory else "discrete"] += 1
+        try:
+            sol = solve(desc, profile, request)
+        except PlanError:
+            seen["infeasible"] += 1
+            continue
+        seen.update({f"tier:{p.tier}" for p in sol.placement})
+        seen["depth>=1" if sol.prefetch.depth else "depth=0"] += 1
+    for key in (
+        "latency",
+        "throughput",
+        "unified",
+        "discrete",
+        "tier:ram",
+        "tier:nvme",
+        "depth>=1",
+    ):
+        assert seen[key] > 0, (key, seen)
+
+
+def _check_solution(sol: Solution, desc, profile, request) -> None:
+    names = [p.unit for p in sol.placement]
+    assert sorted(names) == sorted(u.name for u in desc.units)  # every unit exactly once
+    tiers = {p.unit: p.tier for p in sol.placement}
+    for row, used in capacity_use(desc, profile, request, tiers, sol.prefetch.depth):
+        assert used <= row.capacity, row.name
+    assert sol.memory["gpu"].weights == sum(p.bytes for p in sol.placement if p.tier == "gpu")
+    assert sol.memory["ram"].weights == sum(p.bytes for p in sol.placement if p.tier == "ram")
+    assert sol.memory["nvme"].weights == sum(p.bytes for p in sol.placement if p.tier == "nvme")
+    streamed = [p.bytes for p in sol.placement if p.tier == "nvme"]
+    if streamed:
+        assert sol.pool.slots == sol.prefetch.depth + 1
+        assert sol.pool.slot_bytes == max(streamed)
+        assert sol.prefetch.io_threads == 1
+    else:
+        assert (sol.pool.slots, sol.pool.slot_bytes, sol.prefetch.depth) == (0, 0, 0)
+        assert sol.prefetch.io_threads == 0
+    assert sol.prediction == score(desc, profile, request, tiers, sol.prefetch.depth)
+    b = batch_size(request)
+    assert sol.prediction.decode_tok_s == pytest.approx(b / sol.prediction.step_s)
+
+
+def test_70b_solves_optimal_and_respects_capacities() -> None:
+    desc, profile = llama70b_desc(), m1max32_profile()
+    assert len(desc.units) == 162
+    request = Request(context=4096, concurrency=1)
+    start = time.perf_counter()
+    sol = solve(desc, profile, request)
+    wall = time.perf_counter() - start
+    print(
+        f"\n70B-size description (162 units): solved in {sol.solve_time_s:.3f} s "
+        f"({wall:.3f} s wall)"
+    )
+    assert sol.solver.status == "Optimal"
+    _check_solution(sol, desc, profile, request)
+    # 49 GiB of weights on a 32 GB machine: some must stream, and the disk is the bottleneck.
+    assert sol.memory["nvme"].weights > 0
+    assert sol.prediction.bottleneck == "disk"
+    assert "step = disk" in sol.prediction.binding
+
+
+def test_70b_throughput_on_a_large_machine() -> None:
+    desc = llama70b_desc()
+    profile = make_profile(gpu_bytes=144 * GIB, ram_bytes=192 * GIB, reserve=16 * GIB)
+    request = Request(context=8192, concurrency=8, objective="throughput")
+    sol = solve(desc, profile, request)
+    _check_solution(sol, desc, profile, request)
+    assert {p.tier for p in sol.placement} == {"gpu"}  # everything fits: nothing copied or streamed
+    assert sol.prediction.bottleneck == "compute"
+    assert sol.prediction.decode_tok_s == pytest.approx(8 / sol.prediction.step_s)
+    assert sol.batch.kv_num_blocks == 8 * 512 and sol.batch.max_num_batched_tokens == 512
+
+
+def test_determinism() -> None:
+    desc, profile = llama70b_desc(), m1max32_profile()
+    request = Request(context=4096, concurrency=2, objective="throughput")
+    a, b = solve(desc, profile, request), solve(desc, profile, request)
+    assert a == b
+    fp = Fingerprints(model=desc.model)
+    assert to_yaml(a.to_plan(fp, request)) == to_yaml(b.to_plan(fp, request))
+
+
+def test_identical_units_keep_early_layers_on_the_device() -> None:
+    """Equal-cost placements resolve one way: of interchangeable units, early ones stay on gpu."""
+    desc, profile = llama70b_desc(), m1max32_profile()
+    sol = solve(desc, profile, Request(context=4096, concurrency=1))
+    rank = {"gpu": 0, "ram": 1, "nvme": 2}
+    ffn = [rank[p.tier] for p in sol.placement if p.unit.endswith(".ffn")]
+    assert ffn == sorted(ffn)
+
+
+def test_infeasible_gpu_names_tier_and_shortfall() -> None:
+    # Discrete GPU with 64 MiB; the KV cache alone is 128 MiB. RAM is large, so the cheapest way
+    # to fit is every weight in RAM (no pool): the gpu tier is short by KV + activations - 64 MiB.
+    desc = make_desc([U(f"blk.{i}.ffn", "ffn", i, 32 * MIB) for i in range(4)])
+    profile = make_profile(gpu_bytes=64 * MIB, ram_bytes=64 * GIB, unified=False)
+    request = Request(context=4096, concurrency=64)
+    batch = batch_limits(request)
+    need = kv_cache_bytes(desc, profile, batch) + activation_bytes(desc, profile, batch)
+    short = need - 64 * MIB
+    assert short > 0
+    with pytest.raises(PlanError) as e:
+        solve(desc, profile, request)
+    msg = str(e.value)
+    assert msg.startswith("does not fit: gpu tier is short by")
+    assert f"({short} bytes)" in msg
+    assert "every weight off the device" in msg
+    assert "--gpu-budget" in msg and "--context/--concurrency" in msg
+    assert e.value.short_bytes == {"gpu capacity": short}  # type: ignore[attr-defined]
+
+
+def test_infeasible_unified_memory_names_shortfall() -> None:
+    # Unified memory of 96 MiB, a KV cache of 64 MiB + activations, units of 16..40 MiB: the least
+    # memory is every unit streamed through one slot of the largest (depth 0).
+    sizes = [16 * MIB, 24 * MIB, 40 * MIB, 20 * MIB]
+    desc = make_desc([U(f"blk.{i}.ffn", "ffn", i, b) for i, b in enumerate(sizes)])
+    profile = make_profile(gpu_bytes=10 * GIB, ram_bytes=96 * MIB, unified=True)
+    request = Request(context=4096, concurrency=32, gpu_budget_bytes=10 * GIB)
+    batch = batch_limits(request)
+    need = (
+        kv_cache_bytes(desc, profile, batch) + activation_bytes(desc, profile, batch) + max(sizes)
+    )
+    short = need - 96 * MIB
+    assert short > 0
+    with pytest.raises(PlanError) as e:
+        solve(desc, profile, request)
+    msg = str(e.value)
+    assert "unified memory (gpu + ram tiers) is short by" in msg
+    assert f"({short} bytes)" in msg
+    assert "--ram-budget" in msg
+
+
+def test_everything_fits_no_pool_no_prefetch() -> None:
+    desc = make_desc([U(f"blk.{i}.ffn", "ffn", i, 8 * MIB, flops=10**8) for i in range(6)])
+    profile = make_profile(gpu_bytes=1 * GIB, ram_bytes=4 * GIB)
+    request = Request(context=256, concurrency=1)
+    sol = solve(desc, profile, request)
+    _check_solution(sol, desc, profile, request)
+    assert {p.tier for p in sol.placement} == {"gpu"}
+    assert sol.prediction.host_copy_s == 0 and sol.prediction.disk_s == 0
+
+
+def test_depth_zero_when_memory_only_allows_one_slot() -> None:
+    # The gpu holds KV + activations + one 32 MiB slot but not two; ram holds nothing more:
+    # streaming synchronously (depth 0) is the only feasible way.
+    desc = make_desc([U(f"blk.{i}.ffn", "ffn", i, 32 * MIB) for i in range(3)])
+    profile = make_profile(gpu_bytes=0, ram_bytes=0, unified=False)
+    request = Request(context=128, concurrency=1)
+    batch = batch_limits(request)
+    fixed = kv_cache_bytes(desc, profile, batch) + activation_bytes(desc, profile, batch)
+    request = Request(
+        context=128, concurrency=1, gpu_budget_bytes=fixed + 40 * MIB, ram_budget_bytes=40 * MIB
+    )
+    sol = solve(desc, profile, request)
+    _check_solution(sol, desc, profile, request)
+    assert sol.prefetch.depth == 0 and sol.pool.slots == 1
+    assert "step = compute + host copy + disk (no prefetch)" in sol.prediction.binding
+
+
+def test_score_rejects_a_placement_that_misses_units() -> None:
+    desc = make_desc([U(f"blk.{i}.ffn", "ffn", i, MIB) for i in range(2)])
+    profile = make_profile(gpu_bytes=GIB, ram_bytes=GIB)
+    with pytest.raises(PlanError, match="units without a tier: blk.1.ffn"):
+        score(desc, profile, Request(context=16, concurrency=1), {"blk.0.ffn": "gpu"}, 0)
