@@ -6,8 +6,8 @@ import importlib.util
 from pathlib import Path
 
 import pytest
-
 from conftest import ROOT
+
 from planner.planning import build_plan
 from planner.schemas import Request
 from planner.yamlio import to_yaml
