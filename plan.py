@@ -19,7 +19,11 @@ def main(argv: list[str] | None = None) -> int:
 
     pr = sub.add_parser("profile", help="measure this machine's hardware profile")
     pr.add_argument("-o", "--output", help="write here instead of stdout")
-    pr.add_argument("--name", default=None, help="profile name (default: from the host name)")
+    pr.add_argument(
+        "--name",
+        default=None,
+        help="profile name (default: the output file's stem, else the host name)",
+    )
     pr.add_argument("--disk-dir", default=None, help="folder on the disk to test (default: cache)")
     pr.add_argument("--quick", action="store_true", help="short tests (less accurate)")
 

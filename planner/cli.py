@@ -36,7 +36,9 @@ def cmd_profile(args: argparse.Namespace) -> None:
     from planner.catalog import cache_dir
     from planner.profile import measure_profile
 
-    name = args.name or socket.gethostname().split(".")[0].lower() or "this-machine"
+    # Default name: the output file's stem (profiles/mybox.yaml -> mybox), else the host name.
+    name = args.name or (Path(args.output).stem if args.output else None)
+    name = name or socket.gethostname().split(".")[0].lower() or "this-machine"
     disk = Path(args.disk_dir) if args.disk_dir else cache_dir()
     _emit(measure_profile(disk, name, quick=args.quick), args.output)
 

@@ -1,39 +1,51 @@
 """The placement ILP: tiers, pool, prefetch depth and step time decided together, solved by CBC.
 
 The cost model and its formulas are in ``planner.costmodel``; this module turns them into a mixed
-integer linear program (PuLP, CBC bundled with PuLP, one thread, fixed seed, time limit) and turns
-the solver's answer back into plan parts. Variables and rows (``b`` in MiB, times in units of
-``tau = compute_s / 1000`` so that both stay well scaled for the solver's absolute tolerances):
+integer linear program (PuLP, the CBC bundled with PuLP on one thread, fixed seeds, node limits)
+and turns the solver's answer back into plan parts. Variables and rows (``b`` in MiB, times in
+units of ``tau = compute_s / 1000`` so that both stay well scaled for the solver's tolerances):
 
 - ``n[c,t]`` integer in [0, N_c]: how many units of class c are stored on tier t. A class is a set
   of units the cost model cannot tell apart (same bytes, access and FLOPs: the 80 FFNs of a dense
-  model); ``n[c,t]`` is the per-unit binary ``x[u,t]`` summed over the class. Without this
-  aggregation CBC branches through the permutations of identical layers and a 70B model takes
-  over 30 s; with it, a fraction of a second. A class of one unit is exactly ``x[u,t]``.
+  model); ``n[c,t]`` is the per-unit binary ``x[u,t]`` summed over the class, and a class of one
+  unit is exactly ``x[u,t]``. Without this aggregation CBC branches through the permutations of
+  identical layers and a 70B model takes over 30 s; with it, a tenth of a second.
   Row ``one_tier_c``: ``sum_t n[c,t] = N_c`` (each unit on exactly one tier). Within a class units
   fill gpu, then ram, then nvme in description order (``_decisions``).
-- ``w[c]`` binary: some unit of class c streams. Rows ``streams_ub_c``/``streams_lb_c``:
-  ``w_c <= n[c,nvme] <= N_c * w_c``.
 - ``y[k]`` binary, k = 0..MAX_DEPTH: prefetch depth is k (one-hot). Row ``one_depth``:
   ``sum_k y[k] = 1``; depth ``d = sum_k k * y[k]``.
-- ``z`` binary: anything streams (= io_threads). Rows ``stream_ge_c``: ``z >= w_c``;
-  ``stream_le``: ``z <= sum_c w_c``; ``depth_needs_stream``: ``sum_{k>=1} y[k] <= z``.
-- ``s`` >= 0: pool slot bytes. Rows ``slot_ge_c``: ``s >= b_c * w_c``.
-- ``P`` >= 0: pool bytes ``= (d + 1) * s`` when streaming, linearized per depth choice with big-M:
-  rows ``pool_k``: ``P >= (k + 1) * s - M_P * (1 - y[k])``, ``M_P = (MAX_DEPTH + 1) * max_u b_u``.
-  (With nothing streaming s = 0 and P = 0.)
+- ``q[i]`` binary: the pool slot holds at least ``S_i``, the i-th largest unit size ("slot level").
+  Rows ``staircase_i``: ``q_i <= q_{i+1}``; ``slot_def``: ``s = sum_i (S_i - S_{i+1}) q_i`` (the
+  slot ``s`` >= 0 is the largest level chosen); ``stream_allowed_c``:
+  ``n[c,nvme] <= N_c * q[level(c)]`` (a streamed unit needs a slot that holds it). This is
+  ``slot_bytes >= b_u * x[u,nvme]`` written so that branching on one q settles the slot.
+  ``z = q_m`` (smallest level): anything streams, = io_threads. Rows ``stream_le``:
+  ``z <= sum_c n[c,nvme]``; ``depth_needs_stream``: ``sum_{k>=1} y[k] <= z``. With more than
+  SLOT_LEVELS distinct sizes the levels are the sizes rounded up to 1/256 of the largest
+  (``_slot_levels``): the ILP then over-reserves the pool by under 0.4% of a slot.
+- ``P`` >= 0: pool bytes ``= (d + 1) * s``, linearized per depth choice with big-M: rows
+  ``pool_one``: ``P >= s``; ``pool_k`` (k >= 1): ``P >= (k + 1) s - k max_c b_c (1 - y[k])``;
+  and the valid inequality ``pool_two``: ``P >= 2 s - max_c b_c y[0]``.
 - capacity rows (``costmodel.capacity_rows``), e.g. ``cap_gpu``:
   ``sum_c b_c * n[c,gpu] + KV + activations + P <= gpu capacity``.
 - ``T`` >= 0: step time. Rows ``T_compute``: ``T >= C``, with
   ``C = sum_u compute_u + sum_c sum_t host_copy_c(t) * n[c,t]``; ``T_disk``: ``T >= D``, with
   ``D = sum_c read_c * n[c,nvme]``; ``T_serial``: ``T >= C + D - M_T * (1 - y[0])`` with
-  ``M_T = sum_u read_u`` (the largest D): depth 0 makes the reads synchronous (``T >= C + D``),
-  depth >= 1 relaxes the row and leaves ``T = max(C, D)``.
+  ``M_T = min(largest C, largest D)`` (>= min(C, D) everywhere): depth 0 makes the reads
+  synchronous (``T >= C + D``), depth >= 1 relaxes the row and leaves ``T = max(C, D)``.
 
-Objective, lexicographic in two solves: (1) minimize ``T`` (``T / B`` up to the constant B);
-(2) with ``T <= T*`` added, minimize a deterministic tie-break: bytes off the gpu tier (nvme counted
-twice) plus pool bytes. Two solves keep the tie-break from ever trading away step time, which a
-single ``T + eps * tiebreak`` objective can do within the solver's tolerances.
+Solving. Stage 1 minimizes ``T`` (``T / B`` up to the constant B) in two branches on ``y[0]``
+(prefetch, then depth 0 with a cutoff at the prefetch branch's step time; ties go to depth 0): CBC
+rarely branches on ``y[0]`` itself, and with it fixed the T_serial and pool big-Ms vanish from
+the relaxation. Each branch climbs ``RUNGS``: an exact search of 500 nodes (small and uniform
+models end here), then one stopping at a proven 0.1% within 10,000 nodes. A node-limited search
+is accepted when proven within ``ACCEPT_GAP`` (1%); ``SolverResult.gap`` is the gap proven over
+both branches. Stage 2, with ``T <= T*`` added, minimizes a deterministic tie-break: bytes off
+the gpu tier (nvme counted twice) plus pool bytes, so equal-cost placements resolve the same way
+every time; two stages keep the tie-break from ever trading away step time, which a single
+``T + eps * tiebreak`` objective can do within the solver's tolerances. Node limits, not the clock,
+end every search, so a plan does not depend on the machine that made it; the time limit only
+turns a search that runs too long into an error.
 
 Batch limits are fixed choices for now (``costmodel.batch_limits``), not variables; the expert cache
 is not modelled (empty).
@@ -106,7 +118,7 @@ an exact rung is exact to ~1e-10 relative, given T >= TIME_UNITS."""
 
 RUNGS: tuple[tuple[float, int], ...] = ((0.0, 500), (1e-3, 10_000))
 """(relative gap, node limit) of the step-time solves, tried in turn: an exact search first, which
-settles small and uniform models; then a search that stops at a proven 0.01%. Placements of many
+settles small and uniform models; then a search that stops at a proven 0.1%. Placements of many
 units of distinct sizes are subset-sum problems whose last fraction of a percent CBC proves
 slowly; node limits (unlike a time limit) stop the search at the same point on every machine."""
 
@@ -177,8 +189,9 @@ def cbc_version() -> str:
 def solver_description(time_limit_s: float = 30) -> str:
     """Solver name, version and options, for ``Fingerprints.solver``."""
     return (
-        f"CBC {cbc_version()} (PuLP {pulp.__version__}), threads=1, timeLimit={time_limit_s:g}s, "
-        f"{' '.join(CBC_OPTIONS)}, lexicographic: step time then tie-break"
+        f"CBC {cbc_version()} (PuLP {pulp.__version__}), one thread, {' '.join(CBC_OPTIONS)}, "
+        f"rungs (ratioGap, maxNodes) {list(RUNGS)}, accept gap {ACCEPT_GAP:g}, "
+        f"tie-break {TIEBREAK_RUNG}, timeLimit {time_limit_s:g}s"
     )
 
 

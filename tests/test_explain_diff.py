@@ -5,14 +5,7 @@ from __future__ import annotations
 import re
 
 import pytest
-
-from planner.costmodel import batch_limits, score_plan
-from planner.diff import diff
-from planner.explain import explain, group_runs, infer_role, unit_refs
-from planner.ilp import solve
-from planner.schemas import Fingerprints, Placement, Plan, ProfileRef, Request
-from planner.yamlio import canonical_sha256
-from tests.synthetic_desc import (
+from synthetic_desc import (
     GIB,
     MIB,
     U,
@@ -21,6 +14,13 @@ from tests.synthetic_desc import (
     make_desc,
     make_profile,
 )
+
+from planner.costmodel import batch_limits, score_plan
+from planner.diff import diff
+from planner.explain import explain, group_runs, infer_role, unit_refs
+from planner.ilp import solve
+from planner.schemas import Fingerprints, Placement, Plan, ProfileRef, Request
+from planner.yamlio import canonical_sha256
 
 
 def _plan(desc, profile, request) -> Plan:

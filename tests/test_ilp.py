@@ -8,6 +8,15 @@ import time
 from collections import Counter
 
 import pytest
+from synthetic_desc import (
+    GIB,
+    MIB,
+    U,
+    llama70b_desc,
+    m1max32_profile,
+    make_desc,
+    make_profile,
+)
 
 from planner.costmodel import (
     MAX_DEPTH,
@@ -20,18 +29,9 @@ from planner.costmodel import (
     score,
 )
 from planner.errors import PlanError
-from planner.ilp import Solution, solve
+from planner.ilp import ACCEPT_GAP, Solution, solve
 from planner.schemas import TIERS, Fingerprints, Request
 from planner.yamlio import to_yaml
-from tests.synthetic_desc import (
-    GIB,
-    MIB,
-    U,
-    llama70b_desc,
-    m1max32_profile,
-    make_desc,
-    make_profile,
-)
 
 
 def _brute_force(desc, profile, request):
@@ -118,6 +118,7 @@ def test_ilp_equals_brute_force(seed: int) -> None:
     got = objective(sol.prediction, request)
     assert got == pytest.approx(best[0], rel=1e-9, abs=0)
     assert sol.solver.objective == pytest.approx(got, rel=1e-12)
+    assert sol.solver.gap == 0  # small models are solved exactly (the first rung)
 
 
 def test_brute_force_instances_cover_the_tiers_and_modes() -> None:
@@ -198,6 +199,35 @@ def test_70b_throughput_on_a_large_machine() -> None:
     assert sol.prediction.bottleneck == "compute"
     assert sol.prediction.decode_tok_s == pytest.approx(8 / sol.prediction.step_s)
     assert sol.batch.kv_num_blocks == 8 * 512 and sol.batch.max_num_batched_tokens == 512
+
+
+def _mixed_quant_desc(n_sizes: int, seed: int = 1):
+    """80 blocks whose attention and FFN sizes vary per layer (a per-layer mix of quant types)."""
+    rng = random.Random(seed)
+    base = llama70b_desc()
+    units = []
+    for u in base.units:
+        b = u.bytes_mlx
+        if u.layer is not None:
+            b = int(b * (1 + 0.25 * rng.randrange(n_sizes) / n_sizes))
+        units.append(U(u.name, u.role, u.layer, b, u.access_per_token, u.flops_per_token))
+    return make_desc(
+        units, width=8192, ff=28672, heads=64, kv_heads=8, head_dim=128, vocab=128256, blocks=80
+    )
+
+
+@pytest.mark.parametrize("n_sizes", [5, 40])
+def test_mixed_quant_sizes_solve_within_the_accepted_gap(n_sizes: int) -> None:
+    """Many distinct unit sizes (above SLOT_LEVELS the slot levels are rounded up): still solved,
+    capacities respected, the gap proven within ACCEPT_GAP, the same answer twice."""
+    desc, profile = _mixed_quant_desc(n_sizes), m1max32_profile()
+    request = Request(context=4096, concurrency=1)
+    sol = solve(desc, profile, request)
+    print(f"\n{n_sizes} sizes per role: {sol.solve_time_s:.2f} s, gap {sol.solver.gap:.2e}")
+    _check_solution(sol, desc, profile, request)
+    assert sol.solver.gap <= ACCEPT_GAP
+    if n_sizes <= 5:
+        assert solve(desc, profile, request) == sol
 
 
 def test_determinism() -> None:
