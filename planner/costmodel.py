@@ -58,7 +58,9 @@ Capacities: gpu = ``request.gpu_budget_bytes`` or ``profile.gpu.working_set_byte
 ``request.ram_budget_bytes`` or ``profile.ram.capacity_bytes - profile.os_reserve_bytes``.
 
 Not modelled (yet): KV-cache reads per step (constant in the placement), attention-score buffers of
-a prefill chunk (the fused SDPA kernels do not materialize them), MoE expert caching.
+a prefill chunk (the fused SDPA kernels do not materialize them), MoE expert caching, and partial
+reads: a streamed unit that a token reads only in part (an untied embedding's rows, top-k experts)
+still reserves a whole-unit pool slot, and disk reads are counted in MLX-form bytes.
 """
 
 from __future__ import annotations

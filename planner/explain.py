@@ -10,7 +10,7 @@ import re
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
 
-from planner.costmodel import TERM_SERIAL, batch_size
+from planner.costmodel import batch_size
 from planner.schemas import TIERS, ModelDescription, Plan
 from planner.sizes import format_size
 
@@ -241,7 +241,8 @@ def _prediction_lines(plan: Plan) -> list[str]:
     if p is None:
         return ["Prediction: none (hand-written plan; run plan.py to score it)"]
     b = batch_size(plan.request, plan.batch)
-    overlap = TERM_SERIAL not in p.binding and plan.prefetch.depth >= 1
+    # The cost model's step: I/O threads overlap the compute thread only with prefetch depth >= 1.
+    overlap = plan.prefetch.depth >= 1
     form = "max(compute + host copy, disk)" if overlap else "compute + host copy + disk"
     return [
         f"Predicted decode step at batch {b}: {format_time(p.step_s)} = {form}",
