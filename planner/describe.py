@@ -149,11 +149,13 @@ def describe_gguf(g: GGUFFile, source: ModelSource) -> ModelDescription:
         units.setdefault(ti.unit, []).append(ti)
     unit_infos = [_unit(name, members, arch) for name, members in units.items()]
     unit_infos.sort(key=lambda u: (_unit_order(u), u.name))
+    kv_elements = 2 * arch.block_count * arch.head_count_kv * arch.head_dim  # K and V per layer
     return ModelDescription(
         model=source,
         architecture=arch,
         file_type=_file_type(g),
-        kv_elements_per_token=2 * arch.block_count * arch.head_count_kv * arch.head_dim,
+        kv_elements_per_token=kv_elements,
+        kv_bytes_per_token=2 * kv_elements,
         bytes_gguf=sum(t.bytes_gguf for t in tensors),
         bytes_mlx=sum(t.bytes_mlx for t in tensors),
         units=unit_infos,

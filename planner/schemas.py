@@ -125,6 +125,11 @@ class ModelDescription(Strict):
     kv_elements_per_token: int = Field(
         ge=0, description="K and V elements one token adds to the KV cache over all layers"
     )
+    kv_bytes_per_token: int = Field(
+        ge=0,
+        description="KV-cache bytes per token at float16 (llama.cpp's default KV type); plans "
+        "count kv_elements_per_token at their compute dtype",
+    )
     bytes_gguf: int = Field(ge=0, description="sum of tensor bytes on disk")
     bytes_mlx: int = Field(ge=0, description="sum of tensor bytes in MLX form")
     units: list[UnitInfo]

@@ -59,3 +59,11 @@ def pytest_configure(config):
     import sys
 
     sys.path.insert(0, str(Path(__file__).parent))
+
+
+@pytest.fixture(scope="session")
+def gemma3_gguf() -> Path:
+    """The real Gemma-3-270M Q4_K_M GGUF (253 MB, four wheels concatenated), sha256-checked."""
+    from planner.catalog import resolve_model
+
+    return resolve_model("gemma3-270m").path

@@ -107,6 +107,7 @@ def make_desc(
         ),
         file_type="MOSTLY_Q4_0",
         kv_elements_per_token=kv,
+        kv_bytes_per_token=2 * kv,
         bytes_gguf=total,
         bytes_mlx=total,
         units=infos,

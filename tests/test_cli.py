@@ -188,3 +188,26 @@ def test_prompt_too_long_and_bad_ids(tmp_path):
         cli("execute.py", "run", str(plan), "--prompt-ids", "99999", ok=False),
         "outside the vocabulary",
     )
+
+
+def test_seeded_runs_repeat_across_processes(smollm2_plan):
+    def run(seed: str) -> list[int]:
+        done = cli(
+            "execute.py",
+            "run",
+            str(smollm2_plan),
+            "--prompt",
+            "Once upon a time",
+            "--temperature",
+            "0.8",
+            "--seed",
+            seed,
+            "--max-tokens",
+            "16",
+            "--json",
+        )
+        return json.loads(done.stdout)["output_ids"]
+
+    first = run("11")
+    assert run("11") == first
+    assert run("12") != first

@@ -112,3 +112,24 @@ def test_missing_hyperparameter(tmp_path):
     w.close()
     with pytest.raises(GGUFError, match="llama.attention.head_count"):
         describe(str(tmp_path / "e.gguf"))
+
+
+def test_gemma3_description(gemma3_gguf):
+    """Any GGUF can be described, types the executor cannot load yet marked unsupported."""
+    desc, _ = describe(str(gemma3_gguf))
+    a = desc.architecture
+    assert (a.name, a.block_count, a.embedding_length, a.head_dim, a.vocab_size) == (
+        "gemma3",
+        18,
+        640,
+        256,
+        262144,
+    )
+    types = {t.ggml_type for t in desc.tensors}
+    assert {"Q5_0", "Q4_K", "Q6_K", "Q8_0", "F32"} <= types
+    unsupported = {t.ggml_type for t in desc.tensors if not t.supported}
+    assert unsupported == {"Q5_0", "Q4_K", "Q6_K"}
+    assert desc.kv_bytes_per_token == 2 * 2 * 18 * 1 * 256
+    units = {u.name: u for u in desc.units}
+    assert "blk.0.attn_q_norm.weight" in units["blk.0.attn"].tensors
+    assert "blk.0.post_ffw_norm.weight" in units["blk.0.ffn"].tensors

@@ -31,6 +31,7 @@ def _smollm2_cases(reference_cases: list[dict]) -> list[tuple[dict, dict]]:
 
 # -- SmolLM2 against llama.cpp ---------------------------------------------------------------
 
+
 def test_reference_prompt_ids(smollm2: GGUFTokenizer, reference_cases: list[dict]) -> None:
     pairs = _smollm2_cases(reference_cases)
     assert {"prompt", "messages"} <= {key for _, case in pairs for key in case}
