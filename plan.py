@@ -13,8 +13,12 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="plan.py", description=__doc__)
     sub = p.add_subparsers(dest="command", required=True)
 
-    d = sub.add_parser("describe", help="model description (YAML) from a GGUF header")
-    d.add_argument("model", help="catalog name (smollm2-135m, gemma3-270m) or GGUF path")
+    d = sub.add_parser(
+        "describe", help="model description (YAML) from a GGUF header or an architecture file"
+    )
+    d.add_argument("model", nargs="?", help="catalog name (smollm2-135m, gemma3-270m) or GGUF path")
+    d.add_argument("--arch", help="instead of MODEL: architecture file (profiles/arch/*.yaml)")
+    d.add_argument("--ftype", help="with --arch: llama.cpp file type, e.g. Q4_K_M")
     d.add_argument("-o", "--output", help="write here instead of stdout")
 
     pr = sub.add_parser("profile", help="measure this machine's hardware profile")
@@ -28,7 +32,9 @@ def main(argv: list[str] | None = None) -> int:
     pr.add_argument("--quick", action="store_true", help="short tests (less accurate)")
 
     pl = sub.add_parser("plan", help="solve the placement ILP and write a plan")
-    pl.add_argument("--model", required=True, help="catalog name or GGUF path")
+    pl.add_argument("--model", help="catalog name or GGUF path")
+    pl.add_argument("--arch", help="instead of --model: architecture file (profiles/arch/*.yaml)")
+    pl.add_argument("--ftype", help="with --arch: llama.cpp file type, e.g. Q4_K_M")
     pl.add_argument("--profile", required=True, help="hardware profile YAML")
     pl.add_argument("--context", type=int, default=4096, help="tokens per sequence (default 4096)")
     pl.add_argument("--concurrency", type=int, default=1, help="sequences at once (default 1)")

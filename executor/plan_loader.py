@@ -38,16 +38,16 @@ class LoadedPlan:
 
 def _model_path(plan: Plan, plan_dir: Path) -> Path:
     src = plan.fingerprints.model
+    if src.sha256 is None and src.path is None:
+        raise PlanError(
+            f"plan is for {src.name or 'a described model'}, made from an architecture description "
+            "(--arch): it has no weights and can only be compared, not executed; plan a GGUF file"
+        )
     if src.name:
         if src.name not in CATALOG:
             raise PlanError(f"plan names unknown catalog model {src.name!r}; re-run plan.py plan")
         return resolve_model(src.name).path
-    if not src.path:
-        raise PlanError(
-            "plan has neither a model name nor a path (a description made with --arch cannot be "
-            "executed, only compared); plan a real GGUF file"
-        )
-    p = Path(src.path).expanduser()
+    p = Path(src.path or "").expanduser()
     for candidate in (p, plan_dir / p):
         if candidate.is_file():
             return candidate

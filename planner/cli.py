@@ -11,8 +11,8 @@ import socket
 import sys
 from pathlib import Path
 
-from planner.errors import run_command
-from planner.schemas import Plan, Request
+from planner.errors import StrataError, run_command
+from planner.schemas import ModelDescription, Plan, Request
 from planner.sizes import format_size, parse_size
 from planner.yamlio import parse_doc, read_yaml, to_yaml, write_yaml
 
@@ -25,10 +25,32 @@ def _emit(doc, output: str | None) -> None:
         sys.stdout.write(to_yaml(doc))
 
 
+def _arch_description(args: argparse.Namespace, model_flag: str) -> ModelDescription | None:
+    """The ``--arch FILE --ftype NAME`` description, or None when a model was given instead.
+
+    Raises:
+        StrataError: both or neither of the model and ``--arch``; ``--arch`` without ``--ftype``
+            or ``--ftype`` without ``--arch``; a bad architecture file or file type.
+    """
+    from planner.archdesc import FTYPES, describe_arch
+
+    if bool(args.arch) == bool(args.model):
+        raise StrataError(f"give exactly one of {model_flag} and --arch FILE.yaml --ftype NAME")
+    if not args.arch:
+        if args.ftype:
+            raise StrataError("--ftype goes with --arch (a GGUF file has its own file type)")
+        return None
+    if not args.ftype:
+        raise StrataError(f"--arch needs --ftype NAME (one of {', '.join(FTYPES)})")
+    return describe_arch(args.arch, args.ftype)
+
+
 def cmd_describe(args: argparse.Namespace) -> None:
     from planner.describe import describe
 
-    desc, _ = describe(args.model)
+    desc = _arch_description(args, "MODEL")
+    if desc is None:
+        desc, _ = describe(args.model)
     _emit(desc, args.output)
 
 
@@ -61,7 +83,9 @@ def request_from_args(args: argparse.Namespace) -> Request:
 def cmd_plan(args: argparse.Namespace) -> None:
     from planner.planning import build_plan
 
-    plan = build_plan(args.model, Path(args.profile), request_from_args(args), Path(args.output))
+    desc = _arch_description(args, "--model")
+    request = request_from_args(args)
+    plan = build_plan(args.model, Path(args.profile), request, Path(args.output), desc=desc)
     write_yaml(plan, args.output)
     tiers: dict[str, int] = {}
     for p in plan.placement:

@@ -96,54 +96,71 @@ def read_architecture(g: GGUFFile) -> Architecture:
     )
 
 
-def _mlx_bytes(qtype: gguf.GGMLQuantizationType, shape: list[int]) -> tuple[int, bool]:
-    """(bytes in MLX form, supported by the executor today)."""
+def mlx_size(qtype: gguf.GGMLQuantizationType, shape: list[int]) -> tuple[int, bool]:
+    """(bytes once in MLX form, whether the executor supports the type today).
+
+    Args:
+        qtype: the tensor's GGML type.
+        shape: GGUF order (ne0 first). Leading dimensions beyond the first two (stacked experts)
+            count as more rows: MLX stores ``[n_expert, rows, cols]`` in the bytes of
+            ``[n_expert * rows, cols]``.
+
+    Unsupported types are counted at their file size (``GGML_QUANT_SIZES``) until a repacking
+    exists for them.
+    """
     from executor.quant import SUPPORTED_TYPES, mlx_nbytes
 
-    rows_first = tuple(reversed(shape))
-    if qtype in SUPPORTED_TYPES:
-        return mlx_nbytes(qtype, rows_first), True
-    # Unsupported types are counted at their file size until a repacking exists for them.
-    block, size = gguf.GGML_QUANT_SIZES[qtype]
     n = 1
     for d in shape:
         n *= d
+    if qtype in SUPPORTED_TYPES:
+        cols = shape[0] if shape else 1
+        rows_first = (n // cols, cols) if len(shape) > 2 else tuple(reversed(shape))
+        return mlx_nbytes(qtype, rows_first), True
+    block, size = gguf.GGML_QUANT_SIZES[qtype]
     return n // block * size, False
 
 
-def describe_gguf(g: GGUFFile, source: ModelSource) -> ModelDescription:
-    """Build the model description of an opened GGUF.
+def tensor_info(
+    name: str,
+    shape: list[int],
+    qtype: gguf.GGMLQuantizationType,
+    offset: int,
+    bytes_gguf: int,
+    arch: Architecture,
+) -> TensorInfo:
+    """The placement facts of one tensor: layer, role and unit (``classify``), MLX bytes, access.
 
-    Raises:
-        GGUFError: missing hyperparameters.
+    A decoded token reads all of a dense tensor, one row of an untied embedding (1/vocab) and
+    ``expert_used_count / expert_count`` of an expert tensor (uniform routing, until a measured
+    routing profile replaces it).
     """
-    arch = read_architecture(g)
-    tensors: list[TensorInfo] = []
-    for t in g.reader.tensors:
-        layer, role, unit = classify(t.name)
-        shape = [int(d) for d in t.shape]
-        qtype = gguf.GGMLQuantizationType(t.tensor_type)
-        mlx_bytes, supported = _mlx_bytes(qtype, shape)
-        access = 1.0
-        if role == "embedding" and not arch.tied_embeddings:
-            access = 1.0 / arch.vocab_size  # a token reads one row of an untied embedding
-        elif role == "expert" and arch.expert_count:
-            access = arch.expert_used_count / arch.expert_count
-        tensors.append(
-            TensorInfo(
-                name=t.name,
-                layer=layer,
-                role=role,
-                unit=unit,
-                shape=shape,
-                ggml_type=qtype.name,
-                offset=int(t.data_offset),
-                bytes_gguf=int(t.n_bytes),
-                bytes_mlx=mlx_bytes,
-                supported=supported,
-                access_per_token=access,
-            )
-        )
+    layer, role, unit = classify(name)
+    mlx_bytes, supported = mlx_size(qtype, shape)
+    access = 1.0
+    if role == "embedding" and not arch.tied_embeddings:
+        access = 1.0 / arch.vocab_size  # a token reads one row of an untied embedding
+    elif role == "expert" and arch.expert_count:
+        access = arch.expert_used_count / arch.expert_count
+    return TensorInfo(
+        name=name,
+        layer=layer,
+        role=role,
+        unit=unit,
+        shape=shape,
+        ggml_type=qtype.name,
+        offset=offset,
+        bytes_gguf=bytes_gguf,
+        bytes_mlx=mlx_bytes,
+        supported=supported,
+        access_per_token=access,
+    )
+
+
+def assemble(
+    source: ModelSource, arch: Architecture, file_type: str, tensors: list[TensorInfo]
+) -> ModelDescription:
+    """The model description of ``tensors``: units (``_unit``), KV-cache size and totals."""
     units: dict[str, list[TensorInfo]] = {}
     for ti in tensors:
         units.setdefault(ti.unit, []).append(ti)
@@ -153,7 +170,7 @@ def describe_gguf(g: GGUFFile, source: ModelSource) -> ModelDescription:
     return ModelDescription(
         model=source,
         architecture=arch,
-        file_type=_file_type(g),
+        file_type=file_type,
         kv_elements_per_token=kv_elements,
         kv_bytes_per_token=2 * kv_elements,
         bytes_gguf=sum(t.bytes_gguf for t in tensors),
@@ -161,6 +178,27 @@ def describe_gguf(g: GGUFFile, source: ModelSource) -> ModelDescription:
         units=unit_infos,
         tensors=tensors,
     )
+
+
+def describe_gguf(g: GGUFFile, source: ModelSource) -> ModelDescription:
+    """Build the model description of an opened GGUF.
+
+    Raises:
+        GGUFError: missing hyperparameters.
+    """
+    arch = read_architecture(g)
+    tensors = [
+        tensor_info(
+            t.name,
+            [int(d) for d in t.shape],
+            gguf.GGMLQuantizationType(t.tensor_type),
+            int(t.data_offset),
+            int(t.n_bytes),
+            arch,
+        )
+        for t in g.reader.tensors
+    ]
+    return assemble(source, arch, _file_type(g), tensors)
 
 
 def _file_type(g: GGUFFile) -> str:

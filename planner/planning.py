@@ -9,12 +9,30 @@ from pathlib import Path
 from planner import __version__
 from planner.describe import describe
 from planner.ilp import solve, solver_description
-from planner.schemas import Fingerprints, HardwareProfile, Plan, ProfileRef, Request
+from planner.schemas import (
+    Fingerprints,
+    HardwareProfile,
+    ModelDescription,
+    Plan,
+    ProfileRef,
+    Request,
+)
 from planner.yamlio import canonical_sha256, read_yaml
 
 
-def build_plan(model: str, profile_path: Path, request: Request, plan_path: Path) -> Plan:
+def build_plan(
+    model: str | None,
+    profile_path: Path,
+    request: Request,
+    plan_path: Path,
+    *,
+    desc: ModelDescription | None = None,
+) -> Plan:
     """Solve the placement ILP and return the plan, fingerprinted for ``plan_path``.
+
+    The model is ``model`` (catalog name or GGUF path, described here) or, when given, the
+    already-built description ``desc`` (e.g. from ``plan.py plan --arch``; ``model`` is then
+    ignored).
 
     The profile is referenced relative to the plan file's folder, so a plan and its profile
     checked in together keep working from any clone. Solve time goes to stderr only: the same
@@ -25,7 +43,10 @@ def build_plan(model: str, profile_path: Path, request: Request, plan_path: Path
             that is not optimal.
     """
     profile = read_yaml(profile_path, HardwareProfile)
-    desc, _ = describe(model)
+    if desc is None:
+        if model is None:
+            raise ValueError("build_plan needs a model spec or a description")
+        desc, _ = describe(model)
     if request.context > desc.architecture.context_length:
         print(
             f"warning: --context {request.context} exceeds the model's training context "

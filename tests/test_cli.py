@@ -211,3 +211,10 @@ def test_seeded_runs_repeat_across_processes(smollm2_plan):
     first = run("11")
     assert run("11") == first
     assert run("12") != first
+
+
+def test_plan_of_described_model_is_not_executable():
+    plan = ROOT / "plans" / "qwen2.5-14b-q4_k_m.m1-max-32gb.yaml"
+    assert_one_line_error(
+        cli("execute.py", "run", str(plan), "--prompt", "hi", ok=False), "can only be compared"
+    )
