@@ -41,6 +41,9 @@ def main(argv: list[str] | None = None) -> int:
     pl.add_argument("--objective", choices=("latency", "throughput"), default="latency")
     pl.add_argument("--gpu-budget", help="override the device working set, e.g. 512MiB, 8GiB")
     pl.add_argument("--ram-budget", help="override host RAM available, e.g. 8GB")
+    pl.add_argument(
+        "--tiers", default="gpu,ram,nvme", help="tiers the plan may use (default gpu,ram,nvme)"
+    )
     pl.add_argument("-o", "--output", required=True, help="plan file to write")
 
     df = sub.add_parser("diff", help="what differs between two plans")

@@ -50,6 +50,10 @@ def prompt_ids_for(engine, args: argparse.Namespace) -> list[int]:
                 raise StrataError(f"--chat-template {tp}: no such file")
             template = tp.read_text()
         return messages_to_ids(engine.tokenizer, _read_messages(args.messages), template)
+    try:
+        args.prompt.encode("utf-8")
+    except UnicodeEncodeError:
+        raise StrataError("--prompt is not valid UTF-8 text; re-encode it as UTF-8") from None
     return engine.tokenizer.encode(args.prompt)
 
 
@@ -80,7 +84,7 @@ def cmd_run(args: argparse.Namespace) -> None:
         print(json.dumps(out, ensure_ascii=False))
         return
     s = gen.stats
-    print(file=sys.stdout)
+    print(file=sys.stderr)  # stdout carries exactly the generated text
     print(
         f"[{s['prompt_tokens']} prompt tokens, {s['output_tokens']} generated, "
         f"{s['finish_reason']}] prefill {s['prefill_tok_s']:.1f} tok/s, decode "

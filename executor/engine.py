@@ -21,6 +21,7 @@ from executor.sampling import Sampler, SamplingParams
 from executor.tokenizer import GGUFTokenizer, StreamDecoder
 from executor.weights import WeightStore
 from planner.errors import StrataError
+from planner.schemas import ModelDescription
 
 DTYPES = {"float32": mx.float32, "float16": mx.float16, "bfloat16": mx.bfloat16}
 
@@ -29,6 +30,30 @@ def peak_rss_bytes() -> int:
     """Peak resident set size of this process, bytes (``ru_maxrss`` is KiB on Linux, B on macOS)."""
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return int(rss if sys.platform == "darwin" else rss * 1024)
+
+
+def check_tensors(desc: ModelDescription, expected: dict[str, list[int] | None]) -> None:
+    """Refuse a model whose tensors do not match its architecture's hyperparameters.
+
+    Raises:
+        StrataError: a needed tensor is missing or has another shape (names tensor and shapes).
+    """
+    have = {t.name: t.shape for t in desc.tensors}
+    for name, shape in expected.items():
+        if name not in have:
+            if shape is not None:
+                raise StrataError(f"the model has no tensor {name}; the GGUF is incomplete")
+        elif shape is not None and have[name] != shape:
+            raise StrataError(
+                f"tensor {name} has shape {have[name]} but {desc.architecture.name}'s "
+                f"hyperparameters need {shape}; the GGUF is inconsistent"
+            )
+    unused = sorted(set(have) - set(expected))
+    if unused:
+        raise StrataError(
+            f"the model has tensors the {desc.architecture.name} forward pass does not use "
+            f"(e.g. {unused[0]}); this variant of the architecture is not supported yet"
+        )
 
 
 @dataclass
@@ -67,8 +92,17 @@ class Engine:
                 f"architecture {arch.name!r} is not supported by the executor yet "
                 f"(supported: {', '.join(sorted(ARCHITECTURES))})"
             )
+        check_tensors(loaded.desc, ARCHITECTURES[arch.name].expected_shapes(arch))
         plan = loaded.plan
         self.dtype = DTYPES[plan.runtime.compute_dtype]
+        here = mx.default_device()
+        if plan.runtime.backend != "cpu" and here == mx.cpu:
+            print(
+                f"warning: this plan was made for a {plan.runtime.backend} machine; running it "
+                f"on this CPU in {plan.runtime.compute_dtype} is slow — plan with this "
+                "machine's profile",
+                file=sys.stderr,
+            )
         self.tokenizer = GGUFTokenizer.from_reader(loaded.gguf.reader)
         self.store = WeightStore(loaded.gguf, loaded.desc, plan.tier_of(), self.dtype)
         self.model = build_model(arch, self.store, self.dtype)

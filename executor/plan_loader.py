@@ -93,7 +93,12 @@ def load_plan(path: str | Path) -> LoadedPlan:
     if src.header_sha256 and g.header_sha256 != src.header_sha256:
         raise PlanError(f"{path}: model header changed since planning; re-run plan.py plan")
     desc = describe_gguf(g, source_for(resolve_model(str(model_path)), g.header_sha256))
-    planned = {p.unit for p in plan.placement}
+    seen: set[str] = set()
+    for p in plan.placement:
+        if p.unit in seen:
+            raise PlanError(f"{path}: unit {p.unit} is placed twice; give each unit one tier")
+        seen.add(p.unit)
+    planned = seen
     actual = {u.name for u in desc.units}
     if planned != actual:
         missing = sorted(actual - planned)[:3]

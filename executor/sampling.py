@@ -6,6 +6,7 @@ same logits and seed give the same token on every backend (CPU, Metal, CUDA).
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -30,11 +31,15 @@ class SamplingParams:
     seed: int = 0
 
     def __post_init__(self) -> None:
-        if self.temperature < 0:
-            raise StrataError(f"--temperature {self.temperature} is negative; use 0 for greedy")
+        if not math.isfinite(self.temperature) or self.temperature < 0:
+            raise StrataError(
+                f"--temperature {self.temperature} must be a number >= 0 (0 = greedy)"
+            )
+        if self.seed < 0:
+            raise StrataError(f"--seed {self.seed} is negative; give an integer >= 0")
         if self.top_k < 0:
             raise StrataError(f"--top-k {self.top_k} is negative; use 0 to keep all tokens")
-        if not 0 < self.top_p <= 1:
+        if not 0 < self.top_p <= 1:  # also rejects NaN
             raise StrataError(f"--top-p {self.top_p} must be in (0, 1]")
 
 

@@ -96,22 +96,90 @@ def _char_class(*ranges: tuple[int, ...]) -> str:
 # (U+1F7D, U+1FBE, U+1FD3, U+1FDB, U+2126, U+212A) are canonically equivalent to others, and
 # editors silently normalise them, which changes or even reverses the ranges.
 _DEEPSEEK_LETTERS = _char_class(
-    (0x41, 0x5A), (0x61, 0x7A), (0xB5,), (0xC0, 0xD6), (0xD8, 0xF6), (0xF8, 0x1BA),
-    (0x1BC, 0x1BF), (0x1C4, 0x293), (0x295, 0x2AF), (0x370, 0x373), (0x376, 0x377),
-    (0x37B, 0x37D), (0x37F,), (0x386,), (0x388, 0x38A), (0x38C,), (0x38E, 0x3A1), (0x3A3, 0x3F5),
-    (0x3F7, 0x481), (0x48A, 0x52F), (0x531, 0x556), (0x10A0, 0x10C5), (0x13A0, 0x13F5),
-    (0x13F8, 0x13FD), (0x1C90, 0x1CBA), (0x1CBD, 0x1CBF), (0x1D00, 0x1D2B), (0x1D6B, 0x1D77),
-    (0x1D79, 0x1D9A), (0x1E00, 0x1F15), (0x1F18, 0x1F1D), (0x1F20, 0x1F45), (0x1F48, 0x1F4D),
-    (0x1F50, 0x1F57), (0x1F59,), (0x1F5B,), (0x1F5D,), (0x1F5F, 0x1F7D), (0x1F80, 0x1FB4),
-    (0x1FB6, 0x1FBC), (0x1FBE,), (0x1FC2, 0x1FC4), (0x1FC6, 0x1FCC), (0x1FD0, 0x1FD3),
-    (0x1FD6, 0x1FDB), (0x1FE0, 0x1FEC), (0x1FF2, 0x1FF4), (0x1FF6, 0x1FFC), (0x2102,), (0x2107,),
-    (0x210A, 0x2113), (0x2115,), (0x2119, 0x211D), (0x2124,), (0x2126,), (0x2128,),
-    (0x212A, 0x212D), (0x212F, 0x2134), (0x2139,), (0x213C, 0x213F), (0x2145, 0x2149), (0x214E,),
-    (0x2183, 0x2184), (0x2C00, 0x2C7B), (0x2C7E, 0x2CE4), (0x2CEB, 0x2CEE), (0x2CF2, 0x2CF3),
-    (0xA640, 0xA66D), (0xA680, 0xA69B), (0xA722, 0xA76F), (0xA771, 0xA787), (0xA78B, 0xA78E),
-    (0xAB70, 0xABBF), (0xFB00, 0xFB06), (0xFB13, 0xFB17), (0xFF21, 0xFF3A), (0xFF41, 0xFF5A),
-    (0x10400, 0x1044F), (0x104B0, 0x104D3), (0x104D8, 0x104FB), (0x10C80, 0x10CB2),
-    (0x10CC0, 0x10CF2), (0x118A0, 0x118DF), (0x1E900, 0x1E943),
+    (0x41, 0x5A),
+    (0x61, 0x7A),
+    (0xB5,),
+    (0xC0, 0xD6),
+    (0xD8, 0xF6),
+    (0xF8, 0x1BA),
+    (0x1BC, 0x1BF),
+    (0x1C4, 0x293),
+    (0x295, 0x2AF),
+    (0x370, 0x373),
+    (0x376, 0x377),
+    (0x37B, 0x37D),
+    (0x37F,),
+    (0x386,),
+    (0x388, 0x38A),
+    (0x38C,),
+    (0x38E, 0x3A1),
+    (0x3A3, 0x3F5),
+    (0x3F7, 0x481),
+    (0x48A, 0x52F),
+    (0x531, 0x556),
+    (0x10A0, 0x10C5),
+    (0x13A0, 0x13F5),
+    (0x13F8, 0x13FD),
+    (0x1C90, 0x1CBA),
+    (0x1CBD, 0x1CBF),
+    (0x1D00, 0x1D2B),
+    (0x1D6B, 0x1D77),
+    (0x1D79, 0x1D9A),
+    (0x1E00, 0x1F15),
+    (0x1F18, 0x1F1D),
+    (0x1F20, 0x1F45),
+    (0x1F48, 0x1F4D),
+    (0x1F50, 0x1F57),
+    (0x1F59,),
+    (0x1F5B,),
+    (0x1F5D,),
+    (0x1F5F, 0x1F7D),
+    (0x1F80, 0x1FB4),
+    (0x1FB6, 0x1FBC),
+    (0x1FBE,),
+    (0x1FC2, 0x1FC4),
+    (0x1FC6, 0x1FCC),
+    (0x1FD0, 0x1FD3),
+    (0x1FD6, 0x1FDB),
+    (0x1FE0, 0x1FEC),
+    (0x1FF2, 0x1FF4),
+    (0x1FF6, 0x1FFC),
+    (0x2102,),
+    (0x2107,),
+    (0x210A, 0x2113),
+    (0x2115,),
+    (0x2119, 0x211D),
+    (0x2124,),
+    (0x2126,),
+    (0x2128,),
+    (0x212A, 0x212D),
+    (0x212F, 0x2134),
+    (0x2139,),
+    (0x213C, 0x213F),
+    (0x2145, 0x2149),
+    (0x214E,),
+    (0x2183, 0x2184),
+    (0x2C00, 0x2C7B),
+    (0x2C7E, 0x2CE4),
+    (0x2CEB, 0x2CEE),
+    (0x2CF2, 0x2CF3),
+    (0xA640, 0xA66D),
+    (0xA680, 0xA69B),
+    (0xA722, 0xA76F),
+    (0xA771, 0xA787),
+    (0xA78B, 0xA78E),
+    (0xAB70, 0xABBF),
+    (0xFB00, 0xFB06),
+    (0xFB13, 0xFB17),
+    (0xFF21, 0xFF3A),
+    (0xFF41, 0xFF5A),
+    (0x10400, 0x1044F),
+    (0x104B0, 0x104D3),
+    (0x104D8, 0x104FB),
+    (0x10C80, 0x10CB2),
+    (0x10CC0, 0x10CF2),
+    (0x118A0, 0x118DF),
+    (0x1E900, 0x1E943),
 )
 
 _DEEPSEEK_LLM = (
@@ -147,8 +215,17 @@ class _PreTokenizer:
 _PRE_TOKENIZER_GROUPS: tuple[tuple[tuple[str, ...], _PreTokenizer], ...] = (
     (("default",), _PreTokenizer((r"[\p{P}\$\+<=>\^~\|]+", _GPT2, r"\p{N}+", r"[0-9][0-9][0-9]"))),
     (
-        ("llama3", "llama-v3", "llama-bpe", "falcon3", "falcon-h1", "pixtral", "midm-2.0", "lfm2",
-         "jina-v5-nano"),
+        (
+            "llama3",
+            "llama-v3",
+            "llama-bpe",
+            "falcon3",
+            "falcon-h1",
+            "pixtral",
+            "midm-2.0",
+            "lfm2",
+            "jina-v5-nano",
+        ),
         _PreTokenizer((_LLAMA3,), add_bos=True, ignore_merges=True),
     ),
     (("dbrx", "smaug-bpe"), _PreTokenizer((_LLAMA3,))),
@@ -157,18 +234,51 @@ _PRE_TOKENIZER_GROUPS: tuple[tuple[tuple[str, ...], _PreTokenizer], ...] = (
     (("deepseek-v3", "hunyuan-dense", "joyai-llm", "hy_v4"), _PreTokenizer(_DEEPSEEK3)),
     (("falcon",), _PreTokenizer((r"[\p{P}\$\+<=>\^~\|`]+", _GPT2, r"[0-9][0-9][0-9]"))),
     (
-        ("gpt-2", "phi-2", "jina-es", "jina-de", "gigachat", "jina-v2-es", "jina-v2-de", "a.x-4.0",
-         "mellum", "modern-bert", "mpt", "olmo", "jais", "trillion", "granite-docling", "exaone4"),
+        (
+            "gpt-2",
+            "phi-2",
+            "jina-es",
+            "jina-de",
+            "gigachat",
+            "jina-v2-es",
+            "jina-v2-de",
+            "a.x-4.0",
+            "mellum",
+            "modern-bert",
+            "mpt",
+            "olmo",
+            "jais",
+            "trillion",
+            "granite-docling",
+            "exaone4",
+        ),
         _PreTokenizer((_GPT2,)),
     ),
     (
-        ("starcoder", "refact", "command-r", "smollm", "codeshell", "exaone", "minerva-7b",
-         "mellum2"),
+        (
+            "starcoder",
+            "refact",
+            "command-r",
+            "smollm",
+            "codeshell",
+            "exaone",
+            "minerva-7b",
+            "mellum2",
+        ),
         _PreTokenizer((r"\p{N}", _GPT2)),
     ),
     (
-        ("qwen2", "deepseek-r1-qwen", "kormo", "f2llmv2", "megrez", "stablelm2", "hunyuan",
-         "solar-open", "grok-2"),
+        (
+            "qwen2",
+            "deepseek-r1-qwen",
+            "kormo",
+            "f2llmv2",
+            "megrez",
+            "stablelm2",
+            "hunyuan",
+            "solar-open",
+            "grok-2",
+        ),
         _PreTokenizer((_QWEN2,)),
     ),
     (("qwen35",), _PreTokenizer((_QWEN35,))),
@@ -189,6 +299,7 @@ _PRE_TOKENIZERS: dict[str, _PreTokenizer] = {
 # GGUF has no id for them, and forces every token found that way to CONTROL.
 # --------------------------------------------------------------------------------------------
 
+
 @dataclass(frozen=True)
 class _Role:
     """A special-token role: its GGUF id keys (a later key wins) and the texts that identify it."""
@@ -201,48 +312,104 @@ class _Role:
 _ROLES: dict[str, _Role] = {
     "eot": _Role(
         (_K.EOT_ID,),
-        ("<|eot_id|>", "<|im_end|>", "<|end|>", "<end_of_turn>", "<|endoftext|>",
-         "<|end_of_text|>", "<EOT>", "_<EOT>", "[EOT]", "<｜end▁of▁sentence｜>",
-         "<end_of_utterance>"),
+        (
+            "<|eot_id|>",
+            "<|im_end|>",
+            "<|end|>",
+            "<end_of_turn>",
+            "<|endoftext|>",
+            "<|end_of_text|>",
+            "<EOT>",
+            "_<EOT>",
+            "[EOT]",
+            "<｜end▁of▁sentence｜>",
+            "<end_of_utterance>",
+        ),
         ends_generation=True,
     ),
     "eom": _Role((_K.EOM_ID,), ("<|eom_id|>",), ends_generation=True),
     "fim_pre": _Role(
         (_K.FIM_PRE_ID, _K.PREFIX_ID),
-        ("<|fim_prefix|>", "<fim-prefix>", "<fim_prefix>", "<｜fim▁begin｜>", "<PRE>", "▁<PRE>",
-         "<|code_prefix|>", "<|prefix|>"),
+        (
+            "<|fim_prefix|>",
+            "<fim-prefix>",
+            "<fim_prefix>",
+            "<｜fim▁begin｜>",
+            "<PRE>",
+            "▁<PRE>",
+            "<|code_prefix|>",
+            "<|prefix|>",
+        ),
         ends_generation=False,
     ),
     "fim_suf": _Role(
         (_K.FIM_SUF_ID, _K.SUFFIX_ID),
-        ("<|fim_suffix|>", "<fim-suffix>", "<fim_suffix>", "<｜fim▁hole｜>", "<SUF>", "▁<SUF>",
-         "<|code_suffix|>", "<|suffix|>"),
+        (
+            "<|fim_suffix|>",
+            "<fim-suffix>",
+            "<fim_suffix>",
+            "<｜fim▁hole｜>",
+            "<SUF>",
+            "▁<SUF>",
+            "<|code_suffix|>",
+            "<|suffix|>",
+        ),
         ends_generation=False,
     ),
     "fim_mid": _Role(
         (_K.FIM_MID_ID, _K.MIDDLE_ID),
-        ("<|fim_middle|>", "<fim-middle>", "<fim_middle>", "<｜fim▁end｜>", "<MID>", "▁<MID>",
-         "<|code_middle|>", "<|middle|>"),
+        (
+            "<|fim_middle|>",
+            "<fim-middle>",
+            "<fim_middle>",
+            "<｜fim▁end｜>",
+            "<MID>",
+            "▁<MID>",
+            "<|code_middle|>",
+            "<|middle|>",
+        ),
         ends_generation=False,
     ),
     "fim_pad": _Role(
-        (_K.FIM_PAD_ID,), ("<|fim_pad|>", "<fim-pad>", "<fim_pad>", "<PAD>", "[PAD]"),
+        (_K.FIM_PAD_ID,),
+        ("<|fim_pad|>", "<fim-pad>", "<fim_pad>", "<PAD>", "[PAD]"),
         ends_generation=True,
     ),
     "fim_rep": _Role(
-        (_K.FIM_REP_ID,), ("<|fim_repo|>", "<|repo_name|>", "<fim-repo>", "<REPO>", "<reponame>"),
+        (_K.FIM_REP_ID,),
+        ("<|fim_repo|>", "<|repo_name|>", "<fim-repo>", "<REPO>", "<reponame>"),
         ends_generation=True,
     ),
     "fim_sep": _Role((_K.FIM_SEP_ID,), ("<|file_sep|>",), ends_generation=True),
 }
 
 # Tokens that end generation whatever their role (llama.cpp matches these by text).
-_EOG_TEXTS = frozenset({
-    "<|eot_id|>", "<|im_end|>", "<|end|>", "<|return|>", "<|call|>", "<|flush|>", "<|calls|>",
-    "<end_of_turn>", "<|endoftext|>", "</s>", "<|eom_id|>", "<EOT>", "_<EOT>", "[EOT]", "[EOS]",
-    "<|end_of_text|>", "<end_of_utterance>", "<eos>", "<turn|>", "<|tool_response>",
-    "<｜end▁of▁sentence｜>", "[e~[",
-})
+_EOG_TEXTS = frozenset(
+    {
+        "<|eot_id|>",
+        "<|im_end|>",
+        "<|end|>",
+        "<|return|>",
+        "<|call|>",
+        "<|flush|>",
+        "<|calls|>",
+        "<end_of_turn>",
+        "<|endoftext|>",
+        "</s>",
+        "<|eom_id|>",
+        "<EOT>",
+        "_<EOT>",
+        "[EOT]",
+        "[EOS]",
+        "<|end_of_text|>",
+        "<end_of_utterance>",
+        "<eos>",
+        "<turn|>",
+        "<|tool_response>",
+        "<｜end▁of▁sentence｜>",
+        "[e~[",
+    }
+)
 # gpt-oss (harmony) markers llama.cpp always renders as text: forced to USER_DEFINED.
 _ALWAYS_RENDERED_TEXTS = ("<|channel|>", "<|message|>", "<|start|>", "<|constrain|>")
 
@@ -256,6 +423,7 @@ _ADDED_TYPES = _SPECIAL_TYPES | {TokenType.USER_DEFINED}
 # --------------------------------------------------------------------------------------------
 # Reading the metadata
 # --------------------------------------------------------------------------------------------
+
 
 @dataclass
 class _Vocab:
@@ -353,6 +521,7 @@ def _index_tokens(tokens: list[str]) -> dict[str, int]:
 # Tokenizer models
 # --------------------------------------------------------------------------------------------
 
+
 @dataclass(frozen=True)
 class _Backend:
     """What one tokenizer model contributes.
@@ -409,12 +578,15 @@ def _parse_merges(vocab: _Vocab) -> list[tuple[str, str]]:
     pairs: list[tuple[str, str]] = []
     for merge in raw:
         cut = merge.find(" ", 1)  # from 1: the first piece may itself be a space
-        left, right = merge[:cut], merge[cut + 1:]
+        left, right = merge[:cut], merge[cut + 1 :]
         if cut > 0 and left in known and right in known and left + right in known:
             pairs.append((left, right))
     if len(pairs) != len(raw):
-        log.warning("dropped %d of %d BPE merges naming tokens outside the vocabulary",
-                    len(raw) - len(pairs), len(raw))
+        log.warning(
+            "dropped %d of %d BPE merges naming tokens outside the vocabulary",
+            len(raw) - len(pairs),
+            len(raw),
+        )
     return pairs
 
 
@@ -480,6 +652,7 @@ def _backend_for(vocab: _Vocab) -> _Backend:
 # --------------------------------------------------------------------------------------------
 # Special tokens
 # --------------------------------------------------------------------------------------------
+
 
 def _special_id(vocab: _Vocab, key: str, default: int | None) -> int | None:
     """An id from ``key``, else llama.cpp's default for the model (dropped if outside the vocab)."""
@@ -562,6 +735,7 @@ def _split_on(pieces: list[str | int], text: str, token_id: int) -> list[str | i
 # The tokenizer
 # --------------------------------------------------------------------------------------------
 
+
 class GGUFTokenizer:
     """A GGUF model's tokenizer, giving the same ids as llama.cpp for the same file.
 
@@ -641,10 +815,14 @@ class GGUFTokenizer:
     def _register_added_tokens(self) -> None:
         # Registered so that ``self.hf`` on its own treats them as llama.cpp does without
         # parse_special: user-defined tokens are matched, control tokens are plain text.
-        self.hf.add_tokens([  # add_special_tokens would make them all special
-            AddedToken(self._tokens[i], special=self._types[i] in _SPECIAL_TYPES, normalized=False)
-            for i in self._added
-        ])
+        self.hf.add_tokens(
+            [  # add_special_tokens would make them all special
+                AddedToken(
+                    self._tokens[i], special=self._types[i] in _SPECIAL_TYPES, normalized=False
+                )
+                for i in self._added
+            ]
+        )
         self.hf.encode_special_tokens = True
 
     # -- encoding ----------------------------------------------------------------------------

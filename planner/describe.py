@@ -12,6 +12,7 @@ from __future__ import annotations
 import re
 
 import gguf
+from pydantic import ValidationError
 
 from planner.catalog import ResolvedModel, resolve_model
 from planner.errors import GGUFError
@@ -61,11 +62,15 @@ def read_architecture(g: GGUFFile) -> Architecture:
     """Hyperparameters from the ``{arch}.*`` metadata keys.
 
     Raises:
-        GGUFError: a required key is missing.
+        GGUFError: a required key is missing or a value is out of range.
     """
     arch = g.architecture
     heads = int(_arch_field(g, arch, "attention.head_count"))
     width = int(_arch_field(g, arch, "embedding_length"))
+    if heads <= 0 or width % heads and not g.field(f"{arch}.attention.key_length"):
+        raise GGUFError(
+            f"{g.path}: {arch}.attention.head_count {heads} does not divide the width {width}"
+        )
     head_dim = int(g.field(f"{arch}.attention.key_length") or width // heads)
     tokens = g.reader.fields.get("tokenizer.ggml.tokens")
     vocab = g.field(f"{arch}.vocab_size") or (len(tokens.data) if tokens else 0)
@@ -73,27 +78,32 @@ def read_architecture(g: GGUFFile) -> Architecture:
         out = next((t for t in g.reader.tensors if t.name == "token_embd.weight"), None)
         vocab = int(out.shape[1]) if out is not None else 1
     names = {t.name for t in g.reader.tensors}
-    return Architecture(
-        name=arch,
-        block_count=int(_arch_field(g, arch, "block_count")),
-        context_length=int(_arch_field(g, arch, "context_length", 2048)),
-        embedding_length=width,
-        feed_forward_length=int(g.field(f"{arch}.feed_forward_length") or 0),
-        head_count=heads,
-        head_count_kv=int(g.field(f"{arch}.attention.head_count_kv") or heads),
-        head_dim=head_dim,
-        vocab_size=int(vocab),
-        rope_freq_base=float(g.field(f"{arch}.rope.freq_base") or 10000.0),
-        rope_dimension_count=int(g.field(f"{arch}.rope.dimension_count") or head_dim),
-        rms_norm_eps=float(
-            g.field(f"{arch}.attention.layer_norm_rms_epsilon")
-            or g.field(f"{arch}.attention.layer_norm_epsilon")
-            or 1e-5
-        ),
-        tied_embeddings="output.weight" not in names,
-        expert_count=int(g.field(f"{arch}.expert_count") or 0),
-        expert_used_count=int(g.field(f"{arch}.expert_used_count") or 0),
-    )
+    try:
+        return Architecture(
+            name=arch,
+            block_count=int(_arch_field(g, arch, "block_count")),
+            context_length=int(_arch_field(g, arch, "context_length", 2048)),
+            embedding_length=width,
+            feed_forward_length=int(g.field(f"{arch}.feed_forward_length") or 0),
+            head_count=heads,
+            head_count_kv=int(g.field(f"{arch}.attention.head_count_kv") or heads),
+            head_dim=head_dim,
+            vocab_size=int(vocab),
+            rope_freq_base=float(g.field(f"{arch}.rope.freq_base") or 10000.0),
+            rope_dimension_count=int(g.field(f"{arch}.rope.dimension_count") or head_dim),
+            rms_norm_eps=float(
+                g.field(f"{arch}.attention.layer_norm_rms_epsilon")
+                or g.field(f"{arch}.attention.layer_norm_epsilon")
+                or 1e-5
+            ),
+            tied_embeddings="output.weight" not in names,
+            expert_count=int(g.field(f"{arch}.expert_count") or 0),
+            expert_used_count=int(g.field(f"{arch}.expert_used_count") or 0),
+        )
+    except ValidationError as e:
+        err = e.errors()[0]
+        where = ".".join(str(x) for x in err["loc"])
+        raise GGUFError(f"{g.path}: hyperparameter {where}: {err['msg']}") from None
 
 
 def mlx_size(qtype: gguf.GGMLQuantizationType, shape: list[int]) -> tuple[int, bool]:

@@ -51,7 +51,10 @@ class GGUFFile:
         f = self.reader.fields.get(key)
         if f is None:
             return default
-        return f.contents()
+        try:
+            return f.contents()
+        except UnicodeDecodeError:
+            raise GGUFError(f"{self.path}: metadata {key} is not valid UTF-8 text") from None
 
     @property
     def architecture(self) -> str:
@@ -210,6 +213,8 @@ def open_gguf(path: str | Path) -> GGUFFile:
         reader = gguf.GGUFReader(p, "r")
     except Exception as e:  # the header passed our checks; anything left is still the file's fault
         raise GGUFError(f"{p}: the gguf package cannot read this file: {e}") from None
+    if not infos:
+        raise GGUFError(f"{p}: the GGUF holds no tensors; it is not a model file")
     if reader.data_offset != data_offset or len(reader.tensors) != len(infos):
         raise GGUFError(f"{p}: inconsistent GGUF header (tensor table does not add up)")
     with open(p, "rb") as f:

@@ -267,7 +267,13 @@ def _build(
     prob = pulp.LpProblem("strata_phase1" if phase1 else "strata_placement", pulp.LpMinimize)
     n = [
         {
-            t: prob.add_variable(f"n_{j}_{t}", lowBound=0, upBound=size[j], cat="Integer")
+            # A tier the request excludes (--tiers) gets no units.
+            t: prob.add_variable(
+                f"n_{j}_{t}",
+                lowBound=0,
+                upBound=size[j] if t in request.tiers else 0,
+                cat="Integer",
+            )
             for t in TIERS
         }
         for j in J

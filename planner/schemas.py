@@ -149,7 +149,12 @@ Source = Literal["measured", "spec", "derived", "assumed"]
 class Figure(Strict):
     """A number with how it was obtained."""
 
-    value: float = Field(ge=0, description="the number, in the unit its field name states")
+    value: float = Field(
+        ge=0,
+        strict=True,
+        allow_inf_nan=False,
+        description="the number, in the unit its field name states (plain bytes, bytes/s, FLOP/s)",
+    )
     source: Source = Field(description="measured here, from a spec sheet, derived, or assumed")
     how: str = Field(min_length=1, description="method and date, or the spec's source")
 
@@ -230,6 +235,11 @@ class Request(Strict):
     objective: Literal["latency", "throughput"] = "latency"
     gpu_budget_bytes: int | None = Field(default=None, ge=0, description="override of the profile")
     ram_budget_bytes: int | None = Field(default=None, ge=0, description="override of the profile")
+    tiers: list[Tier] = Field(
+        default_factory=lambda: list(TIERS),
+        min_length=1,
+        description="tiers the plan may use (e.g. [gpu, ram] for an executor without streaming)",
+    )
 
 
 class Placement(Strict):

@@ -65,9 +65,13 @@ def to_yaml(doc: BaseModel) -> str:
 
 def write_yaml(doc: BaseModel, path: str | Path) -> None:
     """Write ``doc`` to ``path`` (parent folders created)."""
+    text = to_yaml(doc)
     p = Path(path)
-    p.parent.mkdir(parents=True, exist_ok=True)
-    p.write_text(to_yaml(doc))
+    try:
+        p.parent.mkdir(parents=True, exist_ok=True)
+        p.write_text(text)
+    except OSError as e:
+        raise SchemaError(f"cannot write {p}: {e.strerror or e}; choose another -o path") from None
 
 
 def canonical_sha256(doc: BaseModel) -> str:

@@ -42,6 +42,7 @@ def write_tiny_llama(
     seed: int = 0,
     extra_vocab: int = 0,
     chat_template: str | None = None,
+    skip: frozenset[str] = frozenset(),
 ) -> Path:
     """Write a small llama-shaped GGUF with a byte-level BPE vocabulary.
 
@@ -53,6 +54,7 @@ def write_tiny_llama(
         qtype: type of the 2-D weights (norms stay F32).
         tied: no ``output.weight`` (the head reuses ``token_embd``).
         extra_vocab: extra dummy tokens so the vocabulary is a multiple of a block size.
+        skip: tensor names to leave out (an incomplete model).
     """
     rng = np.random.default_rng(seed)
     tokens = byte_level_vocab() + ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "he", "ll"]
@@ -87,9 +89,13 @@ def write_tiny_llama(
 
     def mat(name: str, rows: int, cols: int, t: gguf.GGMLQuantizationType = qtype) -> None:
         data = quantize(rng.normal(0, 0.5, (rows, cols)).astype(np.float32), t)
+        if name in skip:
+            return
         w.add_tensor(name, data, raw_dtype=None if t == gguf.GGMLQuantizationType.F32 else t)
 
     def vec(name: str, n: int) -> None:
+        if name in skip:
+            return
         w.add_tensor(name, (1.0 + 0.1 * rng.normal(size=n)).astype(np.float32))
 
     hd = d // heads

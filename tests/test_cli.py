@@ -218,3 +218,67 @@ def test_plan_of_described_model_is_not_executable():
     assert_one_line_error(
         cli("execute.py", "run", str(plan), "--prompt", "hi", ok=False), "can only be compared"
     )
+
+
+def test_more_bad_inputs(smollm2_plan, tmp_path):
+    run = ("execute.py", "run", str(smollm2_plan), "--max-tokens", "1")
+    assert_one_line_error(cli(*run, "--prompt", "hi", "--seed", "-1", ok=False), "--seed")
+    assert_one_line_error(
+        cli(*run, "--prompt", "hi", "--temperature", "nan", ok=False), "--temperature"
+    )
+    model = write_tiny_llama(tmp_path / "tiny.gguf")
+    assert_one_line_error(
+        cli("plan.py", "describe", str(model), "-o", str(model), ok=False), "also an input"
+    )
+    assert_one_line_error(
+        cli("plan.py", "describe", str(model), "-o", str(tmp_path), ok=False), "is a folder"
+    )
+    data = yaml.safe_load(smollm2_plan.read_text())
+    data["placement"].append(dict(data["placement"][0], tier="ram"))
+    twice = tmp_path / "twice.yaml"
+    twice.write_text(yaml.safe_dump(data, sort_keys=False))
+    assert_one_line_error(
+        cli("execute.py", "run", str(twice), "--prompt", "hi", ok=False), "placed twice"
+    )
+
+
+def test_inconsistent_gguf_is_refused(tmp_path):
+    bad = write_tiny_llama(tmp_path / "bad.gguf", skip=frozenset({"blk.1.ffn_up.weight"}))
+    plan = make_plan_file(str(bad), tmp_path / "p.yaml", context=64)
+    assert_one_line_error(
+        cli("execute.py", "run", str(plan), "--prompt", "hi", ok=False),
+        "no tensor blk.1.ffn_up.weight",
+    )
+
+
+def test_tiers_option_keeps_units_off_nvme(smollm2_gguf, tmp_path):
+    out = tmp_path / "tight.yaml"
+    cli(
+        "plan.py",
+        "plan",
+        "--model",
+        str(smollm2_gguf),
+        "--profile",
+        str(DEV_PROFILE),
+        "--context",
+        "256",
+        "--gpu-budget",
+        "20MiB",
+        "--tiers",
+        "gpu,ram",
+        "-o",
+        str(out),
+    )
+    tiers = {p["tier"] for p in yaml.safe_load(out.read_text())["placement"]}
+    assert tiers == {"gpu", "ram"}
+    done = cli(
+        "execute.py",
+        "run",
+        str(out),
+        "--prompt",
+        "The capital of France is",
+        "--max-tokens",
+        "2",
+        "--json",
+    )
+    assert json.loads(done.stdout)["output_ids"][0] == 7042

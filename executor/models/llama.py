@@ -34,6 +34,41 @@ class LlamaModel:
         self.arch, self.store, self.dtype = arch, store, dtype
         self.scale = 1.0 / math.sqrt(arch.head_dim)
 
+    @staticmethod
+    def expected_shapes(arch: Architecture) -> dict[str, list[int] | None]:
+        """Tensor name -> GGUF shape (ne0 first) this forward pass needs; None = optional."""
+        d, hd, v, ff = (
+            arch.embedding_length,
+            arch.head_dim,
+            arch.vocab_size,
+            arch.feed_forward_length,
+        )
+        q, kv = arch.head_count * hd, arch.head_count_kv * hd
+        shapes: dict[str, list[int] | None] = {
+            "token_embd.weight": [d, v],
+            "output_norm.weight": [d],
+            "output.weight": None,
+        }
+        for i in range(arch.block_count):
+            p = f"blk.{i}."
+            shapes.update(
+                {
+                    p + "attn_norm.weight": [d],
+                    p + "attn_q.weight": [d, q],
+                    p + "attn_k.weight": [d, kv],
+                    p + "attn_v.weight": [d, kv],
+                    p + "attn_output.weight": [q, d],
+                    p + "ffn_norm.weight": [d],
+                    p + "ffn_gate.weight": [d, ff],
+                    p + "ffn_up.weight": [d, ff],
+                    p + "ffn_down.weight": [ff, d],
+                    p + "attn_q.bias": None,
+                    p + "attn_k.bias": None,
+                    p + "attn_v.bias": None,
+                }
+            )
+        return shapes
+
     def make_cache(self, max_tokens: int) -> KVCache:
         """An empty KV cache for one sequence of at most ``max_tokens`` tokens."""
         a = self.arch
