@@ -72,7 +72,10 @@ def cmd_run(args: argparse.Namespace) -> None:
         sys.stdout.write(piece)
         sys.stdout.flush()
 
-    gen = engine.generate(ids, params, args.max_tokens, None if args.json else write)
+    try:
+        gen = engine.generate(ids, params, args.max_tokens, None if args.json else write)
+    finally:
+        engine.close()  # I/O threads stop on success, errors and Ctrl-C alike
     gen.stats["load_s"] = round(load_s, 3)
     if args.json:
         out = {

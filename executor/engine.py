@@ -106,8 +106,15 @@ class Engine:
         self.tokenizer = GGUFTokenizer.from_reader(loaded.gguf.reader)
         self.store = WeightStore(loaded.gguf, loaded.desc, plan.tier_of(), self.dtype)
         self.model = build_model(arch, self.store, self.dtype)
+        self.store.start_streaming(
+            self.model.unit_order(), plan.pool.slots, plan.prefetch.io_threads or 1
+        )
         self.context = plan.request.context
         self.prefill_chunk = plan.batch.prefill_chunk
+
+    def close(self) -> None:
+        """Stop streaming I/O threads (safe to call twice)."""
+        self.store.close()
 
     def prefill(self, ids: list[int], cache) -> mx.array:
         """Run the prompt in chunks of ``prefill_chunk`` tokens; returns the last logits [1, V]."""
@@ -170,7 +177,7 @@ class Engine:
         sampler = Sampler(params)
         stream = StreamDecoder(self.tokenizer)
         eog = self.tokenizer.eog_ids
-        read0 = dict(self.store.bytes_read)
+        read0 = self.store.counters()
         copy0 = self.store.copy_seconds
         mx.reset_peak_memory()
         cache = self.model.make_cache(self.context)
@@ -205,6 +212,7 @@ class Engine:
             tail = stream.flush()
             if tail:
                 on_text(tail)
+        read1 = self.store.counters()
         stats = {
             "prompt_tokens": len(prompt_ids),
             "output_tokens": len(out),
@@ -215,7 +223,8 @@ class Engine:
             "decode_tok_s": round(decode_steps / t_decode, 3) if decode_steps else 0.0,
             "peak_rss_bytes": peak_rss_bytes(),
             "peak_mlx_bytes": int(mx.get_peak_memory()),
-            "bytes_read": {k: v - read0[k] for k, v in self.store.bytes_read.items()},
+            "bytes_read": {t: int(read1[t] - read0[t]) for t in ("gpu", "ram", "nvme")},
+            "io_wait_s": round(read1["io_wait_s"] - read0["io_wait_s"], 6),
             "host_copy_s": round(self.store.copy_seconds - copy0, 6),
         }
         return Generation(prompt_ids, out, self.tokenizer.decode(out), stats)

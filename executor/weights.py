@@ -4,7 +4,9 @@
 - ``ram``: host-resident copies in MLX layout (numpy arrays, repacked once at load), copied into
   MLX arrays each time the unit is used — on unified memory this is a memcpy, on a discrete GPU the
   host->device transfer the planner's ``host_copy_s`` term models.
-- ``nvme``: direct-I/O streaming arrives with tier streaming; a plan that uses it is refused.
+- ``nvme``: read from the packed store (``executor.pack``) with direct I/O into the pool slots of
+  ``executor.streaming``, prefetched ahead of the forward pass; an untied embedding's rows are
+  read one by one.
 
 Numerics never depend on the tier: all three hand the same repacked arrays to the same ops.
 Counters are honest: ``bytes_read[tier]`` counts, per use, the bytes of weights the forward pass
@@ -13,6 +15,7 @@ took from that tier (for ``ram``, exactly the bytes copied).
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Sequence
 
@@ -21,7 +24,9 @@ import mlx.core as mx
 import numpy as np
 
 from executor.ops import QuantLinear, embedding, to_mlx
+from executor.pack import PackStore
 from executor.quant import PackedWeight, UnsupportedQuantError, repack
+from executor.streaming import StreamPool
 from planner.errors import PlanError, StrataError
 from planner.gguf_file import GGUFFile
 from planner.schemas import ModelDescription
@@ -54,22 +59,18 @@ class WeightStore:
     Args:
         g: the opened GGUF.
         desc: its description (tensor -> unit).
-        tiers: unit name -> tier ("gpu", "ram"; "nvme" is refused for now).
+        tiers: unit name -> tier ("gpu", "ram", "nvme").
         dtype: compute dtype for float tensors (float32 on CPU).
 
     Raises:
-        PlanError: a unit is placed on ``nvme``.
+        PlanError: a plan streams a model it has no sha256 for.
         StrataError: a tensor has a GGML type the executor cannot load (names tensor and type).
     """
 
     def __init__(self, g: GGUFFile, desc: ModelDescription, tiers: dict[str, str], dtype: mx.Dtype):
-        streamed = sorted(u for u, t in tiers.items() if t == "nvme")
-        if streamed:
-            raise PlanError(
-                f"the plan puts {len(streamed)} units on nvme (e.g. {streamed[0]}); NVMe streaming "
-                "is not in this version yet — re-plan with --tiers gpu,ram"
-            )
         self.dtype = dtype
+        self.pool: StreamPool | None = None
+        self._pack: PackStore | None = None
         self.bytes_read = {"gpu": 0, "ram": 0, "nvme": 0}
         self.copy_seconds = 0.0
         self._tier_of_unit = dict(tiers)
@@ -80,6 +81,8 @@ class WeightStore:
         for info in desc.tensors:
             t = by_name[info.name]
             self._unit_tensors.setdefault(info.unit, []).append(info.name)
+            if tiers[info.unit] == "nvme":
+                continue  # read from the packed store while the model runs
             try:
                 host = repack(
                     gguf.GGMLQuantizationType(t.tensor_type),
@@ -96,6 +99,40 @@ class WeightStore:
                 # A host copy that owns its memory: the mmap'd file is not the RAM tier.
                 self._ram[info.name] = host
         mx.eval([w.weight if isinstance(w, QuantLinear) else w for w in self._gpu.values()])
+        if "nvme" in tiers.values():
+            if desc.model.sha256 is None:
+                raise PlanError("a plan without the model's sha256 cannot stream it from NVMe")
+            self._pack = PackStore.open_or_build(g, desc, desc.model.sha256)
+            self._row_fd = os.open(self._pack.path, os.O_RDONLY)
+
+    def start_streaming(self, schedule: list[str], slots: int, io_threads: int) -> None:
+        """Start the NVMe pool for the streamed units of ``schedule`` (forward-pass order).
+
+        Args:
+            schedule: every unit the forward pass asks for, in order; the nvme ones stream.
+            slots: pool slots from the plan (depth + 1).
+            io_threads: I/O threads from the plan.
+        """
+        streamed = [u for u in schedule if self._tier_of_unit[u] == "nvme"]
+        if streamed and self._pack is not None:
+            self.pool = StreamPool(self._pack, streamed, max(slots, 2), io_threads, self.dtype)
+
+    def counters(self) -> dict[str, float]:
+        """Bytes read per tier so far (nvme: bytes the OS returned) and seconds of I/O wait."""
+        read = dict(self.bytes_read)
+        if self.pool is not None:
+            read["nvme"] += self.pool.bytes_read
+        read["io_wait_s"] = self.pool.io_wait_s if self.pool is not None else 0.0
+        return read
+
+    def close(self) -> None:
+        """Stop streaming threads and close files."""
+        if self.pool is not None:
+            self.pool.close()
+            self.pool = None
+        if self._pack is not None:
+            os.close(self._row_fd)
+            self._pack = None
 
     def _to_device(self, host: HostWeight) -> Weight:
         w = to_mlx(host)
@@ -119,6 +156,10 @@ class WeightStore:
         """
         tier = self._tier_of_unit[unit]
         out: dict[str, Weight] = {}
+        if tier == "nvme":
+            if self.pool is None:
+                raise PlanError(f"unit {unit} is on nvme but streaming was not started")
+            return self.pool.acquire(unit)
         if tier == "gpu":
             for name in self._unit_tensors[unit]:
                 out[name] = self._gpu[name]
@@ -130,6 +171,15 @@ class WeightStore:
                 self.bytes_read["ram"] += _host_nbytes(self._ram[name])
             self.copy_seconds += time.perf_counter() - t0
         return out
+
+    def release(self, unit: str, result: mx.array) -> mx.array:
+        """Mark ``unit`` used by ``result``: a streamed unit's slot is freed once it is computed.
+
+        Returns ``result`` (evaluated when the unit streams, untouched otherwise).
+        """
+        if self._tier_of_unit[unit] == "nvme" and self.pool is not None:
+            self.pool.release(result)
+        return result
 
     def rows(self, name: str, unit: str, ids: Sequence[int]) -> mx.array:
         """Rows ``ids`` of a (possibly quantized) table, dequantized to the compute dtype.
@@ -143,9 +193,36 @@ class WeightStore:
             table_rows = w.shape[0] if isinstance(w, mx.array) else w.weight.shape[0]
             self.bytes_read["gpu"] += _weight_nbytes(w) * len(idx) // table_rows
             return embedding(mx.array(idx.astype(np.int32)), w, self.dtype)
+        if self._tier_of_unit[unit] == "nvme":
+            host = self._read_rows(name, unit, idx)
+            self.bytes_read["nvme"] += _host_nbytes(host)
+            return embedding(mx.arange(len(idx)), self._to_device(host), self.dtype)
         host = _rows(self._ram[name], idx)
         self.bytes_read["ram"] += _host_nbytes(host)
         return embedding(mx.arange(len(idx)), self._to_device(host), self.dtype)
+
+    def _read_rows(self, name: str, unit: str, idx: np.ndarray) -> HostWeight:
+        """Rows of a streamed table read from the packed store (one pread per row and part)."""
+        packed = self._pack.units[unit]
+        parts = {p.kind: p for p in packed.parts if p.tensor == name}
+        arrays = {}
+        for kind, p in parts.items():
+            row_bytes = p.nbytes // p.shape[0]
+            buf = bytearray()
+            for r in idx:
+                off = packed.offset + p.offset + int(r) * row_bytes
+                data = os.pread(self._row_fd, row_bytes, off)
+                if len(data) != row_bytes:
+                    raise StrataError(f"short read of {name} row {r} from {self._pack.path}")
+                buf += data
+            arrays[kind] = np.frombuffer(bytes(buf), dtype=p.dtype).reshape(len(idx), *p.shape[1:])
+        if "data" in arrays:
+            return arrays["data"]
+        bits, group = packed.bits[name]
+        cols = arrays["weight"].shape[1] * 32 // bits
+        return PackedWeight(
+            arrays["weight"], arrays["scales"], arrays["biases"], bits, group, (len(idx), cols)
+        )
 
     def resident_nbytes(self) -> dict[str, int]:
         """Bytes held per tier (gpu: MLX arrays; ram: host copies)."""

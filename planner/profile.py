@@ -23,7 +23,6 @@ Progress goes to stderr. The default profile takes well under 30 s on a 2-core m
 from __future__ import annotations
 
 import datetime
-import errno
 import math
 import mmap
 import os
@@ -38,6 +37,13 @@ from pathlib import Path
 import numpy as np
 import psutil
 
+from executor.direct_io import (
+    ALIGN,
+    drop_from_page_cache,
+    open_uncached,
+    pread_into,
+    set_nocache,
+)
 from planner.errors import StrataError
 from planner.schemas import Figure, GPUTier, HardwareProfile, NVMeTier, RAMTier
 from planner.sizes import format_size
@@ -53,12 +59,6 @@ DEFAULT_BLOCK_BYTES = 4 * MiB
 DEFAULT_QUEUE_DEPTH = 4
 """Reads in flight during the disk test: the executor's default number of prefetch I/O threads."""
 
-_ALIGN = 4096
-"""O_DIRECT needs offsets, sizes and buffers aligned to the logical block size (512 B or 4 KiB);
-4 KiB covers both, and an anonymous mmap is page-aligned."""
-
-_F_NOCACHE_DARWIN = 48
-"""``F_NOCACHE`` from macOS's <sys/fcntl.h>; Python's fcntl module does not always export it."""
 
 _QUICK_READ_BYTES = 8 * MiB
 _QUICK_BLOCK_BYTES = 1 * MiB
@@ -179,62 +179,6 @@ class ReadResult:
         return self.bytes_read / self.seconds
 
 
-def _drop_from_page_cache(fd: int) -> None:
-    # After fsync the pages are clean, so DONTNEED really evicts them (Linux).
-    if hasattr(os, "posix_fadvise"):
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-
-
-def _set_nocache(fd: int) -> None:
-    import fcntl
-
-    fcntl.fcntl(fd, getattr(fcntl, "F_NOCACHE", _F_NOCACHE_DARWIN), 1)
-
-
-def _pread_into(fd: int, mv: memoryview, offset: int) -> int:
-    if hasattr(os, "preadv"):
-        return os.preadv(fd, [mv], offset)
-    data = os.pread(fd, len(mv), offset)  # macOS before 11 has no preadv
-    mv[: len(data)] = data
-    return len(data)
-
-
-def _open_uncached(path: Path) -> tuple[int, bool, str]:
-    """Open ``path`` for reading past the page cache: (fd, direct, method)."""
-    if sys.platform == "darwin":
-        # macOS has no O_DIRECT; F_NOCACHE on the descriptor turns its caching off.
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            _set_nocache(fd)
-        except OSError:
-            os.close(fd)
-            raise
-        return fd, True, "F_NOCACHE"
-    if hasattr(os, "O_DIRECT"):
-        try:
-            fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
-        except OSError as e:
-            if e.errno != errno.EINVAL:  # tmpfs refuses O_DIRECT at open with EINVAL
-                raise
-        else:
-            # Some filesystems (overlay on some kernels) accept the flag but refuse the read.
-            probe = mmap.mmap(-1, _ALIGN)
-            try:
-                with memoryview(probe) as mv:
-                    os.preadv(fd, [mv], 0)
-                return fd, True, "O_DIRECT"
-            except OSError as e:
-                os.close(fd)
-                if e.errno != errno.EINVAL:
-                    raise
-            finally:
-                probe.close()
-    fd = os.open(path, os.O_RDONLY)
-    _drop_from_page_cache(fd)
-    why = "the filesystem refused O_DIRECT"
-    return fd, False, f"buffered reads after posix_fadvise(POSIX_FADV_DONTNEED) ({why})"
-
-
 def read_sequential(
     path: Path,
     nbytes: int,
@@ -261,7 +205,7 @@ def read_sequential(
         StrataError: bad sizes, the file cannot be opened, a read fails, or a read returns fewer
             bytes than asked (a short read: the file is shorter than ``nbytes``).
     """
-    if block_bytes < _ALIGN or block_bytes % _ALIGN:
+    if block_bytes < ALIGN or block_bytes % ALIGN:
         raise StrataError(f"block size {block_bytes} B is not a multiple of 4096; pass e.g. 4 MiB")
     if nbytes <= 0 or nbytes % block_bytes:
         raise StrataError(
@@ -270,7 +214,7 @@ def read_sequential(
     if queue_depth < 1:
         raise StrataError(f"queue depth {queue_depth} must be at least 1")
     try:
-        fd, direct, method = _open_uncached(path)
+        fd, direct, method = open_uncached(path)
     except OSError as e:
         raise StrataError(f"cannot open {path} for the read test: {e.strerror}") from None
     nblocks = nbytes // block_bytes
@@ -282,7 +226,7 @@ def read_sequential(
             for i in range(t, nblocks, depth):
                 off = i * block_bytes
                 try:
-                    n = _pread_into(fd, mv, off)
+                    n = pread_into(fd, mv, off)
                 except OSError as e:
                     raise StrataError(
                         f"read of {path} at byte {off} failed: {e.strerror}"
@@ -314,7 +258,7 @@ def _write_random_file(path: Path, nbytes: int, chunk: int = 4 * MiB) -> None:
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
     try:
         if sys.platform == "darwin":
-            _set_nocache(fd)  # keep the written pages out of the unified buffer cache
+            set_nocache(fd)  # keep the written pages out of the unified buffer cache
         done = 0
         while done < nbytes:
             n = min(chunk, nbytes - done)
@@ -324,7 +268,7 @@ def _write_random_file(path: Path, nbytes: int, chunk: int = 4 * MiB) -> None:
                 view = view[os.write(fd, view) :]
             done += n
         os.fsync(fd)
-        _drop_from_page_cache(fd)
+        drop_from_page_cache(fd)
     finally:
         os.close(fd)
 

@@ -123,15 +123,22 @@ class LlamaModel:
         s = self.store
         x = s.rows("token_embd.weight", "token_embd", ids)[None].astype(self.dtype)
         for i in range(self.arch.block_count):
-            x = x + self.attention(s.unit(f"blk.{i}.attn"), i, x, cache)
-            x = x + self.ffn(s.unit(f"blk.{i}.ffn"), i, x)
+            attn, ffn = f"blk.{i}.attn", f"blk.{i}.ffn"
+            x = s.release(attn, x + self.attention(s.unit(attn), i, x, cache))
+            x = s.release(ffn, x + self.ffn(s.unit(ffn), i, x))
         cache.advance(len(ids))
         out = s.unit("output")
         x = self._norm(x if all_logits else x[:, -1:], out["output_norm.weight"])
         head = out.get("output.weight")
         if head is None:  # tied embeddings: the head is the token embedding table
-            head = s.unit("token_embd")["token_embd.weight"]
-        return linear(x[0], head).astype(mx.float32)
+            logits = linear(x[0], s.unit("token_embd")["token_embd.weight"]).astype(mx.float32)
+            return s.release("token_embd", s.release("output", logits))
+        return s.release("output", linear(x[0], head).astype(mx.float32))
+
+    def unit_order(self) -> list[str]:
+        """Units in the order ``forward`` asks the store for them (the streaming schedule)."""
+        order = [f"blk.{i}.{k}" for i in range(self.arch.block_count) for k in ("attn", "ffn")]
+        return order + ["output"] + (["token_embd"] if self.arch.tied_embeddings else [])
 
 
 def nn_silu(x: mx.array) -> mx.array:

@@ -1,0 +1,183 @@
+"""The NVMe tier: units read with direct I/O into a fixed pool of slots, ``depth`` units ahead.
+
+The forward pass uses streamed units in the same order every step (``schedule``), so one I/O
+thread walks that order cyclically: it waits for a free slot, reads the unit's packed bytes into it
+with ``preadv`` (chunks spread over ``io_threads`` threads), and marks the slot ready. The compute
+thread ``acquire``s each unit in turn (waiting only if the read is late: that wait is the I/O wait),
+builds its arrays as views of the slot, and ``release``s the slot once the computation that reads
+it has been evaluated — a slot is never overwritten while a lazy MLX computation still reads it.
+
+Slots are MLX uint8 arrays allocated once (reused, never reallocated); reads land in them in place
+(``memoryview`` of an evaluated MLX array is writable on CPU and unified memory), aligned for
+O_DIRECT by an offset into a slightly larger array. A short or failed read raises a
+``StrataError`` in the compute thread, never silently wrong weights.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from collections import deque
+from concurrent.futures import ThreadPoolExecutor
+
+import mlx.core as mx
+import numpy as np
+
+from executor.direct_io import ALIGN, open_uncached, pread_into
+from executor.ops import QuantLinear
+from executor.pack import PackedUnit, PackStore
+from planner.errors import StrataError
+
+CHUNK = 4 << 20
+"""Read size per preadv call, bytes: 4 MiB, the profile's direct-I/O test block."""
+
+_DTYPES = {"uint32": mx.uint32, "float16": mx.float16, "float32": mx.float32}
+
+
+class StreamPool:
+    """Streams ``schedule``'s units from the packed store through ``slots`` pool slots.
+
+    Args:
+        store: the packed store.
+        schedule: streamed unit names in the order the forward pass uses them (one step).
+        slots: pool slots (>= 2 so one can be read while another is computed on).
+        io_threads: threads issuing reads of one unit's chunks in parallel.
+        dtype: compute dtype float tensors are cast to.
+
+    Raises:
+        StrataError: fewer than 2 slots.
+    """
+
+    def __init__(
+        self, store: PackStore, schedule: list[str], slots: int, io_threads: int, dtype: mx.Dtype
+    ):
+        if slots < 2:
+            raise StrataError(f"the plan's pool has {slots} slots; streaming needs at least 2")
+        self.units: list[PackedUnit] = [store.units[u] for u in schedule]
+        self.dtype = dtype
+        slot_bytes = max(u.nbytes for u in self.units)
+        self._slots = [mx.zeros((slot_bytes + ALIGN,), dtype=mx.uint8) for _ in range(slots)]
+        mx.eval(self._slots)
+        self._views, self._base = [], []
+        for s in self._slots:
+            mv = memoryview(s).cast("B")
+            addr = np.asarray(mv).ctypes.data
+            base = (-addr) % ALIGN
+            self._views.append(mv[base : base + slot_bytes])
+            self._base.append(base)
+        self._fd, self.direct, self.method = open_uncached(store.path)
+        self._io = ThreadPoolExecutor(max(1, io_threads), thread_name_prefix="strata-io")
+        self._cv = threading.Condition()
+        self._loaded: list[int | None] = [None] * slots  # read sequence number held by each slot
+        self._free = list(range(slots))
+        self._next_read = 0  # sequence number of the next unit to read
+        self._next_use = 0  # sequence number of the next unit the compute thread acquires
+        self._in_use: deque[int] = deque()  # acquired slots, oldest first
+        self._error: BaseException | None = None
+        self._stop = False
+        self.bytes_read = 0
+        self.io_wait_s = 0.0
+        self._reader = threading.Thread(target=self._read_loop, name="strata-prefetch", daemon=True)
+        self._reader.start()
+
+    # ------------------------------------------------------------------ I/O thread
+
+    def _read_unit(self, slot: int, unit: PackedUnit) -> None:
+        view = self._views[slot]
+        chunks = [(o, min(CHUNK, unit.nbytes - o)) for o in range(0, unit.nbytes, CHUNK)]
+
+        def one(chunk: tuple[int, int]) -> int:
+            off, n = chunk
+            got = pread_into(self._fd, view[off : off + n], unit.offset + off)
+            if got != n:
+                raise StrataError(
+                    f"short read from {unit.name} in the packed store: {got} of {n} bytes at "
+                    f"offset {unit.offset + off}; the pack file is damaged — delete it to rebuild"
+                )
+            return got
+
+        self.bytes_read += sum(self._io.map(one, chunks))
+
+    def _read_loop(self) -> None:
+        n = len(self.units)
+        try:
+            while True:
+                with self._cv:
+                    self._cv.wait_for(lambda: self._stop or self._free)
+                    if self._stop:
+                        return
+                    slot = self._free.pop(0)
+                    seq = self._next_read
+                    self._next_read += 1
+                self._read_unit(slot, self.units[seq % n])
+                with self._cv:
+                    self._loaded[slot] = seq
+                    self._cv.notify_all()
+        except BaseException as e:  # handed to the compute thread, which raises it
+            with self._cv:
+                self._error = e
+                self._cv.notify_all()
+
+    # ------------------------------------------------------------------ compute thread
+
+    def acquire(self, name: str) -> dict[str, QuantLinear | mx.array]:
+        """The next scheduled unit's tensors, as views of its slot (blocks until it is read).
+
+        Raises:
+            StrataError: the unit is not the next in the schedule, or its read failed.
+        """
+        seq = self._next_use
+        unit = self.units[seq % len(self.units)]
+        if unit.name != name:
+            raise StrataError(f"streaming order broken: expected {unit.name}, asked for {name}")
+        t0 = time.perf_counter()
+        with self._cv:
+            self._cv.wait_for(lambda: self._error is not None or seq in self._loaded)
+            if self._error is not None:
+                err = self._error
+                raise (
+                    err
+                    if isinstance(err, StrataError)
+                    else StrataError(f"reading {unit.name} from the packed store failed: {err}")
+                ) from err
+            slot = self._loaded.index(seq)
+        self.io_wait_s += time.perf_counter() - t0
+        self._in_use.append(slot)
+        self._next_use = seq + 1
+        return self._arrays(slot, unit)
+
+    def _arrays(self, slot: int, unit: PackedUnit) -> dict[str, QuantLinear | mx.array]:
+        base, arr = self._base[slot], self._slots[slot]
+        parts: dict[str, dict[str, mx.array]] = {}
+        for p in unit.parts:
+            raw = arr[base + p.offset : base + p.offset + p.nbytes]
+            parts.setdefault(p.tensor, {})[p.kind] = mx.view(raw, _DTYPES[p.dtype]).reshape(p.shape)
+        out: dict[str, QuantLinear | mx.array] = {}
+        for name, ps in parts.items():
+            if "data" in ps:
+                out[name] = ps["data"].astype(self.dtype)
+            else:
+                bits, group = unit.bits[name]
+                out[name] = QuantLinear(ps["weight"], ps["scales"], ps["biases"], bits, group)
+        return out
+
+    def release(self, result: mx.array) -> None:
+        """Evaluate ``result`` (which reads the oldest acquired slot), then free that slot."""
+        mx.eval(result)
+        with self._cv:
+            slot = self._in_use.popleft()
+            self._loaded[slot] = None
+            self._free.append(slot)
+            self._cv.notify_all()
+
+    def close(self) -> None:
+        """Stop the I/O threads and close the file (idempotent)."""
+        with self._cv:
+            if self._stop:
+                return
+            self._stop = True
+            self._cv.notify_all()
+        self._reader.join(timeout=30)
+        self._io.shutdown(wait=True)
+        os.close(self._fd)
