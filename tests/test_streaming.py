@@ -1,8 +1,7 @@
-"""The NVMe tier: direct-I/O streaming through the pool gives bit-identical numbers."""
+"""The NVMe tier's failure paths (its numbers are checked in test_tiers.py)."""
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 from test_tiers import _moved
 
@@ -11,25 +10,6 @@ from executor.engine import Engine
 from executor.plan_loader import load_plan
 from executor.sampling import SamplingParams
 from planner.errors import StrataError
-
-
-@pytest.mark.parametrize("roles", [(".ffn",), None], ids=["ffn-on-nvme", "all-on-nvme"])
-def test_nvme_is_bit_identical(smollm2_plan, smollm2_engine, reference_cases, tmp_path, roles):
-    engine = Engine(load_plan(_moved(smollm2_plan, tmp_path / "nvme.yaml", "nvme", roles)))
-    try:
-        ref = next(r for r in reference_cases if r["model_file"].startswith("SmolLM2"))
-        ids = ref["prompt_ids"] + ref["greedy_ids"][:8]
-        assert np.array_equal(engine.logits_for(ids), smollm2_engine.logits_for(ids))
-        a = engine.generate(ref["prompt_ids"], SamplingParams(), 6)
-        b = smollm2_engine.generate(ref["prompt_ids"], SamplingParams(), 6)
-        assert a.output_ids == b.output_ids
-        assert a.stats["bytes_read"]["nvme"] > 0 and b.stats["bytes_read"]["nvme"] == 0
-        if roles is None:
-            assert a.stats["bytes_read"]["gpu"] == 0
-        # Every streamed unit is read from the pool; bytes are what preadv returned.
-        assert engine.store.pool.bytes_read % 4096 == 0
-    finally:
-        engine.close()
 
 
 def test_short_read_is_an_error(smollm2_plan, tmp_path, monkeypatch):

@@ -1,4 +1,4 @@
-"""Where a unit lives never changes the numbers: gpu vs ram placements give identical logits."""
+"""Where a unit lives never changes the numbers: gpu, ram and nvme give identical logits."""
 
 from __future__ import annotations
 
@@ -23,21 +23,28 @@ def _moved(plan_path, out_path, tier, roles=None):
     return out_path
 
 
-@pytest.mark.parametrize("roles", [(".ffn",), None], ids=["ffn-on-ram", "all-on-ram"])
-def test_ram_tier_is_bit_identical(smollm2_plan, smollm2_engine, reference_cases, tmp_path, roles):
-    engine = Engine(load_plan(_moved(smollm2_plan, tmp_path / "ram.yaml", "ram", roles)))
-    ref = next(r for r in reference_cases if r["model_file"].startswith("SmolLM2"))
-    ids = ref["prompt_ids"] + ref["greedy_ids"][:8]
-    assert np.array_equal(engine.logits_for(ids), smollm2_engine.logits_for(ids))
-    a = engine.generate(ref["prompt_ids"], SamplingParams(), 6)
-    b = smollm2_engine.generate(ref["prompt_ids"], SamplingParams(), 6)
-    assert a.output_ids == b.output_ids
-    # Honest counters: RAM units are copied per use; nothing is read from the tier they're not on.
-    assert a.stats["bytes_read"]["ram"] > 0 and b.stats["bytes_read"]["ram"] == 0
-    if roles is None:
-        assert a.stats["bytes_read"]["gpu"] == 0
-    resident = engine.store.resident_nbytes()
-    assert resident["ram"] > 0
+@pytest.mark.parametrize("tier", ["ram", "nvme"])
+@pytest.mark.parametrize("roles", [(".ffn",), None], ids=["ffn", "all"])
+def test_tier_is_bit_identical(
+    smollm2_plan, smollm2_engine, reference_cases, tmp_path, tier, roles
+):
+    """FFN units, or every unit, on ``tier``: logits bit-identical to the all-resident plan."""
+    engine = Engine(load_plan(_moved(smollm2_plan, tmp_path / "moved.yaml", tier, roles)))
+    try:
+        ref = next(r for r in reference_cases if r["model_file"].startswith("SmolLM2"))
+        ids = ref["prompt_ids"] + ref["greedy_ids"][:8]
+        assert np.array_equal(engine.logits_for(ids), smollm2_engine.logits_for(ids))
+        a = engine.generate(ref["prompt_ids"], SamplingParams(), 6)
+        b = smollm2_engine.generate(ref["prompt_ids"], SamplingParams(), 6)
+        assert a.output_ids == b.output_ids
+        # Honest counters: bytes are counted on the tier they came from, and only there.
+        assert a.stats["bytes_read"][tier] > 0 and b.stats["bytes_read"][tier] == 0
+        if roles is None:
+            assert a.stats["bytes_read"]["gpu"] == 0
+        if tier == "nvme":  # whole aligned units, as preadv returned them
+            assert engine.store.pool.bytes_read % 4096 == 0
+    finally:
+        engine.close()
 
 
 def test_loaded_smollm2_stays_packed(smollm2_engine):
