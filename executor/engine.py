@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 import mlx.core as mx
 import numpy as np
 
-from executor.models import ARCHITECTURES, build_model
+from executor.models import model_class
 from executor.plan_loader import LoadedPlan
 from executor.sampling import Sampler, SamplingParams
 from executor.tokenizer import GGUFTokenizer, StreamDecoder
@@ -87,12 +87,8 @@ class Engine:
     def __init__(self, loaded: LoadedPlan):
         self.loaded = loaded
         arch = loaded.desc.architecture
-        if arch.name not in ARCHITECTURES:
-            raise StrataError(
-                f"architecture {arch.name!r} is not supported by the executor yet "
-                f"(supported: {', '.join(sorted(ARCHITECTURES))})"
-            )
-        check_tensors(loaded.desc, ARCHITECTURES[arch.name].expected_shapes(arch))
+        model_cls = model_class(arch)
+        check_tensors(loaded.desc, model_cls.expected_shapes(arch))
         plan = loaded.plan
         self.dtype = DTYPES[plan.runtime.compute_dtype]
         here = mx.default_device()
@@ -105,7 +101,7 @@ class Engine:
             )
         self.tokenizer = GGUFTokenizer.from_reader(loaded.gguf.reader)
         self.store = WeightStore(loaded.gguf, loaded.desc, plan.tier_of(), self.dtype)
-        self.model = build_model(arch, self.store, self.dtype)
+        self.model = model_cls(arch, self.store, self.dtype)
         self.store.start_streaming(
             self.model.unit_order(), plan.pool.slots, plan.prefetch.io_threads or 1
         )
