@@ -587,11 +587,12 @@ def solve(
             f"the placement ILP found no placement in {time.perf_counter() - start:.1f} s "
             f"(ended {out_a.status} / {out_b.status}); raise the time limit"
         )
+    t_star: float | None
     if t_b is not None and (t_a is None or t_b <= t_a + TIE_UNITS):
         m, t_star = serial, t_b
     else:
         m, t_star = overlap, t_a
-    assert t_star is not None
+    assert t_star is not None  # at least one side found an incumbent (checked above)
     # Proven gap of the whole model: the best step against the lower of the two sides' bounds.
     gap = max(0.0, (t_star - min(out_a.bound, out_b.bound)) / t_star)
     if out_a.out_of_time or out_b.out_of_time or gap > ACCEPT_GAP:

@@ -236,7 +236,7 @@ class Request(Strict):
     gpu_budget_bytes: int | None = Field(default=None, ge=0, description="override of the profile")
     ram_budget_bytes: int | None = Field(default=None, ge=0, description="override of the profile")
     tiers: list[Tier] = Field(
-        default_factory=lambda: list(TIERS),
+        default=["gpu", "ram", "nvme"],  # pydantic copies mutable defaults per instance
         min_length=1,
         description="tiers the plan may use (e.g. [gpu, ram] for an executor without streaming)",
     )
