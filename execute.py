@@ -27,6 +27,18 @@ def main(argv: list[str] | None = None) -> int:
     r.add_argument("--seed", type=int, default=0)
     r.add_argument("--json", action="store_true", help="print one JSON object instead of text")
 
+    b = sub.add_parser("bench", help="measure a plan: tok/s, disk bytes/s, I/O wait, memory")
+    b.add_argument("plan")
+    b.add_argument("--prompt", default="The capital of France is", help="prompt text")
+    b.add_argument("--max-tokens", type=int, default=64, help="decode steps measured (64)")
+    b.add_argument(
+        "--check",
+        default="resident",
+        help="resident (default: ids must equal the all-resident run), none, or a --json file",
+    )
+    b.add_argument("-o", "--output", help="write the JSON here (default: stdout)")
+    b.add_argument("--plot", help="write a PNG plot here")
+
     return run(p.parse_args(argv))
 
 

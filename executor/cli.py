@@ -99,7 +99,24 @@ def cmd_run(args: argparse.Namespace) -> None:
     )
 
 
-COMMANDS = {"run": cmd_run}
+def cmd_bench(args: argparse.Namespace) -> None:
+    from executor.bench import bench, plot
+
+    if args.max_tokens < 2:
+        raise StrataError("--max-tokens must be at least 2 for a decode measurement")
+    result = bench(args.plan, args.prompt, args.max_tokens, args.check)
+    text = json.dumps(result, indent=1, ensure_ascii=False)
+    if args.output:
+        Path(args.output).write_text(text + "\n")
+        print(f"wrote {args.output}", file=sys.stderr)
+    else:
+        print(text)
+    if args.plot:
+        plot(result, Path(args.plot))
+        print(f"wrote {args.plot}", file=sys.stderr)
+
+
+COMMANDS = {"run": cmd_run, "bench": cmd_bench}
 
 
 def run(args: argparse.Namespace) -> int:

@@ -151,6 +151,7 @@ class Engine:
         params: SamplingParams,
         max_tokens: int = 256,
         on_text: Callable[[str], None] | None = None,
+        stop_at_eog: bool = True,
     ) -> Generation:
         """Generate up to ``max_tokens`` tokens after ``prompt_ids``.
 
@@ -163,6 +164,7 @@ class Engine:
             max_tokens: most tokens to generate.
             on_text: called with each new piece of text as it is decoded (never a split UTF-8
                 character).
+            stop_at_eog: stop at an end-of-generation token (benchmarks run a fixed length).
 
         Raises:
             StrataError: empty prompt, ids outside the vocabulary, prompt longer than the context.
@@ -192,7 +194,7 @@ class Engine:
                 piece = stream.push(tok)
                 if piece:
                     on_text(piece)
-            if tok in eog:
+            if stop_at_eog and tok in eog:
                 finish = "stop"
                 break
             if len(out) >= max_tokens:

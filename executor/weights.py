@@ -117,6 +117,11 @@ class WeightStore:
         if streamed and self._pack is not None:
             self.pool = StreamPool(self._pack, streamed, max(slots, 2), io_threads, self.dtype)
 
+    @property
+    def pack_path(self):
+        """The packed store streamed units are read from (None when nothing streams)."""
+        return self._pack.path if self._pack is not None else None
+
     def counters(self) -> dict[str, float]:
         """Bytes read per tier so far (nvme: bytes the OS returned) and seconds of I/O wait."""
         read = dict(self.bytes_read)

@@ -1,0 +1,143 @@
+"""``execute.py bench``: measured throughput of a plan, next to what the plan predicted.
+
+One run measures, on this machine:
+- prefill and decode tokens/s (greedy, a fixed number of decode steps after a warm-up);
+- streamed bytes per decoded token, the disk bytes/s the NVMe tier achieved during decode, and, in
+  the same run, the raw direct-I/O sequential read bandwidth of the file it streams from;
+- I/O wait per token (time the compute thread waited for a prefetch);
+- the plan's predicted decode tok/s against the measured one;
+- peak RSS and MLX peak memory.
+
+Every bench checks its text: the generated ids must equal those of the same model run with every
+unit resident (``--check resident``, the default; numerics do not depend on the tier), or a file
+of expected ids (``--check FILE.json``), so that a fast wrong answer never counts.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+from executor.engine import Engine
+from executor.plan_loader import LoadedPlan, load_plan
+from executor.sampling import SamplingParams
+from planner.errors import StrataError
+from planner.profile import read_sequential
+
+RAW_READ_BYTES = 256 << 20
+"""Bytes of the raw direct-I/O read test (at most the file's size, whole 4 MiB blocks)."""
+
+
+def _resident_ids(loaded: LoadedPlan, prompt: list[int], n: int) -> list[int]:
+    """Greedy ids of the same model with every unit on the device (the check's reference)."""
+    plan = loaded.plan.model_copy(deep=True)
+    for p in plan.placement:
+        p.tier = "gpu"
+    engine = Engine(LoadedPlan(plan, loaded.path, loaded.gguf, loaded.desc))
+    try:
+        return engine.generate(prompt, SamplingParams(), n, stop_at_eog=False).output_ids
+    finally:
+        engine.close()
+
+
+def _raw_read(path: Path) -> dict:
+    """Direct-I/O sequential read bandwidth of ``path``'s disk, measured now."""
+    size = path.stat().st_size
+    n = min(RAW_READ_BYTES, size // (4 << 20) * (4 << 20))
+    if n == 0:
+        return {"bytes_s": None, "method": f"{path} is smaller than one 4 MiB block"}
+    r = read_sequential(path, n)
+    return {"bytes_s": round(r.bytes_s), "bytes": n, "direct": r.direct, "method": r.method}
+
+
+def bench(plan_path: str, prompt: str, max_tokens: int, check: str) -> dict:
+    """Run the bench and return its JSON-ready result (see the module docstring).
+
+    Raises:
+        StrataError: a bad plan or prompt, or generated ids that fail the check.
+    """
+    loaded = load_plan(plan_path)
+    engine = Engine(loaded)
+    try:
+        ids = engine.tokenizer.encode(prompt)
+        engine.generate(ids, SamplingParams(), 4, stop_at_eog=False)  # warm-up: caches, pool
+        gen = engine.generate(ids, SamplingParams(), max_tokens, stop_at_eog=False)
+        streamed = engine.store.pool is not None
+        raw = _raw_read(engine.store.pack_path) if streamed else None
+    finally:
+        engine.close()
+    if check == "resident":
+        want = _resident_ids(loaded, ids, max_tokens)
+    elif check == "none":
+        want = None
+    else:
+        try:
+            want = json.loads(Path(check).read_text())["output_ids"]
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            raise StrataError(f"--check {check}: cannot read expected output_ids ({e})") from None
+    s = gen.stats
+    steps = max(1, len(gen.output_ids) - 1)
+    decode_s = s["decode_s"]
+    nvme = s["bytes_read"]["nvme"]
+    predicted = loaded.plan.prediction.decode_tok_s if loaded.plan.prediction else None
+    result = {
+        "plan": str(plan_path),
+        "model": loaded.plan.fingerprints.model.name or loaded.plan.fingerprints.model.path,
+        "tiers": {
+            t: sum(1 for p in loaded.plan.placement if p.tier == t) for t in ("gpu", "ram", "nvme")
+        },
+        "prompt_tokens": len(ids),
+        "decode_tokens": len(gen.output_ids),
+        "prefill_tok_s": s["prefill_tok_s"],
+        "decode_tok_s": s["decode_tok_s"],
+        "predicted_decode_tok_s": predicted,
+        "measured_over_predicted": round(s["decode_tok_s"] / predicted, 3) if predicted else None,
+        "streamed_bytes_per_token": round(nvme / steps),
+        "disk_bytes_s": round(nvme / decode_s) if decode_s > 0 else 0,
+        "raw_direct_io_bytes_s": raw["bytes_s"] if raw else None,
+        "raw_read": raw,
+        "io_wait_s_per_token": round(s["io_wait_s"] / steps, 6),
+        "host_copy_s_per_token": round(s["host_copy_s"] / steps, 6),
+        "bytes_read": s["bytes_read"],
+        "peak_rss_bytes": s["peak_rss_bytes"],
+        "peak_mlx_bytes": s["peak_mlx_bytes"],
+        "text": gen.text,
+        "check": check,
+        "check_passed": None if want is None else gen.output_ids == want,
+        "measured_at": time.strftime("%Y-%m-%dT%H:%M:%S"),
+    }
+    if want is not None and gen.output_ids != want:
+        pairs = zip(gen.output_ids, want, strict=False)
+        at = next((i for i, (a, b) in enumerate(pairs) if a != b), min(len(want), steps + 1))
+        raise StrataError(
+            f"bench check failed: generated ids differ from the {check} reference at position {at}"
+        )
+    return result
+
+
+def plot(result: dict, path: Path) -> None:
+    """A PNG with predicted vs measured decode tok/s and achieved vs raw disk bandwidth."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (a, b) = plt.subplots(1, 2, figsize=(9, 3.5))
+    labels, values = ["measured"], [result["decode_tok_s"]]
+    if result["predicted_decode_tok_s"]:
+        labels.insert(0, "predicted")
+        values.insert(0, result["predicted_decode_tok_s"])
+    a.bar(labels, values, color=["#999", "#2a7"][-len(values) :])
+    a.set_title("decode tok/s")
+    disk = [result["disk_bytes_s"] / 1e9]
+    dl = ["achieved (decode)"]
+    if result["raw_direct_io_bytes_s"]:
+        disk.append(result["raw_direct_io_bytes_s"] / 1e9)
+        dl.append("raw direct I/O")
+    b.bar(dl, disk, color=["#27a", "#999"][: len(disk)])
+    b.set_title("NVMe GB/s")
+    fig.suptitle(f"{result['model']} — {Path(result['plan']).name}", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
