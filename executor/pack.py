@@ -24,7 +24,7 @@ import numpy as np
 from tqdm import tqdm
 
 from executor.direct_io import ALIGN
-from executor.quant import PackedWeight, repack
+from executor.quant import PackedWeight, UnsupportedQuantError, repack
 from planner.catalog import cache_dir
 from planner.errors import StrataError
 from planner.gguf_file import GGUFFile
@@ -128,9 +128,14 @@ class PackStore:
                     for name in u.tensors:
                         t = by_name[name]
                         info_shape = tuple(int(d) for d in reversed(t.shape.tolist()))
-                        host = repack(
-                            gguf.GGMLQuantizationType(t.tensor_type), g.tensor_bytes(t), info_shape
-                        )
+                        try:
+                            host = repack(
+                                gguf.GGMLQuantizationType(t.tensor_type),
+                                g.tensor_bytes(t),
+                                info_shape,
+                            )
+                        except UnsupportedQuantError as e:
+                            raise StrataError(f"tensor {name}: {e}") from None
                         if isinstance(host, PackedWeight):
                             bits[name] = (host.bits, host.group_size)
                         elif host.dtype != np.float16:
@@ -151,6 +156,7 @@ class PackStore:
                             f.write(b"\0" * (_align(len(raw)) - len(raw)))
                             pos += _align(len(raw))
                             bar.update(len(raw))
+                        g.drop_pages(t)  # written to the pack: unmap the GGUF's pages
                     units[u.name] = PackedUnit(u.name, start, pos - start, tuple(parts), bits)
             tmp.replace(pack)
             manifest.write_text(

@@ -91,13 +91,14 @@ class WeightStore:
                 )
             except UnsupportedQuantError as e:
                 raise StrataError(f"tensor {info.name}: {e}") from None
-            if isinstance(host, np.ndarray) and host.dtype != np.float16:
-                host = host.astype(np.float32, copy=False)
+            if isinstance(host, np.ndarray):
+                # A copy that owns its memory (float tensors may be views of the mapped file).
+                host = host.astype(np.float32 if host.dtype != np.float16 else np.float16)
             if tiers[info.unit] == "gpu":
                 self._gpu[info.name] = self._to_device(host)
             else:
-                # A host copy that owns its memory: the mmap'd file is not the RAM tier.
-                self._ram[info.name] = host
+                self._ram[info.name] = host  # the RAM tier is this host copy, not the mapped file
+            g.drop_pages(t)
         mx.eval([w.weight if isinstance(w, QuantLinear) else w for w in self._gpu.values()])
         if "nvme" in tiers.values():
             if desc.model.sha256 is None:

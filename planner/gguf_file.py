@@ -70,6 +70,25 @@ class GGUFFile:
         """The raw bytes of a tensor as a uint8 view into the memory map (no copy)."""
         return np.asarray(t.data).reshape(-1).view(np.uint8)
 
+    def drop_pages(self, t: gguf.ReaderTensor) -> None:
+        """Unmap the tensor's file pages from this process once its bytes were copied elsewhere.
+
+        The pages stay in the OS page cache, but no longer count in the process's resident set:
+        without this, loading a model holds its whole file mapped on top of the loaded copy
+        (seen: 1.75 GiB peak RSS for a 0.68 GiB file). Linux/macOS ``madvise(MADV_DONTNEED)``
+        on a read-only file mapping; a no-op where the platform lacks it.
+        """
+        mm = getattr(self.reader.data, "_mmap", None)  # numpy.memmap keeps its mmap.mmap here
+        if mm is None or not hasattr(mmap, "MADV_DONTNEED"):
+            return
+        page = mmap.PAGESIZE
+        start = int(t.data_offset) // page * page
+        end = int(t.data_offset) + int(t.n_bytes)
+        try:
+            mm.madvise(mmap.MADV_DONTNEED, start, end - start)
+        except (OSError, ValueError):
+            pass  # only a memory-saving hint
+
 
 class _Walker:
     """Bounds-checked cursor over the header bytes."""
