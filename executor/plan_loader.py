@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from planner.catalog import CATALOG, file_sha256, resolve_model
+from planner.catalog import CATALOG, ResolvedModel, file_sha256, resolve_model
 from planner.describe import describe_gguf, source_for
 from planner.errors import PlanError
 from planner.gguf_file import GGUFFile, open_gguf
@@ -72,8 +72,8 @@ def load_plan(path: str | Path) -> LoadedPlan:
             f"{path}: model file {model_path} is {size} bytes but the plan was made for "
             f"{src.size_bytes} bytes; the model changed — re-run plan.py plan"
         )
+    digest = file_sha256(model_path)  # remembered in the cache: hashed once per file version
     if src.sha256 is not None:
-        digest = file_sha256(model_path)
         if digest != src.sha256:
             raise PlanError(
                 f"{path}: model file {model_path} has sha256 {digest[:12]}… but the plan was made "
@@ -92,7 +92,8 @@ def load_plan(path: str | Path) -> LoadedPlan:
     g = open_gguf(model_path)
     if src.header_sha256 and g.header_sha256 != src.header_sha256:
         raise PlanError(f"{path}: model header changed since planning; re-run plan.py plan")
-    desc = describe_gguf(g, source_for(resolve_model(str(model_path)), g.header_sha256))
+    resolved = ResolvedModel(model_path, None, size, digest)
+    desc = describe_gguf(g, source_for(resolved, g.header_sha256))
     seen: set[str] = set()
     for p in plan.placement:
         if p.unit in seen:

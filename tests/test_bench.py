@@ -19,19 +19,8 @@ def test_bench_streamed_plan(tmp_path):
         (".ffn",),
     )
     out, png = tmp_path / "b.json", tmp_path / "b.png"
-    cli(
-        "execute.py",
-        "bench",
-        str(plan),
-        "--prompt",
-        "hello",
-        "--max-tokens",
-        "8",
-        "-o",
-        str(out),
-        "--plot",
-        str(png),
-    )
+    bench = ("execute.py", "bench", str(plan), "--prompt", "hello", "--max-tokens", "8")
+    cli(*bench, "-o", str(out), "--plot", str(png))
     r = json.loads(out.read_text())
     assert r["check_passed"] is True and r["decode_tokens"] == 8
     assert r["tiers"]["nvme"] == 3 and r["streamed_bytes_per_token"] > 0
@@ -41,16 +30,5 @@ def test_bench_streamed_plan(tmp_path):
     # A reference that disagrees fails the bench: a fast wrong answer never counts.
     wrong = tmp_path / "wrong.json"
     wrong.write_text(json.dumps({"output_ids": [0] * 8}))
-    done = cli(
-        "execute.py",
-        "bench",
-        str(plan),
-        "--prompt",
-        "hello",
-        "--max-tokens",
-        "8",
-        "--check",
-        str(wrong),
-        ok=False,
-    )
+    done = cli(*bench, "--check", str(wrong), ok=False)
     assert_one_line_error(done, "bench check failed")
