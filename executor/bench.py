@@ -5,6 +5,9 @@ One run measures, on this machine:
 - streamed bytes per decoded token, the disk bytes/s the NVMe tier achieved during decode, and, in
   the same run, the raw direct-I/O sequential read bandwidth of the file it streams from;
 - I/O wait per token (time the compute thread waited for a prefetch);
+- the bounds a streamed plan is judged against, measured in the same run: the disk bound (raw
+  direct-I/O bandwidth / streamed bytes per token) and the all-resident decode tok/s (with
+  ``--check resident``), each with the fraction of it reached;
 - the plan's predicted decode tok/s against the measured one;
 - peak RSS and MLX peak memory.
 
@@ -29,16 +32,41 @@ RAW_READ_BYTES = 256 << 20
 """Bytes of the raw direct-I/O read test (at most the file's size, whole 4 MiB blocks)."""
 
 
-def _resident_ids(loaded: LoadedPlan, prompt: list[int], n: int) -> list[int]:
-    """Greedy ids of the same model with every unit on the device (the check's reference)."""
+WARMUP_TOKENS = 4
+"""Tokens generated before timing: first-use kernel compilation, allocator caches, the pool."""
+
+
+def _timed_generate(engine: Engine, prompt: list[int], n: int):
+    """Warm up, then generate ``n`` greedy tokens; the second generation's result."""
+    engine.generate(prompt, SamplingParams(), WARMUP_TOKENS, stop_at_eog=False)
+    return engine.generate(prompt, SamplingParams(), n, stop_at_eog=False)
+
+
+def _resident_run(loaded: LoadedPlan, prompt: list[int], n: int) -> tuple[list[int], float]:
+    """Greedy ids and decode tok/s of the same model with every unit on the device.
+
+    The ids are the check's reference (numerics do not depend on the tier); the tok/s is the
+    all-resident speed a streamed plan is judged against when compute is its bottleneck.
+    """
     plan = loaded.plan.model_copy(deep=True)
     for p in plan.placement:
         p.tier = "gpu"
     engine = Engine(LoadedPlan(plan, loaded.path, loaded.gguf, loaded.desc))
     try:
-        return engine.generate(prompt, SamplingParams(), n, stop_at_eog=False).output_ids
+        gen = _timed_generate(engine, prompt, n)
+        return gen.output_ids, gen.stats["decode_tok_s"]
     finally:
         engine.close()
+
+
+def _ffn_streamed_fraction(loaded: LoadedPlan) -> float | None:
+    """Fraction of the per-token FFN bytes the plan reads from NVMe (None: no FFN units)."""
+    tier = loaded.plan.tier_of()
+    ffn = [u for u in loaded.desc.units if u.role in ("ffn", "expert")]
+    total = sum(u.bytes_mlx * u.access_per_token for u in ffn)
+    if total == 0:
+        return None
+    return sum(u.bytes_mlx * u.access_per_token for u in ffn if tier[u.name] == "nvme") / total
 
 
 def _raw_read(path: Path) -> dict:
@@ -61,14 +89,15 @@ def bench(plan_path: str, prompt: str, max_tokens: int, check: str) -> dict:
     engine = Engine(loaded)
     try:
         ids = engine.tokenizer.encode(prompt)
-        engine.generate(ids, SamplingParams(), 4, stop_at_eog=False)  # warm-up: caches, pool
-        gen = engine.generate(ids, SamplingParams(), max_tokens, stop_at_eog=False)
-        streamed = engine.store.pool is not None
-        raw = _raw_read(engine.store.pack_path) if streamed else None
+        gen = _timed_generate(engine, ids, max_tokens)
+        pool = engine.store.pool
+        direct = pool.method if pool is not None else None
+        raw = _raw_read(engine.store.pack_path) if pool is not None else None
     finally:
         engine.close()
+    resident_tok_s = None
     if check == "resident":
-        want = _resident_ids(loaded, ids, max_tokens)
+        want, resident_tok_s = _resident_run(loaded, ids, max_tokens)
     elif check == "none":
         want = None
     else:
@@ -77,10 +106,12 @@ def bench(plan_path: str, prompt: str, max_tokens: int, check: str) -> dict:
         except (OSError, ValueError, KeyError, TypeError) as e:
             raise StrataError(f"--check {check}: cannot read expected output_ids ({e})") from None
     s = gen.stats
-    steps = max(1, len(gen.output_ids) - 1)
+    steps = max(1, s["decode_steps"])
     decode_s = s["decode_s"]
-    nvme = s["bytes_read"]["nvme"]
+    nvme = s["decode_bytes_read"]["nvme"]  # decode steps only: prefill streams every unit too
     predicted = loaded.plan.prediction.decode_tok_s if loaded.plan.prediction else None
+    per_token = nvme / steps
+    disk_bound = raw["bytes_s"] / per_token if raw and raw["bytes_s"] and per_token else None
     result = {
         "plan": str(plan_path),
         "model": loaded.plan.fingerprints.model.name or loaded.plan.fingerprints.model.path,
@@ -93,12 +124,18 @@ def bench(plan_path: str, prompt: str, max_tokens: int, check: str) -> dict:
         "decode_tok_s": s["decode_tok_s"],
         "predicted_decode_tok_s": predicted,
         "measured_over_predicted": round(s["decode_tok_s"] / predicted, 3) if predicted else None,
-        "streamed_bytes_per_token": round(nvme / steps),
+        "resident_decode_tok_s": resident_tok_s,
+        "of_resident": round(s["decode_tok_s"] / resident_tok_s, 3) if resident_tok_s else None,
+        "disk_bound_tok_s": round(disk_bound, 4) if disk_bound else None,
+        "of_disk_bound": round(s["decode_tok_s"] / disk_bound, 3) if disk_bound else None,
+        "ffn_bytes_streamed_fraction": _ffn_streamed_fraction(loaded),
+        "read_method": direct,
+        "streamed_bytes_per_token": round(per_token),
         "disk_bytes_s": round(nvme / decode_s) if decode_s > 0 else 0,
         "raw_direct_io_bytes_s": raw["bytes_s"] if raw else None,
         "raw_read": raw,
-        "io_wait_s_per_token": round(s["io_wait_s"] / steps, 6),
-        "host_copy_s_per_token": round(s["host_copy_s"] / steps, 6),
+        "io_wait_s_per_token": round(s["decode_io_wait_s"] / steps, 6),
+        "host_copy_s_per_token": round(s["decode_host_copy_s"] / steps, 6),
         "bytes_read": s["bytes_read"],
         "peak_rss_bytes": s["peak_rss_bytes"],
         "peak_mlx_bytes": s["peak_mlx_bytes"],

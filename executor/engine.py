@@ -183,6 +183,7 @@ class Engine:
         t0 = time.perf_counter()
         logits = self.prefill(prompt_ids, cache)
         t_prefill = time.perf_counter() - t0
+        read_p, copy_p = self.store.counters(), self.store.copy_seconds
         out: list[int] = []
         finish = "length"
         t1 = time.perf_counter()
@@ -221,8 +222,12 @@ class Engine:
             "decode_tok_s": round(decode_steps / t_decode, 3) if decode_steps else 0.0,
             "peak_rss_bytes": peak_rss_bytes(),
             "peak_mlx_bytes": int(mx.get_peak_memory()),
+            "decode_steps": decode_steps,
             "bytes_read": {t: int(read1[t] - read0[t]) for t in ("gpu", "ram", "nvme")},
+            "decode_bytes_read": {t: int(read1[t] - read_p[t]) for t in ("gpu", "ram", "nvme")},
             "io_wait_s": round(read1["io_wait_s"] - read0["io_wait_s"], 6),
+            "decode_io_wait_s": round(read1["io_wait_s"] - read_p["io_wait_s"], 6),
             "host_copy_s": round(self.store.copy_seconds - copy0, 6),
+            "decode_host_copy_s": round(self.store.copy_seconds - copy_p, 6),
         }
         return Generation(prompt_ids, out, self.tokenizer.decode(out), stats)

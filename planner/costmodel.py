@@ -5,27 +5,41 @@ The ILP (``planner.ilp``) builds its linear expressions from the coefficients de
 which is how the brute-force test, ``explain``, ``diff`` and calibration judge any plan.
 
 Symbols (per unit u of the model description): ``b_u`` bytes in MLX form, ``a_u`` fraction of the
-unit one decoded token reads, ``f_u`` FLOPs of one decoded token. ``B`` is the decode batch: 1 for
-the ``latency`` objective, ``request.concurrency`` for ``throughput``. A step reads unit u whenever
-at least one of its B sequences needs it; with independent routing (the same assumption as the
+unit one decoded token reads, ``f_u`` FLOPs of one decoded token, ``k_u`` MLX graph operations the
+executor builds for it in one step (``OPS_PER_UNIT`` by role). ``B`` is the decode batch: 1 for the
+``latency`` objective, ``request.concurrency`` for ``throughput``. A step reads unit u whenever at
+least one of its B sequences needs it; with independent routing (the same assumption as the
 description's uniform top-k/n) that happens with probability ``a_u(B) = 1 - (1 - a_u)^B``, which is
-``a_u`` at B = 1 and 1 for dense units. Bandwidths and FLOP/s come from the hardware profile:
-``gpu_bw`` (gpu.memory_bandwidth_bytes_s), ``gpu_flops`` (gpu.compute_flops_s), ``h2d_bw``
+``a_u`` at B = 1 and 1 for dense units. Rates come from the hardware profile: ``gpu_bw``
+(gpu.memory_bandwidth_bytes_s), ``mv_flops`` (gpu.decode_matvec_flops_s: a 4-bit quantized
+matrix-vector product, the kernel of a decoded token), ``mm_flops`` (gpu.compute_flops_s: a
+prefill-sized matrix product), ``op_s`` (gpu.op_overhead_s), ``h2d_bw``
 (ram.host_to_device_bytes_s), ``nvme_bw`` (nvme.read_bytes_s).
 
 Time of one decode step (seconds):
 
-- ``compute_s   = sum_u a_u(B) * b_u / gpu_bw + B * sum_u f_u / gpu_flops`` — every unit is read
-  from device memory by the kernels wherever it is stored, so compute does not depend on placement
-  (decode is bandwidth-bound: the mlx-lm / vLLM-on-Metal observation).
+- ``compute_s   = sum_u [max(a_u(B) * b_u / gpu_bw, f_u / mv_flops, B * f_u / mm_flops)
+  + k_u * op_s]`` — a roofline per unit: the kernels cannot finish before the weights are read
+  from device memory once, nor before one token's matrix-vector products run at the measured
+  matvec rate (on MLX's CPU backend that rate, not the bandwidth, binds: dequantizing is the
+  work), nor before B tokens' FLOPs run at the matrix-product rate; plus a fixed cost per graph
+  operation (building it in Python, dispatching and launching it), which is what bounds small
+  models on fast GPUs. Every unit is read from device memory by the
+  kernels wherever it is stored, so compute does not depend on placement.
 - ``host_copy_s = sum_{u on ram} a_u(B) * b_u / h2d_bw``
   ``          [+ sum_{u on nvme} a_u(B) * b_u / h2d_bw  when memory is not unified]`` — a direct-I/O
   read lands in host memory and must then be copied to the device; on unified memory the pool slot
   is what the GPU reads.
 - ``disk_s      = sum_{u on nvme} a_u(B) * b_u / nvme_bw``.
+- ``io_stall_s`` (depth 1 only) ``= sum over blocks i whose attention and FFN both stream of
+  max(0, read(ffn_i) - compute(attn_i))``. The executor reads ``depth`` streamed units ahead
+  into ``depth + 1`` slots, so at depth 1 the read of ``ffn_i`` cannot start until ``ffn_{i-1}``
+  frees its slot when ``attn_i`` sits in the other one: it overlaps only ``attn_i``'s compute,
+  and the compute thread waits for the rest. At depth >= 2 (or when attention stays resident)
+  the read also overlaps the previous FFN's compute, which the bottleneck below covers.
 - The executor copies RAM-tier units on the compute thread when they are used (synchronous) while
   I/O threads read NVMe units ``depth`` units ahead, so
-  ``step_s = max(compute_s + host_copy_s, disk_s)`` when depth >= 1 and
+  ``step_s = max(compute_s + host_copy_s + io_stall_s, disk_s)`` when depth >= 1 and
   ``step_s = compute_s + host_copy_s + disk_s`` when depth = 0 (reads are synchronous).
 - The objective is ``step_s / B``: seconds per token for one stream (latency) or the inverse of the
   aggregate tokens/s (throughput); ``decode_tok_s = B / step_s``.
@@ -33,13 +47,14 @@ Time of one decode step (seconds):
 Why a bottleneck and not a per-layer overlap formulation: the executor runs the same unit sequence
 every step and its I/O threads wrap around into the next step's units, so in steady state the disk
 and the compute thread each work for their total time per step and the step lasts as long as the
-busier of the two. That is exact for uniform layers and needs one continuous variable and three
-rows, where a per-layer model needs an ordering of units, start-time variables per unit and per
-depth (O(units x depth) big-M rows) and a cyclic boundary; it would also depend on the executor's
-unit order, which the plan does not fix. The price: the model is optimistic when streamed units
-cluster (a run of NVMe units with little compute between them needs a deep prefetch to hide), and
-since it cannot see that, depth >= 2 buys nothing in it: the solver picks depth 1 (or 0 when memory
-is tight) whenever anything streams. Calibration against measured steps is where that shows.
+busier of the two. That is exact for uniform layers (given ``io_stall_s``) and needs one
+continuous variable and a few rows, where a per-layer model needs an ordering of units,
+start-time variables per unit and per depth (O(units x depth) big-M rows) and a cyclic boundary;
+it would also depend on the executor's unit order, which the plan does not fix. The price: apart
+from the attention/FFN interleave that ``io_stall_s`` charges, the model is optimistic when
+streamed units cluster (a run of NVMe units with little compute between them needs a deep
+prefetch to hide), and depth >= 3 buys nothing in it. Calibration against measured steps is
+where that shows.
 
 Memory (bytes), per capacity row (``capacity_rows``):
 
@@ -57,7 +72,9 @@ Memory (bytes), per capacity row (``capacity_rows``):
 Capacities: gpu = ``request.gpu_budget_bytes`` or ``profile.gpu.working_set_bytes``; ram =
 ``request.ram_budget_bytes`` or ``profile.ram.capacity_bytes - profile.os_reserve_bytes``.
 
-Not modelled (yet): KV-cache reads per step (constant in the placement), attention-score buffers of
+Not modelled (yet): the evaluation the executor forces after each streamed unit to free its slot
+(tens of microseconds each: a few percent of a tiny model's step on a GPU, nothing on a large
+one), KV-cache reads per step (constant in the placement), attention-score buffers of
 a prefill chunk (the fused SDPA kernels do not materialize them), MoE expert caching, and partial
 reads: a streamed unit that a token reads only in part (an untied embedding's rows, top-k experts)
 still reserves a whole-unit pool slot, and disk reads are counted in MLX-form bytes.
@@ -94,13 +111,32 @@ KV_BLOCK_SIZE = 16
 PREFILL_CHUNK = 512
 """Largest prefill chunk, tokens (a fixed choice for now, not an ILP variable)."""
 
+OPS_PER_UNIT = {
+    "attention": 21,
+    "ffn": 8,
+    "expert": 10,
+    "router": 3,
+    "embedding": 6,
+    "output": 4,
+    "norm": 1,
+    "other": 1,
+}
+"""MLX graph operations one decode step builds per unit, by the unit's role, counted in
+``executor/models/llama.py`` (each pays ``gpu.op_overhead_s``, measured the same way: a chain of
+graph operations): attention 21 = RMSNorm, Q/K/V projections (3), their reshapes (3) and
+transposes (3), 2 RoPE, 2 KV-cache writes and 2 reads of the filled part, SDPA, the output's
+transpose and reshape, the O projection and the residual add; FFN 8 = RMSNorm, gate/up/down
+projections, sigmoid, two products, residual add; embedding 6 = the row gather of the quantized
+table's weight, scales and biases, dequantization, the cast and the batch axis; output 4 = the
+last-token slice, the final RMSNorm, the head projection and the float32 cast."""
+
 MAX_DEPTH = 8
 """Largest prefetch depth the ILP considers."""
 
 BINDING_TOL = 0.005
 """A constraint binds when its left side is within this fraction of its bound."""
 
-TERM_OVERLAP_COMPUTE = "step = compute + host copy"
+TERM_OVERLAP_COMPUTE = "step = compute + host copy + I/O stall"
 TERM_OVERLAP_DISK = "step = disk"
 TERM_SERIAL = "step = compute + host copy + disk (no prefetch)"
 
@@ -176,7 +212,8 @@ class UnitCost:
     name: str
     bytes: int
     compute_s: float
-    """``a_u(B) * b_u / gpu_bw + B * f_u / gpu_flops``: the same on every tier."""
+    """``max(a_u(B) b_u / gpu_bw, f_u / mv_flops, B f_u / mm_flops) + k_u op_s``: the same on
+    every tier."""
     copy_s: float
     """``a_u(B) * b_u / h2d_bw``: one host -> device copy of what a step reads."""
     read_s: float
@@ -210,8 +247,8 @@ def unit_costs(
     """Per-unit time coefficients, in ``desc.units`` order.
 
     Args:
-        desc: the model description (bytes_mlx, access_per_token, flops_per_token per unit).
-        profile: bandwidths (bytes/s) and compute throughput (FLOP/s).
+        desc: the model description (bytes_mlx, access_per_token, flops_per_token, role per unit).
+        profile: bandwidths (bytes/s), compute throughputs (FLOP/s), per-op overhead (seconds).
         request: the objective decides the batch B (``batch_size``).
         batch: a plan's batch limits (caps B), or None.
 
@@ -219,7 +256,9 @@ def unit_costs(
         PlanError: a bandwidth or the compute throughput in the profile is zero.
     """
     gpu_bw = _rate(profile.gpu.memory_bandwidth_bytes_s.value, "gpu.memory_bandwidth_bytes_s")
-    gpu_flops = _rate(profile.gpu.compute_flops_s.value, "gpu.compute_flops_s")
+    mm_flops = _rate(profile.gpu.compute_flops_s.value, "gpu.compute_flops_s")
+    mv_flops = _rate(profile.gpu.decode_matvec_flops_s.value, "gpu.decode_matvec_flops_s")
+    op_s = profile.gpu.op_overhead_s.value
     h2d_bw = _rate(profile.ram.host_to_device_bytes_s.value, "ram.host_to_device_bytes_s")
     nvme_bw = _rate(profile.nvme.read_bytes_s.value, "nvme.read_bytes_s")
     b = batch_size(request, batch)
@@ -228,11 +267,13 @@ def unit_costs(
         # P(at least one of B sequences reads the unit) under independent routing.
         access = 1.0 - (1.0 - u.access_per_token) ** b
         moved = access * u.bytes_mlx
+        f = u.flops_per_token
+        roofline = max(moved / gpu_bw, f / mv_flops, b * f / mm_flops)
         out.append(
             UnitCost(
                 name=u.name,
                 bytes=u.bytes_mlx,
-                compute_s=moved / gpu_bw + b * u.flops_per_token / gpu_flops,
+                compute_s=roofline + OPS_PER_UNIT[u.role] * op_s,
                 copy_s=moved / h2d_bw,
                 read_s=moved / nvme_bw,
             )
@@ -446,27 +487,61 @@ def tier_memory(
 
 
 def step_terms(
-    compute_s: float, host_copy_s: float, disk_s: float, depth: int
+    compute_s: float, host_copy_s: float, disk_s: float, depth: int, io_stall_s: float = 0.0
 ) -> list[tuple[str, float]]:
     """The lower bounds on the step time (name, seconds); the step is their maximum.
 
-    depth >= 1: ``compute + host copy`` and ``disk`` (I/O threads overlap the compute thread);
-    depth = 0: ``compute + host copy + disk`` (reads are synchronous).
+    depth >= 1: ``compute + host copy + I/O stall`` and ``disk`` (I/O threads overlap the compute
+    thread); depth = 0: ``compute + host copy + disk`` (reads are synchronous).
     """
     if depth >= 1:
-        return [(TERM_OVERLAP_COMPUTE, compute_s + host_copy_s), (TERM_OVERLAP_DISK, disk_s)]
+        return [
+            (TERM_OVERLAP_COMPUTE, compute_s + host_copy_s + io_stall_s),
+            (TERM_OVERLAP_DISK, disk_s),
+        ]
     return [(TERM_SERIAL, compute_s + host_copy_s + disk_s)]
 
 
-def _bottleneck(compute_s: float, host_copy_s: float, disk_s: float, depth: int) -> str:
-    # With overlap the disk only limits when it outlasts the compute thread; otherwise the larger
-    # share of the compute thread's time (ties resolve in the order compute, host_copy, disk).
-    if depth >= 1 and disk_s > compute_s + host_copy_s:
+def _bottleneck(
+    compute_s: float, host_copy_s: float, disk_s: float, depth: int, io_stall_s: float
+) -> str:
+    # With overlap the disk limits when it outlasts the compute thread, or when waiting for reads
+    # (the stall) is the compute thread's largest share; otherwise the larger share of the compute
+    # thread's time (ties resolve in the order compute, host_copy, disk).
+    if depth >= 1 and disk_s > compute_s + host_copy_s + io_stall_s:
         return "disk"
     shares = [("compute", compute_s), ("host_copy", host_copy_s)]
-    if depth == 0:
-        shares.append(("disk", disk_s))
+    shares.append(("disk", disk_s if depth == 0 else io_stall_s))
     return max(shares, key=lambda kv: kv[1])[0]
+
+
+def interleaved_blocks(desc: ModelDescription, tiers: Mapping[str, str]) -> list[int]:
+    """Blocks whose attention and FFN units both stream from NVMe (see ``io_stall_s``)."""
+    on_nvme = {u.name for u in desc.units if tiers.get(u.name) == "nvme"}
+    return [
+        i
+        for i in range(desc.architecture.block_count)
+        if f"blk.{i}.attn" in on_nvme and f"blk.{i}.ffn" in on_nvme
+    ]
+
+
+def io_stall(
+    desc: ModelDescription, costs: list[UnitCost], tiers: Mapping[str, str], depth: int
+) -> float:
+    """Seconds per step the compute thread waits for reads that could not start (module docstring).
+
+    Args:
+        costs: ``unit_costs`` of ``desc`` (same order).
+        tiers: unit name -> tier.
+        depth: prefetch depth; the stall exists at depth 1 only.
+    """
+    if depth != 1:
+        return 0.0
+    by_name = {c.name: c for c in costs}
+    return sum(
+        max(0.0, by_name[f"blk.{i}.ffn"].read_s - by_name[f"blk.{i}.attn"].compute_s)
+        for i in interleaved_blocks(desc, tiers)
+    )
 
 
 def score(
@@ -491,7 +566,8 @@ def score(
             ``depth`` and ``request`` imply.
 
     Returns:
-        The step time split into compute / host copy / disk (seconds), the bottleneck, aggregate
+        The step time split into compute / host copy / disk / I/O stall (seconds), the bottleneck,
+        aggregate
         decode tokens/s ``B / step_s``, and the binding constraints: capacity rows within
         ``BINDING_TOL`` of their capacity and the step-time terms within ``BINDING_TOL`` of the
         step. It does not check that the placement fits (``capacity_use`` does).
@@ -506,7 +582,8 @@ def score(
     compute_s = sum(c.compute_s for c in costs)
     host_copy_s = sum(c.host_copy_s(tiers[c.name], unified) for c in costs)
     disk_s = sum(c.disk_s(tiers[c.name]) for c in costs)
-    terms = step_terms(compute_s, host_copy_s, disk_s, depth)
+    stall_s = io_stall(desc, costs, tiers, depth)
+    terms = step_terms(compute_s, host_copy_s, disk_s, depth, stall_s)
     step_s = max(v for _, v in terms)
     binding = [
         r.name for r, used in use if r.capacity > 0 and used >= (1 - BINDING_TOL) * r.capacity
@@ -517,8 +594,11 @@ def score(
         compute_s=compute_s,
         host_copy_s=host_copy_s,
         disk_s=disk_s,
+        io_stall_s=stall_s,
         step_s=step_s,
-        bottleneck=_bottleneck(compute_s, host_copy_s, disk_s, depth),  # type: ignore[arg-type]
+        bottleneck=_bottleneck(  # type: ignore[arg-type]
+            compute_s, host_copy_s, disk_s, depth, stall_s
+        ),
         decode_tok_s=b / step_s if step_s > 0 else 0.0,
         binding=binding,
     )

@@ -96,6 +96,7 @@ def _prediction(a: Plan, b: Plan) -> list[str]:
         ("compute", pa.compute_s, pb.compute_s),
         ("host copy", pa.host_copy_s, pb.host_copy_s),
         ("disk", pa.disk_s, pb.disk_s),
+        ("I/O stall", pa.io_stall_s, pb.io_stall_s),
     ):
         if va != vb:
             lines.append(

@@ -220,6 +220,27 @@ def _placement_lines(plan: Plan, desc: ModelDescription | None) -> list[str]:
     return lines
 
 
+def _no_room(plan: Plan) -> str | None:
+    """Why nothing more moves to the device although no capacity row binds: the free bytes are
+    fewer than the smallest unit off the device (None when that is not the reason)."""
+    if plan.memory is None:
+        return None
+    gpu, ram = plan.memory.get("gpu"), plan.memory.get("ram")  # type: ignore[call-overload]
+    if gpu is None or not gpu.capacity:
+        return None
+    gpu_total = gpu.weights + gpu.kv_cache + gpu.pool + gpu.activations
+    free = gpu.capacity - gpu_total
+    if plan.runtime.backend != "cuda" and ram is not None and ram.capacity:
+        free = min(free, ram.capacity - gpu_total - ram.weights)  # unified: one memory
+    off = [p.bytes for p in plan.placement if p.tier != "gpu"]
+    if not off or min(off) <= free:
+        return None
+    return (
+        f"the device memory is full ({format_size(max(free, 0))} free, less than the smallest "
+        f"unit off the device, {format_size(min(off))})"
+    )
+
+
 def _why(plan: Plan) -> str:
     w = weights_per_tier(plan)
     pred = plan.prediction
@@ -227,7 +248,10 @@ def _why(plan: Plan) -> str:
     if w["ram"] == 0 and w["nvme"] == 0:
         return "Every weight is on the device: nothing is copied or streamed per token."
     full = [b for b in binding if "capacity" in b]
-    reason = f"the device memory is full (binding: {', '.join(full)})" if full else "it is faster"
+    if full:
+        reason = f"the device memory is full (binding: {', '.join(full)})"
+    else:
+        reason = _no_room(plan) or "the cost model gains nothing from moving more to the device"
     moved = []
     if w["ram"]:
         moved.append(f"{format_size(w['ram'])} sit in RAM and are copied to the device when used")
@@ -243,12 +267,14 @@ def _prediction_lines(plan: Plan) -> list[str]:
     b = batch_size(plan.request, plan.batch)
     # The cost model's step: I/O threads overlap the compute thread only with prefetch depth >= 1.
     overlap = plan.prefetch.depth >= 1
-    form = "max(compute + host copy, disk)" if overlap else "compute + host copy + disk"
+    form = "max(compute + host copy + I/O stall, disk)" if overlap else "compute + host copy + disk"
+    stall = [f"  I/O stall  {format_time(p.io_stall_s)}"] if overlap else []
     return [
         f"Predicted decode step at batch {b}: {format_time(p.step_s)} = {form}",
         f"  compute    {format_time(p.compute_s)}",
         f"  host copy  {format_time(p.host_copy_s)}",
         f"  disk       {format_time(p.disk_s)}",
+        *stall,
         f"  bottleneck: {p.bottleneck}",
         f"  binding: {', '.join(p.binding) if p.binding else 'none'}",
         f"Predicted decode: {format_rate(p.decode_tok_s)} tok/s"

@@ -72,6 +72,7 @@ import pulp
 from planner.costmodel import (
     MAX_DEPTH,
     CapacityRow,
+    UnitCost,
     batch_limits,
     capacity_rows,
     capacity_use,
@@ -200,16 +201,17 @@ def solver_description(time_limit_s: float = 30) -> str:
 
 @dataclass(frozen=True)
 class _Class:
-    """Units the cost model cannot tell apart: same bytes, access and FLOPs (desc indices)."""
+    """Units the cost model cannot tell apart: same bytes, access, FLOPs and role (desc indices)."""
 
     members: tuple[int, ...]
     bytes: int
 
 
 def _classes(desc: ModelDescription) -> list[_Class]:
-    groups: dict[tuple[int, float, int], list[int]] = {}
+    groups: dict[tuple[int, float, int, str], list[int]] = {}
     for i, u in enumerate(desc.units):
-        groups.setdefault((u.bytes_mlx, u.access_per_token, u.flops_per_token), []).append(i)
+        key = (u.bytes_mlx, u.access_per_token, u.flops_per_token, u.role)
+        groups.setdefault(key, []).append(i)
     return [_Class(tuple(m), desc.units[m[0]].bytes_mlx) for m in groups.values()]
 
 
@@ -242,6 +244,8 @@ class _Model:
     tau: float
     """Seconds per solver time unit."""
     tiebreak: pulp.LpAffineExpression
+    stall: _Stall | None
+    """The interleave variables, when the model has attention/FFN block pairs."""
 
 
 def _build(
@@ -348,11 +352,113 @@ def _build(
     prob += T >= C, "T_compute"  # T >= compute + host copy
     prob += T >= D, "T_disk"  # T >= disk
     prob += T >= C + D - big_t * (1 - y[0]), "T_serial"  # depth 0: T >= compute + host copy + disk
+    stall = _stall_rows(prob, desc, costs, classes, n, y, T, C, tau)
 
     # Tie-break (MiB): bytes off the gpu tier (nvme counted twice) plus pool bytes.
     tiebreak = pulp.lpSum(b[j] * (n[j]["ram"] + 2 * n[j]["nvme"]) for j in J) + P
     prob.setObjective(pulp.lpSum(slacks) if phase1 else T + 0)
-    return _Model(prob=prob, classes=classes, n=n, y=y, T=T, tau=tau, tiebreak=tiebreak)
+    return _Model(
+        prob=prob, classes=classes, n=n, y=y, T=T, tau=tau, tiebreak=tiebreak, stall=stall
+    )
+
+
+@dataclass(frozen=True)
+class _BlockType:
+    """Blocks whose attention units share one class and whose FFN units share one class: the
+    cost model cannot tell them apart, so they stall alike (``costmodel.io_stall``)."""
+
+    blocks: tuple[int, ...]
+    attn_class: int
+    ffn_class: int
+    sigma: float
+    """Seconds the compute thread waits per block of this type that streams both, at depth 1."""
+
+
+@dataclass
+class _Stall:
+    """The interleave decisions: per block type, streamed attention and FFN units (``a``, ``f``)."""
+
+    types: list[_BlockType]
+    a: list[pulp.LpVariable]
+    f: list[pulp.LpVariable]
+
+
+def _block_types(
+    desc: ModelDescription, costs: list[UnitCost], classes: list[_Class]
+) -> list[_BlockType] | None:
+    """Blocks grouped by (attention class, FFN class); None when some attention or FFN unit is
+    not part of such a pair (then nothing interleaves in the executor's sense)."""
+    cls_of = {desc.units[i].name: j for j, c in enumerate(classes) for i in c.members}
+    cost = {c.name: c for c in costs}
+    groups: dict[tuple[int, int], list[int]] = {}
+    for i in range(desc.architecture.block_count):
+        a, f = f"blk.{i}.attn", f"blk.{i}.ffn"
+        if a in cls_of and f in cls_of:
+            groups.setdefault((cls_of[a], cls_of[f]), []).append(i)
+    paired = {j for k in groups for j in k}
+    for j in paired:  # a class in a pair must hold paired units only
+        if any(not _paired_name(desc.units[i].name, desc) for i in classes[j].members):
+            return None
+    return [
+        _BlockType(
+            blocks=tuple(bl),
+            attn_class=ca,
+            ffn_class=cf,
+            sigma=max(0.0, cost[f"blk.{bl[0]}.ffn"].read_s - cost[f"blk.{bl[0]}.attn"].compute_s),
+        )
+        for (ca, cf), bl in groups.items()
+    ]
+
+
+def _paired_name(name: str, desc: ModelDescription) -> bool:
+    m = re.fullmatch(r"blk\.(\d+)\.(attn|ffn)", name)
+    if m is None:
+        return False
+    other = "ffn" if m.group(2) == "attn" else "attn"
+    return any(u.name == f"blk.{m.group(1)}.{other}" for u in desc.units)
+
+
+def _stall_rows(prob, desc, costs, classes, n, y, T, C, tau) -> _Stall | None:
+    """Rows for the depth-1 I/O stall (``costmodel.io_stall``) of blocks whose attention and FFN
+    both stream.
+
+    Per block type k (``_block_types``, L_k blocks): integers ``a_k``, ``f_k`` in [0, L_k], the
+    streamed attention and FFN units of those blocks, with rows ``split_attn_c`` /
+    ``split_ffn_c``: ``sum_{k of class c} a_k = n[c,nvme]`` (likewise f); ``m_k`` >= 0 with row
+    ``interleave_k``: ``m_k >= a_k + f_k - L_k``, the blocks that stream both (``_decisions``
+    streams a type's attention in its blocks whose FFN stays first, so that many and no more);
+    and ``T_stall``: ``T >= C + sum_k sigma_k m_k - (sum_k sigma_k L_k) (1 - y[1])``: at depth 1
+    the compute thread also waits ``sigma_k`` per such block; at any other depth the row is slack.
+    A uniform model has one block type, so this is a handful of rows.
+    """
+    types = _block_types(desc, costs, classes)
+    if not types or len(y) < 2:
+        return None
+    a = [
+        prob.add_variable(f"stream_attn_{k}", 0, len(t.blocks), cat="Integer")
+        for k, t in enumerate(types)
+    ]
+    f = [
+        prob.add_variable(f"stream_ffn_{k}", 0, len(t.blocks), cat="Integer")
+        for k, t in enumerate(types)
+    ]
+    for j in {t.attn_class for t in types}:
+        ks = [k for k, t in enumerate(types) if t.attn_class == j]
+        prob += pulp.lpSum(a[k] for k in ks) == n[j]["nvme"], f"split_attn_{j}"
+    for j in {t.ffn_class for t in types}:
+        ks = [k for k, t in enumerate(types) if t.ffn_class == j]
+        prob += pulp.lpSum(f[k] for k in ks) == n[j]["nvme"], f"split_ffn_{j}"
+    stall, most = 0, 0.0
+    for k, t in enumerate(types):
+        if t.sigma <= 0:
+            continue
+        m = prob.add_variable(f"interleaved_{k}", lowBound=0)
+        prob += m >= a[k] + f[k] - len(t.blocks), f"interleave_{k}"
+        stall += t.sigma / tau * m
+        most += t.sigma / tau * len(t.blocks)
+    if most > 0:
+        prob += T >= C + stall - most * (1 - y[1]), "T_stall"
+    return _Stall(types, a, f)
 
 
 @dataclass(frozen=True)
@@ -440,14 +546,36 @@ def _run(m: _Model, deadline: float, cutoff: float | None = None) -> _Outcome:
 
 def _decisions(desc: ModelDescription, m: _Model) -> tuple[dict[str, str], int]:
     """Unit tiers and depth from the solved counts: within a class, units in description order
-    fill gpu, then ram, then nvme (early layers stay on the device, the last ones stream)."""
-    tiers = {}
-    for cls, counts in zip(m.classes, m.n, strict=True):
-        order = [t for t in TIERS for _ in range(round(counts[t].value() or 0))]
-        if len(order) != len(cls.members):
+    fill gpu, then ram, then nvme (early layers stay on the device, the last ones stream).
+
+    With attention/FFN block pairs, which units stream follows the per-block-type counts
+    instead: a type's last ``f_k`` FFNs stream, and its ``a_k`` streamed attention units go first
+    to its blocks whose FFN stays (the ``interleave`` rows' promise); the class's other units
+    then fill gpu and ram in description order.
+    """
+    counts = [{t: round(c[t].value() or 0) for t in TIERS} for c in m.n]
+    for cls, cnt in zip(m.classes, counts, strict=True):
+        if sum(cnt.values()) != len(cls.members):
             raise PlanError("the solver returned unit counts that do not add up; this is a bug")
-        for i, t in zip(cls.members, order, strict=True):
-            tiers[desc.units[i].name] = t
+    streamed: set[str] = set()
+    if m.stall is not None:
+        for t, a, f in zip(m.stall.types, m.stall.a, m.stall.f, strict=True):
+            ffn = [f"blk.{i}.ffn" for i in t.blocks][::-1][: round(f.value() or 0)]
+            streamed.update(ffn)
+            keep = [i for i in t.blocks if f"blk.{i}.ffn" not in streamed]
+            both = [i for i in reversed(t.blocks) if f"blk.{i}.ffn" in streamed]
+            streamed.update(f"blk.{i}.attn" for i in (keep + both)[: round(a.value() or 0)])
+    tiers: dict[str, str] = {}
+    for cls, cnt in zip(m.classes, counts, strict=True):
+        names = [desc.units[i].name for i in cls.members]
+        chosen = [nm for nm in names if nm in streamed]
+        if m.stall is None or not chosen and cnt["nvme"]:
+            chosen = names[len(names) - cnt["nvme"] :] if cnt["nvme"] else []
+        if len(chosen) != cnt["nvme"]:
+            raise PlanError("the solver's streamed units do not add up; this is a bug")
+        rest = [nm for nm in names if nm not in chosen]
+        tiers.update(zip(rest, [t for t in ("gpu", "ram") for _ in range(cnt[t])], strict=True))
+        tiers.update(dict.fromkeys(chosen, "nvme"))
     depth = next(k for k, v in enumerate(m.y) if (v.value() or 0) > 0.5)
     return tiers, depth
 
@@ -625,7 +753,8 @@ def solve(
             for u in desc.units
         ],
         pool=pool,
-        prefetch=Prefetch(depth=depth, io_threads=1 if pool.slots else 0),
+        # As many reads in flight as the profile's disk test had: its bandwidth is the prediction's.
+        prefetch=Prefetch(depth=depth, io_threads=profile.nvme.queue_depth if pool.slots else 0),
         expert_cache=ExpertCache(),
         batch=batch_limits(request),
         memory=tier_memory(desc, profile, request, tiers, depth),

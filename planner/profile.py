@@ -12,7 +12,9 @@ and how (units: bytes, bytes/s, FLOP/s, seconds):
   stated block size and queue depth (threads issuing ``os.preadv`` in parallel);
 - device memory bandwidth: an MLX float32 sum over a large array, best of a few runs;
 - compute: MLX matmuls at a prefill-like and a decode-like shape; the profile's figure is the
-  prefill-like one (see :func:`measure_matmul_flops`);
+  prefill-like one (see :func:`measure_matmul_flops`); and the decode kernel itself, a 4-bit
+  quantized matrix-vector product (:func:`measure_decode_matvec`);
+- per-operation overhead: seconds per op of a long chain of tiny ops (:func:`measure_op_overhead`);
 - host-to-device copy: ``mx.array(numpy_array)`` + ``mx.eval``, which is how the executor moves
   RAM-tier weights into MLX arrays.
 
@@ -413,9 +415,8 @@ def measure_matmul_flops(
     """Sustained matmul throughput, FLOP/s, at a prefill-like (m x k @ k x n) shape.
 
     The decode-like shape (one row) is timed too and stated in ``how``, but it is not the figure:
-    a one-row product is bound by reading the weights, which the cost model already charges at
-    the memory bandwidth, so using its FLOP/s would count that time twice. The prefill-like
-    product is the compute ceiling that batched decode and prefill approach.
+    decode runs quantized matrix-vector kernels, which :func:`measure_decode_matvec` times. The
+    prefill-like product is the compute ceiling that batched decode and prefill approach.
     """
     import mlx.core as mx
 
@@ -431,8 +432,90 @@ def measure_matmul_flops(
         f"{shape.format(prefill[0], prefill[1], prefill[1], prefill[2])} "
         f"{pf / 1e9:.1f} GFLOP/s ({pf_s * 1e3:.2f} ms) is the figure; decode-like "
         f"{shape.format(decode[0], decode[1], decode[1], decode[2])} {df / 1e9:.2f} GFLOP/s "
-        f"({df_s * 1e3:.2f} ms) is memory-bound and charged by the bandwidth term instead, "
+        f"({df_s * 1e3:.2f} ms) is not: decode is charged by the decode matvec figure, "
         f"{_today()}",
+    )
+
+
+MATVEC_BITS = 4
+"""Bits of the decode matvec test's weights: 4-bit (Q4_0/Q4_K files) is the common decode case."""
+MATVEC_GROUP = 32
+"""Group size of the decode matvec test: GGUF's 32-weight blocks, as the executor repacks them."""
+
+
+def measure_decode_matvec(shape: tuple[int, int], dtype_name: str, repeats: int = 5) -> Figure:
+    """Quantized matrix-vector throughput, FLOP/s: one decoded token through a 4-bit weight.
+
+    Times ``mx.quantized_matmul`` of a [1, k] activation (``dtype_name``) with an [n, k] weight
+    quantized to 4 bits in groups of 32 — the kernel every decode-step projection runs in the
+    executor — and reports ``2 n k / seconds``. Depending on the machine it is bound by reading
+    the weights (GPUs) or by dequantizing them (MLX's CPU kernel runs on one thread and reaches
+    ~3 GFLOP/s here, far below what the memory bandwidth allows), which is why the cost model
+    needs it besides the bandwidth. The weight is far larger than the last-level cache.
+
+    Args:
+        shape: (n, k) of the weight.
+        dtype_name: activation dtype, e.g. ``float16``.
+        repeats: timed runs; the best is the figure.
+    """
+    import mlx.core as mx
+
+    n, k = shape
+    dtype = getattr(mx, dtype_name)
+    w = mx.random.normal((n, k)).astype(dtype)
+    wq, scales, biases = mx.quantize(w, group_size=MATVEC_GROUP, bits=MATVEC_BITS)
+    x = mx.random.normal((1, k)).astype(dtype)
+    mx.eval(wq, scales, biases, x)
+    del w
+
+    def run() -> None:
+        mx.eval(
+            mx.quantized_matmul(
+                x, wq, scales, biases, transpose=True, group_size=MATVEC_GROUP, bits=MATVEC_BITS
+            )
+        )
+
+    secs = _best_seconds(run, repeats)
+    flops = 2.0 * n * k / secs
+    wbytes = wq.nbytes + scales.nbytes + biases.nbytes
+    _say(f"decode matvec: {flops / 1e9:.2f} GFLOP/s ({_gbs(wbytes / secs)} of weights)")
+    return Figure(
+        value=flops,
+        source="measured",
+        how=f"MLX quantized_matmul of [1, {k}] {dtype_name} by a [{n}, {k}] weight "
+        f"({MATVEC_BITS}-bit, groups of {MATVEC_GROUP}, {format_size(wbytes)}) on "
+        f"{mx.default_device()}, best of {repeats}: {secs * 1e3:.3f} ms, "
+        f"{_gbs(wbytes / secs)} of weights, {_today()}",
+    )
+
+
+def measure_op_overhead(ops: int = 2000, repeats: int = 5) -> Figure:
+    """Seconds per operation of a lazily built MLX graph: build, dispatch and launch.
+
+    Builds a chain of ``ops`` dependent element-wise adds on a 16-element array and evaluates it
+    once; the best time divided by ``ops`` is the figure. The work per op is nil, so this is the
+    fixed cost each operation of a decode step pays however small it is (Python graph building
+    plus the backend's dispatch and kernel launch), which dominates small models on fast GPUs.
+    """
+    import mlx.core as mx
+
+    x = mx.zeros((16,))
+    mx.eval(x)
+
+    def chain() -> None:
+        y = x
+        for _ in range(ops):
+            y = y + 1.0
+        mx.eval(y)
+
+    secs = _best_seconds(chain, repeats) / ops
+    _say(f"per-op overhead: {secs * 1e6:.2f} us")
+    return Figure(
+        value=secs,
+        source="measured",
+        how=f"a chain of {ops} dependent adds on a 16-element array, built and evaluated once "
+        f"on {mx.default_device()}, best of {repeats} / {ops}: {secs * 1e6:.2f} us per "
+        f"operation, {_today()}",
     )
 
 
@@ -478,18 +561,21 @@ class _Sizes:
     copy_bytes: int
     prefill: tuple[int, int, int]
     decode: tuple[int, int, int]
+    matvec: tuple[int, int]
     repeats: int
 
 
 def _sizes(backend: str, quick: bool) -> _Sizes:
     if quick:
-        return _Sizes(16 * MiB, 16 * MiB, (64, 256, 256), (1, 512, 512), 2)
+        return _Sizes(16 * MiB, 16 * MiB, (64, 256, 256), (1, 512, 512), (256, 256), 2)
     if backend == "cpu":
-        # 256 MiB is far beyond any CPU cache; 512x2048x2048 (4.3 GFLOP) runs ~0.1 s on 2 cores.
-        return _Sizes(256 * MiB, 256 * MiB, (512, 2048, 2048), (1, 4096, 4096), 3)
+        # 256 MiB is far beyond any CPU cache; 512x2048x2048 (4.3 GFLOP) runs ~0.1 s on 2 cores;
+        # a 4096x4096 4-bit matvec (9 MiB) runs ~10 ms.
+        return _Sizes(256 * MiB, 256 * MiB, (512, 2048, 2048), (1, 4096, 4096), (4096, 4096), 3)
     # GPUs: 1 GiB is many times the L2 (60 MB on an H200) and long against launch overhead;
-    # 4096x8192x8192 is ~550 GFLOP, about a millisecond on an H200.
-    return _Sizes(1 * GiB, 256 * MiB, (4096, 8192, 8192), (1, 8192, 8192), 5)
+    # 4096x8192x8192 is ~550 GFLOP, about a millisecond on an H200; the 4-bit 16384x16384
+    # matvec weight (144 MiB) is beyond the L2.
+    return _Sizes(1 * GiB, 256 * MiB, (4096, 8192, 8192), (1, 8192, 8192), (16384, 16384), 5)
 
 
 def _describe(backend: str, info: dict, total_ram: int) -> str:
@@ -562,6 +648,8 @@ def measure_profile(
         working_set_bytes=working_set(backend, total_ram, reserve, info),
         memory_bandwidth_bytes_s=measure_memory_bandwidth(sz.mem_bytes, sz.repeats + 2),
         compute_flops_s=measure_matmul_flops(sz.prefill, sz.decode, compute_dtype, sz.repeats),
+        decode_matvec_flops_s=measure_decode_matvec(sz.matvec, compute_dtype, sz.repeats + 2),
+        op_overhead_s=measure_op_overhead(200 if quick else 2000, sz.repeats),
     )
     ram = RAMTier(
         capacity_bytes=Figure(

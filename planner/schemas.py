@@ -164,7 +164,15 @@ class GPUTier(Strict):
 
     working_set_bytes: Figure = Field(description="bytes the device may keep resident")
     memory_bandwidth_bytes_s: Figure = Field(description="device memory read bandwidth, bytes/s")
-    compute_flops_s: Figure = Field(description="sustained matmul throughput, FLOP/s")
+    compute_flops_s: Figure = Field(
+        description="sustained matrix-matrix throughput (prefill, batched decode), FLOP/s"
+    )
+    decode_matvec_flops_s: Figure = Field(
+        description="quantized matrix-vector throughput (one decoded token), FLOP/s"
+    )
+    op_overhead_s: Figure = Field(
+        description="seconds per operation of a lazily built MLX graph (build + dispatch + launch)"
+    )
 
 
 class RAMTier(Strict):
@@ -297,6 +305,11 @@ class Prediction(Strict):
     compute_s: float = Field(ge=0, description="device compute + device-memory reads, seconds")
     host_copy_s: float = Field(ge=0, description="RAM -> device copies, seconds")
     disk_s: float = Field(ge=0, description="NVMe reads, seconds")
+    io_stall_s: float = Field(
+        default=0.0,
+        ge=0,
+        description="compute-thread wait for reads that cannot start before a slot frees, seconds",
+    )
     step_s: float = Field(ge=0, description="predicted time of one decode step, seconds")
     bottleneck: Literal["compute", "host_copy", "disk"]
     decode_tok_s: float = Field(ge=0, description="aggregate decode tokens/s at the plan's batch")

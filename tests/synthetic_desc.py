@@ -127,12 +127,17 @@ def make_profile(
     unified: bool = True,
     gpu_bw: float = 400e9,
     flops: float = 10e12,
+    matvec_flops: float = 1e15,
+    op_s: float = 0.0,
     h2d_bw: float = 50e9,
     nvme_bw: float = 5e9,
     dtype: str = "float16",
     name: str = "synthetic-machine",
 ) -> HardwareProfile:
-    """A HardwareProfile with the given capacities (bytes) and rates (bytes/s, FLOP/s)."""
+    """A HardwareProfile with the given capacities (bytes) and rates (bytes/s, FLOP/s, seconds).
+
+    The defaults make decode bandwidth-bound with no per-kernel cost, so tests reason in bytes.
+    """
     return HardwareProfile(
         name=name,
         description="a machine made up for tests",
@@ -144,6 +149,8 @@ def make_profile(
             working_set_bytes=_fig(gpu_bytes),
             memory_bandwidth_bytes_s=_fig(gpu_bw),
             compute_flops_s=_fig(flops),
+            decode_matvec_flops_s=_fig(matvec_flops),
+            op_overhead_s=_fig(op_s),
         ),
         ram=RAMTier(capacity_bytes=_fig(ram_bytes), host_to_device_bytes_s=_fig(h2d_bw)),
         nvme=NVMeTier(read_bytes_s=_fig(nvme_bw), block_bytes=1 << 20, queue_depth=8),

@@ -72,8 +72,9 @@ def test_explain_solved_plan(two_machines) -> None:
     assert re.search(r"^  nvme .* unbounded", text, re.M)
     # FFNs: early blocks on the device, the last ones streamed.
     assert re.search(r"^  ffn +blk 0–\d+  gpu \(.*blk \d+–79  nvme \(", text, re.M)
-    assert re.search(r"^Pool: 2 slots × .* prefetch depth 1, 1 I/O thread$", text, re.M)
-    assert "= max(compute + host copy, disk)" in text
+    assert re.search(r"^Pool: 2 slots × .* prefetch depth 1, 8 I/O threads$", text, re.M)
+    assert "= max(compute + host copy + I/O stall, disk)" in text
+    assert re.search(r"^  I/O stall  \d", text, re.M)
     assert "  bottleneck: disk" in text
     assert "  binding: gpu capacity, unified memory capacity (gpu + ram), step = disk" in text
     assert re.search(r"^Predicted decode: 0\.\d+ tok/s$", text, re.M)

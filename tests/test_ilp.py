@@ -24,9 +24,11 @@ from planner.costmodel import (
     batch_limits,
     batch_size,
     capacity_use,
+    interleaved_blocks,
     kv_cache_bytes,
     objective,
     score,
+    unit_costs,
 )
 from planner.errors import PlanError
 from planner.ilp import ACCEPT_GAP, Solution, solve
@@ -161,7 +163,7 @@ def _check_solution(sol: Solution, desc, profile, request) -> None:
     if streamed:
         assert sol.pool.slots == sol.prefetch.depth + 1
         assert sol.pool.slot_bytes == max(streamed)
-        assert sol.prefetch.io_threads == 1
+        assert sol.prefetch.io_threads == profile.nvme.queue_depth
     else:
         assert (sol.pool.slots, sol.pool.slot_bytes, sol.prefetch.depth) == (0, 0, 0)
         assert sol.prefetch.io_threads == 0
@@ -321,3 +323,63 @@ def test_score_rejects_a_placement_that_misses_units() -> None:
     profile = make_profile(gpu_bytes=GIB, ram_bytes=GIB)
     with pytest.raises(PlanError, match="units without a tier: blk.1.ffn"):
         score(desc, profile, Request(context=16, concurrency=1), {"blk.0.ffn": "gpu"}, 0)
+
+
+def _blocks_instance(seed: int):
+    """3 blocks of a small attention and a large FFN unit, on a machine where a streamed FFN's
+    read outlasts its block's attention compute (so depth 1 stalls when both stream)."""
+    rng = random.Random(seed)
+    units = []
+    for i in range(3):
+        units.append(U(f"blk.{i}.attn", "attention", i, 8 * MIB, flops=rng.randint(1, 3) * 10**8))
+        units.append(U(f"blk.{i}.ffn", "ffn", i, 48 * MIB, flops=rng.randint(15, 25) * 10**8))
+    desc = make_desc(units)
+    request = Request(context=128, concurrency=1)
+    batch = batch_limits(request)
+    fixed = kv_cache_bytes(desc, make_profile(gpu_bytes=0, ram_bytes=0), batch)
+    fixed += activation_bytes(desc, make_profile(gpu_bytes=0, ram_bytes=0), batch)
+    gpu = fixed + rng.choice([104, 112, 152, 160, 200]) * MIB
+    profile = make_profile(
+        gpu_bytes=gpu, ram_bytes=gpu, matvec_flops=1e11, nvme_bw=rng.choice([4e9, 6e9, 8e9])
+    )
+    return desc, profile, request
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_ilp_equals_brute_force_with_interleaved_blocks(seed: int) -> None:
+    desc, profile, request = _blocks_instance(seed)
+    best = _brute_force(desc, profile, request)
+    assert best[0] is not None
+    sol = solve(desc, profile, request)
+    assert objective(sol.prediction, request) == pytest.approx(best[0], rel=1e-9, abs=0)
+
+
+def test_io_stall_charges_blocks_whose_attention_and_ffn_both_stream() -> None:
+    desc, profile, request = _blocks_instance(0)
+    costs = {c.name: c for c in unit_costs(desc, profile, request)}
+    both = {u.name: "nvme" if u.layer in (0, 2) else "gpu" for u in desc.units}
+    ffn_only = {u.name: "nvme" if u.name.endswith(".ffn") else "gpu" for u in desc.units}
+    assert interleaved_blocks(desc, both) == [0, 2]
+    stall = sum(costs[f"blk.{i}.ffn"].read_s - costs[f"blk.{i}.attn"].compute_s for i in (0, 2))
+    assert stall > 0
+    assert score(desc, profile, request, both, 1).io_stall_s == pytest.approx(stall)
+    assert score(desc, profile, request, both, 2).io_stall_s == 0  # a third slot hides it
+    assert score(desc, profile, request, ffn_only, 1).io_stall_s == 0
+
+
+def test_streamed_attention_goes_to_blocks_whose_ffn_stays() -> None:
+    # Room for 2 of 3 FFNs plus a 2-slot pool: attention that must stream goes where the FFN
+    # is resident, so no block streams both.
+    desc, profile, request = _blocks_instance(0)
+    profile = make_profile(
+        gpu_bytes=kv_cache_bytes(desc, profile, batch_limits(request))
+        + activation_bytes(desc, profile, batch_limits(request))
+        + (2 * 48 + 2 * 48 + 8) * MIB,
+        ram_bytes=GIB,
+        matvec_flops=1e11,
+        nvme_bw=2e9,
+    )
+    sol = solve(desc, profile, request)
+    tiers = {p.unit: p.tier for p in sol.placement}
+    assert interleaved_blocks(desc, tiers) == []
+    assert sol.prediction.io_stall_s == 0
