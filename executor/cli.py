@@ -58,6 +58,8 @@ def prompt_ids_for(engine, args: argparse.Namespace) -> list[int]:
 
 
 def cmd_run(args: argparse.Namespace) -> None:
+    import mlx.core as mx
+
     from executor.engine import Engine
     from executor.plan_loader import load_plan
     from executor.sampling import SamplingParams
@@ -66,6 +68,7 @@ def cmd_run(args: argparse.Namespace) -> None:
     t0 = time.perf_counter()
     engine = Engine(load_plan(args.plan))
     load_s = time.perf_counter() - t0
+    load_peak_mlx = int(mx.get_peak_memory())  # generate() resets MLX's peak: loading's own
     ids = prompt_ids_for(engine, args)
 
     def write(piece: str) -> None:
@@ -77,6 +80,7 @@ def cmd_run(args: argparse.Namespace) -> None:
     finally:
         engine.close()  # I/O threads stop on success, errors and Ctrl-C alike
     gen.stats["load_s"] = round(load_s, 3)
+    gen.stats["load_peak_mlx_bytes"] = load_peak_mlx
     if args.json:
         out = {
             "prompt_ids": gen.prompt_ids,

@@ -27,7 +27,20 @@ DTYPES = {"float32": mx.float32, "float16": mx.float16, "bfloat16": mx.bfloat16}
 
 
 def peak_rss_bytes() -> int:
-    """Peak resident set size of this process, bytes (``ru_maxrss`` is KiB on Linux, B on macOS)."""
+    """Peak resident set size of this process, bytes.
+
+    On Linux ``VmHWM`` (/proc/self/status), the high-water mark of this program's own memory:
+    ``ru_maxrss`` carries over the RSS of the process that started it (exec keeps the larger of
+    the two), so a run started from a big process, such as a test runner, would report that
+    process's size. Elsewhere ``ru_maxrss`` (bytes on macOS).
+    """
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024  # kB
+    except OSError:
+        pass
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return int(rss if sys.platform == "darwin" else rss * 1024)
 

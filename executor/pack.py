@@ -141,7 +141,7 @@ class PackStore:
                         elif host.dtype != np.float16:
                             host = host.astype(np.float32)
                         for kind, arr in _host_parts(host):
-                            raw = arr.tobytes()
+                            raw = memoryview(np.ascontiguousarray(arr)).cast("B")  # no copy
                             parts.append(
                                 Part(
                                     name,

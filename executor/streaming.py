@@ -41,19 +41,19 @@ class StreamPool:
     Args:
         store: the packed store.
         schedule: streamed unit names in the order the forward pass uses them (one step).
-        slots: pool slots (>= 2 so one can be read while another is computed on).
+        slots: pool slots: depth + 1 (1 = synchronous reads: the unit is read when its slot frees).
         io_threads: threads issuing reads of one unit's chunks in parallel.
         dtype: compute dtype float tensors are cast to.
 
     Raises:
-        StrataError: fewer than 2 slots.
+        StrataError: no slots.
     """
 
     def __init__(
         self, store: PackStore, schedule: list[str], slots: int, io_threads: int, dtype: mx.Dtype
     ):
-        if slots < 2:
-            raise StrataError(f"the plan's pool has {slots} slots; streaming needs at least 2")
+        if slots < 1:
+            raise StrataError(f"the plan's pool has {slots} slots; streaming needs at least 1")
         self.units: list[PackedUnit] = [store.units[u] for u in schedule]
         self.dtype = dtype
         slot_bytes = max(u.nbytes for u in self.units)
@@ -70,6 +70,7 @@ class StreamPool:
         self._io = ThreadPoolExecutor(max(1, io_threads), thread_name_prefix="strata-io")
         self._cv = threading.Condition()
         self._loaded: list[int | None] = [None] * slots  # read sequence number held by each slot
+        self._got = [0] * slots  # bytes the OS returned for the unit each slot holds
         self._free = list(range(slots))
         self._next_read = 0  # sequence number of the next unit to read
         self._next_use = 0  # sequence number of the next unit the compute thread acquires
@@ -97,7 +98,7 @@ class StreamPool:
                 )
             return got
 
-        self.bytes_read += sum(self._io.map(one, chunks))
+        self._got[slot] = sum(self._io.map(one, chunks))
 
     def _read_loop(self) -> None:
         n = len(self.units)
@@ -143,6 +144,7 @@ class StreamPool:
                 ) from err
             slot = self._loaded.index(seq)
         self.io_wait_s += time.perf_counter() - t0
+        self.bytes_read += self._got[slot]  # counted per use, when the compute thread takes it
         self._in_use.append(slot)
         self._next_use = seq + 1
         return self._arrays(slot, unit)

@@ -78,6 +78,13 @@ class WeightStore:
         self._gpu: dict[str, Weight] = {}
         self._ram: dict[str, HostWeight] = {}
         by_name = {t.name: t for t in g.reader.tensors}
+        if "nvme" in tiers.values():
+            # Before any resident unit is loaded: a first run builds the pack, and its transient
+            # memory should not add to the resident units'.
+            if desc.model.sha256 is None:
+                raise PlanError("a plan without the model's sha256 cannot stream it from NVMe")
+            self._pack = PackStore.open_or_build(g, desc, desc.model.sha256)
+            self._row_fd = os.open(self._pack.path, os.O_RDONLY)
         for info in desc.tensors:
             t = by_name[info.name]
             self._unit_tensors.setdefault(info.unit, []).append(info.name)
@@ -100,11 +107,6 @@ class WeightStore:
                 self._ram[info.name] = host  # the RAM tier is this host copy, not the mapped file
             g.drop_pages(t)
         mx.eval([w.weight if isinstance(w, QuantLinear) else w for w in self._gpu.values()])
-        if "nvme" in tiers.values():
-            if desc.model.sha256 is None:
-                raise PlanError("a plan without the model's sha256 cannot stream it from NVMe")
-            self._pack = PackStore.open_or_build(g, desc, desc.model.sha256)
-            self._row_fd = os.open(self._pack.path, os.O_RDONLY)
 
     def start_streaming(self, schedule: list[str], slots: int, io_threads: int) -> None:
         """Start the NVMe pool for the streamed units of ``schedule`` (forward-pass order).
@@ -116,7 +118,7 @@ class WeightStore:
         """
         streamed = [u for u in schedule if self._tier_of_unit[u] == "nvme"]
         if streamed and self._pack is not None:
-            self.pool = StreamPool(self._pack, streamed, max(slots, 2), io_threads, self.dtype)
+            self.pool = StreamPool(self._pack, streamed, max(slots, 1), io_threads, self.dtype)
 
     @property
     def pack_path(self):

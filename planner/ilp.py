@@ -19,7 +19,8 @@ units of ``tau = compute_s / 1000`` so that both stay well scaled for the solver
   slot ``s`` >= 0 is the largest level chosen); ``stream_allowed_c``:
   ``n[c,nvme] <= N_c * q[level(c)]`` (a streamed unit needs a slot that holds it). This is
   ``slot_bytes >= b_u * x[u,nvme]`` written so that branching on one q settles the slot.
-  ``z = q_m`` (smallest level): anything streams, = io_threads. Rows ``stream_le``:
+  ``z = q_m`` (smallest level): anything streams (io_threads = the profile's disk-test queue
+  depth then, else 0). Rows ``stream_le``:
   ``z <= sum_c n[c,nvme]``; ``depth_needs_stream``: ``sum_{k>=1} y[k] <= z``. With more than
   SLOT_LEVELS distinct sizes the levels are the sizes rounded up to 1/256 of the largest
   (``_slot_levels``): the ILP then over-reserves the pool by under 0.4% of a slot.
@@ -33,6 +34,12 @@ units of ``tau = compute_s / 1000`` so that both stay well scaled for the solver
   ``D = sum_c read_c * n[c,nvme]``; ``T_serial``: ``T >= C + D - M_T * (1 - y[0])`` with
   ``M_T = min(largest C, largest D)`` (>= min(C, D) everywhere): depth 0 makes the reads
   synchronous (``T >= C + D``), depth >= 1 relaxes the row and leaves ``T = max(C, D)``.
+- The depth-1 I/O stall (``costmodel.io_stall``), per block type k (blocks whose attention units
+  share a class and whose FFN units share a class; one type for a uniform model): integers
+  ``a_k``, ``f_k`` (streamed attention / FFN units of those blocks) with rows ``split_attn_c``,
+  ``split_ffn_c`` (they add up to ``n[c,nvme]``), ``m_k >= a_k + f_k - L_k`` (``interleave_k``:
+  blocks that stream both), and ``T_stall``: ``T >= C + sum_k sigma_k m_k - M (1 - y[1])``.
+  ``_decisions`` realises exactly ``m_k`` such blocks by streaming attention where the FFN stays.
 
 Solving. Stage 1 minimizes ``T`` (``T / B`` up to the constant B) in two branches on ``y[0]``
 (prefetch, then depth 0 with a cutoff at the prefetch branch's step time; ties go to depth 0): CBC
@@ -303,7 +310,7 @@ def _build(
     # slot_def: s = sum_i (S_i - S_{i+1}) q_i  (the slot is the largest S_i with q_i = 1)
     steps = [sizes[i] - (sizes[i + 1] if i + 1 < len(sizes) else 0.0) for i in range(len(sizes))]
     prob += s == pulp.lpSum(d * qi for d, qi in zip(steps, q, strict=True)), "slot_def"
-    # z = q_m: anything streams (= io_threads). stream_le: z <= sum_c n[c,nvme]  (no pool when
+    # z = q_m: anything streams. stream_le: z <= sum_c n[c,nvme]  (no pool when
     # nothing streams)
     z = q[-1] if q else 0
     prob += z <= pulp.lpSum(n[j]["nvme"] for j in J), "stream_le"
@@ -418,7 +425,17 @@ def _paired_name(name: str, desc: ModelDescription) -> bool:
     return any(u.name == f"blk.{m.group(1)}.{other}" for u in desc.units)
 
 
-def _stall_rows(prob, desc, costs, classes, n, y, T, C, tau) -> _Stall | None:
+def _stall_rows(
+    prob: pulp.LpProblem,
+    desc: ModelDescription,
+    costs: list[UnitCost],
+    classes: list[_Class],
+    n: list[dict[str, pulp.LpVariable]],
+    y: list[pulp.LpVariable],
+    T: pulp.LpVariable,
+    C: pulp.LpAffineExpression,
+    tau: float,
+) -> _Stall | None:
     """Rows for the depth-1 I/O stall (``costmodel.io_stall``) of blocks whose attention and FFN
     both stream.
 

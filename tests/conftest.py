@@ -4,8 +4,12 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
+
+if TYPE_CHECKING:
+    from planner.schemas import ModelDescription
 
 DATA = Path(__file__).parent / "data"
 
@@ -22,14 +26,21 @@ ROOT = Path(__file__).resolve().parent.parent
 DEV_PROFILE = ROOT / "profiles" / "dev-linux-cpu.yaml"
 
 
-def make_plan_file(model: str, path: Path, profile: Path = DEV_PROFILE, **request) -> Path:
-    """Plan ``model`` with the real planner (``plan.py plan``'s code) and write it to ``path``."""
+def make_plan_file(
+    model: str,
+    path: Path,
+    profile: Path = DEV_PROFILE,
+    desc: ModelDescription | None = None,
+    **request,
+) -> Path:
+    """Plan ``model`` with the real planner (``plan.py plan``'s code) and write it to ``path``
+    (``desc``: the model's description, when already made)."""
     from planner.planning import build_plan
     from planner.schemas import Request
     from planner.yamlio import write_yaml
 
     req = Request(**{"context": 2048, "concurrency": 1, **request})
-    write_yaml(build_plan(model, profile, req, path), path)
+    write_yaml(build_plan(model, profile, req, path, desc=desc), path)
     return path
 
 
@@ -37,6 +48,63 @@ def make_plan_file(model: str, path: Path, profile: Path = DEV_PROFILE, **reques
 def smollm2_plan(tmp_path_factory) -> Path:
     """An all-resident plan of SmolLM2 for the dev profile."""
     return make_plan_file("smollm2-135m", tmp_path_factory.mktemp("plans") / "smollm2.yaml")
+
+
+BUDGET_CONTEXT = 256
+"""Context of the budget plans: its KV cache (11.25 MiB) and activations (7.3 MiB) are small next to
+SmolLM2's 93.8 MiB of weights, so budgets can sit well below the all-resident size."""
+
+
+@pytest.fixture(scope="session")
+def budget_plans(tmp_path_factory) -> dict[str, Path]:
+    """SmolLM2 planned by the planner (``plan.py plan --gpu-budget X --ram-budget X`` or
+    ``--tiers``) at ``BUDGET_CONTEXT``. Budgets come from the plan without budgets, by the planner's
+    own accounting (weights + KV cache + activations + pool on the device tier); the same budget
+    is given as ``--ram-budget``, which on unified memory covers the gpu and ram tiers together,
+    so the ram tier has no room of its own: what the device cannot hold streams. Tests assert
+    the placements they rely on.
+
+    - ``resident``: exactly what every unit resident needs (112.35 MiB): all on gpu.
+    - ``ffn-nvme``: the embedding, all attention units, KV cache, activations, a pool of two
+      FFN-sized slots and half an attention unit of slack (68.26 MiB): every FFN streams. The
+      planner chooses exactly that only in a window about half a MiB wide above the exact fit
+      (67.99 MiB): at or below it some attention or the output norm streams too, above it an FFN
+      stays.
+    - ``all-nvme``: ``--tiers nvme``, budgets = KV cache, activations and a pool of two
+      embedding-sized slots (79.31 MiB). Budgets alone never stream the embedding: its pool
+      slots would take twice the memory that keeping it does.
+    - ``gpu-ram``: ``--tiers gpu,ram`` and the ``ffn-nvme`` device budget: units split over gpu
+      and ram. ``all-ram``: ``--tiers ram``.
+    """
+    from planner.describe import describe
+    from planner.schemas import Plan
+    from planner.yamlio import read_yaml
+
+    d = tmp_path_factory.mktemp("budget-plans")
+    desc, _ = describe("smollm2-135m")
+
+    def plan(name: str, **request) -> Path:
+        path = d / f"{name}.yaml"
+        return make_plan_file("smollm2-135m", path, desc=desc, context=BUDGET_CONTEXT, **request)
+
+    free = read_yaml(plan("unbudgeted"), Plan)
+    gpu = free.memory["gpu"]
+    units = {p.unit: p.bytes for p in free.placement}
+    ffn = [b for u, b in units.items() if u.endswith(".ffn")]
+    attn = [b for u, b in units.items() if u.endswith(".attn")]
+    fixed = gpu.kv_cache + gpu.activations
+    resident = fixed + sum(units.values())
+    ffn_nvme = resident - sum(ffn) + 2 * max(ffn) + min(attn) // 2
+    all_nvme = fixed + 2 * max(units.values())
+    return {
+        "resident": plan("resident", gpu_budget_bytes=resident, ram_budget_bytes=resident),
+        "ffn-nvme": plan("ffn-nvme", gpu_budget_bytes=ffn_nvme, ram_budget_bytes=ffn_nvme),
+        "all-nvme": plan(
+            "all-nvme", gpu_budget_bytes=all_nvme, ram_budget_bytes=all_nvme, tiers=["nvme"]
+        ),
+        "gpu-ram": plan("gpu-ram", gpu_budget_bytes=ffn_nvme, tiers=["gpu", "ram"]),
+        "all-ram": plan("all-ram", tiers=["ram"]),
+    }
 
 
 @pytest.fixture(scope="session")

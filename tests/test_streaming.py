@@ -1,9 +1,17 @@
-"""The NVMe tier's failure paths (its numbers are checked in test_tiers.py)."""
+"""The NVMe tier's failure paths (its numbers are checked in test_tiers.py): a short or failed
+read is an error, and the I/O threads stop on errors, on Ctrl-C and at close."""
 
 from __future__ import annotations
 
+import errno
+import os
+import signal
+import subprocess
+import sys
+import threading
+
 import pytest
-from test_tiers import _moved
+from conftest import ROOT
 
 from executor import streaming
 from executor.engine import Engine
@@ -12,15 +20,67 @@ from executor.sampling import SamplingParams
 from planner.errors import StrataError
 
 
-def test_short_read_is_an_error(smollm2_plan, tmp_path, monkeypatch):
-    engine = Engine(load_plan(_moved(smollm2_plan, tmp_path / "nvme.yaml", "nvme", (".ffn",))))
+def _io_threads() -> list[str]:
+    """Names of the streaming threads alive in this process (prefetch and read workers)."""
+    return [t.name for t in threading.enumerate() if t.name.startswith("strata-")]
+
+
+def _generate_until_error(budget_plans, monkeypatch, fault) -> StrataError:
+    engine = Engine(load_plan(budget_plans["ffn-nvme"]))
     try:
-        real = streaming.pread_into
-        monkeypatch.setattr(streaming, "pread_into", lambda fd, mv, off: real(fd, mv, off) - 1)
+        monkeypatch.setattr(streaming, "pread_into", fault)
         # Slots already read before the fault still serve; the next read fails loudly.
-        with pytest.raises(StrataError, match="short read"):
+        with pytest.raises(StrataError) as e:
             for _ in range(3):
                 engine.generate([504, 3575], SamplingParams(), 2)
     finally:
         engine.close()
-    assert not engine.store.pool  # closed: threads stopped
+    assert not engine.store.pool  # closed
+    assert _io_threads() == []  # and its threads joined
+    return e.value
+
+
+def test_short_read_is_an_error(budget_plans, monkeypatch):
+    real = streaming.pread_into
+    err = _generate_until_error(
+        budget_plans, monkeypatch, lambda fd, mv, off: real(fd, mv, off) - 1
+    )
+    assert "short read" in str(err) and "packed store" in str(err)
+
+
+def test_failed_read_is_an_error(budget_plans, monkeypatch):
+    def eio(fd, mv, off):
+        raise OSError(errno.EIO, os.strerror(errno.EIO))
+
+    err = _generate_until_error(budget_plans, monkeypatch, eio)
+    assert "Input/output error" in str(err) and "blk." in str(err)
+
+
+def test_ctrl_c_stops_the_io_threads(budget_plans):
+    engine = Engine(load_plan(budget_plans["ffn-nvme"]))
+    assert _io_threads()  # the prefetch thread runs while the engine is open
+
+    def interrupt(piece: str) -> None:
+        raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        try:
+            engine.generate([504, 3575], SamplingParams(), 4, on_text=interrupt)
+        finally:
+            engine.close()  # what execute.py run does on every way out
+    assert _io_threads() == []
+
+
+def test_ctrl_c_in_execute_run_exits_cleanly(budget_plans):
+    """SIGINT to ``execute.py run`` mid-generation: exit 130, one line, no traceback, no hang."""
+    proc = subprocess.Popen(
+        [sys.executable, "execute.py", "run", str(budget_plans["ffn-nvme"]), "--prompt", "Hi",
+         "--max-tokens", "200"],
+        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    assert proc.stdout is not None
+    proc.stdout.read(1)  # generation has started: the first text arrived
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130, err
+    assert "interrupted" in err and "Traceback" not in err

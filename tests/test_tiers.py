@@ -1,4 +1,8 @@
-"""Where a unit lives never changes the numbers: gpu, ram and nvme give identical logits."""
+"""Where a unit lives never changes the numbers: gpu, ram and nvme give identical logits.
+
+The plans are the planner's own (``budget_plans`` in conftest.py), and each test first asserts
+the placement it relies on, so it fails if the planner stops choosing it.
+"""
 
 from __future__ import annotations
 
@@ -7,7 +11,8 @@ import numpy as np
 import pytest
 import yaml
 
-from executor.engine import Engine
+from executor.engine import Engine, Generation
+from executor.pack import PackStore
 from executor.plan_loader import load_plan
 from executor.sampling import SamplingParams
 
@@ -23,26 +28,79 @@ def _moved(plan_path, out_path, tier, roles=None):
     return out_path
 
 
-@pytest.mark.parametrize("tier", ["ram", "nvme"])
-@pytest.mark.parametrize("roles", [(".ffn",), None], ids=["ffn", "all"])
-def test_tier_is_bit_identical(
-    smollm2_plan, smollm2_engine, reference_cases, tmp_path, tier, roles
-):
-    """FFN units, or every unit, on ``tier``: logits bit-identical to the all-resident plan."""
-    engine = Engine(load_plan(_moved(smollm2_plan, tmp_path / "moved.yaml", tier, roles)))
+GPU_RAM = {"gpu", "ram"}
+PLACEMENTS = {
+    # budget_plans name: (tiers a unit may be on, by its name; tiers the plan must use)
+    "ffn-nvme": (lambda unit: {"nvme"} if unit.endswith(".ffn") else GPU_RAM, {"nvme"}),
+    "all-nvme": (lambda unit: {"nvme"}, {"nvme"}),
+    "gpu-ram": (lambda unit: GPU_RAM, GPU_RAM),
+    "all-ram": (lambda unit: {"ram"}, {"ram"}),
+}
+TOKENS = 8
+"""Greedy tokens per reference case: few, as every token of a streamed plan reads its units."""
+
+
+def _nvme_bytes(engine: Engine, passes: int, tokens: int) -> int:
+    """What the NVMe tier must read for ``passes`` forward passes over ``tokens`` tokens: each
+    streamed unit once per pass, as the whole aligned unit of the packed store, and a streamed
+    embedding's looked-up rows."""
+    loaded = engine.loaded
+    if "nvme" not in loaded.plan.tier_of().values():
+        return 0
+    pack = PackStore.open_or_build(loaded.gguf, loaded.desc, loaded.desc.model.sha256)
+    streamed = [u for u in engine.model.unit_order() if engine.store.tier(u) == "nvme"]
+    total = passes * sum(pack.units[u].nbytes for u in streamed)
+    if engine.store.tier("token_embd") == "nvme":
+        parts = pack.units["token_embd"].parts
+        row = sum(p.nbytes // p.shape[0] for p in parts if p.tensor == "token_embd.weight")
+        total += tokens * row
+    return total
+
+
+@pytest.fixture(scope="module")
+def resident_runs(smollm2_engine, reference_cases) -> list[tuple[dict, np.ndarray, Generation]]:
+    """Per SmolLM2 reference case: the all-resident plan's teacher-forced logits (prompt and
+    ``TOKENS`` greedy ids) and its greedy generation of ``TOKENS`` tokens."""
+    runs = []
+    for ref in reference_cases:
+        if ref["model_file"].startswith("SmolLM2"):
+            logits = smollm2_engine.logits_for(ref["prompt_ids"] + ref["greedy_ids"][:TOKENS])
+            gen = smollm2_engine.generate(ref["prompt_ids"], SamplingParams(), TOKENS)
+            runs.append((ref, logits, gen))
+    return runs
+
+
+@pytest.mark.parametrize("name", list(PLACEMENTS))
+def test_planned_tiers_are_bit_identical(budget_plans, resident_runs, name):
+    """Plans the planner made under budgets (``--gpu-budget``/``--ram-budget``/``--tiers``): logits
+    bit-identical and greedy ids identical to the all-resident plan on the reference cases, and
+    the NVMe counter exactly the streamed units' bytes times their uses."""
+    loaded = load_plan(budget_plans[name])
+    tiers = loaded.plan.tier_of()
+    allowed, used = PLACEMENTS[name]
+    moved = {u: t for u, t in tiers.items() if t not in allowed(u)}
+    assert not moved, f"the planner no longer places {name} as this test expects: {moved}"
+    assert used <= set(tiers.values()), f"{name} uses only {set(tiers.values())}"
+    engine = Engine(loaded)
     try:
-        ref = next(r for r in reference_cases if r["model_file"].startswith("SmolLM2"))
-        ids = ref["prompt_ids"] + ref["greedy_ids"][:8]
-        assert np.array_equal(engine.logits_for(ids), smollm2_engine.logits_for(ids))
-        a = engine.generate(ref["prompt_ids"], SamplingParams(), 6)
-        b = smollm2_engine.generate(ref["prompt_ids"], SamplingParams(), 6)
-        assert a.output_ids == b.output_ids
-        # Honest counters: bytes are counted on the tier they came from, and only there.
-        assert a.stats["bytes_read"][tier] > 0 and b.stats["bytes_read"][tier] == 0
-        if roles is None:
-            assert a.stats["bytes_read"]["gpu"] == 0
-        if tier == "nvme":  # whole aligned units, as preadv returned them
-            assert engine.store.pool.bytes_read % 4096 == 0
+        for ref, logits, b in resident_runs:
+            prompt, case = ref["prompt_ids"], ref["case"]
+            ids = prompt + ref["greedy_ids"][:TOKENS]
+            assert np.array_equal(engine.logits_for(ids), logits), case
+            a = engine.generate(prompt, SamplingParams(), TOKENS)
+            assert a.output_ids == b.output_ids, case
+            decoded = len(a.output_ids) - 1  # the last token is sampled, never run
+            passes = -(-len(prompt) // engine.prefill_chunk) + decoded
+            # Counted per use, when the compute thread takes a unit: exact per call.
+            want = _nvme_bytes(engine, passes, len(prompt) + decoded)
+            assert a.stats["bytes_read"]["nvme"] == want, case
+            # Honest counters: bytes are counted on the tier they came from, and only there.
+            for t in ("gpu", "ram", "nvme"):
+                assert (a.stats["bytes_read"][t] > 0) == (t in tiers.values()), (case, t)
+                assert (b.stats["bytes_read"][t] > 0) == (t == "gpu"), (case, t)
+            pool = engine.store.pool
+            if pool is not None:
+                assert pool.bytes_read % 4096 == 0  # whole aligned units, as preadv returned them
     finally:
         engine.close()
 
