@@ -30,7 +30,10 @@ class ChatError(StrataError, ValueError):
     """The messages are malformed, or the chat template is missing or fails on them."""
 
 
-NO_TEMPLATE = "this model has no chat template; pass --chat-template FILE or use --prompt"
+NO_TEMPLATE = (
+    "this model's GGUF has no chat template (tokenizer.chat_template); "
+    "pass --chat-template FILE (a Jinja template) or use --prompt"
+)
 
 
 class _GenerationBlock(Extension):
@@ -143,7 +146,8 @@ def messages_to_ids(
 
     Renders ``messages`` with ``template`` (default: the GGUF's), tokenizes the text with special
     tokens recognised, and prepends BOS only when the GGUF asks for it and the rendered text does
-    not already start with it (templates that write ``{{ bos_token }}`` must not get two).
+    not already start with it (templates that write ``{{ bos_token }}`` must not get two). No EOS
+    is appended, whatever ``add_eos_token`` says: the prompt ends with the reply's header.
 
     Raises:
         ChatError: no template (neither given nor in the GGUF), malformed messages, or a template
@@ -156,7 +160,7 @@ def messages_to_ids(
     text = render_chat(
         template, messages, bos, _token_text(tokenizer, tokenizer.eos_id), add_generation_prompt
     )
-    ids = tokenizer.encode(text, add_bos=False, parse_special=True)
+    ids = tokenizer.encode(text, add_bos=False, parse_special=True, add_eos=False)
     if tokenizer.add_bos and not (bos and text.startswith(bos)):
         ids.insert(0, tokenizer.bos_id)
     return ids

@@ -48,7 +48,10 @@ def prompt_ids_for(engine, args: argparse.Namespace) -> list[int]:
             tp = Path(args.chat_template)
             if not tp.is_file():
                 raise StrataError(f"--chat-template {tp}: no such file")
-            template = tp.read_text()
+            try:
+                template = tp.read_text()
+            except UnicodeDecodeError:
+                raise StrataError(f"--chat-template {tp}: not UTF-8 text") from None
         return messages_to_ids(engine.tokenizer, _read_messages(args.messages), template)
     try:
         args.prompt.encode("utf-8")
@@ -60,22 +63,27 @@ def prompt_ids_for(engine, args: argparse.Namespace) -> list[int]:
 def cmd_run(args: argparse.Namespace) -> None:
     import mlx.core as mx
 
+    from executor.chat import NO_TEMPLATE, ChatError
     from executor.engine import Engine
     from executor.plan_loader import load_plan
     from executor.sampling import SamplingParams
 
     params = SamplingParams(args.temperature, args.top_k, args.top_p, args.seed)
     t0 = time.perf_counter()
-    engine = Engine(load_plan(args.plan))
+    loaded = load_plan(args.plan)
+    if args.messages is not None and not args.chat_template:
+        if not loaded.gguf.field("tokenizer.chat_template"):
+            raise ChatError(NO_TEMPLATE)  # before loading the weights, not after
+    engine = Engine(loaded)
     load_s = time.perf_counter() - t0
     load_peak_mlx = int(mx.get_peak_memory())  # generate() resets MLX's peak: loading's own
-    ids = prompt_ids_for(engine, args)
 
     def write(piece: str) -> None:
         sys.stdout.write(piece)
         sys.stdout.flush()
 
     try:
+        ids = prompt_ids_for(engine, args)
         gen = engine.generate(ids, params, args.max_tokens, None if args.json else write)
     finally:
         engine.close()  # I/O threads stop on success, errors and Ctrl-C alike

@@ -37,8 +37,8 @@ class QuantLinear:
         weight: uint32 ``[rows, cols * bits // 32]``.
         scales: float ``[rows, cols // group_size]``.
         biases: same dtype and shape as ``scales``; ``w = scales * q + biases``.
-        bits: bits per element (4 or 8).
-        group_size: elements per scale/bias group.
+        bits: bits per element (4, 5 or 8 for the GGUF types ``executor.quant`` repacks).
+        group_size: elements per scale/bias group (32, or 128 for Q3_K).
     """
 
     weight: mx.array

@@ -2,16 +2,17 @@
 
 The goal is to produce exactly the ids llama.cpp produces for the same file, so the rules here
 follow llama.cpp's ``src/llama-vocab.cpp``: the pre-tokenizer regexes per ``tokenizer.ggml.pre``,
-the default of ``add_bos_token``, the splitting out of special tokens before BPE
-(``tokenizer_st_partition``), and the end-of-generation (EOG) token set.
+the defaults of ``add_bos_token`` and ``add_space_prefix``, the splitting out of special tokens
+before the model runs (``tokenizer_st_partition``), and the end-of-generation (EOG) token set.
 
-The BPE itself runs in a HuggingFace ``tokenizers.Tokenizer`` built in memory from the GGUF vocab
-and merges (no ``transformers``, no tokenizer.json). Special tokens are split out here, in Python,
-because llama.cpp matches them in its own order (longest text first) and only when asked to
+The model itself runs in a HuggingFace ``tokenizers.Tokenizer`` built in memory from the GGUF vocab
+(no ``transformers``, no tokenizer.json). Special tokens are split out here, in Python, because
+llama.cpp matches them in its own order (longest text first) and only when asked to
 (``parse_special``); the HF tokenizer only ever sees plain text.
 
-Only ``tokenizer.ggml.model == "gpt2"`` (byte-level BPE) is supported so far; other models raise
-``TokenizerError``. A new model plugs in as one more entry of ``_BACKENDS``.
+Supported ``tokenizer.ggml.model`` values: ``gpt2`` (byte-level BPE, ``_build_gpt2``) and ``llama``
+(SentencePiece, e.g. Gemma, ``_build_spm``); other models raise ``TokenizerError``. A new model
+plugs in as one more entry of ``_BACKENDS``.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from pathlib import Path
 
 import gguf
 from gguf import GGUFReader, GGUFValueType, TokenType
-from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
+from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers
 
 from planner.errors import StrataError
 
@@ -489,13 +490,14 @@ def _string_field(reader: GGUFReader, key: str) -> str | None:
     return value
 
 
-def _typed_array(reader: GGUFReader, key: str, item: GGUFValueType) -> list | None:
-    """The array under ``key`` (None when absent), checked to hold ``item`` values."""
+def _typed_array(reader: GGUFReader, key: str, *items: GGUFValueType) -> list | None:
+    """The array under ``key`` (None when absent), checked to hold values of one of ``items``."""
     field = reader.fields.get(key)
     if field is None:
         return None
-    if field.types[0] != GGUFValueType.ARRAY or field.types[-1] != item:
-        raise TokenizerError(f"{key} is not an array of {item.name} in the GGUF metadata")
+    if field.types[0] != GGUFValueType.ARRAY or field.types[-1] not in items:
+        kinds = " or ".join(item.name for item in items)
+        raise TokenizerError(f"{key} is not an array of {kinds} in the GGUF metadata")
     return field.contents()
 
 
@@ -623,9 +625,69 @@ def _build_gpt2(vocab: _Vocab) -> _Backend:
     )
 
 
-_BACKENDS: dict[str, Callable[[_Vocab], _Backend]] = {"gpt2": _build_gpt2}
+def _spm_merges(vocab: _Vocab) -> list[tuple[str, str]]:
+    """SentencePiece's merge rule as BPE merges: each split of a token into two tokens, ranked
+    by the token's score, highest first (then by token id).
+
+    llama.cpp (``llm_tokenizer_spm_session::tokenize``) starts from the text's characters and
+    repeatedly merges the adjacent pair whose concatenation is a token (of any type) with the
+    highest score, the leftmost pair among equal scores. A HF BPE merges the adjacent pair of
+    lowest rank, the leftmost among equal ranks, and only pairs that are merges: given every
+    split, it makes the same choices. They could differ only when pairs making two different
+    tokens of exactly equal score compete (llama.cpp takes the leftmost, the BPE the lower
+    rank); in Gemma's vocabulary every normal token has a score of its own. Scores are
+    ``tokenizer.ggml.scores`` (float32 or int32), 0 when absent (``llama_vocab::impl::load``).
+    """
+    tokens = vocab.tokens
+    scores = _typed_array(vocab.reader, _K.SCORES, GGUFValueType.FLOAT32, GGUFValueType.INT32)
+    if scores is None:
+        scores = [0.0] * len(tokens)
+    elif len(scores) < len(tokens):
+        raise TokenizerError(f"{_K.SCORES} has {len(scores)} entries for {len(tokens)} tokens")
+    known = vocab.token_to_id
+    ranked = [
+        (-scores[i], i, text[:cut], text[cut:])
+        for i, text in enumerate(tokens)
+        for cut in range(1, len(text))
+        if text[:cut] in known and text[cut:] in known
+    ]
+    ranked.sort(key=lambda merge: merge[:2])
+    return [(left, right) for _, _, left, right in ranked]
+
+
+def _unescape_spaces(text: str) -> bytes:
+    """The bytes a SentencePiece token stands for: "▁" is a space (llama_unescape_whitespace)."""
+    return text.replace("▁", " ").encode()
+
+
+def _build_spm(vocab: _Vocab) -> _Backend:
+    """SentencePiece (``tokenizer.ggml.model == "llama"``: Llama 1/2, Gemma, ...).
+
+    As llama.cpp's ``llama_vocab::impl::tokenize`` (``LLAMA_VOCAB_TYPE_SPM``) does to each piece of
+    text between special tokens: prepend a space when ``tokenizer.ggml.add_space_prefix`` (default
+    true; every such piece is the first or follows a special token), write spaces as "▁"
+    (``llama_escape_whitespace``), then merge by score (``_spm_merges``). A character left on its
+    own that is not a token becomes the ``<0xXX>`` tokens of its UTF-8 bytes (``resegment``,
+    ``byte_to_token``): the BPE's byte fallback. This assumes, as SentencePiece vocabularies
+    guarantee, that every character of a token is itself a token (llama.cpp could otherwise merge
+    an out-of-vocab character; Gemma's only such character is the space, which never reaches the
+    model). BOS is added by default, BOS and EOS default to ids 1 and 2 (``load``).
+    """
+    bpe = models.BPE(vocab=vocab.token_to_id, merges=_spm_merges(vocab), byte_fallback=True)
+    hf = Tokenizer(bpe)
+    add_prefix = vocab.value(_K.ADD_PREFIX)
+    prefix = [normalizers.Prepend("▁")] if add_prefix is None or add_prefix else []
+    hf.normalizer = normalizers.Sequence([*prefix, normalizers.Replace(" ", "▁")])
+    hf.decoder = decoders.Sequence(
+        [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse()]
+    )
+    return _Backend(
+        hf=hf, normal_bytes=_unescape_spaces, add_bos=True, default_bos=1, default_eos=2
+    )
+
+
+_BACKENDS: dict[str, Callable[[_Vocab], _Backend]] = {"gpt2": _build_gpt2, "llama": _build_spm}
 _NOT_YET: dict[str, str] = {
-    "llama": "SentencePiece",
     "bert": "WordPiece",
     "t5": "Unigram",
     "rwkv": "RWKV",
@@ -714,6 +776,15 @@ def _force_rendered(vocab: _Vocab) -> None:
             vocab.types[found] = TokenType.USER_DEFINED
 
 
+def _add_rule(vocab: _Vocab, key: str, default: bool, token_id: int | None, id_key: str) -> bool:
+    """An add_bos/add_eos flag: the GGUF's, else llama.cpp's default (check_add_special_token)."""
+    rule = vocab.value(key)
+    add = default if rule is None else bool(rule)
+    if add and token_id is None:
+        raise TokenizerError(f"{key} is true, but {id_key} is not set")
+    return add
+
+
 def _split_on(pieces: list[str | int], text: str, token_id: int) -> list[str | int]:
     """Replace each occurrence of ``text`` in the text pieces by ``token_id``."""
     out: list[str | int] = []
@@ -751,7 +822,9 @@ class GGUFTokenizer:
             rather than ``<|im_end|>`` for SmolLM2; both are in ``eog_ids`` either way.)
         eog_ids (frozenset[int]): ids that end generation (llama.cpp's ``special_eog_ids``).
         add_bos (bool): whether ``encode`` prepends BOS by default
-            (``tokenizer.ggml.add_bos_token``, else llama.cpp's default for the pre-tokenizer).
+            (``tokenizer.ggml.add_bos_token``, else llama.cpp's default for the tokenizer).
+        add_eos (bool): whether ``encode`` appends EOS by default (``tokenizer.ggml.add_eos_token``,
+            else false).
         chat_template (str | None): ``tokenizer.chat_template``.
         hf (tokenizers.Tokenizer): the underlying HF tokenizer; it encodes plain text only
             (control tokens are not recognised, no BOS).
@@ -769,7 +842,8 @@ class GGUFTokenizer:
         _force_rendered(vocab)
         ending = [roles[name] for name, role in _ROLES.items() if role.ends_generation]
         self.eog_ids = frozenset(_eog_ids(vocab, [self.eos_id, *ending]))
-        self.add_bos = self._add_bos_rule(vocab, backend)
+        self.add_bos = _add_rule(vocab, _K.ADD_BOS, backend.add_bos, self.bos_id, _K.BOS_ID)
+        self.add_eos = _add_rule(vocab, _K.ADD_EOS, False, self.eos_id, _K.EOS_ID)
         self._tokens = vocab.tokens
         self._types = vocab.types
         # llama.cpp splits special tokens out longest text first.
@@ -805,13 +879,6 @@ class GGUFTokenizer:
         vocab = _read_vocab(reader)
         return cls(vocab, _backend_for(vocab))
 
-    def _add_bos_rule(self, vocab: _Vocab, backend: _Backend) -> bool:
-        rule = vocab.value(_K.ADD_BOS)
-        add_bos = backend.add_bos if rule is None else bool(rule)
-        if add_bos and self.bos_id is None:
-            raise TokenizerError(f"{_K.ADD_BOS} is true, but {_K.BOS_ID} is not set")
-        return add_bos
-
     def _register_added_tokens(self) -> None:
         # Registered so that ``self.hf`` on its own treats them as llama.cpp does without
         # parse_special: user-defined tokens are matched, control tokens are plain text.
@@ -828,7 +895,11 @@ class GGUFTokenizer:
     # -- encoding ----------------------------------------------------------------------------
 
     def encode(
-        self, text: str, add_bos: bool | None = None, parse_special: bool = False
+        self,
+        text: str,
+        add_bos: bool | None = None,
+        parse_special: bool = False,
+        add_eos: bool | None = None,
     ) -> list[int]:
         """Token ids for ``text``, as llama.cpp's ``llama_tokenize``.
 
@@ -838,21 +909,26 @@ class GGUFTokenizer:
             parse_special: recognise control tokens written in the text (e.g. ``<|im_end|>`` in a
                 rendered chat prompt). Without it they are tokenized as ordinary text; user-defined
                 tokens are recognised either way, as in llama.cpp.
+            add_eos: append EOS; None follows the GGUF's rule (``self.add_eos``).
 
         Raises:
-            TokenizerError: BOS was asked for but the model has none.
+            TokenizerError: BOS or EOS was asked for but the model has none.
         """
-        ids: list[int] = []
-        if self.add_bos if add_bos is None else add_bos:
-            if self.bos_id is None:
-                raise TokenizerError("this model has no BOS token to add")
-            ids.append(self.bos_id)
+        ids = self._marker(self.bos_id, "BOS", self.add_bos if add_bos is None else add_bos)
         for piece in self._split_special(text, parse_special):
             if isinstance(piece, int):
                 ids.append(piece)
             else:
                 ids.extend(self.hf.encode(piece, add_special_tokens=False).ids)
-        return ids
+        return ids + self._marker(self.eos_id, "EOS", self.add_eos if add_eos is None else add_eos)
+
+    @staticmethod
+    def _marker(token_id: int | None, name: str, wanted: bool) -> list[int]:
+        if not wanted:
+            return []
+        if token_id is None:
+            raise TokenizerError(f"this model has no {name} token to add")
+        return [token_id]
 
     def _split_special(self, text: str, parse_special: bool) -> list[str | int]:
         """``text`` cut into plain-text pieces and special-token ids (tokenizer_st_partition)."""
@@ -869,6 +945,10 @@ class GGUFTokenizer:
 
     def decode(self, ids: Iterable[int], skip_special: bool = True) -> str:
         """The text of ``ids``; bytes that are not valid UTF-8 become U+FFFD.
+
+        The tokens' pieces joined, as llama.cpp streams them (``token_to_piece``). Unlike
+        ``llama_detokenize``, no leading space is dropped for ``add_space_prefix`` vocabularies
+        (Llama 2; not Gemma): generated text keeps its first space.
 
         Args:
             ids: token ids.

@@ -78,10 +78,11 @@ def read_architecture(g: GGUFFile) -> Architecture:
         out = next((t for t in g.reader.tensors if t.name == "token_embd.weight"), None)
         vocab = int(out.shape[1]) if out is not None else 1
     names = {t.name for t in g.reader.tensors}
+    blocks = int(_arch_field(g, arch, "block_count"))
     try:
         return Architecture(
             name=arch,
-            block_count=int(_arch_field(g, arch, "block_count")),
+            block_count=blocks,
             context_length=int(_arch_field(g, arch, "context_length", 2048)),
             embedding_length=width,
             feed_forward_length=int(g.field(f"{arch}.feed_forward_length") or 0),
@@ -99,11 +100,72 @@ def read_architecture(g: GGUFFile) -> Architecture:
             tied_embeddings="output.weight" not in names,
             expert_count=int(g.field(f"{arch}.expert_count") or 0),
             expert_used_count=int(g.field(f"{arch}.expert_used_count") or 0),
+            **_attention_window(g, arch, blocks),
+            **_rope_scaling(g, arch),
+            final_logit_softcapping=float(g.field(f"{arch}.final_logit_softcapping") or 0.0),
         )
     except ValidationError as e:
         err = e.errors()[0]
         where = ".".join(str(x) for x in err["loc"])
         raise GGUFError(f"{g.path}: hyperparameter {where}: {err['msg']}") from None
+
+
+SWA_DEFAULT_PATTERN = {"gemma3": 6, "llama": 0}
+"""Architectures whose blocks use ``{arch}.attention.sliding_window``, and the period llama.cpp
+assumes when the GGUF has no ``attention.sliding_window_pattern`` (gemma3: every 6th block is
+global; llama: 0, every block windowed, as Mistral 7B was trained). llama.cpp ignores the key for
+the other architectures here (qwen2, qwen3: logits measured identical with and without it), and so
+does Strata. llama.cpp ignores it for llama too; Strata honours it there (see
+``executor/models/llama.py``)."""
+
+SWA_ROPE_BASE_DEFAULT = {"gemma3": 10000.0}
+"""RoPE base of the windowed blocks when the GGUF has no ``rope.freq_base_swa`` (llama.cpp's
+gemma3 rule; elsewhere the windowed blocks use ``rope.freq_base``)."""
+
+
+def _attention_window(g: GGUFFile, arch: str, blocks: int) -> dict:
+    """``sliding_window``, ``sliding_window_layers`` and ``rope_freq_base_swa``.
+
+    The windowed blocks follow llama.cpp (``llama_hparams::set_swa_pattern``): a per-block bool
+    array ``{arch}.attention.sliding_window_pattern`` as given, or a period ``n``: block ``i`` is
+    windowed when ``n == 0`` or ``i % n < n - 1`` (the last of every ``n`` is global).
+
+    Raises:
+        GGUFError: a pattern array of the wrong length.
+    """
+    window = int(g.field(f"{arch}.attention.sliding_window") or 0)
+    if window <= 0 or arch not in SWA_DEFAULT_PATTERN:
+        return {}
+    pattern = g.field(f"{arch}.attention.sliding_window_pattern", SWA_DEFAULT_PATTERN[arch])
+    if isinstance(pattern, list):
+        if len(pattern) != blocks:
+            raise GGUFError(
+                f"{g.path}: {arch}.attention.sliding_window_pattern has {len(pattern)} entries "
+                f"for {blocks} blocks"
+            )
+        layers = [i for i, windowed in enumerate(pattern) if windowed]
+    else:
+        n = int(pattern)
+        layers = [i for i in range(blocks) if n == 0 or i % n < n - 1]
+    base = g.field(f"{arch}.rope.freq_base_swa") or SWA_ROPE_BASE_DEFAULT.get(arch)
+    return {
+        "sliding_window": window,
+        "sliding_window_layers": layers,
+        "rope_freq_base_swa": None if base is None else float(base),
+    }
+
+
+def _rope_scaling(g: GGUFFile, arch: str) -> dict:
+    """``rope_scaling_type`` and ``rope_freq_scale`` as llama.cpp reads them: the factor from
+    ``rope.scale_linear`` or ``rope.scaling.factor``, the position scale its inverse."""
+    kind = g.field(f"{arch}.rope.scaling.type")
+    factor = g.field(f"{arch}.rope.scale_linear") or g.field(f"{arch}.rope.scaling.factor") or 0.0
+    if not factor and kind in (None, "none", "linear"):
+        return {}
+    return {
+        "rope_scaling_type": str(kind or "linear"),
+        "rope_freq_scale": 1.0 / float(factor) if factor else 1.0,
+    }
 
 
 def mlx_size(qtype: gguf.GGMLQuantizationType, shape: list[int]) -> tuple[int, bool]:

@@ -101,6 +101,26 @@ class Architecture(Strict):
     )
     expert_count: int = Field(default=0, ge=0)
     expert_used_count: int = Field(default=0, ge=0)
+    sliding_window: int = Field(
+        default=0, ge=0, description="attention window of the windowed blocks, tokens (0: none)"
+    )
+    sliding_window_layers: list[int] = Field(
+        default_factory=list,
+        description="blocks that attend only to the last sliding_window tokens (gemma3: all but "
+        "every sliding_window_pattern-th; llama: all, Mistral-style); the others attend globally",
+    )
+    rope_freq_base_swa: float | None = Field(
+        default=None, gt=0, description="RoPE base of the windowed blocks (None: rope_freq_base)"
+    )
+    rope_scaling_type: str = Field(
+        default="none", description="rope.scaling.type (none, linear, yarn, ...)"
+    )
+    rope_freq_scale: float = Field(
+        default=1.0, gt=0, description="RoPE position scale, 1 / rope.scaling.factor"
+    )
+    final_logit_softcapping: float = Field(
+        default=0.0, ge=0, description="logits -> c * tanh(logits / c) when positive (gemma3)"
+    )
 
 
 class ModelSource(Strict):

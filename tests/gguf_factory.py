@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import math
+import zlib
+from dataclasses import dataclass
 from pathlib import Path
 
 import gguf
@@ -114,6 +117,226 @@ def write_tiny_llama(
     vec("output_norm.weight", d)
     if not tied:
         mat("output.weight", vocab, d)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+# ------------------------------------------------------------------- one model per architecture
+
+_T = gguf.GGMLQuantizationType
+
+
+@dataclass(frozen=True)
+class ArchModel:
+    """A tiny random-weight model of one architecture, for the comparison with llama.cpp.
+
+    Shapes are tiny (width 64) so CI runs them in seconds; block matrices are F32 or F16 and the
+    embeddings and heads Q8_0 or F16, so that quantization is not what differs from llama.cpp
+    (Q8_0 block matrices would: llama.cpp rounds activations to 8 bits before each of them,
+    which moved a qwen3 model's top-10 logits by up to 0.84 where F32 ones moved 0.05).
+
+    Scales: matrices have std 1/sqrt(fan-in) (activations keep a unit scale), norms
+    1 + N(0, 0.1²), biases N(0, 0.5²), and the head gives logits of std about ``logit_std`` over
+    the vocabulary, so that llama.cpp's top-2 gap is mostly above 1.0 (the gap between the two
+    largest of 49152 normal samples has a mean of about std / 4.6).
+
+    Attributes:
+        arch: ``general.architecture``.
+        layers, width, ffn, heads, kv_heads, head_dim: the shape (``head_dim`` is written as
+            ``attention.key_length``/``value_length``, so ``heads * head_dim`` may differ from
+            the width).
+        matrix_type: GGML type of the block matrices.
+        embd_type: type of ``token_embd``.
+        head_type: type of an untied ``output.weight``; None ties the head to the embedding.
+        rope_base: ``rope.freq_base``.
+        qkv_bias: ``attn_{q,k,v}.bias`` (qwen2).
+        qk_norm: ``attn_{q,k}_norm`` per head (qwen3, gemma3).
+        post_norms: ``post_attention_norm`` and ``post_ffw_norm`` (gemma3).
+        rope_freqs: a Llama-3 ``rope_freqs.weight`` (factors from the llama3 rule with the
+            given original context, so they matter at the test's positions).
+        metadata: extra ``{arch}.<key>`` values (sliding window, rope scaling, ...).
+        logit_std: target std of the logits.
+    """
+
+    arch: str
+    layers: int
+    width: int
+    ffn: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    matrix_type: gguf.GGMLQuantizationType
+    embd_type: gguf.GGMLQuantizationType
+    head_type: gguf.GGMLQuantizationType | None
+    rope_base: float
+    qkv_bias: bool = False
+    qk_norm: bool = False
+    post_norms: bool = False
+    rope_freqs: int = 0
+    metadata: tuple[tuple[str, object], ...] = ()
+    logit_std: float = 20.0
+    rms_eps: float = 1e-6
+
+
+ARCH_MODELS: dict[str, ArchModel] = {
+    # Llama 3 RoPE scaling: rope_freqs.weight as llama.cpp's frequency factors; untied head.
+    "llama3": ArchModel(
+        "llama", 3, 64, 128, 4, 2, 16, _T.F16, _T.Q8_0, _T.Q8_0, 500000.0, rope_freqs=16
+    ),
+    # Qwen2: Q/K/V biases, NeoX RoPE, tied embeddings (as Qwen2.5-0.5B).
+    "qwen2": ArchModel("qwen2", 3, 64, 160, 4, 2, 16, _T.F32, _T.Q8_0, None, 1000000.0, True),
+    # Qwen3: per-head Q/K RMSNorm, no biases, head dim 32 with 4 heads (q is 128 wide, d 64).
+    "qwen3": ArchModel(
+        "qwen3", 3, 64, 128, 4, 2, 32, _T.F16, _T.Q8_0, _T.F16, 1000000.0, qk_norm=True
+    ),
+    # Gemma 3: six blocks so llama.cpp's default pattern (every 6th block global) has one global
+    # block; sliding window of 8 tokens on the others (RoPE base 10000), linear RoPE scaling on
+    # the global block (as Gemma-3-4B and larger), tied embeddings, one KV head (as 270M), and a
+    # final logit soft-cap (real Gemma 3 files have none; llama.cpp applies it when present).
+    "gemma3": ArchModel(
+        "gemma3",
+        6,
+        64,
+        128,
+        4,
+        1,
+        32,
+        _T.F16,
+        _T.Q8_0,
+        None,
+        1000000.0,
+        qk_norm=True,
+        post_norms=True,
+        metadata=(
+            ("attention.sliding_window", 8),
+            ("rope.scaling.type", "linear"),
+            ("rope.scaling.factor", 8.0),
+            ("final_logit_softcapping", 60.0),
+        ),
+    ),
+}
+"""The synthetic models compared with llama.cpp (tests/data/llamacpp_arch.json)."""
+
+
+def llama3_rope_factors(
+    head_dim: int,
+    base: float,
+    original_context: int,
+    factor: float = 8.0,
+    low_freq_factor: float = 1.0,
+    high_freq_factor: float = 4.0,
+) -> np.ndarray:
+    """Llama 3's RoPE frequency factors, as llama.cpp's converter writes ``rope_freqs.weight``."""
+    freqs = 1.0 / base ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
+    low_wavelen = original_context / low_freq_factor
+    high_wavelen = original_context / high_freq_factor
+    out = []
+    for f in freqs:
+        wavelen = 2 * math.pi / f
+        if wavelen < high_wavelen:
+            out.append(1.0)
+        elif wavelen > low_wavelen:
+            out.append(factor)
+        else:
+            smooth = (original_context / wavelen - low_freq_factor) / (
+                high_freq_factor - low_freq_factor
+            )
+            out.append(1.0 / ((1 - smooth) / factor + smooth))
+    return np.array(out, dtype=np.float32)
+
+
+def write_arch_model(
+    path: Path, name: str, tokenizer: Path, seed: int = 0, model: ArchModel | None = None
+) -> Path:
+    """Write ``ARCH_MODELS[name]`` (or ``model``, a variant, seeded by ``name``) with SmolLM2's
+    tokenizer (every ``tokenizer.*`` key of ``tokenizer``, a GGUF). The bytes are a function of
+    (name, model, seed, tokenizer, gguf-py)."""
+    from planner.synthetic import _tokenizer_fields
+
+    m = ARCH_MODELS[name] if model is None else model
+    rng = np.random.default_rng([seed, zlib.crc32(name.encode())])
+    tok = _tokenizer_fields(str(tokenizer))
+    vocab = len(next(v for k, v, *_ in tok if k == "tokenizer.ggml.tokens"))
+    d, hd = m.width, m.head_dim
+    w = gguf.GGUFWriter(str(path), m.arch)
+    w.add_type("model")
+    w.add_name(f"Strata synthetic {name} (random weights, seed {seed})")
+    w.add_block_count(m.layers)
+    w.add_context_length(2048)
+    w.add_embedding_length(d)
+    w.add_feed_forward_length(m.ffn)
+    w.add_head_count(m.heads)
+    w.add_head_count_kv(m.kv_heads)
+    w.add_key_length(hd)
+    w.add_value_length(hd)
+    w.add_rope_freq_base(m.rope_base)
+    w.add_layer_norm_rms_eps(m.rms_eps)
+    w.add_file_type(gguf.LlamaFileType.MOSTLY_F16)
+    w.add_vocab_size(vocab)
+    for key, value in m.metadata:
+        full = f"{m.arch}.{key}"
+        if isinstance(value, str):
+            w.add_string(full, value)
+        elif isinstance(value, float):
+            w.add_float32(full, value)
+        elif isinstance(value, int):
+            w.add_uint32(full, value)
+        else:
+            w.add_array(full, list(value))
+    for key, value, vtype, sub in tok:
+        w.add_key_value(key, value, vtype, sub)
+
+    def add(name: str, values: np.ndarray, qtype: gguf.GGMLQuantizationType = _T.F32) -> None:
+        if qtype == _T.F32:
+            w.add_tensor(name, values.astype(np.float32))
+        elif qtype == _T.F16:
+            w.add_tensor(name, values.astype(np.float16))
+        else:
+            w.add_tensor(name, quantize(values, qtype), raw_dtype=qtype)
+
+    def mat(name: str, rows: int, cols: int, qtype=m.matrix_type, std=None) -> None:
+        std = 1 / math.sqrt(cols) if std is None else std
+        add(name, rng.normal(0, std, (rows, cols)), qtype)
+
+    def norm(name: str, n: int, scale: float = 1.0) -> None:
+        add(name, scale * (1.0 + 0.1 * rng.normal(size=n)))
+
+    tied = m.head_type is None
+    # Tied, the head is the embedding: a small embedding (std 1/sqrt(d)) keeps a token's own row
+    # from dominating the residual stream, and hence its own logit, and the final norm's weights
+    # (about logit_std) set the logits' scale. Untied: embedding std 1, the head sets the scale.
+    mat("token_embd.weight", vocab, d, m.embd_type, 1 / math.sqrt(d) if tied else 1.0)
+    if m.rope_freqs:
+        add("rope_freqs.weight", llama3_rope_factors(hd, m.rope_base, m.rope_freqs))
+    q, kv = m.heads * hd, m.kv_heads * hd
+    for i in range(m.layers):
+        p = f"blk.{i}."
+        norm(p + "attn_norm.weight", d)
+        mat(p + "attn_q.weight", q, d)
+        mat(p + "attn_k.weight", kv, d)
+        mat(p + "attn_v.weight", kv, d)
+        if m.qkv_bias:
+            add(p + "attn_q.bias", rng.normal(0, 0.5, q))
+            add(p + "attn_k.bias", rng.normal(0, 0.5, kv))
+            add(p + "attn_v.bias", rng.normal(0, 0.5, kv))
+        if m.qk_norm:
+            norm(p + "attn_q_norm.weight", hd)
+            norm(p + "attn_k_norm.weight", hd)
+        mat(p + "attn_output.weight", d, q)
+        if m.post_norms:
+            norm(p + "post_attention_norm.weight", d)
+        norm(p + "ffn_norm.weight", d)
+        mat(p + "ffn_gate.weight", m.ffn, d)
+        mat(p + "ffn_up.weight", m.ffn, d)
+        mat(p + "ffn_down.weight", d, m.ffn)
+        if m.post_norms:
+            norm(p + "post_ffw_norm.weight", d)
+    norm("output_norm.weight", d, m.logit_std if tied else 1.0)
+    if not tied:
+        mat("output.weight", vocab, d, m.head_type, m.logit_std / math.sqrt(d))
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()

@@ -1,4 +1,5 @@
-"""The correctness rule of DEVELOPERS.md on SmolLM2, against llama.cpp's stored outputs.
+"""The correctness rule of DEVELOPERS.md on SmolLM2, against llama.cpp's stored outputs
+(the checking code is tests/reference_check.py, shared with tests/test_architectures.py).
 
 - prompt token ids match llama.cpp's exactly;
 - teacher-forced on llama.cpp's own greedy prefix, our argmax equals its greedy token at every
@@ -10,11 +11,10 @@ from __future__ import annotations
 
 import json
 
-import numpy as np
 import pytest
 from conftest import DATA
+from reference_check import RuleResult, check_case, greedy_divergence, prompt_ids
 
-from executor.chat import messages_to_ids
 from executor.sampling import SamplingParams
 
 GAP = 0.5
@@ -28,49 +28,60 @@ def _cases(reference_cases):
             yield ref, prompts[ref["case"]]
 
 
-def _prompt_ids(engine, case):
-    if "messages" in case:
-        return messages_to_ids(engine.tokenizer, case["messages"])
-    return engine.tokenizer.encode(case["prompt"])
-
-
 def test_prompt_ids_exact(smollm2_engine, reference_cases):
     for ref, case in _cases(reference_cases):
-        assert _prompt_ids(smollm2_engine, case) == ref["prompt_ids"], ref["case"]
+        assert prompt_ids(smollm2_engine, case) == ref["prompt_ids"], ref["case"]
 
 
 def test_teacher_forced_and_top10(smollm2_engine, reference_cases, record_property):
-    worst_top10 = 0.0
-    checked = 0
+    result = RuleResult()
     for ref, _ in _cases(reference_cases):
-        ids = ref["prompt_ids"] + ref["greedy_ids"][:-1]
-        logits = smollm2_engine.logits_for(ids)
-        n = len(ref["prompt_ids"])
-        for tok, value in ref["top10_after_prompt"]:
-            worst_top10 = max(worst_top10, abs(float(logits[n - 1, tok]) - value))
-        for step, (want, top5) in enumerate(
-            zip(ref["greedy_ids"], ref["greedy_step_top5"], strict=True)
-        ):
-            gap = top5[0][1] - top5[1][1]
-            if gap >= GAP:
-                got = int(np.argmax(logits[n - 1 + step]))
-                assert got == want, f"{ref['case']} step {step}: {got} != {want} (gap {gap:.2f})"
-                checked += 1
-    record_property("max_top10_logit_diff", worst_top10)
-    print(f"max |top-10 logit diff| = {worst_top10:.4f}; {checked} teacher-forced steps checked")
-    assert worst_top10 <= TOL
-    assert checked > 20
+        check_case(smollm2_engine, ref, GAP, result)
+    record_property("max_top10_logit_diff", result.top10_diff)
+    print(result.summary())
+    assert not result.failures, result.failures
+    assert result.top10_diff <= TOL
+    assert result.checked > 20
 
 
 def test_greedy_decode_matches_llamacpp_until_a_near_tie(smollm2_engine, reference_cases):
     """Free-running greedy decode (the KV-cache path) follows llama.cpp's greedy tokens."""
     for ref, _ in _cases(reference_cases):
-        gen = smollm2_engine.generate(ref["prompt_ids"], SamplingParams(), len(ref["greedy_ids"]))
-        for step, (got, want) in enumerate(zip(gen.output_ids, ref["greedy_ids"], strict=False)):
-            if got != want:
-                top5 = ref["greedy_step_top5"][step]
-                assert top5[0][1] - top5[1][1] < GAP, f"{ref['case']} diverged at step {step}"
-                break
+        assert greedy_divergence(smollm2_engine, ref, GAP) is None
+
+
+def test_gemma3_270m_teacher_forced_and_top10(gemma3_gguf, reference_cases, tmp_path):
+    """The real Gemma-3-270M (Q4_K_M) on llama.cpp's greedy prefix, on shared/reference's Gemma
+    case and on our own prompts (tests/data/cases_gemma3.json, llama.cpp's outputs made by
+    ``tests/make_arch_references.py --gemma``): the gemma3 forward pass with the file's K-quant,
+    Q5_0, Q6_K and Q8_0 weights (skipped while the executor cannot load one of its types)."""
+    from conftest import make_plan_file
+
+    from executor.engine import Engine
+    from executor.plan_loader import load_plan
+    from planner.describe import describe
+
+    desc, _ = describe(str(gemma3_gguf))
+    missing = sorted({t.ggml_type for t in desc.tensors if not t.supported})
+    if missing:
+        pytest.skip(f"the executor cannot load {', '.join(missing)} yet")
+    plan = make_plan_file(str(gemma3_gguf), tmp_path / "gemma3.yaml", desc=desc, context=512)
+    engine = Engine(load_plan(plan))
+    try:
+        result = RuleResult()
+        own = json.loads((DATA / "llamacpp_gemma3.json").read_text())
+        assert {r["model_sha256"] for r in own} == {desc.model.sha256}, "re-make the references"
+        for ref in own:  # our prompts: the tokenizer gives llama.cpp's ids too
+            assert engine.tokenizer.encode(ref["rendered_prompt"]) == ref["prompt_ids"], ref["case"]
+        for ref in [*reference_cases, *own]:
+            if ref["model_file"].startswith("gemma-3"):
+                check_case(engine, ref, GAP, result)
+    finally:
+        engine.close()
+    print(result.summary())
+    assert not result.failures, result.failures
+    assert result.top10_diff <= TOL
+    assert result.checked > 100  # 6 cases x 32 steps, less the near-ties
 
 
 @pytest.mark.parametrize("temperature", [0.8])

@@ -1,8 +1,13 @@
-"""The GGUF tokenizer and chat templating against llama.cpp's ids for the real SmolLM2 file, plus
-tiny hand-made GGUFs for the rules SmolLM2 does not exercise (BOS, other pre-tokenizers, errors)."""
+"""The GGUF tokenizer and chat templating against llama.cpp's ids for the real SmolLM2 (byte-level
+BPE) and Gemma-3 (SentencePiece) files, plus tiny hand-made GGUFs for the rules those do not
+exercise (BOS, other pre-tokenizers, add_space_prefix, add_eos, errors).
+
+``data/gemma3_tokenizer_llamacpp.json`` holds llama.cpp's ids and detokenized texts for prompts of
+ours on the Gemma file (made once with llama-cpp-python; its ``reference`` field says how)."""
 
 from __future__ import annotations
 
+import functools
 import json
 from pathlib import Path
 
@@ -12,10 +17,21 @@ from gguf import GGUFReader, TokenType
 
 from executor.chat import NO_TEMPLATE, ChatError, messages_to_ids, render_chat
 from executor.tokenizer import _PRE_TOKENIZERS, GGUFTokenizer, StreamDecoder, TokenizerError
+from planner.catalog import CATALOG
 
 DATA = Path(__file__).parent / "data"
 SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 IM_END = 2  # "<|im_end|>" in SmolLM2's vocabulary
+GEMMA_REF = json.loads((DATA / "gemma3_tokenizer_llamacpp.json").read_text())
+GEMMA_BYTES = range(238, 494)  # Gemma's <0x00>..<0xFF>
+
+
+def _finish(writer) -> None:
+    """Write a GGUFWriter's header, metadata and (no) tensors, and close it."""
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
 
 
 @pytest.fixture(scope="module")
@@ -118,6 +134,73 @@ def test_id_outside_vocab(smollm2: GGUFTokenizer) -> None:
         smollm2.decode([smollm2.vocab_size])
 
 
+# -- Gemma-3 (SentencePiece) against llama.cpp -----------------------------------------------
+
+
+@functools.cache
+def gemma_tokenizer(path: Path) -> GGUFTokenizer:
+    """The Gemma-3 tokenizer, built once per session (test_chat_template.py uses it too)."""
+    return GGUFTokenizer.from_gguf(path)
+
+
+@pytest.fixture(scope="module")
+def gemma(gemma3_gguf: Path) -> GGUFTokenizer:
+    return gemma_tokenizer(gemma3_gguf)
+
+
+def test_gemma_reference_is_for_the_catalog_file() -> None:
+    entry = CATALOG["gemma3-270m"]
+    assert (GEMMA_REF["model_file"], GEMMA_REF["model_sha256"]) == (entry.filename, entry.sha256)
+    assert len(GEMMA_REF["cases"]) >= 30
+    assert any(set(case["ids"]) & set(GEMMA_BYTES) for case in GEMMA_REF["cases"])
+
+
+@pytest.mark.parametrize(
+    "case",
+    GEMMA_REF["cases"],
+    ids=[f"{i}-{c['text'][:20]!r}" for i, c in enumerate(GEMMA_REF["cases"])],
+)
+def test_gemma_matches_llamacpp(gemma: GGUFTokenizer, case: dict) -> None:
+    ids = gemma.encode(case["text"], parse_special=case["parse_special"])
+    assert ids == case["ids"]
+    assert gemma.decode(ids) == case["detokenized"]
+    assert gemma.decode(ids, skip_special=False) == case["detokenized_special"]
+
+
+def test_gemma_reference_case(gemma: GGUFTokenizer, reference_cases: list[dict]) -> None:
+    cases = {c["id"]: c for c in json.loads((DATA / "cases_visible.json").read_text())}
+    entries = [e for e in reference_cases if e["model_file"] == CATALOG["gemma3-270m"].filename]
+    assert entries
+    for entry in entries:
+        assert gemma.encode(cases[entry["case"]]["prompt"]) == entry["prompt_ids"], entry["case"]
+        assert gemma.decode(entry["greedy_ids"]) == entry["greedy_text"], entry["case"]
+
+
+def test_gemma_special_tokens(gemma: GGUFTokenizer) -> None:
+    assert (gemma.bos_id, gemma.eos_id, gemma.eot_id) == (2, 1, 106)  # <bos>, <eos>, <end_of_turn>
+    assert gemma.token_text(105) == "<start_of_turn>"
+    assert {1, 106} <= gemma.eog_ids
+    assert gemma.add_bos and not gemma.add_eos
+    assert gemma.chat_template is None
+    assert gemma.vocab_size == 262144
+    # control tokens only on request; user-defined ones ("\n", "<b>") always, as llama.cpp
+    assert gemma.encode("<start_of_turn>", add_bos=False, parse_special=True) == [105]
+    assert 105 not in gemma.encode("<start_of_turn>", add_bos=False)
+    assert gemma.encode("\n<b>", add_bos=False) == [gemma.hf.token_to_id(t) for t in ("\n", "<b>")]
+
+
+def test_gemma_stream_decoder_never_splits_a_character(gemma: GGUFTokenizer) -> None:
+    text = "𓀀 héllo 你好 🙂👩‍👩‍👧"  # 𓀀 is no token: it falls back to its 4 <0xXX> byte tokens
+    ids = gemma.encode(text, add_bos=False)
+    assert set(ids) & set(GEMMA_BYTES)
+    stream = gemma.stream_decoder()
+    chunks = [stream.push(i) for i in ids]
+    chunks.append(stream.flush())
+    assert "".join(chunks) == text == gemma.decode(ids)
+    assert all("\ufffd" not in c for c in chunks)
+    assert "" in chunks[:-1]  # a byte token ended mid-character and was held back
+
+
 # -- tiny hand-made GGUFs --------------------------------------------------------------------
 
 _BYTE_CHARS = [chr(c) for c in [*range(0x21, 0x7F), *range(0xA1, 0xAD), *range(0xAE, 0x100)]]
@@ -147,10 +230,7 @@ def _tiny_gguf(tmp_path: Path, pre: str | None = "smollm", model: str = "gpt2", 
         writer.add_add_bos_token(keys["add_bos"])
     if "chat_template" in keys:
         writer.add_chat_template(keys["chat_template"])
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+    _finish(writer)
     return path
 
 
@@ -164,9 +244,81 @@ def test_unknown_pre_tokenizer(tmp_path: Path) -> None:
     assert isinstance(err.value, ValueError)
 
 
-def test_sentencepiece_not_supported_yet(tmp_path: Path) -> None:
-    with pytest.raises(TokenizerError, match=r"tokenizer model 'llama' \(SentencePiece\) is not"):
-        _tiny(tmp_path, model="llama")
+_SPM_PIECES = [
+    "▁",
+    "a",
+    "b",
+    "c",
+    "é",
+    "你",
+    "▁a",
+    "ab",
+    "bc",
+    "abc",
+    "▁ab",
+    "▁abc",
+    "ca",
+    "▁▁",
+    "好",
+]
+
+
+def _tiny_spm(tmp_path: Path, **keys: bool) -> GGUFTokenizer:
+    """A SentencePiece vocab: <unk>, <s>, </s>, the user-defined <tag>, the 256 <0xXX> tokens
+    (ids 4..259), then ``_SPM_PIECES`` (ids 260..) with falling scores.
+
+    ``keys``: add_space_prefix, add_eos (bool) to set those keys.
+    """
+    path = tmp_path / "tiny-spm.gguf"
+    writer = gguf.GGUFWriter(path, "llama")
+    writer.add_tokenizer_model("llama")
+    bytes_ = [f"<0x{b:02X}>" for b in range(256)]
+    writer.add_token_list(["<unk>", "<s>", "</s>", "<tag>", *bytes_, *_SPM_PIECES])
+    writer.add_token_types(
+        [TokenType.UNKNOWN, TokenType.CONTROL, TokenType.CONTROL, TokenType.USER_DEFINED]
+        + [TokenType.BYTE] * len(bytes_)
+        + [TokenType.NORMAL] * len(_SPM_PIECES)
+    )
+    writer.add_token_scores(
+        [0.0] * (4 + len(bytes_)) + [-float(i) for i in range(len(_SPM_PIECES))]
+    )
+    if "add_space_prefix" in keys:
+        writer.add_add_space_prefix(keys["add_space_prefix"])
+    if "add_eos" in keys:
+        writer.add_add_eos_token(keys["add_eos"])
+    _finish(writer)
+    return GGUFTokenizer.from_reader(GGUFReader(path))
+
+
+# llama.cpp's ids (llama_tokenize, add_special=True) for _tiny_spm with the defaults: BOS,
+# add_space_prefix (also after a special token), byte fallback (x, \n), user-defined <tag>.
+_SPM_DEFAULT_IDS = [
+    ("a b  c", False, [1, 266, 260, 262, 273, 263]),
+    ("abcabc<tag>abc", False, [1, 271, 269, 3, 271]),
+    ("<s>abc</s> ab", True, [1, 1, 271, 2, 260, 270]),
+    ("<s>abc</s> ab", False, [1, 260, 64, 119, 66, 269, 64, 51, 119, 66, 270]),
+    ("é你好 bca", False, [1, 260, 264, 265, 274, 260, 268, 261]),
+    ("x\n", False, [1, 260, 124, 14]),
+    ("", False, [1]),
+]
+
+
+@pytest.mark.parametrize(("text", "parse_special", "want"), _SPM_DEFAULT_IDS)
+def test_sentencepiece_defaults(tmp_path: Path, text: str, parse_special: bool, want: list) -> None:
+    tok = _tiny_spm(tmp_path)
+    assert tok.encode(text, parse_special=parse_special) == want
+    assert (tok.bos_id, tok.eos_id, tok.add_bos, tok.add_eos) == (1, 2, True, False)
+
+
+def test_sentencepiece_flags(tmp_path: Path) -> None:
+    """add_space_prefix false, add_eos true: llama.cpp's ids."""
+    tok = _tiny_spm(tmp_path, add_space_prefix=False, add_eos=True)
+    assert tok.encode("abc") == [1, 269, 2]
+    assert tok.encode(" abc") == [1, 271, 2]
+    assert tok.encode("") == [1, 2]
+    assert tok.encode("<s>abc</s> ab", parse_special=True) == [1, 1, 269, 2, 270, 2]
+    assert tok.encode("abc", add_bos=False, add_eos=False) == [269]
+    assert tok.decode([1, 271, 4 + 0xC3, 4 + 0xA9, 2]) == " abcé"
 
 
 @pytest.mark.parametrize("pre", sorted(_PRE_TOKENIZERS))

@@ -2,11 +2,19 @@
 
 from __future__ import annotations
 
+from executor.models.gemma3 import Gemma3Model
 from executor.models.llama import LlamaModel
+from executor.models.qwen2 import Qwen2Model
+from executor.models.qwen3 import Qwen3Model
 from planner.errors import StrataError
 from planner.schemas import Architecture
 
-ARCHITECTURES = {"llama": LlamaModel}
+ARCHITECTURES: dict[str, type[LlamaModel]] = {
+    "llama": LlamaModel,
+    "qwen2": Qwen2Model,
+    "qwen3": Qwen3Model,
+    "gemma3": Gemma3Model,
+}
 
 
 def model_class(arch: Architecture) -> type[LlamaModel]:

@@ -1,0 +1,95 @@
+"""The correctness rule of DEVELOPERS.md, against llama.cpp's stored outputs (shared by the tests
+that compare with llama.cpp: tests/test_reference.py on SmolLM2, tests/test_architectures.py on the
+synthetic model of each architecture).
+
+- prompt token ids match llama.cpp's exactly (``prompt_ids``);
+- teacher-forced on llama.cpp's own greedy prefix, our argmax equals its greedy token at every
+  step where its top-2 logit gap is at least ``gap`` (``check_case``);
+- after the prompt, our logits for its top-10 tokens are within a tolerance of its values.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from executor.chat import messages_to_ids
+from executor.sampling import SamplingParams
+
+
+def prompt_ids(engine, case: dict) -> list[int]:
+    """Our token ids for a case: chat messages through the GGUF's template, or a plain prompt."""
+    if "messages" in case:
+        return messages_to_ids(engine.tokenizer, case["messages"])
+    return engine.tokenizer.encode(case["prompt"])
+
+
+@dataclass
+class RuleResult:
+    """What ``check_case`` measured, summed over the cases given to ``add``.
+
+    Attributes:
+        steps: teacher-forced steps compared.
+        checked: steps where llama.cpp's top-2 gap is at least the threshold (argmax must match).
+        top10_diff: largest |ours - llama.cpp| over its top-10 logits after each prompt.
+        failures: (case, step, ours, llama.cpp's, gap) where the argmax differs at a checked step.
+        near_ties: the same where it differs below the threshold (allowed, reported).
+    """
+
+    steps: int = 0
+    checked: int = 0
+    top10_diff: float = 0.0
+    failures: list[tuple[str, int, int, int, float]] = field(default_factory=list)
+    near_ties: list[tuple[str, int, int, int, float]] = field(default_factory=list)
+
+    def summary(self) -> str:
+        """One line: the figures of the rule."""
+        ties = ", ".join(f"{c} step {s} (gap {g:.2f})" for c, s, _, _, g in self.near_ties)
+        return (
+            f"{self.checked}/{self.steps} teacher-forced steps checked, "
+            f"{len(self.failures)} argmax mismatches; max |top-10 logit diff| = "
+            f"{self.top10_diff:.4f}; near-tie mismatches: {ties or 'none'}"
+        )
+
+
+def check_case(engine, ref: dict, gap: float, result: RuleResult | None = None) -> RuleResult:
+    """Run one llama.cpp reference entry teacher-forced and add its figures to ``result``.
+
+    Args:
+        engine: an ``executor.engine.Engine`` on the reference's model.
+        ref: an entry of a llama.cpp reference file (shared/models.md's format).
+        gap: llama.cpp's top-2 gap from which our argmax must equal its greedy token.
+    """
+    result = RuleResult() if result is None else result
+    ids = ref["prompt_ids"] + ref["greedy_ids"][:-1]
+    logits = engine.logits_for(ids)
+    n = len(ref["prompt_ids"])
+    for tok, value in ref["top10_after_prompt"]:
+        result.top10_diff = max(result.top10_diff, abs(float(logits[n - 1, tok]) - value))
+    for step, (want, top5) in enumerate(
+        zip(ref["greedy_ids"], ref["greedy_step_top5"], strict=True)
+    ):
+        top2_gap = top5[0][1] - top5[1][1]
+        got = int(np.argmax(logits[n - 1 + step]))
+        result.steps += 1
+        if top2_gap >= gap:
+            result.checked += 1
+        if got != want:
+            where = result.failures if top2_gap >= gap else result.near_ties
+            where.append((ref["case"], step, got, want, top2_gap))
+    return result
+
+
+def greedy_divergence(engine, ref: dict, gap: float) -> str | None:
+    """Free-running greedy decode (the KV-cache path) against llama.cpp's greedy tokens: None if
+    it follows them until the end or until a step where llama.cpp's top-2 gap is below ``gap``,
+    else a message naming the step where it diverged."""
+    gen = engine.generate(ref["prompt_ids"], SamplingParams(), len(ref["greedy_ids"]))
+    for step, (got, want) in enumerate(zip(gen.output_ids, ref["greedy_ids"], strict=False)):
+        if got != want:
+            top5 = ref["greedy_step_top5"][step]
+            if top5[0][1] - top5[1][1] < gap:
+                return None
+            return f"{ref['case']} diverged at step {step}: {got} != {want}"
+    return None
