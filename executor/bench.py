@@ -123,9 +123,15 @@ def bench(plan_path: str, prompt: str, max_tokens: int, check: str) -> dict:
         want = None
     else:
         try:
-            want = json.loads(Path(check).read_text())["output_ids"]
+            ref = json.loads(Path(check).read_text())
+            want = ref["output_ids"]
         except (OSError, ValueError, KeyError, TypeError) as e:
             raise StrataError(f"--check {check}: cannot read expected output_ids ({e})") from None
+        if ref.get("prompt_ids", ids) != ids:
+            raise StrataError(
+                f"--check {check} was made for another prompt (its prompt_ids differ from this "
+                "bench's); bench the same --prompt, or make the reference with it"
+            )
     s = gen.stats
     steps = max(1, s["decode_steps"])
     decode_s = s["decode_s"]

@@ -111,11 +111,29 @@ def cmd_run(args: argparse.Namespace) -> None:
     )
 
 
+def _writable_parent(path: Path) -> None:
+    """Create ``path``'s folder if needed (as plan.py -o does).
+
+    Raises:
+        StrataError: the folder cannot be created.
+    """
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise StrataError(f"cannot write {path}: {e.strerror}; pick another folder") from None
+
+
 def cmd_bench(args: argparse.Namespace) -> None:
     from executor.bench import bench, plot
 
     if args.max_tokens < 2:
         raise StrataError("--max-tokens must be at least 2 for a decode measurement")
+    # Check where the results go before the bench runs, not after.
+    if args.plot and Path(args.plot).suffix.lower() not in (".png", ".svg", ".pdf"):
+        raise StrataError(f"--plot {args.plot}: name a .png, .svg or .pdf file")
+    for out in (args.output, args.plot):
+        if out:
+            _writable_parent(Path(out))
     result = bench(args.plan, args.prompt, args.max_tokens, args.check)
     text = json.dumps(result, indent=1, ensure_ascii=False)
     if args.output:

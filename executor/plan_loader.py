@@ -51,7 +51,11 @@ def _model_path(plan: Plan, plan_dir: Path) -> Path:
     for candidate in (p, plan_dir / p):
         if candidate.is_file():
             return candidate
-    raise PlanError(f"plan's model file {src.path} is not on this machine")
+    where = "" if p.is_absolute() else f" (nor relative to the plan's folder {plan_dir})"
+    raise PlanError(
+        f"plan's model file {src.path} is not found{where}; put the GGUF there, or re-plan with "
+        "--model pointing at it"
+    )
 
 
 def load_plan(path: str | Path) -> LoadedPlan:

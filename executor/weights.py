@@ -181,12 +181,17 @@ class WeightStore:
         return out
 
     def release(self, unit: str, result: mx.array) -> mx.array:
-        """Mark ``unit`` used by ``result``: a streamed unit's slot is freed once it is computed.
+        """Mark ``unit`` used by ``result``: a streamed unit's slot is freed once it is computed,
+        and a RAM unit's device copy once it is computed (else a lazy step would hold every RAM
+        unit's copy at once, the whole RAM tier on the device).
 
-        Returns ``result`` (evaluated when the unit streams, untouched otherwise).
+        Returns ``result`` (evaluated when the unit is on nvme or ram, untouched on gpu).
         """
-        if self._tier_of_unit[unit] == "nvme" and self.pool is not None:
+        tier = self._tier_of_unit[unit]
+        if tier == "nvme" and self.pool is not None:
             self.pool.release(result)
+        elif tier == "ram":
+            mx.eval(result)
         return result
 
     def rows(self, name: str, unit: str, ids: Sequence[int]) -> mx.array:

@@ -10,6 +10,7 @@ untied, a token reads one row of it (access = 1/vocab).
 from __future__ import annotations
 
 import re
+from pathlib import Path
 
 import gguf
 from pydantic import ValidationError
@@ -318,7 +319,8 @@ def source_for(resolved: ResolvedModel, header_sha256: str) -> ModelSource:
     """The ModelSource of a resolved model (catalog name, or path)."""
     return ModelSource(
         name=resolved.name,
-        path=None if resolved.name else str(resolved.path),
+        # Absolute: a plan may be run from any folder.
+        path=None if resolved.name else str(Path(resolved.path).resolve()),
         size_bytes=resolved.size_bytes,
         sha256=resolved.sha256,
         header_sha256=header_sha256,

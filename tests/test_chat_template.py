@@ -11,6 +11,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+from conftest import ROOT
 from test_tokenizer import GEMMA_REF, gemma_tokenizer
 
 from executor.chat import NO_TEMPLATE, ChatError, render_chat
@@ -18,32 +19,8 @@ from executor.cli import prompt_ids_for
 from executor.tokenizer import GGUFTokenizer
 from planner.errors import StrataError, run_command
 
-# Gemma 3's chat template (google/gemma-3-*-it, tokenizer_config.json), for text contents.
-GEMMA_TEMPLATE = """{{ bos_token }}
-{%- if messages[0]['role'] == 'system' -%}
-    {%- set first_user_prefix = messages[0]['content'] + '\n\n' -%}
-    {%- set loop_messages = messages[1:] -%}
-{%- else -%}
-    {%- set first_user_prefix = "" -%}
-    {%- set loop_messages = messages -%}
-{%- endif -%}
-{%- for message in loop_messages -%}
-    {%- if (message['role'] == 'user') != (loop.index0 % 2 == 0) -%}
-        {{ raise_exception("Conversation roles must alternate user/assistant/user/assistant/...") }}
-    {%- endif -%}
-    {%- if (message['role'] == 'assistant') -%}
-        {%- set role = "model" -%}
-    {%- else -%}
-        {%- set role = message['role'] -%}
-    {%- endif -%}
-    {{ '<start_of_turn>' + role + '\n' + (first_user_prefix if loop.first else "") }}
-    {{- message['content'] | trim -}}
-    {{ '<end_of_turn>\n' }}
-{%- endfor -%}
-{%- if add_generation_prompt -%}
-    {{'<start_of_turn>model\n'}}
-{%- endif -%}
-"""
+# Gemma 3's chat template as shipped in templates/ (text contents).
+GEMMA_TEMPLATE = (ROOT / "templates" / "gemma3.jinja").read_text()
 
 MESSAGES = [
     {"role": "system", "content": "You are terse."},
