@@ -29,7 +29,7 @@ def _read_messages(path: str) -> list[dict]:
 
 def _parse_ids(text: str) -> list[int]:
     try:
-        return [int(t) for t in text.replace(" ", "").split(",") if t]
+        return [int(t) for t in text.replace(" ", "").split(",")]
     except ValueError:
         raise StrataError(
             f"--prompt-ids {text!r}: give comma-separated integers, e.g. 1,2,3"
@@ -40,6 +40,8 @@ def prompt_ids_for(engine, args: argparse.Namespace) -> list[int]:
     """The prompt's token ids from --prompt, --messages or --prompt-ids."""
     from executor.chat import messages_to_ids
 
+    if args.chat_template and args.messages is None:
+        raise StrataError("--chat-template applies to --messages only; drop it or pass --messages")
     if args.prompt_ids is not None:
         return _parse_ids(args.prompt_ids)
     if args.messages is not None:

@@ -269,6 +269,13 @@ class Request(Strict):
         description="tiers the plan may use (e.g. [gpu, ram] for an executor without streaming)",
     )
 
+    @field_validator("tiers")
+    @classmethod
+    def _tiers_once(cls, v: list[str]) -> list[str]:
+        if len(set(v)) != len(v):
+            raise ValueError(f"each tier once, e.g. gpu,ram (got {','.join(v)})")
+        return v
+
 
 class Placement(Strict):
     """One unit on one tier."""

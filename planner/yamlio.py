@@ -84,10 +84,35 @@ def _where(loc: tuple) -> str:
     return ".".join(str(p) for p in loc) or "(top level)"
 
 
+_KIND_KEYS = {
+    "Plan": {"fingerprints", "placement"},
+    "HardwareProfile": {"gpu", "nvme", "os_reserve_bytes"},
+    "ModelDescription": {"tensors", "units", "architecture"},
+}
+"""Top-level keys that only a document of that kind has: a misplaced file is named as what it is."""
+_KIND_WORDS = {
+    "Plan": "plan",
+    "HardwareProfile": "hardware profile",
+    "ModelDescription": "model description",
+}
+
+
+def _document_kind(data: dict) -> str | None:
+    """The kind of document ``data`` clearly is (all of a kind's keys present), or None."""
+    kinds = [k for k, keys in _KIND_KEYS.items() if keys <= data.keys()]
+    return kinds[0] if len(kinds) == 1 else None
+
+
 def parse_doc(data: object, model: type[M], origin: str) -> M:
     """Validate already-parsed YAML data against ``model``; errors name ``origin`` and the key."""
     if not isinstance(data, dict):
         raise SchemaError(f"{origin}: expected a YAML mapping of {model.__name__} fields")
+    kind = _document_kind(data)
+    if kind is not None and kind != model.__name__:
+        want = _KIND_WORDS.get(model.__name__, model.__name__)
+        raise SchemaError(
+            f"{origin}: this is a {_KIND_WORDS[kind]}, not a {want}; check the argument order"
+        )
     try:
         return model.model_validate(data)
     except ValidationError as e:

@@ -282,3 +282,27 @@ def test_tiers_option_keeps_units_off_nvme(smollm2_gguf, tmp_path):
         "--json",
     )
     assert json.loads(done.stdout)["output_ids"][0] == 7042
+
+
+def test_misplaced_and_ignored_inputs(smollm2_plan, tmp_path):
+    """A plan where a profile belongs (and back), a repeated tier, empty ids, a template without
+    --messages, and bench outputs in a folder that cannot exist: one-line errors, before work."""
+    from conftest import DEV_PROFILE
+
+    plan_cmd = ("plan.py", "plan", "--model", "smollm2-135m", "-o", str(tmp_path / "p.yaml"))
+    err = cli(*plan_cmd, "--profile", str(smollm2_plan), ok=False)
+    assert_one_line_error(err, "this is a plan, not a hardware profile")
+    err = cli("plan.py", "explain", str(DEV_PROFILE), ok=False)
+    assert_one_line_error(err, "this is a hardware profile, not a plan")
+    err = cli(*plan_cmd, "--profile", str(DEV_PROFILE), "--tiers", "gpu,gpu", ok=False)
+    assert_one_line_error(err, "each tier once")
+    run = ("execute.py", "run", str(smollm2_plan), "--max-tokens", "1")
+    assert_one_line_error(cli(*run, "--prompt-ids", "1,,2", ok=False), "--prompt-ids")
+    err = cli(*run, "--prompt", "hi", "--chat-template", "x.jinja", ok=False)
+    assert_one_line_error(err, "--messages only")
+    bench = ("execute.py", "bench", str(smollm2_plan), "--max-tokens", "2", "--check", "none")
+    assert_one_line_error(cli(*bench, "--plot", str(tmp_path / "x.foo"), ok=False), ".png")
+    blocked = tmp_path / "file"
+    blocked.write_text("")
+    err = cli(*bench, "-o", str(blocked / "sub" / "r.json"), ok=False)
+    assert_one_line_error(err, "cannot write")
