@@ -248,7 +248,10 @@ def _why(plan: Plan) -> str:
     if w["ram"] == 0 and w["nvme"] == 0:
         return "Every weight is on the device: nothing is copied or streamed per token."
     full = [b for b in binding if "capacity" in b]
-    if full:
+    if "gpu" not in plan.request.tiers:
+        allowed = ", ".join(plan.request.tiers)
+        reason = f"the request keeps weights off the device (--tiers {allowed})"
+    elif full:
         reason = f"the device memory is full (binding: {', '.join(full)})"
     else:
         reason = _no_room(plan) or "the cost model gains nothing from moving more to the device"

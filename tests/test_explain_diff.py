@@ -153,3 +153,13 @@ def test_infer_role_and_runs() -> None:
         ("blk 2", "ram", 1),
         ("blk 3", "gpu", 1),
     ]
+
+
+def test_explain_names_excluded_tiers() -> None:
+    # Units of 1 MiB on a roomy machine: with --tiers ram the reason is the request.
+    desc = make_desc([U(f"blk.{i}.ffn", "ffn", i, MIB) for i in range(6)])
+    profile = make_profile(gpu_bytes=GIB, ram_bytes=GIB)
+    text = explain(_plan(desc, profile, Request(context=64, tiers=["ram"])), desc)
+    assert "Because the request keeps weights off the device (--tiers ram)" in text
+    fixed = explain(_plan(desc, profile, Request(context=64)), desc)
+    assert "Every weight is on the device" in fixed
