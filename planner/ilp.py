@@ -402,9 +402,9 @@ def _block_types(
         a, f = f"blk.{i}.attn", f"blk.{i}.ffn"
         if a in cls_of and f in cls_of:
             groups.setdefault((cls_of[a], cls_of[f]), []).append(i)
-    paired = {j for k in groups for j in k}
-    for j in paired:  # a class in a pair must hold paired units only
-        if any(not _paired_name(desc.units[i].name, desc) for i in classes[j].members):
+    in_pairs = {f"blk.{i}.{k}" for bl in groups.values() for i in bl for k in ("attn", "ffn")}
+    for j in {j for k in groups for j in k}:  # a class in a pair must hold paired units only
+        if any(desc.units[i].name not in in_pairs for i in classes[j].members):
             return None
     return [
         _BlockType(
@@ -415,14 +415,6 @@ def _block_types(
         )
         for (ca, cf), bl in groups.items()
     ]
-
-
-def _paired_name(name: str, desc: ModelDescription) -> bool:
-    m = re.fullmatch(r"blk\.(\d+)\.(attn|ffn)", name)
-    if m is None:
-        return False
-    other = "ffn" if m.group(2) == "attn" else "attn"
-    return any(u.name == f"blk.{m.group(1)}.{other}" for u in desc.units)
 
 
 def _stall_rows(
@@ -574,19 +566,22 @@ def _decisions(desc: ModelDescription, m: _Model) -> tuple[dict[str, str], int]:
     for cls, cnt in zip(m.classes, counts, strict=True):
         if sum(cnt.values()) != len(cls.members):
             raise PlanError("the solver returned unit counts that do not add up; this is a bug")
-    streamed: set[str] = set()
+    streamed: set[str] = set()  # the streamed units of classes in attention/FFN pairs
+    paired: set[int] = set()
     if m.stall is not None:
         for t, a, f in zip(m.stall.types, m.stall.a, m.stall.f, strict=True):
+            paired |= {t.attn_class, t.ffn_class}
             ffn = [f"blk.{i}.ffn" for i in t.blocks][::-1][: round(f.value() or 0)]
             streamed.update(ffn)
             keep = [i for i in t.blocks if f"blk.{i}.ffn" not in streamed]
             both = [i for i in reversed(t.blocks) if f"blk.{i}.ffn" in streamed]
             streamed.update(f"blk.{i}.attn" for i in (keep + both)[: round(a.value() or 0)])
     tiers: dict[str, str] = {}
-    for cls, cnt in zip(m.classes, counts, strict=True):
+    for j, (cls, cnt) in enumerate(zip(m.classes, counts, strict=True)):
         names = [desc.units[i].name for i in cls.members]
-        chosen = [nm for nm in names if nm in streamed]
-        if m.stall is None or not chosen and cnt["nvme"]:
+        if j in paired:
+            chosen = [nm for nm in names if nm in streamed]
+        else:
             chosen = names[len(names) - cnt["nvme"] :] if cnt["nvme"] else []
         if len(chosen) != cnt["nvme"]:
             raise PlanError("the solver's streamed units do not add up; this is a bug")

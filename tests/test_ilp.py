@@ -368,18 +368,29 @@ def test_io_stall_charges_blocks_whose_attention_and_ffn_both_stream() -> None:
 
 
 def test_streamed_attention_goes_to_blocks_whose_ffn_stays() -> None:
-    # Room for 2 of 3 FFNs plus a 2-slot pool: attention that must stream goes where the FFN
-    # is resident, so no block streams both.
-    desc, profile, request = _blocks_instance(0)
+    # Uniform blocks (one class per role, so ``_decisions`` picks the blocks). Room for the
+    # 2-slot pool, one FFN and two attention units: one attention unit must stream beside two
+    # FFNs, and it goes to the block whose FFN is resident, so no block streams both.
+    units = []
+    for i in range(3):
+        units.append(U(f"blk.{i}.attn", "attention", i, 8 * MIB, flops=2 * 10**8))
+        units.append(U(f"blk.{i}.ffn", "ffn", i, 48 * MIB, flops=20 * 10**8))
+    desc, profile = make_desc(units), make_profile(gpu_bytes=0, ram_bytes=0)
+    request = Request(context=128, concurrency=1)
+    batch = batch_limits(request)
     profile = make_profile(
-        gpu_bytes=kv_cache_bytes(desc, profile, batch_limits(request))
-        + activation_bytes(desc, profile, batch_limits(request))
-        + (2 * 48 + 2 * 48 + 8) * MIB,
+        gpu_bytes=kv_cache_bytes(desc, profile, batch)
+        + activation_bytes(desc, profile, batch)
+        + (2 * 48 + 48 + 8) * MIB,
         ram_bytes=GIB,
         matvec_flops=1e11,
         nvme_bw=2e9,
     )
     sol = solve(desc, profile, request)
     tiers = {p.unit: p.tier for p in sol.placement}
+    streamed = {u for u, t in tiers.items() if t == "nvme"}
+    assert sol.prefetch.depth == 1
+    assert sum(u.endswith(".attn") for u in streamed) == 1  # the case the decoder must place
+    assert sum(u.endswith(".ffn") for u in streamed) == 2
     assert interleaved_blocks(desc, tiers) == []
     assert sol.prediction.io_stall_s == 0
