@@ -26,6 +26,17 @@ def main(argv: list[str] | None = None) -> int:
     r.add_argument("--top-k", type=int, default=0)
     r.add_argument("--seed", type=int, default=0)
     r.add_argument("--json", action="store_true", help="print one JSON object instead of text")
+    r.add_argument(
+        "--expert-cache",
+        choices=("none", "lru", "prefetch"),
+        help="MoE expert cache mode for streamed experts: none (every use reads), lru (the cache "
+        "alone), prefetch (cache + co-activation prefetch); default: the plan's",
+    )
+    r.add_argument(
+        "--save-routing-profile",
+        metavar="FILE",
+        help="MoE: write the measured routing (JSON) for plan.py plan --routing-profile",
+    )
 
     b = sub.add_parser("bench", help="measure a plan: tok/s, disk bytes/s, I/O wait, memory")
     b.add_argument("plan")
@@ -38,6 +49,10 @@ def main(argv: list[str] | None = None) -> int:
     )
     b.add_argument("-o", "--output", help="write the JSON here (default: stdout)")
     b.add_argument("--plot", help="write a PNG plot here")
+    b.add_argument(
+        "--expert-cache-modes",
+        help="MoE: also measure these expert-cache modes in this run, e.g. none,lru,prefetch",
+    )
 
     return run(p.parse_args(argv))
 

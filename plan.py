@@ -35,6 +35,12 @@ def main(argv: list[str] | None = None) -> int:
     pl.add_argument("--model", help="catalog name or GGUF path")
     pl.add_argument("--arch", help="instead of --model: architecture file (profiles/arch/*.yaml)")
     pl.add_argument("--ftype", help="with --arch: llama.cpp file type, e.g. Q4_K_M")
+    pl.add_argument(
+        "--routing-profile",
+        metavar="FILE",
+        help="MoE: measured routing (execute.py run --save-routing-profile) in place of uniform "
+        "top-k/n expert access",
+    )
     pl.add_argument("--profile", required=True, help="hardware profile YAML")
     pl.add_argument("--context", type=int, default=4096, help="tokens per sequence (default 4096)")
     pl.add_argument("--concurrency", type=int, default=1, help="sequences at once (default 1)")

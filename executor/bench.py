@@ -98,8 +98,45 @@ def _raw_read(path: Path, step_bytes: int, io_threads: int) -> dict:
     }
 
 
-def bench(plan_path: str, prompt: str, max_tokens: int, check: str) -> dict:
+def _expert_modes(loaded: LoadedPlan, ids: list[int], n: int, modes: list[str]) -> dict:
+    """Decode tok/s and expert-cache counters of each expert-cache mode, one fresh engine each
+    (a cold cache warmed by the same warm-up), decode steps only."""
+    out = {}
+    for mode in modes:
+        engine = Engine(loaded, expert_cache_mode=mode)
+        try:
+            gen = _timed_generate(engine, ids, n)
+        finally:
+            engine.close()
+        s = gen.stats
+        steps = max(1, s["decode_steps"])
+        ex = s["decode_experts"]
+        out[mode] = {
+            "decode_tok_s": s["decode_tok_s"],
+            "hit_rate": ex.get("hit_rate", 0.0),
+            "prefetch_accuracy": ex.get("prefetch_accuracy", 0.0),
+            "misses_per_token": round(ex.get("misses", 0) / steps, 3),
+            "prefetch_issued_per_token": round(ex.get("prefetch_issued", 0) / steps, 3),
+            "streamed_bytes_per_token": round(s["decode_bytes_read"]["nvme"] / steps),
+            "io_wait_s_per_token": round(s["decode_io_wait_s"] / steps, 6),
+            "experts": ex,
+            "output_ids": gen.output_ids,
+        }
+    return out
+
+
+def bench(
+    plan_path: str,
+    prompt: str,
+    max_tokens: int,
+    check: str,
+    expert_modes: list[str] | None = None,
+) -> dict:
     """Run the bench and return its JSON-ready result (see the module docstring).
+
+    Args:
+        expert_modes: expert-cache modes (``executor.experts.CACHE_MODES``) to measure one after
+            the other in this run, besides the plan's own (MoE plans that stream experts).
 
     Raises:
         StrataError: a bad plan or prompt, or generated ids that fail the check.
@@ -109,7 +146,7 @@ def bench(plan_path: str, prompt: str, max_tokens: int, check: str) -> dict:
     try:
         ids = engine.tokenizer.encode(prompt)
         gen = _timed_generate(engine, ids, max_tokens)
-        pool = engine.store.pool
+        pool = engine.store.pool or engine.store.experts_cache
         direct = pool.method if pool is not None else None
         step_bytes = gen.stats["decode_bytes_read"]["nvme"] // max(1, gen.stats["decode_steps"])
         threads = loaded.plan.prefetch.io_threads
@@ -171,12 +208,22 @@ def bench(plan_path: str, prompt: str, max_tokens: int, check: str) -> dict:
         "check_passed": None if want is None else gen.output_ids == want,
         "measured_at": time.strftime("%Y-%m-%dT%H:%M:%S"),
     }
-    if want is not None and gen.output_ids != want:
-        pairs = zip(gen.output_ids, want, strict=False)
-        at = next((i for i, (a, b) in enumerate(pairs) if a != b), min(len(want), steps + 1))
-        raise StrataError(
-            f"bench check failed: generated ids differ from the {check} reference at position {at}"
-        )
+    if "decode_experts" in s:
+        result["experts"] = s["decode_experts"]
+        if loaded.plan.prediction is not None:
+            result["predicted_expert_hit_rate"] = loaded.plan.prediction.expert_hit_rate
+    runs = {"plan": gen.output_ids}
+    if expert_modes:
+        result["expert_cache_modes"] = _expert_modes(loaded, ids, max_tokens, expert_modes)
+        runs.update({m: r.pop("output_ids") for m, r in result["expert_cache_modes"].items()})
+    for label, got in runs.items():
+        if want is not None and got != want:
+            pairs = zip(got, want, strict=False)
+            at = next((i for i, (a, b) in enumerate(pairs) if a != b), min(len(want), steps + 1))
+            raise StrataError(
+                f"bench check failed: generated ids ({label}) differ from the {check} reference "
+                f"at position {at}"
+            )
     return result
 
 

@@ -76,7 +76,9 @@ def cmd_run(args: argparse.Namespace) -> None:
     if args.messages is not None and not args.chat_template:
         if not loaded.gguf.field("tokenizer.chat_template"):
             raise ChatError(NO_TEMPLATE)  # before loading the weights, not after
-    engine = Engine(loaded)
+    if args.save_routing_profile:
+        _writable_parent(Path(args.save_routing_profile))
+    engine = Engine(loaded, expert_cache_mode=args.expert_cache)
     load_s = time.perf_counter() - t0
     load_peak_mlx = int(mx.get_peak_memory())  # generate() resets MLX's peak: loading's own
 
@@ -89,6 +91,8 @@ def cmd_run(args: argparse.Namespace) -> None:
         gen = engine.generate(ids, params, args.max_tokens, None if args.json else write)
     finally:
         engine.close()  # I/O threads stop on success, errors and Ctrl-C alike
+    if args.save_routing_profile:
+        _save_routing(engine, loaded, Path(args.save_routing_profile))
     gen.stats["load_s"] = round(load_s, 3)
     gen.stats["load_peak_mlx_bytes"] = load_peak_mlx
     if args.json:
@@ -111,6 +115,28 @@ def cmd_run(args: argparse.Namespace) -> None:
         + f", load {load_s:.1f} s",
         file=sys.stderr,
     )
+    ex = s.get("experts")
+    if ex and ex.get("hits", 0) + ex.get("misses", 0):
+        print(
+            f"[experts] hit rate {ex['hit_rate']:.1%} ({ex['hits']} hits, {ex['misses']} "
+            f"misses), prefetch {ex['prefetch_used']} used / {ex['prefetch_wasted']} wasted / "
+            f"{ex['prefetch_issued']} issued, {ex['uses_gpu']} pinned uses",
+            file=sys.stderr,
+        )
+
+
+def _save_routing(engine, loaded, path: Path) -> None:
+    """Write the run's routing counts as a routing profile (JSON).
+
+    Raises:
+        StrataError: a dense model (nothing to measure).
+    """
+    if not loaded.desc.architecture.expert_count:
+        raise StrataError("--save-routing-profile needs a mixture-of-experts model")
+    src = loaded.desc.model
+    doc = engine.store.routing.profile(src.sha256, src.header_sha256)
+    path.write_text(doc.model_dump_json() + "\n")
+    print(f"wrote routing profile {path} ({min(doc.tokens)} tokens)", file=sys.stderr)
 
 
 def _writable_parent(path: Path) -> None:
@@ -127,6 +153,7 @@ def _writable_parent(path: Path) -> None:
 
 def cmd_bench(args: argparse.Namespace) -> None:
     from executor.bench import bench, plot
+    from executor.experts import CACHE_MODES
 
     if args.max_tokens < 2:
         raise StrataError("--max-tokens must be at least 2 for a decode measurement")
@@ -136,7 +163,14 @@ def cmd_bench(args: argparse.Namespace) -> None:
     for out in (args.output, args.plot):
         if out:
             _writable_parent(Path(out))
-    result = bench(args.plan, args.prompt, args.max_tokens, args.check)
+    modes = [m for m in (args.expert_cache_modes or "").split(",") if m]
+    bad = [m for m in modes if m not in CACHE_MODES]
+    if bad:
+        raise StrataError(
+            f"--expert-cache-modes {bad[0]!r}: use some of {', '.join(CACHE_MODES)}, e.g. "
+            "none,lru,prefetch"
+        )
+    result = bench(args.plan, args.prompt, args.max_tokens, args.check, modes)
     text = json.dumps(result, indent=1, ensure_ascii=False)
     if args.output:
         Path(args.output).write_text(text + "\n")

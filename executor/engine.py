@@ -69,6 +69,23 @@ def check_tensors(desc: ModelDescription, expected: dict[str, list[int] | None])
         )
 
 
+def expert_delta(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
+    """Expert counters between two ``WeightStore.expert_counters`` readings, rates recomputed
+    (hit rate over this span's uses, prefetch accuracy over its used + wasted prefetches)."""
+    d = {
+        k: after[k] - before.get(k, 0) for k in after if k not in ("hit_rate", "prefetch_accuracy")
+    }
+    if "hits" in d:
+        uses = d["hits"] + d["misses"]
+        d["hit_rate"] = round(d["hits"] / uses, 6) if uses else 0.0
+        done = d["prefetch_used"] + d["prefetch_wasted"]
+        d["prefetch_accuracy"] = round(d["prefetch_used"] / done, 6) if done else 0.0
+        d["prefetch_pending"] = after["prefetch_pending"]
+        d["io_wait_s"] = round(d["io_wait_s"], 6)
+    rates = ("hit_rate", "prefetch_accuracy", "io_wait_s")
+    return {k: v if k in rates else int(v) for k, v in d.items()}
+
+
 @dataclass
 class Generation:
     """The result of one request.
@@ -93,11 +110,14 @@ class Engine:
     Args:
         loaded: a plan whose inputs were checked (``executor.plan_loader.load_plan``).
 
+        expert_cache_mode: override of the expert cache's mode (``executor.experts.CACHE_MODES``:
+            ``none``, ``lru``, ``prefetch``); default the plan's (``prefetch`` when it prefetches).
+
     Raises:
         StrataError: unsupported architecture or tensor type, or a plan the executor cannot run.
     """
 
-    def __init__(self, loaded: LoadedPlan):
+    def __init__(self, loaded: LoadedPlan, expert_cache_mode: str | None = None):
         self.loaded = loaded
         arch = loaded.desc.architecture
         model_cls = model_class(arch)
@@ -117,6 +137,13 @@ class Engine:
         self.model = model_cls(arch, self.store, self.dtype)
         self.store.start_streaming(
             self.model.unit_order(), plan.pool.slots, plan.prefetch.io_threads or 1
+        )
+        ec = plan.expert_cache
+        self.store.start_expert_cache(
+            ec.slots,
+            plan.prefetch.io_threads or 1,
+            expert_cache_mode or ("prefetch" if ec.prefetch else "lru"),
+            ec.prefetch,
         )
         self.context = plan.request.context
         self.prefill_chunk = plan.batch.prefill_chunk
@@ -189,6 +216,7 @@ class Engine:
         stream = StreamDecoder(self.tokenizer)
         eog = self.tokenizer.eog_ids
         read0 = self.store.counters()
+        experts0 = self.store.expert_counters()
         copy0 = self.store.copy_seconds
         mx.reset_peak_memory()
         cache = self.model.make_cache(self.context)
@@ -197,6 +225,7 @@ class Engine:
         logits = self.prefill(prompt_ids, cache)
         t_prefill = time.perf_counter() - t0
         read_p, copy_p = self.store.counters(), self.store.copy_seconds
+        experts_p = self.store.expert_counters()
         out: list[int] = []
         finish = "length"
         t1 = time.perf_counter()
@@ -243,4 +272,8 @@ class Engine:
             "host_copy_s": round(self.store.copy_seconds - copy0, 6),
             "decode_host_copy_s": round(self.store.copy_seconds - copy_p, 6),
         }
+        if self.loaded.desc.architecture.expert_count:
+            experts1 = self.store.expert_counters()
+            stats["experts"] = expert_delta(experts0, experts1)
+            stats["decode_experts"] = expert_delta(experts_p, experts1)
         return Generation(prompt_ids, out, self.tokenizer.decode(out), stats)

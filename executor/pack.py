@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import sys
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -28,7 +29,7 @@ from executor.quant import PackedWeight, UnsupportedQuantError, repack
 from planner.catalog import cache_dir
 from planner.errors import StrataError
 from planner.gguf_file import GGUFFile
-from planner.schemas import ModelDescription
+from planner.schemas import ModelDescription, UnitInfo
 
 PACK_FORMAT = "strata-mlx-pack-v1"
 
@@ -58,6 +59,44 @@ class PackedUnit:
     nbytes: int
     parts: tuple[Part, ...]
     bits: dict[str, tuple[int, int]]  # tensor -> (bits, group_size) for quantized tensors
+
+
+def unit_host_tensors(
+    g: GGUFFile, unit: UnitInfo, by_name: dict[str, gguf.ReaderTensor]
+) -> Iterator[tuple[str, PackedWeight | np.ndarray]]:
+    """A unit's tensors repacked into MLX layout on the host, as (GGUF tensor name, host array).
+
+    An expert unit (``unit.expert`` set) yields only its slice of each stacked tensor: GGUF
+    stores ``[cols, rows, n_expert]`` with the expert dimension outermost, so expert E's bytes
+    are the E-th of ``n_expert`` equal runs, repacked as a ``(rows, cols)`` matrix. Float tensors
+    are float16 or float32 copies that own their memory.
+
+    Raises:
+        StrataError: a GGML type the executor cannot load (names tensor and type).
+    """
+    for name in unit.tensors:
+        t = by_name[name]
+        shape = tuple(int(d) for d in reversed(t.shape.tolist()))
+        raw = g.tensor_bytes(t)
+        if unit.expert is not None:
+            n = shape[0]
+            raw = raw.reshape(n, -1)[unit.expert]
+            shape = shape[1:]
+        try:
+            host = repack(gguf.GGMLQuantizationType(t.tensor_type), raw, shape)
+        except UnsupportedQuantError as e:
+            raise StrataError(f"tensor {name}: {e}") from None
+        if isinstance(host, np.ndarray):
+            # A copy that owns its memory (float tensors may be views of the mapped file).
+            host = host.astype(np.float32 if host.dtype != np.float16 else np.float16)
+        yield name, host
+        if unit.expert is None or unit.expert == shape_experts(t) - 1:
+            g.drop_pages(t)  # copied: unmap the GGUF's pages
+
+
+def shape_experts(t: gguf.ReaderTensor) -> int:
+    """Experts stacked in a tensor (its last GGUF dimension; 1 for a 2-D tensor)."""
+    return int(t.shape[2]) if len(t.shape) > 2 else 1
 
 
 def _host_parts(host: PackedWeight | np.ndarray) -> list[tuple[str, np.ndarray]]:
@@ -125,21 +164,9 @@ class PackStore:
             ):
                 for u in desc.units:
                     parts, bits, start = [], {}, pos
-                    for name in u.tensors:
-                        t = by_name[name]
-                        info_shape = tuple(int(d) for d in reversed(t.shape.tolist()))
-                        try:
-                            host = repack(
-                                gguf.GGMLQuantizationType(t.tensor_type),
-                                g.tensor_bytes(t),
-                                info_shape,
-                            )
-                        except UnsupportedQuantError as e:
-                            raise StrataError(f"tensor {name}: {e}") from None
+                    for name, host in unit_host_tensors(g, u, by_name):
                         if isinstance(host, PackedWeight):
                             bits[name] = (host.bits, host.group_size)
-                        elif host.dtype != np.float16:
-                            host = host.astype(np.float32)
                         for kind, arr in _host_parts(host):
                             raw = memoryview(np.ascontiguousarray(arr)).cast("B")  # no copy
                             parts.append(
@@ -156,7 +183,6 @@ class PackStore:
                             f.write(b"\0" * (_align(len(raw)) - len(raw)))
                             pos += _align(len(raw))
                             bar.update(len(raw))
-                        g.drop_pages(t)  # written to the pack: unmap the GGUF's pages
                     units[u.name] = PackedUnit(u.name, start, pos - start, tuple(parts), bits)
             tmp.replace(pack)
             manifest.write_text(

@@ -113,4 +113,12 @@ def load_plan(path: str | Path) -> LoadedPlan:
             f"(missing {missing}, unknown {extra}); "
             "re-run plan.py plan"
         )
+    tiers = plan.tier_of()
+    on_gpu = [u.name for u in desc.units if u.expert is not None and tiers[u.name] == "gpu"]
+    if sorted(plan.expert_cache.pinned) != sorted(on_gpu):
+        raise PlanError(
+            f"{path}: expert_cache.pinned lists {len(plan.expert_cache.pinned)} experts but the "
+            f"placement keeps {len(on_gpu)} on gpu; make them agree (pinned = the expert units "
+            "placed on gpu) or re-run plan.py plan"
+        )
     return LoadedPlan(plan, path, g, desc)

@@ -35,6 +35,84 @@ CHUNK = 4 << 20
 _DTYPES = {"uint32": mx.uint32, "float16": mx.float16, "float32": mx.float32}
 
 
+class SlotArena:
+    """Fixed slots of device-visible memory that packed units are read into with direct I/O.
+
+    Slots are MLX uint8 arrays allocated once (reused, never reallocated); reads land in them in
+    place through a ``memoryview`` of the evaluated array, aligned for O_DIRECT by an offset into
+    a slightly larger array. Used by the dense pool (:class:`StreamPool`) and the MoE expert cache
+    (``executor.experts``).
+
+    Args:
+        path: the packed store file.
+        slots: number of slots.
+        slot_bytes: bytes per slot (the largest unit it will hold).
+        io_threads: threads issuing one unit's chunk reads in parallel.
+        dtype: compute dtype float tensors are cast to.
+    """
+
+    def __init__(self, path, slots: int, slot_bytes: int, io_threads: int, dtype: mx.Dtype):
+        self.dtype = dtype
+        self.slot_bytes = slot_bytes
+        self._slots = [mx.zeros((slot_bytes + ALIGN,), dtype=mx.uint8) for _ in range(slots)]
+        mx.eval(self._slots)
+        self._views, self._base = [], []
+        for s in self._slots:
+            mv = memoryview(s).cast("B")
+            addr = np.asarray(mv).ctypes.data
+            base = (-addr) % ALIGN
+            self._views.append(mv[base : base + slot_bytes])
+            self._base.append(base)
+        self._fd, self.direct, self.method = open_uncached(path)
+        self.io = ThreadPoolExecutor(max(1, io_threads), thread_name_prefix="strata-io")
+
+    def __len__(self) -> int:
+        return len(self._slots)
+
+    def read(self, slot: int, unit: PackedUnit) -> int:
+        """Read ``unit``'s packed bytes into ``slot`` (chunks in parallel); the bytes the OS
+        returned.
+
+        Raises:
+            StrataError: a short read (the pack file is damaged).
+        """
+        view = self._views[slot]
+        chunks = [(o, min(CHUNK, unit.nbytes - o)) for o in range(0, unit.nbytes, CHUNK)]
+
+        def one(chunk: tuple[int, int]) -> int:
+            off, n = chunk
+            got = pread_into(self._fd, view[off : off + n], unit.offset + off)
+            if got != n:
+                raise StrataError(
+                    f"short read from {unit.name} in the packed store: {got} of {n} bytes at "
+                    f"offset {unit.offset + off}; the pack file is damaged — delete it to rebuild"
+                )
+            return got
+
+        return sum(self.io.map(one, chunks))
+
+    def arrays(self, slot: int, unit: PackedUnit) -> dict[str, QuantLinear | mx.array]:
+        """The unit's tensors as views of ``slot`` (by the pack's tensor names)."""
+        base, arr = self._base[slot], self._slots[slot]
+        parts: dict[str, dict[str, mx.array]] = {}
+        for p in unit.parts:
+            raw = arr[base + p.offset : base + p.offset + p.nbytes]
+            parts.setdefault(p.tensor, {})[p.kind] = mx.view(raw, _DTYPES[p.dtype]).reshape(p.shape)
+        out: dict[str, QuantLinear | mx.array] = {}
+        for name, ps in parts.items():
+            if "data" in ps:
+                out[name] = ps["data"].astype(self.dtype)
+            else:
+                bits, group = unit.bits[name]
+                out[name] = QuantLinear(ps["weight"], ps["scales"], ps["biases"], bits, group)
+        return out
+
+    def close(self) -> None:
+        """Wait for reads in flight and close the file."""
+        self.io.shutdown(wait=True)
+        os.close(self._fd)
+
+
 class StreamPool:
     """Streams ``schedule``'s units from the packed store through ``slots`` pool slots.
 
@@ -55,19 +133,10 @@ class StreamPool:
         if slots < 1:
             raise StrataError(f"the plan's pool has {slots} slots; streaming needs at least 1")
         self.units: list[PackedUnit] = [store.units[u] for u in schedule]
-        self.dtype = dtype
-        slot_bytes = max(u.nbytes for u in self.units)
-        self._slots = [mx.zeros((slot_bytes + ALIGN,), dtype=mx.uint8) for _ in range(slots)]
-        mx.eval(self._slots)
-        self._views, self._base = [], []
-        for s in self._slots:
-            mv = memoryview(s).cast("B")
-            addr = np.asarray(mv).ctypes.data
-            base = (-addr) % ALIGN
-            self._views.append(mv[base : base + slot_bytes])
-            self._base.append(base)
-        self._fd, self.direct, self.method = open_uncached(store.path)
-        self._io = ThreadPoolExecutor(max(1, io_threads), thread_name_prefix="strata-io")
+        self.arena = SlotArena(
+            store.path, slots, max(u.nbytes for u in self.units), io_threads, dtype
+        )
+        self.direct, self.method = self.arena.direct, self.arena.method
         self._cv = threading.Condition()
         self._loaded: list[int | None] = [None] * slots  # read sequence number held by each slot
         self._got = [0] * slots  # bytes the OS returned for the unit each slot holds
@@ -84,22 +153,6 @@ class StreamPool:
 
     # ------------------------------------------------------------------ I/O thread
 
-    def _read_unit(self, slot: int, unit: PackedUnit) -> None:
-        view = self._views[slot]
-        chunks = [(o, min(CHUNK, unit.nbytes - o)) for o in range(0, unit.nbytes, CHUNK)]
-
-        def one(chunk: tuple[int, int]) -> int:
-            off, n = chunk
-            got = pread_into(self._fd, view[off : off + n], unit.offset + off)
-            if got != n:
-                raise StrataError(
-                    f"short read from {unit.name} in the packed store: {got} of {n} bytes at "
-                    f"offset {unit.offset + off}; the pack file is damaged — delete it to rebuild"
-                )
-            return got
-
-        self._got[slot] = sum(self._io.map(one, chunks))
-
     def _read_loop(self) -> None:
         n = len(self.units)
         try:
@@ -111,7 +164,7 @@ class StreamPool:
                     slot = self._free.pop(0)
                     seq = self._next_read
                     self._next_read += 1
-                self._read_unit(slot, self.units[seq % n])
+                self._got[slot] = self.arena.read(slot, self.units[seq % n])
                 with self._cv:
                     self._loaded[slot] = seq
                     self._cv.notify_all()
@@ -147,22 +200,7 @@ class StreamPool:
         self.bytes_read += self._got[slot]  # counted per use, when the compute thread takes it
         self._in_use.append(slot)
         self._next_use = seq + 1
-        return self._arrays(slot, unit)
-
-    def _arrays(self, slot: int, unit: PackedUnit) -> dict[str, QuantLinear | mx.array]:
-        base, arr = self._base[slot], self._slots[slot]
-        parts: dict[str, dict[str, mx.array]] = {}
-        for p in unit.parts:
-            raw = arr[base + p.offset : base + p.offset + p.nbytes]
-            parts.setdefault(p.tensor, {})[p.kind] = mx.view(raw, _DTYPES[p.dtype]).reshape(p.shape)
-        out: dict[str, QuantLinear | mx.array] = {}
-        for name, ps in parts.items():
-            if "data" in ps:
-                out[name] = ps["data"].astype(self.dtype)
-            else:
-                bits, group = unit.bits[name]
-                out[name] = QuantLinear(ps["weight"], ps["scales"], ps["biases"], bits, group)
-        return out
+        return self.arena.arrays(slot, unit)
 
     def release(self, result: mx.array) -> None:
         """Evaluate ``result`` (which reads the oldest acquired slot), then free that slot."""
@@ -181,5 +219,4 @@ class StreamPool:
             self._stop = True
             self._cv.notify_all()
         self._reader.join(timeout=30)
-        self._io.shutdown(wait=True)
-        os.close(self._fd)
+        self.arena.close()

@@ -19,13 +19,13 @@ import os
 import time
 from collections.abc import Sequence
 
-import gguf
 import mlx.core as mx
 import numpy as np
 
+from executor.experts import ExpertCache, RoutingTracker, expert_key, split_gate_up
 from executor.ops import QuantLinear, embedding, to_mlx
-from executor.pack import PackStore
-from executor.quant import PackedWeight, UnsupportedQuantError, repack
+from executor.pack import PackStore, unit_host_tensors
+from executor.quant import PackedWeight
 from executor.streaming import StreamPool
 from planner.errors import PlanError, StrataError
 from planner.gguf_file import GGUFFile
@@ -78,6 +78,7 @@ class WeightStore:
         self._gpu: dict[str, Weight] = {}
         self._ram: dict[str, HostWeight] = {}
         by_name = {t.name: t for t in g.reader.tensors}
+        self._experts: dict[str, dict[str, Weight | HostWeight]] = {}
         if "nvme" in tiers.values():
             # Before any resident unit is loaded: a first run builds the pack, and its transient
             # memory should not add to the resident units'.
@@ -85,28 +86,31 @@ class WeightStore:
                 raise PlanError("a plan without the model's sha256 cannot stream it from NVMe")
             self._pack = PackStore.open_or_build(g, desc, desc.model.sha256)
             self._row_fd = os.open(self._pack.path, os.O_RDONLY)
-        for info in desc.tensors:
-            t = by_name[info.name]
-            self._unit_tensors.setdefault(info.unit, []).append(info.name)
-            if tiers[info.unit] == "nvme":
+        self._expert_units = {u.name: u for u in desc.units if u.expert is not None}
+        for u in desc.units:
+            if u.expert is None:
+                self._unit_tensors[u.name] = list(u.tensors)
+            if tiers[u.name] == "nvme":
                 continue  # read from the packed store while the model runs
-            try:
-                host = repack(
-                    gguf.GGMLQuantizationType(t.tensor_type),
-                    g.tensor_bytes(t),
-                    tuple(int(d) for d in reversed(info.shape)),
-                )
-            except UnsupportedQuantError as e:
-                raise StrataError(f"tensor {info.name}: {e}") from None
-            if isinstance(host, np.ndarray):
-                # A copy that owns its memory (float tensors may be views of the mapped file).
-                host = host.astype(np.float32 if host.dtype != np.float16 else np.float16)
-            if tiers[info.unit] == "gpu":
-                self._gpu[info.name] = self._to_device(host)
-            else:
-                self._ram[info.name] = host  # the RAM tier is this host copy, not the mapped file
+            for name, host in unit_host_tensors(g, u, by_name):
+                if u.expert is not None:
+                    key = expert_key(name)
+                    held = self._to_device(host) if tiers[u.name] == "gpu" else host
+                    self._experts.setdefault(u.name, {})[key] = held
+                elif tiers[u.name] == "gpu":
+                    self._gpu[name] = self._to_device(host)
+                else:
+                    self._ram[name] = host  # the RAM tier is this host copy, not the mapped file
+        for t in g.reader.tensors:
             g.drop_pages(t)
-        mx.eval([w.weight if isinstance(w, QuantLinear) else w for w in self._gpu.values()])
+        resident = list(self._gpu.values()) + [
+            w for u, ws in self._experts.items() if tiers[u] == "gpu" for w in ws.values()
+        ]
+        mx.eval([w.weight if isinstance(w, QuantLinear) else w for w in resident])
+        self.experts_cache: ExpertCache | None = None
+        self.routing = RoutingTracker(desc.architecture)
+        self.expert_uses = {"gpu": 0, "ram": 0}
+        self._group_needs_eval = False
 
     def start_streaming(self, schedule: list[str], slots: int, io_threads: int) -> None:
         """Start the NVMe pool for the streamed units of ``schedule`` (forward-pass order).
@@ -120,6 +124,109 @@ class WeightStore:
         if streamed and self._pack is not None:
             self.pool = StreamPool(self._pack, streamed, max(slots, 1), io_threads, self.dtype)
 
+    def start_expert_cache(self, slots: int, io_threads: int, mode: str, prefetch: int) -> None:
+        """Start the expert cache for the experts the plan streams (none: nothing to do).
+
+        Args:
+            slots: the plan's ``expert_cache.slots``.
+            io_threads: I/O threads from the plan.
+            mode: ``executor.experts.CACHE_MODES`` (``prefetch`` in normal runs).
+            prefetch: experts prefetched per block in ``prefetch`` mode.
+        """
+        streamed = [u for u in self._expert_units if self._tier_of_unit[u] == "nvme"]
+        if streamed and self._pack is not None:
+            self.experts_cache = ExpertCache(
+                self._pack, streamed, slots, io_threads, self.dtype, mode, prefetch
+            )
+
+    def route(self, layer: int, chosen: np.ndarray) -> list[list[int]]:
+        """Record block ``layer``'s routing and group its experts for loading.
+
+        Args:
+            layer: block index.
+            chosen: int [T, k], each token's chosen experts (the router's top-k).
+
+        Returns:
+            The distinct chosen experts, ascending, split into consecutive groups that each
+            hold at most as many streamed experts as the expert cache has slots (one group when
+            nothing streams). In ``prefetch`` mode, block ``layer + 1``'s likely experts are
+            queued for reading after this block's own.
+        """
+        chosen = np.asarray(chosen, dtype=np.int64)
+        self.routing.observe(layer, chosen)
+        ids = [int(e) for e in np.unique(chosen)]
+        # Always predicted (top-k), so a routing profile carries the prediction's recall.
+        guess = self.routing.predict(layer + 1, chosen, chosen.shape[1])
+        cache = self.experts_cache
+        if cache is None:
+            return [ids]
+        cache.plan_prefetch(layer + 1, guess)
+        groups: list[list[int]] = [[]]
+        streamed = 0
+        for e in ids:
+            on_nvme = self._tier_of_unit[f"blk.{layer}.expert.{e}"] == "nvme"
+            if on_nvme and streamed == cache.slots:
+                groups.append([])
+                streamed = 0
+            groups[-1].append(e)
+            streamed += on_nvme
+        return groups
+
+    def experts(self, layer: int, group: list[int]) -> dict[int, dict[str, Weight]]:
+        """The weights of ``group``'s experts of block ``layer``: expert -> {``gate``, ``up``,
+        ``down``: [ff, d], [ff, d], [d, ff] in MLX (out, in) order}.
+
+        Pinned (gpu) experts are resident arrays; ram experts are copied now (``copy_seconds``);
+        streamed ones come from the expert cache, pinned there until ``release_experts``.
+        """
+        out: dict[int, dict[str, Weight]] = {}
+        streamed = []
+        t0 = time.perf_counter()
+        copied = False
+        for e in group:
+            unit = f"blk.{layer}.expert.{e}"
+            tier = self._tier_of_unit[unit]
+            if tier == "nvme":
+                streamed.append(e)
+                continue
+            held = self._experts[unit]
+            self.expert_uses[tier] += 1
+            if tier == "gpu":
+                out[e] = dict(held)  # type: ignore[arg-type]
+                self.bytes_read["gpu"] += sum(_weight_nbytes(w) for w in held.values())
+            else:
+                out[e] = {k: self._to_device(w) for k, w in held.items()}  # type: ignore[arg-type]
+                self.bytes_read["ram"] += sum(_host_nbytes(w) for w in held.values())
+                copied = True
+        if copied:
+            self.copy_seconds += time.perf_counter() - t0
+        if streamed:
+            if self.experts_cache is None:
+                raise PlanError(f"experts of block {layer} are on nvme but no cache was started")
+            out.update(self.experts_cache.acquire(layer, streamed))
+        self._group_needs_eval = copied or bool(streamed)
+        return {e: split_gate_up(out[e]) for e in group}
+
+    def release_experts(self, layer: int, result: mx.array) -> mx.array:
+        """Mark the last ``experts`` group used by ``result``: evaluated when any of its experts
+        was copied or streamed (their buffers are then freed or reused). Returns ``result``."""
+        if self._group_needs_eval:
+            mx.eval(result)
+            self._group_needs_eval = False
+        if self.experts_cache is not None:
+            self.experts_cache.release()
+        return result
+
+    def expert_counters(self) -> dict[str, float]:
+        """Expert uses per tier and the expert cache's counters (``ExpertCache.counters``)."""
+        out: dict[str, float] = {
+            "uses_gpu": self.expert_uses["gpu"],
+            "uses_ram": self.expert_uses["ram"],
+        }
+        if self.experts_cache is not None:
+            out.update(self.experts_cache.counters())
+        return out
+
     @property
     def pack_path(self):
         """The packed store streamed units are read from (None when nothing streams)."""
@@ -128,9 +235,11 @@ class WeightStore:
     def counters(self) -> dict[str, float]:
         """Bytes read per tier so far (nvme: bytes the OS returned) and seconds of I/O wait."""
         read = dict(self.bytes_read)
-        if self.pool is not None:
-            read["nvme"] += self.pool.bytes_read
-        read["io_wait_s"] = self.pool.io_wait_s if self.pool is not None else 0.0
+        read["io_wait_s"] = 0.0
+        for streamer in (self.pool, self.experts_cache):
+            if streamer is not None:
+                read["nvme"] += streamer.bytes_read
+                read["io_wait_s"] += streamer.io_wait_s
         return read
 
     def close(self) -> None:
@@ -138,6 +247,9 @@ class WeightStore:
         if self.pool is not None:
             self.pool.close()
             self.pool = None
+        if self.experts_cache is not None:
+            self.experts_cache.close()
+            self.experts_cache = None
         if self._pack is not None:
             os.close(self._row_fd)
             self._pack = None

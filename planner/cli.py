@@ -101,7 +101,15 @@ def cmd_plan(args: argparse.Namespace) -> None:
     _check_output(args.output, args.model, args.profile, getattr(args, "arch", None))
     desc = _arch_description(args, "--model")
     request = request_from_args(args)
-    plan = build_plan(args.model, Path(args.profile), request, Path(args.output), desc=desc)
+    routing = Path(args.routing_profile) if args.routing_profile else None
+    plan = build_plan(
+        args.model,
+        Path(args.profile),
+        request,
+        Path(args.output),
+        desc=desc,
+        routing_profile=routing,
+    )
     write_yaml(plan, args.output)
     tiers: dict[str, int] = {}
     for p in plan.placement:

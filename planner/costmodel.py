@@ -56,15 +56,40 @@ streamed units cluster (a run of NVMe units with little compute between them nee
 prefetch to hide), and depth >= 3 buys nothing in it. Calibration against measured steps is
 where that shows.
 
+Mixture-of-experts (per expert unit u = one expert of one block, access ``a_u``: uniform
+``k/n`` or measured by a routing profile):
+
+- pinned (gpu) and ram experts cost as any unit; an expert's graph operations run only when a
+  token chooses it, so its ``k_u * op_s`` is weighted by ``a_u(B)`` too.
+- nvme experts go through the expert cache: ``K`` device slots of ``slot_e`` bytes (the largest
+  expert), LRU in the executor. ``k + m`` of them are working slots (a block's top-k being
+  computed and the ``m`` experts prefetched for the next block), and the model counts the other
+  ``K - k - m`` as holding the streamed experts with the largest ``a_u * b_u`` (the
+  least-frequently-used-static bound: what an LRU cache converges to when the hot set fits;
+  with skewed routing LRU does somewhat worse, which the bench's measured hit rate shows).
+  Every other streamed use misses: ``M = sum_{u on nvme, not cached} read_u`` seconds of reads.
+- prefetch: after block l routes, the executor reads the ``m`` experts of block l + 1 that the
+  co-activation counts predict. A share ``alpha`` of the misses was predicted (the routing
+  profile's measured recall; ``m / n``, a blind guess, without one), and those reads overlap
+  compute; the rest are read synchronously after the router. The guesses are read whether or
+  not they are chosen, at about the rate misses occur: ``(m / k) M``. So the compute thread adds
+  ``(1 - alpha) M`` and the disk ``(1 - alpha + m / k) M``:
+  ``step_s = max(compute + host_copy + io_stall + (1 - alpha) M, disk + (1 - alpha + m / k) M)``
+  (depth >= 1 for the dense units; at depth 0 the first term also adds the dense ``disk``).
+- the predicted hit rate of streamed-expert uses is ``(A_cached + alpha A_missed) / A_nvme``
+  (access summed over the cached, missed and all streamed experts): prefetched experts count
+  as hits when used, as the executor counts them.
+
 Memory (bytes), per capacity row (``capacity_rows``):
 
 - gpu: weights on gpu + KV cache + activations + pool <= gpu capacity, where
   ``KV = kv_num_blocks * kv_block_size * kv_elements_per_token * dtype_bytes`` (the paged cache the
   executor allocates: ``concurrency * ceil(context/16)`` blocks of 16 tokens, so context rounded up
-  to whole blocks), ``pool = slots * slot_bytes`` (``slots = depth + 1`` when anything streams, else
-  0; ``slot_bytes`` = the largest streamed unit), and activations per ``activation_bytes``.
-- ram: weights on ram [+ pool when memory is not unified: the host staging buffers the direct-I/O
-  reads land in] <= ram capacity (non-unified machines only).
+  to whole blocks), ``pool = slots * slot_bytes`` (``slots = depth + 1`` when a dense unit streams,
+  else 0; ``slot_bytes`` = the largest streamed dense unit), the expert cache ``K * slot_e``, and
+  activations per ``activation_bytes``.
+- ram: weights on ram [+ pool and expert cache when memory is not unified: the host staging
+  buffers the direct-I/O reads land in] <= ram capacity (non-unified machines only).
 - unified memory: gpu row + weights on ram <= ram capacity (GPU and CPU share one memory, so the
   device working set and the RAM tier come out of the same bytes).
 - nvme is unbounded: the model file already lives there.
@@ -75,9 +100,10 @@ Capacities: gpu = ``request.gpu_budget_bytes`` or ``profile.gpu.working_set_byte
 Not modelled (yet): the evaluation the executor forces after each streamed unit to free its slot
 (tens of microseconds each: a few percent of a tiny model's step on a GPU, nothing on a large
 one), KV-cache reads per step (constant in the placement), attention-score buffers of
-a prefill chunk (the fused SDPA kernels do not materialize them), MoE expert caching, and partial
-reads: a streamed unit that a token reads only in part (an untied embedding's rows, top-k experts)
-still reserves a whole-unit pool slot, and disk reads are counted in MLX-form bytes.
+a prefill chunk (the fused SDPA kernels do not materialize them), temporal locality of expert
+routing beyond the static frequencies (an LRU cache may beat the model's count when routing
+repeats within a text), and partial reads: an untied embedding streamed whole still reserves a
+whole-unit pool slot, and disk reads are counted in MLX-form bytes.
 """
 
 from __future__ import annotations
@@ -90,6 +116,7 @@ from planner.errors import PlanError
 from planner.schemas import (
     TIERS,
     BatchLimits,
+    ExpertCache,
     HardwareProfile,
     ModelDescription,
     Plan,
@@ -190,12 +217,16 @@ def activation_bytes(desc: ModelDescription, profile: HardwareProfile, batch: Ba
     ``max_num_batched_tokens * (2 d + (2 n_head + 2 n_kv) * head_dim + 3 ff_e) * dtype_bytes
     + max_num_seqs * vocab * 4``: per token the residual stream and its normed copy (2 d), Q, K,
     V and the attention output ((2 n_head + 2 n_kv) * head_dim), the FFN gate, up and their product
-    (3 ff_e, with ``ff_e = feed_forward_length * max(1, expert_used_count)`` for MoE), summed
+    (3 ff_e, with ``ff_e = expert FFN width * expert_used_count + shared expert width`` for
+    MoE), summed
     rather than maxed over the attention and FFN phases (a conservative bound); plus one float32
     vocabulary row of logits per sequence (only a sequence's last token is sampled).
     """
     a = desc.architecture
-    ff_e = a.feed_forward_length * max(1, a.expert_used_count)
+    ff_e = a.feed_forward_length
+    if a.expert_count:  # the chosen experts' widths, and a shared expert's
+        ff_e = (a.expert_feed_forward_length or a.feed_forward_length) * a.expert_used_count
+        ff_e += a.expert_shared_feed_forward_length
     width = (
         2 * a.embedding_length + (2 * a.head_count + 2 * a.head_count_kv) * a.head_dim + 3 * ff_e
     )
@@ -270,11 +301,12 @@ def unit_costs(
         moved = access * u.bytes_mlx
         f = u.flops_per_token
         roofline = max(moved / gpu_bw, f / mv_flops, b * f / mm_flops)
+        ops = OPS_PER_UNIT[u.role] * (access if u.role == "expert" else 1.0)
         out.append(
             UnitCost(
                 name=u.name,
                 bytes=u.bytes_mlx,
-                compute_s=roofline + OPS_PER_UNIT[u.role] * op_s,
+                compute_s=roofline + ops * op_s,
                 copy_s=moved / h2d_bw,
                 read_s=moved / nvme_bw,
             )
@@ -403,11 +435,103 @@ def _check_tiers(desc: ModelDescription, tiers: Mapping[str, str]) -> None:
 
 
 def pool_for(desc: ModelDescription, tiers: Mapping[str, str], depth: int) -> Pool:
-    """The pool a placement needs: ``depth + 1`` slots of the largest streamed unit, or none."""
-    streamed = [u.bytes_mlx for u in desc.units if tiers.get(u.name) == "nvme"]
+    """The pool a placement needs: ``depth + 1`` slots of the largest streamed dense unit, or
+    none (streamed experts use the expert cache instead)."""
+    streamed = [u.bytes_mlx for u in desc.units if tiers.get(u.name) == "nvme" and u.expert is None]
     if not streamed:
         return Pool(slots=0, slot_bytes=0)
     return Pool(slots=depth + 1, slot_bytes=max(streamed))
+
+
+def expert_slot_bytes(desc: ModelDescription) -> int:
+    """Bytes of one expert-cache slot: the largest expert unit (0 for a dense model)."""
+    return max((u.bytes_mlx for u in desc.units if u.expert is not None), default=0)
+
+
+def working_slots(desc: ModelDescription, prefetch: int) -> int:
+    """Expert-cache slots that hold no cached expert: a block's top-k being computed and the
+    ``prefetch`` experts read ahead for the next block."""
+    return desc.architecture.expert_used_count + prefetch
+
+
+def prediction_recall(desc: ModelDescription, prefetch: int) -> float:
+    """``alpha``: the share of a block's chosen experts that prefetching ``prefetch`` guesses
+    predicts — the routing profile's measured figure, else ``prefetch / n`` (a blind guess of
+    ``prefetch`` of the ``n`` experts); 0 without prefetch."""
+    if prefetch <= 0 or not desc.architecture.expert_count:
+        return 0.0
+    if desc.routing is not None:
+        return desc.routing.prediction_recall
+    return min(1.0, prefetch / desc.architecture.expert_count)
+
+
+def expert_cache_for(
+    desc: ModelDescription, tiers: Mapping[str, str], slots: int | None = None, prefetch: int = 0
+) -> ExpertCache:
+    """The expert cache of a placement: ``slots`` (default the working slots alone) of the
+    largest expert when any expert streams, the pinned (gpu) experts listed; empty otherwise."""
+    pinned = [u.name for u in desc.units if u.expert is not None and tiers.get(u.name) == "gpu"]
+    if not any(u.expert is not None and tiers.get(u.name) == "nvme" for u in desc.units):
+        return ExpertCache(pinned=pinned)
+    return ExpertCache(
+        slots=working_slots(desc, prefetch) if slots is None else slots,
+        slot_bytes=expert_slot_bytes(desc),
+        prefetch=prefetch,
+        pinned=pinned,
+    )
+
+
+@dataclass(frozen=True)
+class ExpertStreaming:
+    """Seconds and hit rate of the streamed experts of one decode step (module docstring)."""
+
+    sync_s: float
+    """``(1 - alpha) M``: misses read after the router, on the compute thread's path."""
+    disk_s: float
+    """``(1 - alpha + m / k) M``: expert reads on the I/O threads, prefetches included."""
+    copy_s: float
+    """Host -> device copies of those reads (memory that is not unified), seconds."""
+    hit_rate: float | None
+    """Predicted share of streamed-expert uses served by the cache (None: none stream)."""
+
+
+def expert_streaming(
+    desc: ModelDescription,
+    costs: list[UnitCost],
+    tiers: Mapping[str, str],
+    cache: ExpertCache,
+    unified: bool,
+    batch: int = 1,
+) -> ExpertStreaming:
+    """The streamed experts' cost under the expert cache ``cache`` (module docstring).
+
+    Args:
+        costs: ``unit_costs`` of ``desc`` (same order).
+        tiers: unit name -> tier.
+        cache: slots, prefetch per block.
+        unified: the machine's memory is unified (no host -> device copy of reads).
+        batch: sequences per step B (expert access is ``a_u(B)``).
+    """
+    streamed = [
+        (u, c)
+        for u, c in zip(desc.units, costs, strict=True)
+        if u.expert is not None and tiers[u.name] == "nvme"
+    ]
+    if not streamed:
+        return ExpertStreaming(0.0, 0.0, 0.0, None)
+    k = max(1, desc.architecture.expert_used_count)
+    m = cache.prefetch
+    hold = max(0, cache.slots - working_slots(desc, m))
+    streamed.sort(key=lambda uc: (-uc[1].read_s, uc[0].name))  # hottest first: the cached ones
+    missed = streamed[hold:]
+    miss_s = sum(c.read_s for _, c in missed)
+    copy = 0.0 if unified else sum(c.copy_s for _, c in missed)
+    alpha = prediction_recall(desc, m)
+    reads = 1.0 - alpha + m / k
+    access = [1.0 - (1.0 - u.access_per_token) ** batch for u, _ in streamed]
+    a_all, a_miss = sum(access), sum(access[hold:])
+    hit = (a_all - a_miss + alpha * a_miss) / a_all if a_all > 0 else 0.0
+    return ExpertStreaming((1.0 - alpha) * miss_s, reads * miss_s, reads * copy, hit)
 
 
 def weights_by_tier(desc: ModelDescription, tiers: Mapping[str, str]) -> dict[str, int]:
@@ -427,6 +551,7 @@ def capacity_use(
     *,
     pool: Pool | None = None,
     batch: BatchLimits | None = None,
+    experts: ExpertCache | None = None,
 ) -> list[tuple[CapacityRow, int]]:
     """Each capacity row with the bytes a pinned placement puts in it (``used <= capacity`` fits).
 
@@ -435,14 +560,16 @@ def capacity_use(
         depth: prefetch depth (units read ahead).
         pool, batch: a plan's own pool and batch limits; default: what ``depth`` and ``request``
             imply (``pool_for``, ``batch_limits``).
+        experts: the plan's expert cache; default ``expert_cache_for`` (working slots only).
 
     Raises:
         PlanError: ``tiers`` does not cover exactly the units of ``desc``.
     """
     _check_tiers(desc, tiers)
     pool = pool or pool_for(desc, tiers, depth)
+    cache = experts or expert_cache_for(desc, tiers)
     weights = weights_by_tier(desc, tiers)
-    pool_bytes = pool.slots * pool.slot_bytes
+    pool_bytes = pool.slots * pool.slot_bytes + cache.slots * cache.slot_bytes
     return [(r, r.used(weights, pool_bytes)) for r in capacity_rows(desc, profile, request, batch)]
 
 
@@ -455,6 +582,7 @@ def tier_memory(
     *,
     pool: Pool | None = None,
     batch: BatchLimits | None = None,
+    experts: ExpertCache | None = None,
 ) -> dict[str, TierMemory]:
     """Bytes per tier under a pinned placement, for ``Plan.memory``.
 
@@ -467,7 +595,9 @@ def tier_memory(
     _check_tiers(desc, tiers)
     batch = batch or batch_limits(request)
     pool = pool or pool_for(desc, tiers, depth)
+    cache = experts or expert_cache_for(desc, tiers)
     pool_bytes = pool.slots * pool.slot_bytes
+    cache_bytes = cache.slots * cache.slot_bytes
     weights = weights_by_tier(desc, tiers)
     cap = capacities(profile, request)
     return {
@@ -476,43 +606,61 @@ def tier_memory(
             weights=weights["gpu"],
             kv_cache=kv_cache_bytes(desc, profile, batch),
             pool=pool_bytes,
+            expert_cache=cache_bytes,
             activations=activation_bytes(desc, profile, batch),
         ),
         "ram": TierMemory(
             capacity=cap["ram"],
             weights=weights["ram"],
             pool=0 if profile.unified_memory else pool_bytes,
+            expert_cache=0 if profile.unified_memory else cache_bytes,
         ),
         "nvme": TierMemory(capacity=0, weights=weights["nvme"]),
     }
 
 
 def step_terms(
-    compute_s: float, host_copy_s: float, disk_s: float, depth: int, io_stall_s: float = 0.0
+    compute_s: float,
+    host_copy_s: float,
+    disk_s: float,
+    depth: int,
+    io_stall_s: float = 0.0,
+    expert_disk_s: float = 0.0,
 ) -> list[tuple[str, float]]:
     """The lower bounds on the step time (name, seconds); the step is their maximum.
 
-    depth >= 1: ``compute + host copy + I/O stall`` and ``disk`` (I/O threads overlap the compute
-    thread); depth = 0: ``compute + host copy + disk`` (reads are synchronous).
+    ``disk_s`` is the dense units' reads, ``expert_disk_s`` the experts' (always read by I/O
+    threads; their synchronous share is in ``io_stall_s``). depth >= 1: ``compute + host copy +
+    I/O stall`` and ``disk`` (I/O threads overlap the compute thread); depth = 0: ``compute +
+    host copy + dense disk + I/O stall`` (dense reads are synchronous), and ``disk`` when experts
+    stream.
     """
     if depth >= 1:
         return [
             (TERM_OVERLAP_COMPUTE, compute_s + host_copy_s + io_stall_s),
-            (TERM_OVERLAP_DISK, disk_s),
+            (TERM_OVERLAP_DISK, disk_s + expert_disk_s),
         ]
-    return [(TERM_SERIAL, compute_s + host_copy_s + disk_s)]
+    terms = [(TERM_SERIAL, compute_s + host_copy_s + disk_s + io_stall_s)]
+    if expert_disk_s > 0:
+        terms.append((TERM_OVERLAP_DISK, disk_s + expert_disk_s))
+    return terms
 
 
 def _bottleneck(
-    compute_s: float, host_copy_s: float, disk_s: float, depth: int, io_stall_s: float
+    compute_s: float,
+    host_copy_s: float,
+    disk_s: float,
+    depth: int,
+    io_stall_s: float,
+    expert_disk_s: float = 0.0,
 ) -> str:
-    # With overlap the disk limits when it outlasts the compute thread, or when waiting for reads
-    # (the stall) is the compute thread's largest share; otherwise the larger share of the compute
-    # thread's time (ties resolve in the order compute, host_copy, disk).
-    if depth >= 1 and disk_s > compute_s + host_copy_s + io_stall_s:
+    # The disk limits when it outlasts the compute thread, or when waiting for reads (the stall,
+    # and at depth 0 the dense reads) is the compute thread's largest share; otherwise the larger
+    # share of the compute thread's time (ties resolve in the order compute, host_copy, disk).
+    serial = disk_s if depth == 0 else 0.0
+    if disk_s + expert_disk_s > compute_s + host_copy_s + io_stall_s + serial:
         return "disk"
-    shares = [("compute", compute_s), ("host_copy", host_copy_s)]
-    shares.append(("disk", disk_s if depth == 0 else io_stall_s))
+    shares = [("compute", compute_s), ("host_copy", host_copy_s), ("disk", serial + io_stall_s)]
     return max(shares, key=lambda kv: kv[1])[0]
 
 
@@ -554,6 +702,7 @@ def score(
     *,
     pool: Pool | None = None,
     batch: BatchLimits | None = None,
+    experts: ExpertCache | None = None,
 ) -> Prediction:
     """Predict one decode step of a pinned placement with the cost model (see module docstring).
 
@@ -565,6 +714,7 @@ def score(
         depth: prefetch depth (units the I/O threads read ahead; 0 = synchronous reads).
         pool, batch: a plan's own pool and batch limits (for hand-written plans); default what
             ``depth`` and ``request`` imply.
+        experts: the plan's expert cache (slots, prefetch); default the working slots alone.
 
     Returns:
         The step time split into compute / host copy / disk / I/O stall (seconds), the bottleneck,
@@ -577,14 +727,22 @@ def score(
         PlanError: ``tiers`` does not cover exactly the units of ``desc``, or the profile has a
             zero bandwidth or compute throughput.
     """
-    use = capacity_use(desc, profile, request, tiers, depth, pool=pool, batch=batch)
+    cache = experts or expert_cache_for(desc, tiers)
+    use = capacity_use(desc, profile, request, tiers, depth, pool=pool, batch=batch, experts=cache)
     costs = unit_costs(desc, profile, request, batch)
     unified = profile.unified_memory
+    dense = [c for u, c in zip(desc.units, costs, strict=True) if u.expert is None]
+    expert_on = [
+        c
+        for u, c in zip(desc.units, costs, strict=True)
+        if u.expert is not None and tiers[c.name] != "nvme"
+    ]
+    ex = expert_streaming(desc, costs, tiers, cache, unified, batch_size(request, batch))
     compute_s = sum(c.compute_s for c in costs)
-    host_copy_s = sum(c.host_copy_s(tiers[c.name], unified) for c in costs)
-    disk_s = sum(c.disk_s(tiers[c.name]) for c in costs)
-    stall_s = io_stall(desc, costs, tiers, depth)
-    terms = step_terms(compute_s, host_copy_s, disk_s, depth, stall_s)
+    host_copy_s = sum(c.host_copy_s(tiers[c.name], unified) for c in dense + expert_on) + ex.copy_s
+    disk_s = sum(c.disk_s(tiers[c.name]) for c in dense)
+    stall_s = io_stall(desc, costs, tiers, depth) + ex.sync_s
+    terms = step_terms(compute_s, host_copy_s, disk_s, depth, stall_s, ex.disk_s)
     step_s = max(v for _, v in terms)
     binding = [
         r.name for r, used in use if r.capacity > 0 and used >= (1 - BINDING_TOL) * r.capacity
@@ -594,11 +752,12 @@ def score(
     return Prediction(
         compute_s=compute_s,
         host_copy_s=host_copy_s,
-        disk_s=disk_s,
+        disk_s=disk_s + ex.disk_s,
         io_stall_s=stall_s,
+        expert_hit_rate=None if ex.hit_rate is None else round(ex.hit_rate, 6),
         step_s=step_s,
         bottleneck=_bottleneck(  # type: ignore[arg-type]
-            compute_s, host_copy_s, disk_s, depth, stall_s
+            compute_s, host_copy_s, disk_s, depth, stall_s, ex.disk_s
         ),
         decode_tok_s=b / step_s if step_s > 0 else 0.0,
         binding=binding,
@@ -626,4 +785,5 @@ def score_plan(plan: Plan, desc: ModelDescription, profile: HardwareProfile) -> 
         plan.prefetch.depth,
         pool=plan.pool,
         batch=plan.batch,
+        experts=plan.expert_cache,
     )

@@ -5,6 +5,14 @@ Tensors are grouped into placement units that always move together: a block's at
 embedding (``token_embd``) and the output head (``output``: final norm and head matrix). With tied
 embeddings the head reuses ``token_embd``, so that unit is read whole by every decoded token;
 untied, a token reads one row of it (access = 1/vocab).
+
+Mixture-of-experts blocks: ``blk.N.ffn`` holds what every token runs (the FFN norm, the router
+``ffn_gate_inp``, and qwen2moe's shared expert ``*_shexp`` with its gate), and each expert is a
+unit of its own, ``blk.N.expert.E``: slice E of the stacked ``ffn_{gate,up,down}_exps`` (or fused
+``ffn_gate_up_exps``) tensors, whose GGUF shape is ``[cols, rows, n_expert]`` so that an expert's
+bytes are contiguous. A decoded token reads an expert with probability ``expert_used_count /
+expert_count`` (uniform top-k/n routing) until a measured routing profile replaces it
+(``apply_routing_profile``).
 """
 
 from __future__ import annotations
@@ -38,10 +46,12 @@ def classify(name: str) -> tuple[int | None, str, str]:
             return None, "output", "output"
         return None, "other", "globals"
     layer, rest = int(m.group(1)), m.group(2)
-    if "_exps" in rest or "_shexp" in rest:
-        return layer, "expert", f"blk.{layer}.ffn_exps"
+    if "_exps" in rest:
+        # Stacked experts: ``assemble`` splits each tensor into one unit per expert.
+        return layer, "expert", f"blk.{layer}.experts"
     if rest.startswith("ffn_gate_inp"):
-        return layer, "router", f"blk.{layer}.ffn_exps"
+        # The router (and qwen2moe's shared-expert gate) runs for every token: dense.
+        return layer, "router", f"blk.{layer}.ffn"
     if rest.startswith(("ffn", "post_ffw")):
         return layer, ("norm" if "norm" in rest else "ffn"), f"blk.{layer}.ffn"
     if rest.startswith(("attn", "post_attention")):
@@ -101,6 +111,7 @@ def read_architecture(g: GGUFFile) -> Architecture:
             tied_embeddings="output.weight" not in names,
             expert_count=int(g.field(f"{arch}.expert_count") or 0),
             expert_used_count=int(g.field(f"{arch}.expert_used_count") or 0),
+            **_expert_keys(g, arch),
             **_attention_window(g, arch, blocks),
             **_rope_scaling(g, arch),
             final_logit_softcapping=float(g.field(f"{arch}.final_logit_softcapping") or 0.0),
@@ -109,6 +120,32 @@ def read_architecture(g: GGUFFile) -> Architecture:
         err = e.errors()[0]
         where = ".".join(str(x) for x in err["loc"])
         raise GGUFError(f"{g.path}: hyperparameter {where}: {err['msg']}") from None
+
+
+GATING_FUNCS = {1: "softmax", 2: "sigmoid"}
+"""llama.cpp's ``llama_expert_gating_func_type`` values of ``{arch}.expert_gating_func``."""
+
+
+def _expert_keys(g: GGUFFile, arch: str) -> dict:
+    """The MoE keys llama.cpp reads when present (its per-architecture defaults apply when not:
+    ``executor/models``)."""
+    out: dict = {}
+    for key in ("expert_feed_forward_length", "expert_shared_feed_forward_length"):
+        v = g.field(f"{arch}.{key}")
+        if v:
+            out[key] = int(v)
+    norm = g.field(f"{arch}.expert_weights_norm")
+    if norm is not None:
+        out["expert_weights_norm"] = bool(norm)
+    func = g.field(f"{arch}.expert_gating_func")
+    if func:
+        if int(func) not in GATING_FUNCS:
+            raise GGUFError(f"{g.path}: {arch}.expert_gating_func {func} is not 1 or 2")
+        out["expert_gating_func"] = GATING_FUNCS[int(func)]
+    scale = g.field(f"{arch}.expert_weights_scale")
+    if scale:
+        out["expert_weights_scale"] = float(scale)
+    return out
 
 
 SWA_DEFAULT_PATTERN = {"gemma3": 6, "llama": 0}
@@ -233,11 +270,20 @@ def tensor_info(
 def assemble(
     source: ModelSource, arch: Architecture, file_type: str, tensors: list[TensorInfo]
 ) -> ModelDescription:
-    """The model description of ``tensors``: units (``_unit``), KV-cache size and totals."""
+    """The model description of ``tensors``: units (``_unit``), KV-cache size and totals.
+
+    Raises:
+        GGUFError: stacked expert tensors whose last dimension is not ``expert_count``.
+    """
     units: dict[str, list[TensorInfo]] = {}
     for ti in tensors:
         units.setdefault(ti.unit, []).append(ti)
-    unit_infos = [_unit(name, members, arch) for name, members in units.items()]
+    unit_infos = []
+    for name, members in units.items():
+        if members[0].role == "expert":
+            unit_infos += _expert_units(name, members, arch)
+        else:
+            unit_infos.append(_unit(name, members, arch))
     unit_infos.sort(key=lambda u: (_unit_order(u), u.name))
     kv_elements = 2 * arch.block_count * arch.head_count_kv * arch.head_dim  # K and V per layer
     return ModelDescription(
@@ -282,9 +328,11 @@ def _file_type(g: GGUFFile) -> str:
         return str(ft)
 
 
-def _unit_order(u: UnitInfo) -> tuple[int, int]:
+def _unit_order(u: UnitInfo) -> tuple[int, int, int]:
     kind = {"token_embd": 0, "globals": 1}.get(u.name, 3 if u.name == "output" else 2)
-    return (kind, -1 if u.layer is None else u.layer)
+    # Within a block: attention, FFN, then the experts in index order.
+    within = -1 if u.expert is None else u.expert
+    return (kind, -1 if u.layer is None else u.layer, within)
 
 
 def _unit(name: str, members: list[TensorInfo], arch: Architecture) -> UnitInfo:
@@ -313,6 +361,44 @@ def _unit(name: str, members: list[TensorInfo], arch: Architecture) -> UnitInfo:
         flops_per_token=flops,
         supported=all(t.supported for t in members),
     )
+
+
+def _expert_units(group: str, members: list[TensorInfo], arch: Architecture) -> list[UnitInfo]:
+    """One unit per expert of a block's stacked expert tensors (``blk.N.expert.E``).
+
+    Each expert holds ``1 / expert_count`` of every stacked tensor's bytes (the repacked rows of
+    one expert are the same size for all of them) and, per use, 2 FLOPs per weight.
+    """
+    n = arch.expert_count
+    for t in members:
+        if len(t.shape) != 3 or t.shape[2] != n or n == 0:
+            raise GGUFError(
+                f"tensor {t.name} has shape {t.shape}; stacked experts need 3 dimensions, the "
+                f"last equal to expert_count ({n})"
+            )
+    layer = members[0].layer
+    access = members[0].access_per_token
+    flops = sum(2 * t.shape[0] * t.shape[1] for t in members)
+    return [
+        UnitInfo(
+            name=f"blk.{layer}.expert.{e}",
+            layer=layer,
+            role="expert",
+            tensors=[t.name for t in members],
+            bytes_gguf=sum(t.bytes_gguf // n for t in members),
+            bytes_mlx=sum(t.bytes_mlx // n for t in members),
+            access_per_token=access,
+            flops_per_token=int(flops * access),
+            supported=all(t.supported for t in members),
+            expert=e,
+        )
+        for e in range(n)
+    ]
+
+
+def expert_unit_name(layer: int, expert: int) -> str:
+    """The placement unit of expert ``expert`` of block ``layer``."""
+    return f"blk.{layer}.expert.{expert}"
 
 
 def source_for(resolved: ResolvedModel, header_sha256: str) -> ModelSource:

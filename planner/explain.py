@@ -32,12 +32,12 @@ _BLOCK = re.compile(r"^blk\.(\d+)\.(.+)$")
 
 def infer_role(name: str) -> tuple[int | None, str]:
     """(layer, role) from a unit name as ``planner.describe`` writes them (``blk.3.ffn``,
-    ``blk.3.ffn_exps``, ``token_embd``, ``output``); ``other`` when the name says nothing."""
+    ``blk.3.expert.5``, ``token_embd``, ``output``); ``other`` when the name says nothing."""
     m = _BLOCK.match(name)
     if not m:
         return None, {"token_embd": "embedding", "output": "output"}.get(name, "other")
     rest = m.group(2)
-    if "exps" in rest or "shexp" in rest:
+    if rest.startswith("expert."):
         role = "expert"
     elif rest.startswith("ffn"):
         role = "ffn"
@@ -185,7 +185,10 @@ def weights_per_tier(plan: Plan) -> dict[str, int]:
 
 def _memory_lines(plan: Plan) -> list[str]:
     lines = ["Memory per tier:"]
-    head = f"  {'tier':<5} {'weights':>10} {'KV cache':>10} {'pool':>10} {'activations':>12} "
+    experts = plan.expert_cache.slots > 0
+    head = f"  {'tier':<5} {'weights':>10} {'KV cache':>10} {'pool':>10} "
+    head += f"{'expert cache':>12} " if experts else ""
+    head += f"{'activations':>12} "
     lines.append(head + f"{'total':>10} {'capacity':>10}  used")
     if plan.memory is None:
         for t, w in weights_per_tier(plan).items():
@@ -195,13 +198,14 @@ def _memory_lines(plan: Plan) -> list[str]:
         m = plan.memory.get(t)  # type: ignore[call-overload]
         if m is None:
             continue
-        total = m.weights + m.kv_cache + m.pool + m.activations
+        total = m.weights + m.kv_cache + m.pool + m.expert_cache + m.activations
         cap = format_size(m.capacity) if m.capacity else "unbounded"
         used = f"{100 * total / m.capacity:.1f}%" if m.capacity else "-"
+        cache = f"{format_size(m.expert_cache):>12} " if experts else ""
         lines.append(
             f"  {t:<5} {format_size(m.weights):>10} {format_size(m.kv_cache):>10} "
-            f"{format_size(m.pool):>10} {format_size(m.activations):>12} {format_size(total):>10} "
-            f"{cap:>10}  {used}"
+            f"{format_size(m.pool):>10} {cache}{format_size(m.activations):>12} "
+            f"{format_size(total):>10} {cap:>10}  {used}"
         )
     return lines
 
@@ -228,7 +232,7 @@ def _no_room(plan: Plan) -> str | None:
     gpu, ram = plan.memory.get("gpu"), plan.memory.get("ram")  # type: ignore[call-overload]
     if gpu is None or not gpu.capacity:
         return None
-    gpu_total = gpu.weights + gpu.kv_cache + gpu.pool + gpu.activations
+    gpu_total = gpu.weights + gpu.kv_cache + gpu.pool + gpu.expert_cache + gpu.activations
     free = gpu.capacity - gpu_total
     if plan.runtime.backend != "cuda" and ram is not None and ram.capacity:
         free = min(free, ram.capacity - gpu_total - ram.weights)  # unified: one memory
@@ -259,8 +263,40 @@ def _why(plan: Plan) -> str:
     if w["ram"]:
         moved.append(f"{format_size(w['ram'])} sit in RAM and are copied to the device when used")
     if w["nvme"]:
-        moved.append(f"{format_size(w['nvme'])} stream from NVMe through the pool")
+        experts = sum(p.bytes for p in plan.placement if p.tier == "nvme" and _is_expert(p.unit))
+        dense = w["nvme"] - experts
+        if dense:
+            moved.append(f"{format_size(dense)} stream from NVMe through the pool")
+        if experts:
+            moved.append(
+                f"{format_size(experts)} of experts stream from NVMe through the expert cache"
+            )
     return f"Because {reason}, " + " and ".join(moved) + "."
+
+
+def _is_expert(unit: str) -> bool:
+    return infer_role(unit)[1] == "expert"
+
+
+def expert_cache_label(plan: Plan) -> str:
+    """The expert cache in one line: slots, prefetch, pinned experts (counted per block)."""
+    ec = plan.expert_cache
+    if not ec.slots and not ec.pinned:
+        return "none (no experts stream)"
+    parts = []
+    if ec.slots:
+        parts.append(
+            f"{ec.slots} slots × {format_size(ec.slot_bytes)} = "
+            f"{format_size(ec.slots * ec.slot_bytes)} (LRU), prefetch "
+            + (f"{ec.prefetch} experts per block" if ec.prefetch else "off")
+        )
+    if ec.pinned:
+        blocks = sorted({infer_role(u)[0] or 0 for u in ec.pinned})
+        parts.append(f"{len(ec.pinned)} experts pinned on the device in {len(blocks)} blocks")
+    hit = plan.prediction.expert_hit_rate if plan.prediction else None
+    if hit is not None:
+        parts.append(f"predicted hit rate {hit:.1%}")
+    return "; ".join(parts)
 
 
 def _prediction_lines(plan: Plan) -> list[str]:
@@ -311,8 +347,7 @@ def explain(plan: Plan, desc: ModelDescription | None = None) -> str:
         _why(plan),
         "",
         f"Pool: {pool_label(plan)}",
-        f"Expert cache: {plan.expert_cache.slots} slots"
-        + (f", pinned {', '.join(plan.expert_cache.pinned)}" if plan.expert_cache.pinned else ""),
+        f"Expert cache: {expert_cache_label(plan)}",
         f"Batch: {batch_label(plan)}",
         "",
         *_prediction_lines(plan),

@@ -9,6 +9,7 @@ from pathlib import Path
 from planner import __version__
 from planner.describe import describe
 from planner.ilp import solve, solver_description
+from planner.routing import apply_routing_profile, read_routing_profile
 from planner.schemas import (
     Fingerprints,
     HardwareProfile,
@@ -27,12 +28,14 @@ def build_plan(
     plan_path: Path,
     *,
     desc: ModelDescription | None = None,
+    routing_profile: Path | None = None,
 ) -> Plan:
     """Solve the placement ILP and return the plan, fingerprinted for ``plan_path``.
 
     The model is ``model`` (catalog name or GGUF path, described here) or, when given, the
     already-built description ``desc`` (e.g. from ``plan.py plan --arch``; ``model`` is then
-    ignored).
+    ignored). ``routing_profile`` (a file of ``execute.py run --save-routing-profile``)
+    replaces uniform expert access with the measured one (``planner.routing``).
 
     The profile is referenced relative to the plan file's folder, so a plan and its profile
     checked in together keep working from any clone. Solve time goes to stderr only: the same
@@ -47,6 +50,8 @@ def build_plan(
         if model is None:
             raise ValueError("build_plan needs a model spec or a description")
         desc, _ = describe(model)
+    if routing_profile is not None:
+        desc = apply_routing_profile(desc, read_routing_profile(routing_profile))
     if request.context > desc.architecture.context_length:
         print(
             f"warning: --context {request.context} exceeds the model's training context "
@@ -63,6 +68,7 @@ def build_plan(
             sha256=canonical_sha256(profile),
         ),
         request_sha256=canonical_sha256(request),
+        routing_profile_sha256=desc.routing.sha256 if desc.routing else None,
         planner_version=__version__,
         solver=solver_description(),
     )

@@ -20,9 +20,10 @@ TIERS: tuple[str, ...] = ("gpu", "ram", "nvme")
 Tier = Literal["gpu", "ram", "nvme"]
 Role = Literal["embedding", "attention", "norm", "ffn", "expert", "router", "output", "other"]
 
-DESCRIPTION_VERSION = "1.0"
+DESCRIPTION_VERSION = "1.1"
 PROFILE_VERSION = "1.0"
-PLAN_VERSION = "1.0"
+PLAN_VERSION = "1.1"
+ROUTING_VERSION = "1.0"
 
 
 class Strict(BaseModel):
@@ -79,6 +80,12 @@ class UnitInfo(Strict):
     )
     flops_per_token: int = Field(ge=0, description="multiply-adds x 2 of one decoded token")
     supported: bool = Field(description="all tensors of the unit have supported GGML types")
+    expert: int | None = Field(
+        default=None,
+        ge=0,
+        description="MoE expert index: the unit is slice ``expert`` of its stacked tensors "
+        "(GGUF shape [cols, rows, n_expert]); None for every other unit",
+    )
 
 
 class Architecture(Strict):
@@ -99,8 +106,27 @@ class Architecture(Strict):
     tied_embeddings: bool = Field(
         description="no separate output.weight: the head reuses token_embd"
     )
-    expert_count: int = Field(default=0, ge=0)
-    expert_used_count: int = Field(default=0, ge=0)
+    expert_count: int = Field(default=0, ge=0, description="experts per MoE block (0: dense)")
+    expert_used_count: int = Field(
+        default=0, ge=0, description="experts each token is routed to per block (top-k)"
+    )
+    expert_feed_forward_length: int = Field(
+        default=0, ge=0, description="FFN width of one expert (0: feed_forward_length)"
+    )
+    expert_shared_feed_forward_length: int = Field(
+        default=0, ge=0, description="FFN width of the shared expert (qwen2moe; 0: none given)"
+    )
+    expert_weights_norm: bool | None = Field(
+        default=None,
+        description="renormalize the chosen experts' weights to sum to 1 (None: the "
+        "architecture's llama.cpp default)",
+    )
+    expert_gating_func: Literal["softmax", "sigmoid"] | None = Field(
+        default=None, description="router gating function (None: the architecture's default)"
+    )
+    expert_weights_scale: float = Field(
+        default=0.0, ge=0, description="factor on the chosen experts' weights (0: none)"
+    )
     sliding_window: int = Field(
         default=0, ge=0, description="attention window of the windowed blocks, tokens (0: none)"
     )
@@ -154,11 +180,50 @@ class ModelDescription(Strict):
     bytes_mlx: int = Field(ge=0, description="sum of tensor bytes in MLX form")
     units: list[UnitInfo]
     tensors: list[TensorInfo]
+    routing: RoutingSummary | None = Field(
+        default=None,
+        description="the routing profile whose measured frequencies replaced uniform expert "
+        "access (None: uniform top-k/n)",
+    )
 
     @field_validator("format_version")
     @classmethod
     def _major(cls, v: str) -> str:
         return check_major(v, DESCRIPTION_VERSION, "model description")
+
+
+class RoutingProfile(Strict):
+    """Measured MoE routing of one model (``execute.py run --save-routing-profile``), which
+    ``plan.py plan --routing-profile`` uses in place of uniform top-k/n access. Arrays are
+    nested lists: [layer][expert] and [layer][expert][expert]."""
+
+    format_version: str = ROUTING_VERSION
+    model_sha256: str | None = Field(description="sha256 of the GGUF the routing was measured on")
+    header_sha256: str = Field(description="its header sha256")
+    layers: int = Field(ge=1)
+    expert_count: int = Field(ge=1)
+    tokens: list[int] = Field(description="tokens routed through each block")
+    counts: list[list[int]] = Field(description="[layer][expert]: times the expert was chosen")
+    successor: list[list[list[int]]] = Field(
+        description="[layer][e][f]: tokens that chose e in block layer and f in block layer + 1"
+    )
+    predicted: int = Field(default=0, ge=0, description="next-block experts predicted (prefetch)")
+    predicted_hits: int = Field(default=0, ge=0, description="predictions the next block chose")
+
+    @field_validator("format_version")
+    @classmethod
+    def _major(cls, v: str) -> str:
+        return check_major(v, ROUTING_VERSION, "routing profile")
+
+
+class RoutingSummary(Strict):
+    """What a description took from a routing profile."""
+
+    sha256: str = Field(description="sha256 of the routing profile's canonical content")
+    tokens: int = Field(ge=0, description="tokens measured (the least over blocks)")
+    prediction_recall: float = Field(
+        ge=0, le=1, description="share of a block's chosen experts the successor counts predicted"
+    )
 
 
 # --------------------------------------------------------------------------- hardware profile
@@ -251,6 +316,9 @@ class Fingerprints(Strict):
     model: ModelSource
     profile: ProfileRef | None = Field(default=None, description="None for a hand-written plan")
     request_sha256: str | None = None
+    routing_profile_sha256: str | None = Field(
+        default=None, description="the routing profile the expert access came from (MoE)"
+    )
     planner_version: str | None = None
     solver: str | None = Field(default=None, description="solver name, version and options")
 
@@ -300,10 +368,17 @@ class Prefetch(Strict):
 
 
 class ExpertCache(Strict):
-    """MoE expert cache (zero for dense models)."""
+    """MoE expert cache for experts streamed from NVMe (zero for dense models)."""
 
-    slots: int = Field(default=0, ge=0)
-    pinned: list[str] = Field(default_factory=list)
+    slots: int = Field(default=0, ge=0, description="device slots holding streamed experts (LRU)")
+    slot_bytes: int = Field(default=0, ge=0, description="bytes per slot (the largest expert)")
+    prefetch: int = Field(
+        default=0, ge=0, description="experts of the next block prefetched per block (0: none)"
+    )
+    pinned: list[str] = Field(
+        default_factory=list,
+        description="expert units kept on the gpu tier (the placement's, listed for review)",
+    )
 
 
 class BatchLimits(Strict):
@@ -323,6 +398,7 @@ class TierMemory(Strict):
     weights: int = Field(ge=0)
     kv_cache: int = Field(default=0, ge=0)
     pool: int = Field(default=0, ge=0)
+    expert_cache: int = Field(default=0, ge=0)
     activations: int = Field(default=0, ge=0)
 
 
@@ -336,6 +412,12 @@ class Prediction(Strict):
         default=0.0,
         ge=0,
         description="compute-thread wait for reads that cannot start before a slot frees, seconds",
+    )
+    expert_hit_rate: float | None = Field(
+        default=None,
+        ge=0,
+        le=1,
+        description="predicted share of streamed-expert uses served by the expert cache",
     )
     step_s: float = Field(ge=0, description="predicted time of one decode step, seconds")
     bottleneck: Literal["compute", "host_copy", "disk"]

@@ -38,6 +38,11 @@ EXAMPLES: dict[str, tuple[str | tuple[str, str], str, dict]] = {
         "m1-max-32gb.yaml",
         {"context": 4096},
     ),
+    "mixtral-8x7b-q5_k_m.m1-max-32gb.yaml": (
+        ("mixtral-8x7b.yaml", "Q5_K_M"),
+        "m1-max-32gb.yaml",
+        {"context": 4096},
+    ),
 }
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import zlib
 from dataclasses import dataclass
@@ -159,6 +160,19 @@ class ArchModel:
             given original context, so they matter at the test's positions).
         metadata: extra ``{arch}.<key>`` values (sliding window, rope scaling, ...).
         logit_std: target std of the logits.
+        experts, experts_used: ``expert_count`` and ``expert_used_count`` (0: a dense model).
+            An MoE block has the router ``ffn_gate_inp`` (F32, [n_expert, d]) and stacked
+            ``ffn_{gate,up,down}_exps`` ([n_expert, rows, cols] numpy arrays, GGUF shape
+            [cols, rows, n_expert]) instead of ``ffn_{gate,up,down}``.
+        expert_ffn: one expert's FFN width, written as ``expert_feed_forward_length`` (0: no key,
+            the experts are ``ffn`` wide).
+        shared_ffn: qwen2moe's shared expert: ``ffn_{gate,up,down}_shexp`` this wide (written as
+            ``expert_shared_feed_forward_length``) and its gate ``ffn_gate_inp_shexp`` ([d]).
+        expert_type: GGML type of the expert matrices (None: ``matrix_type``); F32 or F16.
+        fused_gate_up: one ``ffn_gate_up_exps`` ([n_expert, 2 * ff, d]: gate rows, then up
+            rows) instead of ``ffn_gate_exps`` and ``ffn_up_exps``.
+        qk_norm_full: ``attn_{q,k}_norm`` over the whole projection (``heads * head_dim`` and
+            ``kv_heads * head_dim`` wide: olmoe) rather than per head.
     """
 
     arch: str
@@ -179,6 +193,13 @@ class ArchModel:
     metadata: tuple[tuple[str, object], ...] = ()
     logit_std: float = 20.0
     rms_eps: float = 1e-6
+    experts: int = 0
+    experts_used: int = 0
+    expert_ffn: int = 0
+    shared_ffn: int = 0
+    expert_type: gguf.GGMLQuantizationType | None = None
+    fused_gate_up: bool = False
+    qk_norm_full: bool = False
 
 
 ARCH_MODELS: dict[str, ArchModel] = {
@@ -251,12 +272,12 @@ def llama3_rope_factors(
 def write_arch_model(
     path: Path, name: str, tokenizer: Path, seed: int = 0, model: ArchModel | None = None
 ) -> Path:
-    """Write ``ARCH_MODELS[name]`` (or ``model``, a variant, seeded by ``name``) with SmolLM2's
-    tokenizer (every ``tokenizer.*`` key of ``tokenizer``, a GGUF). The bytes are a function of
-    (name, model, seed, tokenizer, gguf-py)."""
+    """Write ``ARCH_MODELS[name]`` or ``MOE_MODELS[name]`` (or ``model``, a variant, seeded by
+    ``name``) with SmolLM2's tokenizer (every ``tokenizer.*`` key of ``tokenizer``, a GGUF). The
+    bytes are a function of (name, model, seed, tokenizer, gguf-py)."""
     from planner.synthetic import _tokenizer_fields
 
-    m = ARCH_MODELS[name] if model is None else model
+    m = {**ARCH_MODELS, **MOE_MODELS}[name] if model is None else model
     rng = np.random.default_rng([seed, zlib.crc32(name.encode())])
     tok = _tokenizer_fields(str(tokenizer))
     vocab = len(next(v for k, v, *_ in tok if k == "tokenizer.ggml.tokens"))
@@ -276,9 +297,18 @@ def write_arch_model(
     w.add_layer_norm_rms_eps(m.rms_eps)
     w.add_file_type(gguf.LlamaFileType.MOSTLY_F16)
     w.add_vocab_size(vocab)
+    if m.experts:
+        w.add_expert_count(m.experts)
+        w.add_expert_used_count(m.experts_used)
+        if m.expert_ffn:
+            w.add_expert_feed_forward_length(m.expert_ffn)
+        if m.shared_ffn:
+            w.add_expert_shared_feed_forward_length(m.shared_ffn)
     for key, value in m.metadata:
         full = f"{m.arch}.{key}"
-        if isinstance(value, str):
+        if isinstance(value, bool):
+            w.add_bool(full, value)
+        elif isinstance(value, str):
             w.add_string(full, value)
         elif isinstance(value, float):
             w.add_float32(full, value)
@@ -323,15 +353,18 @@ def write_arch_model(
             add(p + "attn_k.bias", rng.normal(0, 0.5, kv))
             add(p + "attn_v.bias", rng.normal(0, 0.5, kv))
         if m.qk_norm:
-            norm(p + "attn_q_norm.weight", hd)
-            norm(p + "attn_k_norm.weight", hd)
+            norm(p + "attn_q_norm.weight", q if m.qk_norm_full else hd)
+            norm(p + "attn_k_norm.weight", kv if m.qk_norm_full else hd)
         mat(p + "attn_output.weight", d, q)
         if m.post_norms:
             norm(p + "post_attention_norm.weight", d)
         norm(p + "ffn_norm.weight", d)
-        mat(p + "ffn_gate.weight", m.ffn, d)
-        mat(p + "ffn_up.weight", m.ffn, d)
-        mat(p + "ffn_down.weight", d, m.ffn)
+        if m.experts:
+            _moe_tensors(m, p, add, rng)
+        else:
+            mat(p + "ffn_gate.weight", m.ffn, d)
+            mat(p + "ffn_up.weight", m.ffn, d)
+            mat(p + "ffn_down.weight", d, m.ffn)
         if m.post_norms:
             norm(p + "post_ffw_norm.weight", d)
     norm("output_norm.weight", d, m.logit_std if tied else 1.0)
@@ -342,3 +375,78 @@ def write_arch_model(
     w.write_tensors_to_file()
     w.close()
     return path
+
+
+def _moe_tensors(m: ArchModel, p: str, add, rng: np.random.Generator) -> None:
+    """One MoE block's FFN tensors (see :class:`ArchModel`): the router (F32, std 1/sqrt(d), so
+    the router logits have about unit scale and the top-k choice varies from token to token),
+    the stacked experts, and qwen2moe's shared expert and its gate."""
+    d, e = m.width, m.experts
+    ff = m.expert_ffn or m.ffn
+    qtype = m.expert_type or m.matrix_type
+
+    def stack(rows: int, cols: int) -> np.ndarray:
+        return rng.normal(0, 1 / math.sqrt(cols), (e, rows, cols))
+
+    add(p + "ffn_gate_inp.weight", rng.normal(0, 1 / math.sqrt(d), (e, d)))
+    if m.fused_gate_up:
+        add(p + "ffn_gate_up_exps.weight", stack(2 * ff, d), qtype)
+    else:
+        add(p + "ffn_gate_exps.weight", stack(ff, d), qtype)
+        add(p + "ffn_up_exps.weight", stack(ff, d), qtype)
+    add(p + "ffn_down_exps.weight", stack(d, ff), qtype)
+    if m.shared_ffn:
+        sh = m.shared_ffn
+        add(p + "ffn_gate_inp_shexp.weight", rng.normal(0, 1 / math.sqrt(d), d))
+        add(p + "ffn_gate_shexp.weight", rng.normal(0, 1 / math.sqrt(d), (sh, d)), qtype)
+        add(p + "ffn_up_shexp.weight", rng.normal(0, 1 / math.sqrt(d), (sh, d)), qtype)
+        add(p + "ffn_down_shexp.weight", rng.normal(0, 1 / math.sqrt(sh), (d, sh)), qtype)
+
+
+MOE_MODELS: dict[str, ArchModel] = {
+    # Mixtral-style llama: 8 experts, top-2, experts as wide as feed_forward_length (llama.cpp
+    # reads no expert_feed_forward_length for llama), F16 experts, untied Q8_0 head.
+    "mixtral": ArchModel(
+        "llama", 3, 64, 96, 4, 2, 16, _T.F32, _T.Q8_0, _T.Q8_0, 1000000.0,
+        experts=8, experts_used=2, expert_type=_T.F16,
+    ),
+    # Qwen2-MoE (Qwen1.5-MoE): Q/K/V biases, top-4 of 8 narrow experts
+    # (expert_feed_forward_length) plus a sigmoid-gated shared expert; the head is required.
+    "qwen2moe": ArchModel(
+        "qwen2moe", 3, 64, 128, 4, 2, 16, _T.F32, _T.Q8_0, _T.F16, 1000000.0, qkv_bias=True,
+        experts=8, experts_used=4, expert_ffn=32, shared_ffn=96,
+    ),
+    # Qwen3-MoE: per-head Q/K norms, head dim 32 (q 128 wide, d 64), top-2 of 8, F16 experts,
+    # tied embeddings.
+    "qwen3moe": ArchModel(
+        "qwen3moe", 3, 64, 128, 4, 2, 32, _T.F32, _T.Q8_0, None, 1000000.0, qk_norm=True,
+        experts=8, experts_used=2, expert_ffn=48, expert_type=_T.F16,
+    ),
+    # OLMoE: Q/K RMSNorm over the whole projection (llama.cpp's attn_{q,k}_norm are n_embd wide,
+    # so K heads = Q heads), NeoX RoPE, top-2 of 8 experts ffn wide, head required.
+    "olmoe": ArchModel(
+        "olmoe", 3, 64, 64, 4, 4, 16, _T.F32, _T.Q8_0, _T.Q8_0, 10000.0, qk_norm=True,
+        qk_norm_full=True, experts=8, experts_used=2,
+    ),
+}  # fmt: skip
+"""The synthetic MoE models compared with llama.cpp (tests/data/llamacpp_moe.json). Block
+matrices and routers are F32 (experts F32 or F16): a router's top-k choice is a discontinuity,
+and llama.cpp's rounding of activations before F16 or quantized matrices would move router
+logits enough to flip near-tied choices (a flipped expert moves that token's logits by whole
+units)."""
+
+
+def moe_key_variant(name: str) -> ArchModel:
+    """``MOE_MODELS[name]`` with the GGUF routing keys set against its architecture's rule:
+    ``expert_weights_norm`` the opposite of llama.cpp's (true for qwen2moe and olmoe, false for
+    llama and qwen3moe), ``expert_gating_func`` 2 (sigmoid), ``expert_weights_scale`` 2.5.
+    llama.cpp reads none of them for these architectures (its outputs equal the plain file's:
+    ``make_arch_references.py --moe`` checks it), so neither does Strata. Written with the same
+    name, its weights are the plain file's."""
+    m = MOE_MODELS[name]
+    keys = (
+        ("expert_weights_norm", m.arch in ("qwen2moe", "olmoe")),
+        ("expert_gating_func", 2),
+        ("expert_weights_scale", 2.5),
+    )
+    return dataclasses.replace(m, metadata=m.metadata + keys)

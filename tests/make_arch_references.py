@@ -6,6 +6,9 @@ Run from the project root with Strata's environment, giving a Python that has ll
 
     .venv/bin/python tests/make_arch_references.py --llama-python /tmp/lcpp-venv/bin/python
 
+With ``--moe`` it does the same for the mixture-of-experts models (``gguf_factory.MOE_MODELS``,
+tests/test_moe_architectures.py) into tests/data/llamacpp_moe.json.
+
 It writes each model with ``gguf_factory.write_arch_model`` (SmolLM2's tokenizer, from the
 catalog), then runs llama.cpp on it in that other Python, for every case of
 tests/data/cases_visible.json and tests/data/cases_arch.json: the prompt's token ids (plain
@@ -30,9 +33,10 @@ TESTS = Path(__file__).resolve().parent
 sys.path.insert(0, str(TESTS))
 sys.path.insert(0, str(TESTS.parent))
 
-from gguf_factory import ARCH_MODELS, write_arch_model  # noqa: E402
+from gguf_factory import ARCH_MODELS, MOE_MODELS, moe_key_variant, write_arch_model  # noqa: E402
 
 OUT = TESTS / "data" / "llamacpp_arch.json"
+MOE_OUT = TESTS / "data" / "llamacpp_moe.json"
 CASE_FILES = (TESTS / "data" / "cases_visible.json", TESTS / "data" / "cases_arch.json")
 GEMMA_OUT = TESTS / "data" / "llamacpp_gemma3.json"
 GEMMA_CASES = TESTS / "data" / "cases_gemma3.json"
@@ -98,10 +102,11 @@ print(json.dumps(out))
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--llama-python", required=True, help="a Python with llama-cpp-python")
-    p.add_argument("-o", "--output", type=Path, default=OUT)
+    p.add_argument("-o", "--output", type=Path, help=f"default {OUT.name} ({MOE_OUT.name})")
     p.add_argument(
         "--gemma", action="store_true", help=f"the real Gemma-3-270M on {GEMMA_CASES.name} instead"
     )
+    p.add_argument("--moe", action="store_true", help="the MoE models (MOE_MODELS) instead")
     args = p.parse_args()
 
     from planner.catalog import resolve_model
@@ -124,7 +129,7 @@ def main() -> int:
     cases = [c for f in CASE_FILES for c in json.loads(f.read_text())]
     with tempfile.TemporaryDirectory() as d:
         jobs = []
-        for name in ARCH_MODELS:
+        for name in MOE_MODELS if args.moe else ARCH_MODELS:
             path = write_arch_model(Path(d) / f"strata-synthetic-{name}.gguf", name, tokenizer)
             jobs.append(
                 {
@@ -138,8 +143,39 @@ def main() -> int:
                 }
             )
         refs = _run(args.llama_python, jobs)
-    _write(refs, args.output)
+        if args.moe:
+            _check_key_variants(args.llama_python, jobs, refs, Path(d), tokenizer)
+    _write(refs, args.output or (MOE_OUT if args.moe else OUT))
     return 0
+
+
+def _check_key_variants(
+    llama_python: str, jobs: list[dict], refs: list[dict], d: Path, tokenizer: Path
+) -> None:
+    """llama.cpp ignores the GGUF routing keys for the MoE architectures here: on each model's
+    ``moe_key_variant`` its outputs for the first case must equal the plain file's (else the
+    architectures' routing rows in ``executor/models`` must name the keys it reads).
+
+    Raises:
+        SystemExit: llama.cpp's outputs differ on some variant (names it).
+    """
+    variants = []
+    for job in jobs:
+        path = write_arch_model(
+            d / f"keys-{job['name']}.gguf", job["name"], tokenizer,
+            model=moe_key_variant(job["name"]),
+        )  # fmt: skip
+        variants.append({**job, "path": str(path), "cases": job["cases"][:1]})
+    fields = ("prompt_ids", "top10_after_prompt", "greedy_ids", "greedy_step_top5")
+    for got in _run(llama_python, variants):
+        want = next(r for r in refs if (r["model"], r["case"]) == (got["model"], got["case"]))
+        if any(got[f] != want[f] for f in fields):
+            raise SystemExit(
+                f"llama.cpp's outputs on {got['model']} with expert_weights_norm, "
+                "expert_gating_func and expert_weights_scale set differ from the plain file's: "
+                "it reads those keys now; update the routing rows (MoeRouting.gguf_keys)"
+            )
+    print(f"llama.cpp ignored the routing keys on all {len(variants)} variants", file=sys.stderr)
 
 
 def _run(llama_python: str, jobs: list[dict]) -> list[dict]:

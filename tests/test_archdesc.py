@@ -82,7 +82,14 @@ def test_mixtral_8x7b_q5_k_m_size(mixtral):
     assert by_name["blk.5.attn_k.weight"].ggml_type == "Q8_0"
     assert by_name["blk.5.attn_v.weight"].ggml_type == "Q8_0"
     units = {u.name: u for u in mixtral.units}
-    assert units["blk.0.ffn_exps"].access_per_token == pytest.approx(2 / 8)
+    # One unit per expert, each an eighth of the stacked tensors, read by 2 of 8 tokens' choices.
+    experts = [u for u in mixtral.units if u.layer == 0 and u.role == "expert"]
+    assert [u.expert for u in experts] == list(range(8))
+    stacked = sum(t.bytes_mlx for t in mixtral.tensors if t.layer == 0 and t.role == "expert")
+    assert sum(u.bytes_mlx for u in experts) == stacked
+    assert units["blk.0.expert.3"].access_per_token == pytest.approx(2 / 8)
+    assert units["blk.0.expert.3"].flops_per_token == 2 * 3 * 4096 * 14336 // 4
+    assert units["blk.0.ffn"].role == "router"  # ffn_norm and the router: every token's
 
 
 def test_smollm2_arch_file_reproduces_the_real_gguf(smollm2_gguf):

@@ -59,7 +59,11 @@ def test_classify_names():
     assert classify("blk.7.attn_q.weight") == (7, "attention", "blk.7.attn")
     assert classify("blk.7.attn_norm.weight") == (7, "norm", "blk.7.attn")
     assert classify("blk.7.ffn_up.weight") == (7, "ffn", "blk.7.ffn")
-    assert classify("blk.7.ffn_up_exps.weight") == (7, "expert", "blk.7.ffn_exps")
+    # Stacked experts are split per expert by assemble(); the router and a shared expert are dense.
+    assert classify("blk.7.ffn_up_exps.weight") == (7, "expert", "blk.7.experts")
+    assert classify("blk.7.ffn_gate_inp.weight") == (7, "router", "blk.7.ffn")
+    assert classify("blk.7.ffn_gate_inp_shexp.weight") == (7, "router", "blk.7.ffn")
+    assert classify("blk.7.ffn_up_shexp.weight") == (7, "ffn", "blk.7.ffn")
     assert classify("output.weight") == (None, "output", "output")
     assert classify("output_norm.weight") == (None, "norm", "output")
     assert classify("token_embd.weight") == (None, "embedding", "token_embd")

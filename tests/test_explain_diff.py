@@ -141,7 +141,7 @@ def test_diff_tier_moves_by_layer_range() -> None:
 
 
 def test_infer_role_and_runs() -> None:
-    assert infer_role("blk.12.ffn_exps") == (12, "expert")
+    assert infer_role("blk.12.expert.3") == (12, "expert")
     assert infer_role("blk.0.attn") == (0, "attention")
     assert infer_role("token_embd") == (None, "embedding")
     assert infer_role("output") == (None, "output")

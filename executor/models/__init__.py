@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 from executor.models.gemma3 import Gemma3Model
-from executor.models.llama import LlamaModel
+from executor.models.llama import LlamaModel, MoeRouting
+from executor.models.olmoe import OlmoeModel
 from executor.models.qwen2 import Qwen2Model
+from executor.models.qwen2moe import Qwen2MoeModel
 from executor.models.qwen3 import Qwen3Model
+from executor.models.qwen3moe import Qwen3MoeModel
 from planner.errors import StrataError
 from planner.schemas import Architecture
 
@@ -14,7 +17,20 @@ ARCHITECTURES: dict[str, type[LlamaModel]] = {
     "qwen2": Qwen2Model,
     "qwen3": Qwen3Model,
     "gemma3": Gemma3Model,
+    "qwen2moe": Qwen2MoeModel,
+    "qwen3moe": Qwen3MoeModel,
+    "olmoe": OlmoeModel,
 }
+
+MOE_ROUTING: dict[str, MoeRouting] = {
+    name: cls.moe_routing for name, cls in ARCHITECTURES.items() if cls.experts != "none"
+}
+"""The router rule of each architecture with MoE blocks, as llama.cpp fixes it in that
+architecture's graph code (each model file says where): llama (Mixtral) softmax, top-k,
+renormalized; qwen2moe softmax, top-k, not renormalized, plus a sigmoid-gated shared expert;
+qwen3moe softmax, top-k, renormalized; olmoe softmax, top-k, not renormalized. None scales the
+weights, and none honours ``expert_weights_norm``, ``expert_gating_func`` or
+``expert_weights_scale`` from the GGUF (llama.cpp reads them only for other architectures)."""
 
 
 def model_class(arch: Architecture) -> type[LlamaModel]:

@@ -13,18 +13,35 @@ pairs (llama.cpp's ``LLAMA_ROPE_TYPE_NORM``), which is MLX's ``traditional=True`
   tokens, including its own. llama.cpp ignores that key for ``llama`` (its logits are the same
   with and without it), so such a file differs from llama.cpp past the window, by design.
 
+- Mixtral-style experts: where the GGUF has ``llama.expert_count``, every block's FFN is a
+  mixture of experts (:meth:`LlamaModel.moe_ffn`), routed by :func:`route` with llama's rule
+  (``MOE_ROUTING``).
+
 The forward pass runs unit by unit, asking the weight store for each unit as it is needed, so a
 unit on any tier is used the moment it arrives and the numbers never depend on the tier. The
-other architectures (``qwen2.py``, ``qwen3.py``, ``gemma3.py``) subclass :class:`LlamaModel` and
-switch its parts on or off through class attributes and small hooks.
+other architectures (``qwen2.py``, ``qwen3.py``, ``gemma3.py``, and the MoE ones ``qwen2moe.py``,
+``qwen3moe.py``, ``olmoe.py``) subclass :class:`LlamaModel` and switch its parts on or off through
+class attributes and small hooks.
+
+Mixture of experts, as llama.cpp's ``llm_graph_context::build_moe_ffn`` (``src/llama-graph.cpp``)
+computes it: the router ``ffn_gate_inp`` gives one logit per expert; a gating function (softmax
+or sigmoid) over *all* experts gives probabilities; the top ``expert_used_count`` are chosen;
+their probabilities, optionally renormalized to sum to 1 and scaled, weight the chosen experts'
+SwiGLU outputs, which are summed. The per-architecture choices are each model class's
+``moe_routing`` (llama.cpp hard-codes them in each architecture's graph code). Experts are
+fetched from the weight store only after the router's choice is known (``store.route``), group
+by group, and their contributions are accumulated in ascending expert id, so the result does
+not depend on how the store grouped them.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+import sys
+from dataclasses import dataclass, replace
 
 import mlx.core as mx
+import numpy as np
 
 from executor.kv_cache import KVCache
 from executor.ops import linear
@@ -34,6 +51,102 @@ from planner.schemas import Architecture
 
 ROPE_SCALING_SUPPORTED = ("none", "linear")
 """``rope.scaling.type`` values the forward pass implements (YaRN and LongRoPE are not yet)."""
+
+
+NORM_SUM_MIN = 6.103515625e-5
+"""Lower bound of the chosen weights' sum before renormalizing: llama.cpp clamps it to the
+smallest normal float16 so that a sum of zero (all chosen probabilities underflowed) does not
+divide by zero (``build_moe_ffn``, ``ffn_moe_weights_sum_clamped``)."""
+
+MOE_GGUF_KEYS = {
+    "expert_gating_func": "gating",
+    "expert_weights_norm": "norm",
+    "expert_weights_scale": "scale",
+}
+"""The routing keys a GGUF may carry (``{arch}.<key>``, read into the ``planner.schemas.
+Architecture`` fields of the same names: None or 0 when absent) -> the :class:`MoeRouting`
+field each sets."""
+
+
+@dataclass(frozen=True)
+class MoeRouting:
+    """How an architecture's router turns logits into expert weights (llama.cpp's arguments to
+    ``build_moe_ffn``, which each architecture's graph code fixes).
+
+    Attributes:
+        gating: ``"softmax"`` or ``"sigmoid"``, applied to all experts' logits *before* top-k.
+        norm: renormalize the k chosen probabilities to sum to 1 (``norm_w``).
+        scale: multiply the chosen weights by this (``w_scale``; 0 or 1: no scaling).
+        gguf_keys: which keys of ``MOE_GGUF_KEYS`` llama.cpp reads from the GGUF for this
+            architecture; those override the fields above, the others are ignored as llama.cpp
+            ignores them (for llama, qwen2moe, qwen3moe and olmoe it reads none: seen on
+            llama-cpp-python 0.3.36, whose logits are identical with and without each key).
+    """
+
+    gating: str = "softmax"
+    norm: bool = False
+    scale: float = 0.0
+    gguf_keys: frozenset[str] = frozenset()
+
+    def for_model(self, arch: Architecture) -> MoeRouting:
+        """This rule with the GGUF's values of the keys llama.cpp reads for the architecture
+        (``gguf_keys``); a key it ignores is reported on stderr when it contradicts the rule."""
+        rule = self
+        for key, field in MOE_GGUF_KEYS.items():
+            value = getattr(arch, key)
+            if value is None or (field == "scale" and value == 0.0):
+                continue  # not in the GGUF
+            if key in self.gguf_keys:
+                rule = replace(rule, **{field: value})
+            elif _effective(field, value) != _effective(field, getattr(self, field)):
+                print(
+                    f"note: {arch.name}.{key} = {value} is ignored: llama.cpp ignores it for "
+                    f"{arch.name} and uses {getattr(self, field)}, and so does Strata",
+                    file=sys.stderr,
+                )
+        return rule
+
+
+def _effective(field: str, value: object) -> object:
+    """A routing field's value as it acts (a scale of 0 and of 1 both leave weights alone)."""
+    return 1.0 if field == "scale" and value in (0.0, 1.0) else value
+
+
+def route(logits: mx.array, k: int, rule: MoeRouting) -> tuple[mx.array, mx.array]:
+    """The router's choice for T tokens, as llama.cpp's ``build_moe_ffn`` makes it.
+
+    1. probabilities = gating(logits) over all E experts (softmax along E, or sigmoid);
+    2. chosen = the k experts of largest probability, largest first (``ggml_argsort_top_k``);
+    3. weights = their probabilities; if ``rule.norm``, divided by their sum (clamped below at
+       ``NORM_SUM_MIN``); if ``rule.scale`` is neither 0 nor 1, multiplied by it.
+
+    Softmax over all experts then renormalizing the chosen k equals a softmax over the k chosen
+    logits in exact arithmetic; llama.cpp computes the former, and so does this.
+
+    Args:
+        logits: router logits, float32 [T, E].
+        k: experts per token (``expert_used_count``).
+        rule: the architecture's routing rule (:meth:`MoeRouting.for_model`).
+
+    Returns:
+        (weights float32 [T, k], chosen int32 [T, k]), row t's weights in the order of its
+        chosen ids.
+    """
+    logits = logits.astype(mx.float32)
+    if rule.gating == "softmax":
+        probs = mx.softmax(logits, axis=-1, precise=True)
+    elif rule.gating == "sigmoid":
+        probs = mx.sigmoid(logits)
+    else:
+        raise StrataError(f"expert gating function {rule.gating!r} is not supported")
+    chosen = mx.argsort(-probs, axis=-1)[:, :k].astype(mx.int32)
+    weights = mx.take_along_axis(probs, chosen, axis=-1)
+    if rule.norm:
+        total = mx.maximum(weights.sum(axis=-1, keepdims=True), NORM_SUM_MIN)
+        weights = weights / total
+    if rule.scale not in (0.0, 1.0):
+        weights = weights * rule.scale
+    return weights, chosen
 
 
 @dataclass(frozen=True)
@@ -76,6 +189,32 @@ class LlamaModel:
     ``post_ffw_norm``)."""
     rope_freqs_tensor = True
     """The architecture reads Llama 3's ``rope_freqs.weight`` when present."""
+    qk_norm_full = False
+    """With ``qk_norm``: one RMSNorm over the whole Q (and K) projection, before the split into
+    heads (olmoe: ``attn_{q,k}_norm`` as wide as the projection), not one per head."""
+    experts = "optional"
+    """MoE blocks: ``"optional"`` (llama: dense, or Mixtral-style when the GGUF has
+    ``expert_count``), ``"required"`` (llama.cpp refuses the architecture without experts), or
+    ``"none"`` (the architecture has no MoE variant in llama.cpp). A subclass that does not set
+    it has ``"none"`` (``__init_subclass__``): the dense architectures (qwen2, qwen3, gemma3)
+    have no experts in llama.cpp."""
+    moe_routing = MoeRouting(gating="softmax", norm=True)
+    """The router rule: llama.cpp's llama graph (``src/models/llama.cpp``) passes softmax gating,
+    ``norm_w = true`` and ``hparams.expert_weights_scale``, a key its llama hyperparameters never
+    read (so 0: no scaling)."""
+    expert_ffn_key = False
+    """llama.cpp sizes the experts by ``{arch}.expert_feed_forward_length`` when present (llama:
+    never, experts are ``feed_forward_length`` wide)."""
+    shared_expert = False
+    """A shared expert (``ffn_{gate,up,down}_shexp``) that every token runs, its output gated by
+    sigmoid(``ffn_gate_inp_shexp`` . h) (qwen2moe)."""
+    head_required = False
+    """llama.cpp requires ``output.weight`` (no tied embeddings: qwen2moe, olmoe)."""
+
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        if "experts" not in cls.__dict__:
+            cls.experts = "none"  # only an architecture that says so has MoE blocks
 
     def __init__(self, arch: Architecture, store: WeightStore, dtype: mx.Dtype):
         self.arch, self.store, self.dtype = arch, store, dtype
@@ -87,6 +226,7 @@ class LlamaModel:
         self.scale = self.query_scale()
         self.has_globals = self.rope_freqs_tensor and _has_unit(store, "globals")
         self.layers = [self.layer_attention(i) for i in range(arch.block_count)]
+        self.routing = self.moe_routing.for_model(arch) if arch.expert_count else None
 
     # ----------------------------------------------------------------- architecture hooks
 
@@ -113,11 +253,31 @@ class LlamaModel:
         """The head's output as returned (float32)."""
         return logits
 
+    @classmethod
+    def expert_width(cls, arch: Architecture) -> int:
+        """One routed expert's FFN width: ``expert_feed_forward_length`` where llama.cpp reads
+        it (``expert_ffn_key``) and the GGUF has it, else ``feed_forward_length`` (llama's rule;
+        the qwen MoE architectures divide it by ``expert_used_count``)."""
+        if cls.expert_ffn_key and arch.expert_feed_forward_length:
+            return arch.expert_feed_forward_length
+        return arch.feed_forward_length
+
+    @classmethod
+    def shared_width(cls, arch: Architecture) -> int:
+        """The shared expert's FFN width: ``expert_shared_feed_forward_length``, else
+        ``feed_forward_length`` (llama.cpp's qwen2moe rule)."""
+        return arch.expert_shared_feed_forward_length or arch.feed_forward_length
+
     # ----------------------------------------------------------------- tensors and cache
 
     @classmethod
     def expected_shapes(cls, arch: Architecture) -> dict[str, list[int] | None]:
-        """Tensor name -> GGUF shape (ne0 first) this forward pass needs; None = optional."""
+        """Tensor name -> GGUF shape (ne0 first) this forward pass needs; None = optional.
+
+        Raises:
+            StrataError: experts where the architecture has none, none where it needs them, or
+                an ``expert_used_count`` outside 1..``expert_count``.
+        """
         d, hd, v, ff = (
             arch.embedding_length,
             arch.head_dim,
@@ -125,10 +285,11 @@ class LlamaModel:
             arch.feed_forward_length,
         )
         q, kv = arch.head_count * hd, arch.head_count_kv * hd
+        moe = cls._check_experts(arch)
         shapes: dict[str, list[int] | None] = {
             "token_embd.weight": [d, v],
             "output_norm.weight": [d],
-            "output.weight": None,
+            "output.weight": [d, v] if cls.head_required else None,
         }
         if cls.rope_freqs_tensor:
             shapes["rope_freqs.weight"] = None
@@ -142,20 +303,66 @@ class LlamaModel:
                     p + "attn_v.weight": [d, kv],
                     p + "attn_output.weight": [q, d],
                     p + "ffn_norm.weight": [d],
-                    p + "ffn_gate.weight": [d, ff],
-                    p + "ffn_up.weight": [d, ff],
-                    p + "ffn_down.weight": [ff, d],
                     p + "attn_q.bias": [q] if cls.qkv_bias else None,
                     p + "attn_k.bias": [kv] if cls.qkv_bias else None,
                     p + "attn_v.bias": [kv] if cls.qkv_bias else None,
                 }
             )
+            if moe:
+                shapes.update(cls._moe_shapes(arch, p))
+            else:
+                shapes[p + "ffn_gate.weight"] = [d, ff]
+                shapes[p + "ffn_up.weight"] = [d, ff]
+                shapes[p + "ffn_down.weight"] = [ff, d]
             if cls.qk_norm:
-                shapes[p + "attn_q_norm.weight"] = [hd]
-                shapes[p + "attn_k_norm.weight"] = [hd]
+                shapes[p + "attn_q_norm.weight"] = [q] if cls.qk_norm_full else [hd]
+                shapes[p + "attn_k_norm.weight"] = [kv] if cls.qk_norm_full else [hd]
             if cls.post_norms:
                 shapes[p + "post_attention_norm.weight"] = [d]
                 shapes[p + "post_ffw_norm.weight"] = [d]
+        return shapes
+
+    @classmethod
+    def _check_experts(cls, arch: Architecture) -> bool:
+        """Whether the blocks are MoE; refuses what llama.cpp refuses (see ``experts``)."""
+        if not arch.expert_count:
+            if cls.experts == "required":
+                raise StrataError(
+                    f"{arch.name} needs {arch.name}.expert_count > 0 (a mixture-of-experts "
+                    "architecture); the GGUF has none"
+                )
+            return False
+        if cls.experts == "none":
+            raise StrataError(
+                f"{arch.name} with experts ({arch.name}.expert_count = {arch.expert_count}) is "
+                "not an architecture llama.cpp or Strata runs"
+            )
+        if not 1 <= arch.expert_used_count <= arch.expert_count:
+            raise StrataError(
+                f"{arch.name}.expert_used_count is {arch.expert_used_count}; it must be 1.."
+                f"{arch.expert_count} (expert_count)"
+            )
+        return True
+
+    @classmethod
+    def _moe_shapes(cls, arch: Architecture, p: str) -> dict[str, list[int] | None]:
+        """One MoE block's FFN tensors (GGUF order: experts last). A fused
+        ``ffn_gate_up_exps`` is not among them: llama.cpp loads it for none of the
+        architectures here (it fails on a missing ``ffn_gate_exps``), so it is refused as an
+        unused tensor (the store would split it: :meth:`expert`)."""
+        d, e, ff = arch.embedding_length, arch.expert_count, cls.expert_width(arch)
+        shapes: dict[str, list[int] | None] = {
+            p + "ffn_gate_inp.weight": [d, e],
+            p + "ffn_gate_exps.weight": [d, ff, e],
+            p + "ffn_up_exps.weight": [d, ff, e],
+            p + "ffn_down_exps.weight": [ff, d, e],
+        }
+        if cls.shared_expert:
+            sh = cls.shared_width(arch)
+            shapes[p + "ffn_gate_inp_shexp.weight"] = [d]
+            shapes[p + "ffn_gate_shexp.weight"] = [d, sh]
+            shapes[p + "ffn_up_shexp.weight"] = [d, sh]
+            shapes[p + "ffn_down_shexp.weight"] = [sh, d]
         return shapes
 
     def make_cache(self, max_tokens: int) -> KVCache:
@@ -213,10 +420,14 @@ class LlamaModel:
         a, p, la = self.arch, f"blk.{layer}.", self.layers[layer]
         _, t, _ = x.shape
         h = self._norm(x, w[p + "attn_norm.weight"])
-        q = self._proj(w, p + "attn_q", h).reshape(1, t, a.head_count, a.head_dim)
-        k = self._proj(w, p + "attn_k", h).reshape(1, t, a.head_count_kv, a.head_dim)
+        q, k = self._proj(w, p + "attn_q", h), self._proj(w, p + "attn_k", h)
+        if self.qk_norm_full:
+            q = self._norm(q, w[p + "attn_q_norm.weight"])
+            k = self._norm(k, w[p + "attn_k_norm.weight"])
+        q = q.reshape(1, t, a.head_count, a.head_dim)
+        k = k.reshape(1, t, a.head_count_kv, a.head_dim)
         v = self._proj(w, p + "attn_v", h).reshape(1, t, a.head_count_kv, a.head_dim)
-        if self.qk_norm:
+        if self.qk_norm and not self.qk_norm_full:
             q = self._norm(q, w[p + "attn_q_norm.weight"])
             k = self._norm(k, w[p + "attn_k_norm.weight"])
         q, k, v = (z.transpose(0, 2, 1, 3) for z in (q, k, v))
@@ -239,6 +450,67 @@ class LlamaModel:
         o = linear(self.activation(g) * u, w[p + "ffn_down.weight"])
         return self._norm(o, w[p + "post_ffw_norm.weight"]) if self.post_norms else o
 
+    def moe_ffn(self, w: dict[str, Weight], layer: int, x: mx.array) -> mx.array:
+        """Mixture-of-experts FFN of block ``layer``: x [1, T, d] -> [1, T, d].
+
+        ``w`` is the dense unit ``blk.N.ffn`` (``ffn_norm``, the router ``ffn_gate_inp`` in MLX
+        order [E, d], any shared expert). The router's choice is brought to the host (the one
+        sync of the block) and handed to ``store.route``, which answers with groups of expert
+        ids (ascending overall) that fit the store's slots; each group's weights come from
+        ``store.experts`` and are freed by ``store.release_experts`` once used.
+
+        Each expert e runs only on the tokens that chose it, and its weighted output is added
+        to those tokens' rows, experts in ascending id whatever the grouping, so the sum (and
+        its rounding) never depends on the tiers or the store's slots. llama.cpp adds a
+        token's experts in its top-k order instead: a difference of float rounding only.
+        """
+        a, p, s, rule = self.arch, f"blk.{layer}.", self.store, self.routing
+        assert rule is not None  # forward() calls this for MoE models only
+        h = self._norm(x, w[p + "ffn_norm.weight"])[0]  # [T, d]
+        # The router in float32 whatever the compute dtype, as llama.cpp computes it: a choice
+        # between near-equal logits must not hinge on half-precision rounding.
+        logits = linear(h.astype(mx.float32), w[p + "ffn_gate_inp.weight"])  # [T, E]
+        weights, chosen = route(logits, a.expert_used_count, rule)
+        # The router interception: the choice on the host, so that only chosen experts load.
+        ids = np.array(chosen, dtype=np.int32)  # [T, k]
+        out = mx.zeros(h.shape, dtype=h.dtype)
+        for group in s.route(layer, ids):
+            ws = s.experts(layer, group)
+            for e in group:
+                rows, slots = np.nonzero(ids == e)
+                if not len(rows):
+                    continue
+                r = mx.array(rows.astype(np.int32))
+                g = weights[r, mx.array(slots.astype(np.int32))].astype(h.dtype)  # [n]
+                out = out.at[r].add(self.expert(ws[e], h[r]) * g[:, None])
+            out = s.release_experts(layer, out)
+        if self.shared_expert:
+            out = out + self.shared_ffn(w, layer, h)
+        return out[None]
+
+    def expert(self, ws: dict[str, Weight], h: mx.array) -> mx.array:
+        """One expert's gated FFN on the rows that chose it: h [n, d] -> [n, d].
+
+        ``ws``: ``gate`` and ``up`` ([ff, d]) and ``down`` ([d, ff]), MLX order, quantized or
+        not. A fused ``ffn_gate_up_exps`` arrives split by the store
+        (``executor.experts.split_gate_up``: gate = the first ff rows, as llama.cpp's
+        ``build_moe_ffn`` views it).
+        """
+        gate, up = linear(h, ws["gate"]), linear(h, ws["up"])
+        return linear(self.activation(gate) * up, ws["down"])
+
+    def shared_ffn(self, w: dict[str, Weight], layer: int, h: mx.array) -> mx.array:
+        """The shared expert of block ``layer`` (qwen2moe): h [T, d] (the FFN-normed input) ->
+        [T, d], the SwiGLU of ``ffn_{gate,up,down}_shexp`` times sigmoid(h . ``ffn_gate_inp_shexp``)
+        per token. (llama.cpp computes that sigmoid as silu(z) / z: the same function.)"""
+        p = f"blk.{layer}."
+        gate_inp = w[p + "ffn_gate_inp_shexp.weight"]  # [d]
+        assert isinstance(gate_inp, mx.array)  # a vector is never stored quantized
+        z = linear(h, gate_inp.reshape(1, -1))  # [T, 1]
+        g = linear(h, w[p + "ffn_gate_shexp.weight"])
+        u = linear(h, w[p + "ffn_up_shexp.weight"])
+        return linear(self.activation(g) * u, w[p + "ffn_down_shexp.weight"]) * mx.sigmoid(z)
+
     def forward(self, ids: list[int], cache: KVCache, all_logits: bool = False) -> mx.array:
         """Run ``ids`` (the next T tokens of the sequence) through the model.
 
@@ -256,7 +528,8 @@ class LlamaModel:
         for i in range(self.arch.block_count):
             attn, ffn = f"blk.{i}.attn", f"blk.{i}.ffn"
             x = s.release(attn, x + self.attention(s.unit(attn), i, x, cache, rope_freqs))
-            x = s.release(ffn, x + self.ffn(s.unit(ffn), i, x))
+            ffn_out = (self.ffn if self.routing is None else self.moe_ffn)(s.unit(ffn), i, x)
+            x = s.release(ffn, x + ffn_out)
         cache.advance(len(ids))
         out = s.unit("output")
         x = self._norm(x if all_logits else x[:, -1:], out["output_norm.weight"])

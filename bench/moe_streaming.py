@@ -1,0 +1,149 @@
+#!/usr/bin/env python3
+"""MoE expert-streaming bench: synthetic MoE models at least 4x the device budget, experts
+streamed from NVMe through the expert cache, on a skewed-routing and a uniform-routing model.
+
+For each routing (``synth.py --routing skewed|uniform``, the same shape and weights otherwise):
+
+1. plan the model with a device budget a quarter of its MLX size (uniform expert access: no
+   routing profile), and bench it with the three expert-cache modes in one run — (a) ``none``
+   (every expert use reads), (b) ``lru`` (the cache alone), (c) ``prefetch`` (cache +
+   co-activation prefetch) — reporting hit rate, prefetch accuracy, tok/s, misses and bytes per
+   token, each run's ids checked against the all-resident run;
+2. skewed model only: measure a routing profile on a *different* text (``execute.py run
+   --save-routing-profile``), re-plan with ``plan.py plan --routing-profile``, bench that plan,
+   and set its predicted and measured per-token time beside the uniform plan's (and the uniform
+   plan scored under the measured routing, so both predictions use the same routing).
+
+Writes ``summary.json`` in ``--out``. Usage (from the project root):
+``python bench/moe_streaming.py --profile profiles/dev-linux-cpu.yaml --out /tmp/moe-bench``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+CONTEXT = "256"
+BENCH_PROMPT = "The history of the city begins in the early middle ages, when"
+PROFILE_TEXT = (
+    "Mixture-of-experts language models route every token to a few experts per layer. "
+    "A router scores the experts, the top ones run, and their outputs are mixed by the "
+    "router's weights. Which experts fire depends on the text, and it repeats across layers."
+)
+
+
+def _run(*args: str) -> None:
+    print("+", " ".join(args), file=sys.stderr, flush=True)
+    subprocess.run([sys.executable, *args], cwd=ROOT, check=True)
+
+
+def _bench(plan: Path, out: Path, tokens: int, modes: str | None) -> dict:
+    result = out / f"{plan.stem}.bench.json"
+    extra = ["--expert-cache-modes", modes] if modes else []
+    _run(
+        "execute.py", "bench", str(plan), "--max-tokens", str(tokens), "--prompt", BENCH_PROMPT,
+        *extra, "-o", str(result),
+    )  # fmt: skip
+    return json.loads(result.read_text())
+
+
+def _rescored(plan_path: Path, profile_path: Path, routing: Path) -> float:
+    """The step time the cost model predicts for ``plan_path`` under the measured routing."""
+    from planner.costmodel import score_plan
+    from planner.describe import describe
+    from planner.routing import apply_routing_profile, read_routing_profile
+    from planner.schemas import HardwareProfile, Plan
+    from planner.yamlio import read_yaml
+
+    plan = read_yaml(plan_path, Plan)
+    desc, _ = describe(plan.fingerprints.model.path)
+    desc = apply_routing_profile(desc, read_routing_profile(routing))
+    return score_plan(plan, desc, read_yaml(profile_path, HardwareProfile)).step_s
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--profile", required=True, help="hardware profile YAML")
+    p.add_argument("--out", required=True, help="folder for models, plans and results")
+    p.add_argument("--tokens", type=int, default=32, help="decode steps per bench (32)")
+    p.add_argument("--tiers", default="gpu,ram,nvme", help="tiers of the streamed plans")
+    p.add_argument("--shape", default="mixtral-bench", help="synth.py MoE preset")
+    p.add_argument("--tokenizer", default=None, help="GGUF to copy the tokenizer from (offline)")
+    args = p.parse_args(argv)
+    out = Path(args.out).resolve()
+    out.mkdir(parents=True, exist_ok=True)
+    tok = ["--tokenizer", args.tokenizer] if args.tokenizer else []
+    plan = ["plan.py", "plan", "--profile", args.profile, "--context", CONTEXT]
+    import yaml
+
+    summary: dict = {"profile": args.profile, "shape": args.shape}
+    modes_keys = (
+        "decode_tok_s", "hit_rate", "prefetch_accuracy", "misses_per_token",
+        "prefetch_issued_per_token", "streamed_bytes_per_token", "io_wait_s_per_token",
+    )  # fmt: skip
+    for routing in ("skewed", "uniform"):
+        model = out / f"moe-{routing}.gguf"
+        if not model.exists():
+            _run("synth.py", "--shape", args.shape, "--routing", routing, *tok, "-o", str(model))
+        resident = out / f"{routing}-resident.yaml"
+        _run(*plan, "--model", str(model), "-o", str(resident))
+        doc = yaml.safe_load(resident.read_text())
+        model_bytes = sum(x["bytes"] for x in doc["placement"])
+        budget = model_bytes // 4
+        budgets = ["--gpu-budget", str(budget), "--ram-budget", str(budget), "--tiers", args.tiers]
+        uniform_plan = out / f"{routing}-uniform-plan.yaml"
+        _run(*plan, "--model", str(model), *budgets, "-o", str(uniform_plan))
+        r = _bench(uniform_plan, out, args.tokens, "none,lru,prefetch")
+        s = {
+            "model_mlx_bytes": model_bytes,
+            "device_budget": budget,
+            "budget_ratio": round(model_bytes / budget, 2),
+            "plan_expert_cache": yaml.safe_load(uniform_plan.read_text())["expert_cache"]["slots"],
+            "predicted_decode_tok_s": r["predicted_decode_tok_s"],
+            "predicted_expert_hit_rate": r.get("predicted_expert_hit_rate"),
+            "plan_decode_tok_s": r["decode_tok_s"],
+            "resident_decode_tok_s": r["resident_decode_tok_s"],
+            "check_passed": r["check_passed"],
+            "read_method": r["read_method"],
+            "modes": {m: {k: v[k] for k in modes_keys} for m, v in r["expert_cache_modes"].items()},
+        }
+        if routing == "skewed":
+            rp = out / "skewed.routing.json"
+            _run(
+                "execute.py", "run", str(uniform_plan), "--prompt", PROFILE_TEXT,
+                "--max-tokens", "96", "--save-routing-profile", str(rp), "--json",
+            )  # fmt: skip
+            profiled = out / "skewed-profiled-plan.yaml"
+            _run(
+                *plan, "--model", str(model), *budgets, "--routing-profile", str(rp),
+                "-o", str(profiled),
+            )  # fmt: skip
+            r2 = _bench(profiled, out, args.tokens, None)
+            uniform_pred = 1 / r["predicted_decode_tok_s"]
+            s["replanned"] = {
+                "uniform_plan_predicted_s_per_token": round(uniform_pred, 6),
+                "uniform_plan_predicted_under_profile_s_per_token": round(
+                    _rescored(uniform_plan, Path(args.profile), rp), 6
+                ),
+                "profiled_plan_predicted_s_per_token": round(1 / r2["predicted_decode_tok_s"], 6),
+                "uniform_plan_measured_s_per_token": round(1 / r["decode_tok_s"], 6),
+                "profiled_plan_measured_s_per_token": round(1 / r2["decode_tok_s"], 6),
+                "profiled_plan_hit_rate": r2.get("experts", {}).get("hit_rate"),
+                "profiled_plan_pinned_experts": len(
+                    yaml.safe_load(profiled.read_text())["expert_cache"]["pinned"]
+                ),
+                "check_passed": r2["check_passed"],
+            }
+        summary[routing] = s
+    (out / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
+    print(json.dumps(summary, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

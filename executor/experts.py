@@ -1,0 +1,381 @@
+"""MoE experts on NVMe: an expert cache in device slots, a routing tracker, co-activation prefetch.
+
+A token reads only the top-k of a block's n experts. The forward pass computes the router first
+and hands the chosen expert ids to the weight store (router interception), so only those experts
+are loaded, and only after they are known:
+
+- **Expert cache** (:class:`ExpertCache`): ``slots`` fixed device buffers (the plan's
+  ``expert_cache.slots``; :class:`executor.streaming.SlotArena`) hold streamed experts. A use
+  of a cached expert is a hit; any other use is a miss, read from the packed store with direct
+  I/O into the least-recently-used slot that no computation is reading (policy: LRU over
+  slots, the experts of the group being computed pinned). Modes: ``none`` (every use reads:
+  slots are emptied after each group, the baseline), ``lru`` (the cache alone) and ``prefetch``
+  (the cache plus co-activation prefetch).
+- **Routing tracker** (:class:`RoutingTracker`): per block, how often each expert is chosen and
+  which experts are chosen together; across blocks, how often expert e' in block l+1 follows
+  expert e in block l for the same token (the successor counts). It predicts block l+1's
+  experts once block l's are known: the ``prefetch`` experts with the largest summed successor
+  counts from the experts just chosen (ties to the more often chosen expert, then the lower
+  index). In ``prefetch`` mode those are read into free or least-recently-used slots while block
+  l computes, so block l+1 finds them cached.
+- **Routing profile**: the tracker's counts, saved as JSON (``RoutingProfile``), let
+  ``plan.py plan --routing-profile FILE`` replace uniform top-k/n access with measured
+  frequencies and the measured prediction recall.
+
+Counters are per use and honest: ``hits + misses`` = streamed-expert uses; a prefetched expert is
+``used`` when a later use hits it, ``wasted`` when it is evicted unused, ``pending`` while it sits
+unused in the cache; ``bytes_read`` are the bytes the OS returned, prefetches included.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import OrderedDict
+from concurrent.futures import Future, ThreadPoolExecutor
+
+import mlx.core as mx
+import numpy as np
+
+from executor.ops import QuantLinear
+from executor.pack import PackStore
+from executor.streaming import SlotArena
+from planner.errors import StrataError
+from planner.schemas import Architecture, RoutingProfile
+
+CACHE_MODES = ("none", "lru", "prefetch")
+"""Expert-cache modes: no reuse, LRU cache alone, LRU cache with co-activation prefetch."""
+
+EXPERT_KEYS = {
+    "ffn_gate_exps": "gate",
+    "ffn_up_exps": "up",
+    "ffn_down_exps": "down",
+    "ffn_gate_up_exps": "gate_up",
+}
+"""Stacked GGUF expert tensors (llama.cpp ``LLM_TENSOR_FFN_*_EXPS``) -> the key the forward pass
+uses."""
+
+
+def expert_key(tensor: str) -> str:
+    """``blk.3.ffn_up_exps.weight`` -> ``up`` (see ``EXPERT_KEYS``).
+
+    Raises:
+        StrataError: a stacked expert tensor the executor does not know.
+    """
+    base = tensor.split(".")[2] if tensor.count(".") >= 3 else tensor
+    key = EXPERT_KEYS.get(base)
+    if key is None:
+        raise StrataError(
+            f"tensor {tensor} is a stacked expert tensor the executor does not know "
+            f"(known: {', '.join(EXPERT_KEYS)})"
+        )
+    return key
+
+
+def split_gate_up(ws: dict) -> dict:
+    """A fused ``gate_up`` expert matrix [2 ff, d] split into ``gate`` (the first ff rows, as
+    llama.cpp's ``build_moe_ffn`` views it) and ``up``; other keys unchanged."""
+    if "gate_up" not in ws:
+        return ws
+    w = ws.pop("gate_up")
+    if isinstance(w, QuantLinear):
+        half = w.weight.shape[0] // 2
+        ws["gate"] = QuantLinear(
+            w.weight[:half], w.scales[:half], w.biases[:half], w.bits, w.group_size
+        )
+        ws["up"] = QuantLinear(
+            w.weight[half:], w.scales[half:], w.biases[half:], w.bits, w.group_size
+        )
+    else:
+        half = w.shape[0] // 2
+        ws["gate"], ws["up"] = w[:half], w[half:]
+    return ws
+
+
+class RoutingTracker:
+    """Which experts fire, together and in succession, per block (see the module docstring).
+
+    Args:
+        arch: the model's hyperparameters (``block_count``, ``expert_count``).
+
+    Attributes:
+        counts: int64 [layers, n_expert], selections of each expert.
+        tokens: int64 [layers], tokens routed through each block.
+        successor: int64 [layers - 1, n_expert, n_expert]; ``[l, e, f]`` counts tokens that
+            chose e in block l and f in block l + 1.
+        coactivation: int64 [layers, n_expert, n_expert]; ``[l, e, f]`` counts tokens that
+            chose both e and f in block l (e != f).
+        predicted, predicted_hits: predictions made and how many of them the next block chose
+            (their ratio is the prediction's precision; with ``prefetch`` = top-k it is also
+            the share of a block's choices that were predicted, the recall).
+    """
+
+    def __init__(self, arch: Architecture):
+        layers, n = arch.block_count, max(arch.expert_count, 1)
+        self.layers, self.n = layers, n
+        self.counts = np.zeros((layers, n), np.int64)
+        self.tokens = np.zeros(layers, np.int64)
+        self.successor = np.zeros((max(layers - 1, 0), n, n), np.int64)
+        self.coactivation = np.zeros((layers, n, n), np.int64)
+        self.predicted = 0
+        self.predicted_hits = 0
+        self._prev: tuple[int, np.ndarray] | None = None
+        self._pending: dict[int, np.ndarray] = {}
+
+    def observe(self, layer: int, chosen: np.ndarray) -> None:
+        """Record block ``layer``'s choice: ``chosen`` int [T, k], each token's experts."""
+        t, k = chosen.shape
+        self.counts[layer] += np.bincount(chosen.ravel(), minlength=self.n)
+        self.tokens[layer] += t
+        rows = np.repeat(chosen, k, axis=1).ravel()
+        cols = np.tile(chosen, (1, k)).ravel()
+        keep = rows != cols
+        np.add.at(self.coactivation[layer], (rows[keep], cols[keep]), 1)
+        if self._prev is not None and self._prev[0] == layer - 1 and len(self._prev[1]) == t:
+            prev = self._prev[1]
+            kp = prev.shape[1]
+            np.add.at(
+                self.successor[layer - 1],
+                (np.repeat(prev, k, axis=1).ravel(), np.tile(chosen, (1, kp)).ravel()),
+                1,
+            )
+        guess = self._pending.pop(layer, None)
+        if guess is not None:
+            self.predicted += len(guess)
+            self.predicted_hits += int(np.isin(guess, chosen).sum())
+        self._prev = (layer, chosen)
+
+    def predict(self, layer: int, chosen: np.ndarray, m: int) -> list[int]:
+        """The ``m`` experts of block ``layer`` most likely to follow ``chosen`` (block
+        ``layer - 1``'s choice, int [T, k]); [] past the last block or for m = 0."""
+        if m <= 0 or not 0 < layer < self.layers:
+            return []
+        score = self.successor[layer - 1][chosen.ravel()].sum(axis=0).astype(np.float64)
+        # Ties (and a tracker with no history yet): the more often chosen expert, then the lower.
+        score += self.counts[layer] / (1.0 + self.counts[layer].max())
+        order = np.lexsort((np.arange(self.n), -score))[:m]
+        if len(chosen) == 1:  # precision is measured on decode steps (one token)
+            self._pending[layer] = order
+        return [int(e) for e in order]
+
+    def profile(self, model_sha256: str | None, header_sha256: str) -> RoutingProfile:
+        """The counts so far as a routing profile document."""
+        return RoutingProfile(
+            model_sha256=model_sha256,
+            header_sha256=header_sha256,
+            layers=self.layers,
+            expert_count=self.n,
+            tokens=[int(x) for x in self.tokens],
+            counts=self.counts.tolist(),
+            successor=self.successor.tolist(),
+            predicted=self.predicted,
+            predicted_hits=self.predicted_hits,
+        )
+
+
+class ExpertCache:
+    """Streamed experts in ``slots`` device slots, LRU, optionally prefetched (module docstring).
+
+    Args:
+        store: the packed store (expert units are packed one per expert).
+        units: the streamed expert units (``blk.L.expert.E``) it may hold.
+        slots: cache slots (at least the largest group the forward pass loads at once).
+        io_threads: threads reading one expert's chunks in parallel.
+        dtype: compute dtype.
+        mode: one of ``CACHE_MODES``.
+        prefetch: experts prefetched per block in ``prefetch`` mode.
+
+    Raises:
+        StrataError: no slots, or an unknown mode.
+    """
+
+    def __init__(
+        self,
+        store: PackStore,
+        units: list[str],
+        slots: int,
+        io_threads: int,
+        dtype: mx.Dtype,
+        mode: str = "prefetch",
+        prefetch: int = 0,
+    ):
+        if mode not in CACHE_MODES:
+            raise StrataError(f"expert cache mode {mode!r}: use one of {', '.join(CACHE_MODES)}")
+        if slots < 1:
+            raise StrataError(
+                f"the plan's expert cache has {slots} slots but experts stream from NVMe; "
+                "re-plan (plan.py plan) or give the cache slots"
+            )
+        self.store, self.mode = store, mode
+        self.prefetch = prefetch if mode == "prefetch" else 0
+        slot_bytes = max(store.units[u].nbytes for u in units)
+        self.arena = SlotArena(store.path, slots, slot_bytes, io_threads, dtype)
+        self.direct, self.method = self.arena.direct, self.arena.method
+        self._readers = ThreadPoolExecutor(max(2, slots), thread_name_prefix="strata-expert")
+        self._lock = threading.Lock()
+        self._unit_of: list[str | None] = [None] * slots
+        self._slot_of: dict[str, int] = {}
+        self._reading: dict[int, Future] = {}
+        self._lru: OrderedDict[int, None] = OrderedDict((s, None) for s in range(slots))
+        self._pinned: set[int] = set()
+        self._prefetched: set[int] = set()
+        self._next: tuple[int, list[int]] | None = None
+        self.hits = self.misses = 0
+        self.prefetch_issued = self.prefetch_used = self.prefetch_wasted = 0
+        self.bytes_read = 0
+        self.io_wait_s = 0.0
+
+    @property
+    def slots(self) -> int:
+        """Cache slots."""
+        return len(self.arena)
+
+    # ------------------------------------------------------------------ reads
+
+    def _read(self, slot: int, unit: str) -> int:
+        got = self.arena.read(slot, self.store.units[unit])
+        with self._lock:
+            self.bytes_read += got
+        return got
+
+    def _victim(self, wait: bool) -> int | None:
+        """An empty slot, else the least recently used one nothing reads or is reading into;
+        with ``wait``, waits for a read in flight when that is all there is."""
+        while True:
+            free = [s for s in self._lru if s not in self._pinned and s not in self._reading]
+            empty = [s for s in free if self._unit_of[s] is None]
+            if empty or free:
+                return (empty or free)[0]
+            if not wait or not self._reading:
+                return None
+            slot, fut = next(iter(self._reading.items()))
+            self._finish(slot, fut)
+
+    def _finish(self, slot: int, fut: Future) -> None:
+        try:
+            fut.result()
+        except StrataError:
+            raise
+        except BaseException as e:
+            raise StrataError(
+                f"reading {self._unit_of[slot]} from the packed store failed: {e}"
+            ) from e
+        finally:
+            self._reading.pop(slot, None)
+
+    def _load(self, slot: int, unit: str) -> None:
+        old = self._unit_of[slot]
+        if old is not None:
+            del self._slot_of[old]
+            if slot in self._prefetched:
+                self.prefetch_wasted += 1
+                self._prefetched.discard(slot)
+        self._unit_of[slot] = unit
+        self._slot_of[unit] = slot
+        self._lru.move_to_end(slot)
+        self._reading[slot] = self._readers.submit(self._read, slot, unit)
+
+    # ------------------------------------------------------------------ compute thread
+
+    def plan_prefetch(self, layer: int, experts: list[int]) -> None:
+        """Prefetch ``experts`` of block ``layer`` after the next ``acquire`` has issued its own
+        reads (so a block's misses are read before guesses about the next block)."""
+        self._next = (layer, experts) if self.prefetch and experts else None
+
+    def acquire(self, layer: int, experts: list[int]) -> dict[int, dict]:
+        """The tensors of ``experts`` of block ``layer`` as views of their slots, pinned until
+        ``release``; hits and misses counted once per expert.
+
+        Returns:
+            expert -> {``gate``|``up``|``down``|``gate_up``: QuantLinear | mx.array}.
+
+        Raises:
+            StrataError: more experts than slots, or a failed read.
+        """
+        if len(experts) > self.slots:
+            raise StrataError(
+                f"{len(experts)} experts at once need more than the expert cache's "
+                f"{self.slots} slots; this is a bug in grouping"
+            )
+        slots = []
+        for e in experts:
+            unit = f"blk.{layer}.expert.{e}"
+            slot = self._slot_of.get(unit)
+            if slot is None:
+                self.misses += 1
+                slot = self._victim(wait=True)
+                if slot is None:
+                    raise StrataError("no free expert-cache slot; this is a bug in grouping")
+                self._load(slot, unit)
+            else:
+                self.hits += 1
+                if slot in self._prefetched:
+                    self.prefetch_used += 1
+                    self._prefetched.discard(slot)
+                self._lru.move_to_end(slot)
+            self._pinned.add(slot)
+            slots.append(slot)
+        if self._next is not None:
+            nl, guess = self._next
+            self._next = None
+            for e in guess[: self.prefetch]:
+                unit = f"blk.{nl}.expert.{e}"
+                if unit in self._slot_of or unit not in self.store.units:
+                    continue
+                slot = self._victim(wait=False)
+                if slot is None:
+                    break
+                self._load(slot, unit)
+                self._prefetched.add(slot)
+                self.prefetch_issued += 1
+        t0 = time.perf_counter()
+        for slot in slots:
+            fut = self._reading.get(slot)
+            if fut is not None:
+                self._finish(slot, fut)
+        self.io_wait_s += time.perf_counter() - t0
+        out = {}
+        for e, slot in zip(experts, slots, strict=True):
+            unit = self.store.units[f"blk.{layer}.expert.{e}"]
+            out[e] = {expert_key(k): w for k, w in self.arena.arrays(slot, unit).items()}
+        return out
+
+    def release(self) -> None:
+        """Unpin the acquired experts (their computation was evaluated); in mode ``none`` the
+        slots are emptied so that nothing is reused."""
+        self._pinned.clear()
+        if self.mode == "none":
+            for s, unit in enumerate(self._unit_of):
+                if unit is not None and s not in self._reading:
+                    del self._slot_of[unit]
+                    self._unit_of[s] = None
+
+    def counters(self) -> dict[str, float]:
+        """Hits, misses, hit rate, prefetches issued/used/wasted/pending and accuracy, bytes
+        read (bytes the OS returned), I/O wait seconds."""
+        uses = self.hits + self.misses
+        pending = len(self._prefetched)
+        return {
+            "hits": self.hits,
+            "misses": self.misses,
+            "hit_rate": self.hits / uses if uses else 0.0,
+            "prefetch_issued": self.prefetch_issued,
+            "prefetch_used": self.prefetch_used,
+            "prefetch_wasted": self.prefetch_wasted,
+            "prefetch_pending": pending,
+            "prefetch_accuracy": (
+                self.prefetch_used / (self.prefetch_used + self.prefetch_wasted)
+                if self.prefetch_used + self.prefetch_wasted
+                else 0.0
+            ),
+            "bytes_read": self.bytes_read,
+            "io_wait_s": self.io_wait_s,
+        }
+
+    def close(self) -> None:
+        """Wait for reads in flight, stop the reader threads, close the file (idempotent)."""
+        if self._readers is None:
+            return
+        self._readers.shutdown(wait=True)
+        self._readers = None  # type: ignore[assignment]
+        self.arena.close()

@@ -1,0 +1,101 @@
+"""MoE experts on every tier give the same numbers: all-resident, experts streamed through the
+expert cache (every cache mode, cache sizes that force several load groups per block), and
+everything streamed; the expert counters add up."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+from conftest import make_plan_file
+from gguf_factory import write_arch_model
+
+from executor.engine import Engine
+from executor.plan_loader import load_plan
+from executor.sampling import SamplingParams
+from planner.schemas import Plan
+from planner.yamlio import read_yaml, write_yaml
+
+PROMPT = [1, 17, 400, 2048, 77, 9001, 31, 5, 600, 12000, 42, 7, 88, 1234, 3, 999]
+CONTEXT = 64
+DECODE = 10
+
+
+@pytest.fixture(scope="module", params=["mixtral", "qwen2moe"])
+def moe_plans(request, smollm2_gguf, tmp_path_factory, monkeypatch_module):
+    """(resident plan, plan dir) of a tiny MoE model (qwen2moe: with a shared expert)."""
+    d = tmp_path_factory.mktemp(f"moe-tiers-{request.param}")
+    monkeypatch_module.setenv("STRATA_CACHE", str(d / "cache"))
+    gguf = write_arch_model(d / f"{request.param}.gguf", request.param, smollm2_gguf)
+    resident = make_plan_file(str(gguf), d / "resident.yaml", context=CONTEXT)
+    make_plan_file(str(gguf), d / "all-nvme.yaml", context=CONTEXT, tiers=["nvme"])
+    return resident, d
+
+
+@pytest.fixture(scope="module")
+def monkeypatch_module():
+    mp = pytest.MonkeyPatch()
+    yield mp
+    mp.undo()
+
+
+def _experts_on_nvme(resident: Path, out: Path, slots: int, prefetch: int) -> Path:
+    plan = read_yaml(resident, Plan)
+    for p in plan.placement:
+        if ".expert." in p.unit:
+            p.tier = "nvme"
+    plan.expert_cache.slots, plan.expert_cache.prefetch = slots, prefetch
+    plan.expert_cache.pinned = []
+    write_yaml(plan, out)
+    return out
+
+
+def _run(plan: Path, mode: str | None = None):
+    engine = Engine(load_plan(plan), expert_cache_mode=mode)
+    try:
+        logits = engine.logits_for(PROMPT)
+        gen = engine.generate(PROMPT, SamplingParams(), DECODE, stop_at_eog=False)
+        expert_bytes = {
+            name: u.nbytes
+            for name, u in (engine.store._pack.units.items() if engine.store._pack else [])
+            if ".expert." in name
+        }
+        return logits, gen, expert_bytes
+    finally:
+        engine.close()
+
+
+def test_placements_and_cache_modes_are_bit_identical(moe_plans):
+    resident, d = moe_plans
+    want_logits, want, _ = _run(resident)
+    assert read_yaml(resident, Plan).expert_cache.slots == 0  # it fits: nothing streams
+    assert want.stats["experts"]["uses_gpu"] > 0
+    runs = {"all-nvme": (d / "all-nvme.yaml", None)}
+    # 1 and 3 slots: fewer than a prompt's experts, so a block loads in several groups.
+    for slots, modes in ((1, ("lru",)), (3, ("prefetch",)), (12, ("none", "lru", "prefetch"))):
+        path = _experts_on_nvme(resident, d / f"experts-{slots}.yaml", slots, prefetch=2)
+        for mode in modes:
+            runs[f"experts-{slots}-{mode}"] = (path, mode)
+    for label, (path, mode) in runs.items():
+        logits, gen, expert_bytes = _run(path, mode)
+        assert np.array_equal(logits, want_logits), label
+        assert gen.output_ids == want.output_ids, label
+        ex = gen.stats["experts"]
+        uses = ex["hits"] + ex["misses"]
+        assert uses > 0 and ex["uses_gpu"] == 0, label
+        # Every expert read is a miss or a prefetch, and is counted in the nvme bytes.
+        size = set(expert_bytes.values())
+        assert len(size) == 1, label
+        reads = ex["misses"] + ex["prefetch_issued"]
+        assert ex["bytes_read"] == reads * size.pop(), label
+        done = ex["prefetch_used"] + ex["prefetch_wasted"] + ex["prefetch_pending"]
+        assert done <= ex["prefetch_issued"], label
+        if mode == "none":
+            assert ex["hits"] == 0 and ex["prefetch_issued"] == 0, label
+        if mode == "lru":
+            assert ex["prefetch_issued"] == 0, label
+        if mode == "lru" and label.startswith("experts-12"):
+            assert ex["hits"] > 0, label  # 12 slots keep experts between tokens
+        if mode == "prefetch" and label.startswith("experts-12"):
+            assert ex["prefetch_issued"] > 0, label
