@@ -28,8 +28,8 @@ def main(argv: list[str] | None = None) -> int:
     r.add_argument("--json", action="store_true", help="print one JSON object instead of text")
     r.add_argument(
         "--expert-cache",
-        choices=("none", "lru", "prefetch"),
-        help="MoE expert cache mode for streamed experts: none (every use reads), lru (the cache "
+        choices=("none", "cache", "prefetch"),
+        help="MoE expert cache mode for streamed experts: none (every use reads), cache (the cache "
         "alone), prefetch (cache + co-activation prefetch); default: the plan's",
     )
     r.add_argument(
@@ -51,7 +51,7 @@ def main(argv: list[str] | None = None) -> int:
     b.add_argument("--plot", help="write a PNG plot here")
     b.add_argument(
         "--expert-cache-modes",
-        help="MoE: also measure these expert-cache modes in this run, e.g. none,lru,prefetch",
+        help="MoE: also measure these expert-cache modes in this run, e.g. none,cache,prefetch",
     )
 
     return run(p.parse_args(argv))

@@ -6,11 +6,12 @@ For each routing (``synth.py --routing skewed|uniform``, the same shape and weig
 
 1. plan the model with a device budget a quarter of its MLX size (uniform expert access: no
    routing profile), and bench it with the three expert-cache modes in one run — (a) ``none``
-   (every expert use reads), (b) ``lru`` (the cache alone), (c) ``prefetch`` (cache +
+   (every expert use reads), (b) ``cache`` (the cache alone), (c) ``prefetch`` (cache +
    co-activation prefetch) — reporting hit rate, prefetch accuracy, tok/s, misses and bytes per
    token, each run's ids checked against the all-resident run;
 2. skewed model only: measure a routing profile on a *different* text (``execute.py run
-   --save-routing-profile``), re-plan with ``plan.py plan --routing-profile``, bench that plan,
+   --save-routing-profile``, 256 generated tokens), re-plan with ``plan.py plan
+   --routing-profile``, bench that plan (its own mode, and ``cache`` and ``prefetch``),
    and set its predicted and measured per-token time beside the uniform plan's (and the uniform
    plan scored under the measured routing, so both predictions use the same routing).
 
@@ -50,6 +51,12 @@ def _bench(plan: Path, out: Path, tokens: int, modes: str | None) -> dict:
         *extra, "-o", str(result),
     )  # fmt: skip
     return json.loads(result.read_text())
+
+
+def _pinned_share(ex: dict) -> float | None:
+    """Share of expert uses served by pinned experts."""
+    uses = ex.get("uses_gpu", 0) + ex.get("hits", 0) + ex.get("misses", 0)
+    return round(ex.get("uses_gpu", 0) / uses, 4) if uses else None
 
 
 def _rescored(plan_path: Path, profile_path: Path, routing: Path) -> float:
@@ -98,7 +105,7 @@ def main(argv: list[str] | None = None) -> int:
         budgets = ["--gpu-budget", str(budget), "--ram-budget", str(budget), "--tiers", args.tiers]
         uniform_plan = out / f"{routing}-uniform-plan.yaml"
         _run(*plan, "--model", str(model), *budgets, "-o", str(uniform_plan))
-        r = _bench(uniform_plan, out, args.tokens, "none,lru,prefetch")
+        r = _bench(uniform_plan, out, args.tokens, "none,cache,prefetch")
         s = {
             "model_mlx_bytes": model_bytes,
             "device_budget": budget,
@@ -116,14 +123,14 @@ def main(argv: list[str] | None = None) -> int:
             rp = out / "skewed.routing.json"
             _run(
                 "execute.py", "run", str(uniform_plan), "--prompt", PROFILE_TEXT,
-                "--max-tokens", "96", "--save-routing-profile", str(rp), "--json",
+                "--max-tokens", "256", "--save-routing-profile", str(rp), "--json",
             )  # fmt: skip
             profiled = out / "skewed-profiled-plan.yaml"
             _run(
                 *plan, "--model", str(model), *budgets, "--routing-profile", str(rp),
                 "-o", str(profiled),
             )  # fmt: skip
-            r2 = _bench(profiled, out, args.tokens, None)
+            r2 = _bench(profiled, out, args.tokens, "cache,prefetch")
             uniform_pred = 1 / r["predicted_decode_tok_s"]
             s["replanned"] = {
                 "uniform_plan_predicted_s_per_token": round(uniform_pred, 6),
@@ -134,6 +141,11 @@ def main(argv: list[str] | None = None) -> int:
                 "uniform_plan_measured_s_per_token": round(1 / r["decode_tok_s"], 6),
                 "profiled_plan_measured_s_per_token": round(1 / r2["decode_tok_s"], 6),
                 "profiled_plan_hit_rate": r2.get("experts", {}).get("hit_rate"),
+                "profiled_plan_pinned_use_share": _pinned_share(r2.get("experts", {})),
+                "uniform_plan_hit_rate": r.get("experts", {}).get("hit_rate"),
+                "profiled_plan_modes": {
+                    m: {k: v[k] for k in modes_keys} for m, v in r2["expert_cache_modes"].items()
+                },
                 "profiled_plan_pinned_experts": len(
                     yaml.safe_load(profiled.read_text())["expert_cache"]["pinned"]
                 ),

@@ -168,7 +168,7 @@ def cmd_bench(args: argparse.Namespace) -> None:
     if bad:
         raise StrataError(
             f"--expert-cache-modes {bad[0]!r}: use some of {', '.join(CACHE_MODES)}, e.g. "
-            "none,lru,prefetch"
+            "none,cache,prefetch"
         )
     result = bench(args.plan, args.prompt, args.max_tokens, args.check, modes)
     text = json.dumps(result, indent=1, ensure_ascii=False)

@@ -111,7 +111,8 @@ class Engine:
         loaded: a plan whose inputs were checked (``executor.plan_loader.load_plan``).
 
         expert_cache_mode: override of the expert cache's mode (``executor.experts.CACHE_MODES``:
-            ``none``, ``lru``, ``prefetch``); default the plan's (``prefetch`` when it prefetches).
+            ``none``, ``cache``, ``prefetch``); default the plan's (``prefetch`` when it
+            prefetches).
 
     Raises:
         StrataError: unsupported architecture or tensor type, or a plan the executor cannot run.
@@ -139,12 +140,10 @@ class Engine:
             self.model.unit_order(), plan.pool.slots, plan.prefetch.io_threads or 1
         )
         ec = plan.expert_cache
-        self.store.start_expert_cache(
-            ec.slots,
-            plan.prefetch.io_threads or 1,
-            expert_cache_mode or ("prefetch" if ec.prefetch else "lru"),
-            ec.prefetch,
-        )
+        mode = expert_cache_mode or ("prefetch" if ec.prefetch else "cache")
+        # Prefetch asked of a plan that chose none: guess a block's top-k, as the planner would.
+        prefetch = ec.prefetch or (arch.expert_used_count if mode == "prefetch" else 0)
+        self.store.start_expert_cache(ec.slots, plan.prefetch.io_threads or 1, mode, prefetch)
         self.context = plan.request.context
         self.prefill_chunk = plan.batch.prefill_chunk
 

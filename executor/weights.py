@@ -136,7 +136,14 @@ class WeightStore:
         streamed = [u for u in self._expert_units if self._tier_of_unit[u] == "nvme"]
         if streamed and self._pack is not None:
             self.experts_cache = ExpertCache(
-                self._pack, streamed, slots, io_threads, self.dtype, mode, prefetch
+                self._pack,
+                streamed,
+                slots,
+                io_threads,
+                self.dtype,
+                mode,
+                prefetch,
+                frequency=self.routing.counts,
             )
 
     def route(self, layer: int, chosen: np.ndarray) -> list[list[int]]:
@@ -148,9 +155,9 @@ class WeightStore:
 
         Returns:
             The distinct chosen experts, ascending, split into consecutive groups that each
-            hold at most as many streamed experts as the expert cache has slots (one group when
-            nothing streams). In ``prefetch`` mode, block ``layer + 1``'s likely experts are
-            queued for reading after this block's own.
+            hold at most as many streamed experts as the expert cache has slots besides those
+            of its prefetches (one group when nothing streams). In ``prefetch`` mode, block
+            ``layer + 1``'s likely experts are queued for reading after this block's own.
         """
         chosen = np.asarray(chosen, dtype=np.int64)
         self.routing.observe(layer, chosen)
@@ -163,9 +170,10 @@ class WeightStore:
         cache.plan_prefetch(layer + 1, guess)
         groups: list[list[int]] = [[]]
         streamed = 0
+        room = max(1, cache.slots - cache.prefetch)  # the prefetched experts keep their slots
         for e in ids:
             on_nvme = self._tier_of_unit[f"blk.{layer}.expert.{e}"] == "nvme"
-            if on_nvme and streamed == cache.slots:
+            if on_nvme and streamed == room:
                 groups.append([])
                 streamed = 0
             groups[-1].append(e)

@@ -62,12 +62,12 @@ Mixture-of-experts (per expert unit u = one expert of one block, access ``a_u``:
 - pinned (gpu) and ram experts cost as any unit; an expert's graph operations run only when a
   token chooses it, so its ``k_u * op_s`` is weighted by ``a_u(B)`` too.
 - nvme experts go through the expert cache: ``K`` device slots of ``slot_e`` bytes (the largest
-  expert), LRU in the executor. ``k + m`` of them are working slots (a block's top-k being
-  computed and the ``m`` experts prefetched for the next block), and the model counts the other
-  ``K - k - m`` as holding the streamed experts with the largest ``a_u * b_u`` (the
-  least-frequently-used-static bound: what an LRU cache converges to when the hot set fits;
-  with skewed routing LRU does somewhat worse, which the bench's measured hit rate shows).
-  Every other streamed use misses: ``M = sum_{u on nvme, not cached} read_u`` seconds of reads.
+  expert), evicting the expert chosen least often (LFU on the executor's routing counts).
+  ``k + m`` of them are working slots (a block's top-k being computed and the ``m`` experts
+  prefetched for the next block), and the model counts the other ``K - k - m`` as holding the
+  streamed experts with the largest ``a_u * b_u`` — the hot set an LFU cache converges to under
+  stationary routing. Every other streamed use misses:
+  ``M = sum_{u on nvme, not cached} read_u`` seconds of reads.
 - prefetch: after block l routes, the executor reads the ``m`` experts of block l + 1 that the
   co-activation counts predict. A share ``alpha`` of the misses was predicted (the routing
   profile's measured recall; ``m / n``, a blind guess, without one), and those reads overlap
@@ -99,11 +99,12 @@ Capacities: gpu = ``request.gpu_budget_bytes`` or ``profile.gpu.working_set_byte
 
 Not modelled (yet): the evaluation the executor forces after each streamed unit to free its slot
 (tens of microseconds each: a few percent of a tiny model's step on a GPU, nothing on a large
-one), KV-cache reads per step (constant in the placement), attention-score buffers of
-a prefill chunk (the fused SDPA kernels do not materialize them), temporal locality of expert
-routing beyond the static frequencies (an LRU cache may beat the model's count when routing
-repeats within a text), and partial reads: an untied embedding streamed whole still reserves a
-whole-unit pool slot, and disk reads are counted in MLX-form bytes.
+one), KV-cache reads per step (constant in the placement), attention-score buffers of a prefill
+chunk (the fused SDPA kernels do not materialize them), temporal locality of expert routing
+beyond the static frequencies (the cache may beat the model's count when routing repeats within
+a text, and trails it while its counts are still young), and partial reads: an untied
+embedding streamed whole still reserves a whole-unit pool slot, and disk reads are counted in
+MLX-form bytes.
 """
 
 from __future__ import annotations

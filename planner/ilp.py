@@ -444,9 +444,10 @@ def _expert_rows(
 
     Tie-break: pinning an expert and caching it cost the same in the model. When nothing needs
     to stream, nothing does (``e`` costs more than any placement's bytes). Otherwise, without a
-    routing profile nothing says which experts are hot, so the cache (which learns them) is
-    preferred: pinned experts count their bytes. With a profile the measured hot experts are
-    pinned (an LRU cache can lose them to eviction): cache slots count their bytes.
+    routing profile nothing says which experts are hot, so the cache (which learns them from
+    the routing counts) is preferred: pinned experts count their bytes. With a profile the
+    measured hot experts are pinned (a cache learns them only after misses): cache slots count
+    their bytes.
     """
     none = _ExpertRows(None, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0)
     if not JE:

@@ -370,7 +370,9 @@ class Prefetch(Strict):
 class ExpertCache(Strict):
     """MoE expert cache for experts streamed from NVMe (zero for dense models)."""
 
-    slots: int = Field(default=0, ge=0, description="device slots holding streamed experts (LRU)")
+    slots: int = Field(
+        default=0, ge=0, description="device slots holding streamed experts (LFU eviction)"
+    )
     slot_bytes: int = Field(default=0, ge=0, description="bytes per slot (the largest expert)")
     prefetch: int = Field(
         default=0, ge=0, description="experts of the next block prefetched per block (0: none)"

@@ -73,7 +73,12 @@ def test_placements_and_cache_modes_are_bit_identical(moe_plans):
     assert want.stats["experts"]["uses_gpu"] > 0
     runs = {"all-nvme": (d / "all-nvme.yaml", None)}
     # 1 and 3 slots: fewer than a prompt's experts, so a block loads in several groups.
-    for slots, modes in ((1, ("lru",)), (3, ("prefetch",)), (12, ("none", "lru", "prefetch"))):
+    for slots, modes in (
+        (1, ("cache",)),
+        (3, ("prefetch",)),
+        (4, ("prefetch",)),  # exactly the working slots: top-2 and 2 prefetched
+        (12, ("none", "cache", "prefetch")),
+    ):
         path = _experts_on_nvme(resident, d / f"experts-{slots}.yaml", slots, prefetch=2)
         for mode in modes:
             runs[f"experts-{slots}-{mode}"] = (path, mode)
@@ -93,9 +98,41 @@ def test_placements_and_cache_modes_are_bit_identical(moe_plans):
         assert done <= ex["prefetch_issued"], label
         if mode == "none":
             assert ex["hits"] == 0 and ex["prefetch_issued"] == 0, label
-        if mode == "lru":
+        if mode == "cache":
             assert ex["prefetch_issued"] == 0, label
-        if mode == "lru" and label.startswith("experts-12"):
+        if mode == "cache" and label.startswith("experts-12"):
             assert ex["hits"] > 0, label  # 12 slots keep experts between tokens
         if mode == "prefetch" and label.startswith("experts-12"):
             assert ex["prefetch_issued"] > 0, label
+
+
+def test_prefetch_reads_only_streamed_experts(moe_plans, monkeypatch):
+    """With half of each block's experts pinned, prefetch guesses of pinned experts are not read
+    (they would never be used: the pinned copy serves them); outputs stay identical."""
+    from executor.experts import ExpertCache
+
+    resident, d = moe_plans
+    want_logits, want, _ = _run(resident)
+    plan = read_yaml(resident, Plan)
+    for p in plan.placement:
+        if ".expert." in p.unit and int(p.unit.rsplit(".", 1)[1]) >= 4:
+            p.tier = "nvme"
+    plan.expert_cache.slots, plan.expert_cache.prefetch = 6, 2
+    plan.expert_cache.pinned = [
+        p.unit for p in plan.placement if ".expert." in p.unit and p.tier == "gpu"
+    ]
+    path = d / "half-pinned.yaml"
+    write_yaml(plan, path)
+    loaded: list[str] = []
+    real = ExpertCache._load
+
+    def spy(self, slot, unit):
+        loaded.append(unit)
+        return real(self, slot, unit)
+
+    monkeypatch.setattr(ExpertCache, "_load", spy)
+    logits, gen, _ = _run(path, "prefetch")
+    assert np.array_equal(logits, want_logits) and gen.output_ids == want.output_ids
+    assert loaded and all(int(u.rsplit(".", 1)[1]) >= 4 for u in loaded)
+    ex = gen.stats["experts"]
+    assert ex["uses_gpu"] > 0 and ex["hits"] + ex["misses"] > 0

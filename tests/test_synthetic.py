@@ -122,6 +122,13 @@ def test_describe_shapes_types_and_tokenizer(tmp_path, smollm2_gguf, smollm2_tok
         assert g.field(key) == value, key
 
 
+def test_dense_files_have_no_moe_keys(tiny):
+    # Dense files are what they were before MoE shapes existed: no expert or strata.* keys.
+    keys = open_gguf(tiny).reader.fields
+    assert not any("expert" in k or k.startswith("strata.") for k in keys)
+    assert not any(".ffn_gate_inp." in t.name for t in open_gguf(tiny).reader.tensors)
+
+
 def test_weights_have_the_documented_scale(tiny):
     import gguf
 
