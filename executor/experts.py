@@ -7,26 +7,26 @@ are loaded, and only after they are known:
 - **Expert cache** (:class:`ExpertCache`): ``slots`` fixed device buffers (the plan's
   ``expert_cache.slots``; :class:`executor.streaming.SlotArena`) hold streamed experts. A use
   of a cached expert is a hit; any other use is a miss, read from the packed store with direct
-  I/O into a victim slot. Policy (never a slot being computed on or read into): an empty slot;
-  else a prefetched expert whose block has passed unused (a wrong guess); else the expert
-  chosen least often so far (the routing tracker's counts: LFU), the least recently used among
-  equals. Not plain LRU: a decode step visits every block in turn, so an LRU cache smaller than
-  one step's experts evicts each expert just before its block comes round again and never
-  hits (measured: 0 LRU hits in 3220 uses on the skewed bench model with 49 slots); counts keep
-  the experts that are hot across tokens, the static hot set the planner's cost model assumes.
-  Prefetched experts of a block still ahead are kept until it runs, and a prefetch only
-  displaces an expert chosen less often than the guess (else a guess would evict the hot set
-  and be read again as a miss: measured 1.8x the reads of the cache alone on the skewed bench
-  model on the H200 before this rule). Modes: ``none`` (every use
-  reads: slots are emptied after each group, the baseline), ``cache`` (the cache alone) and
-  ``prefetch`` (the cache plus co-activation prefetch).
+  I/O into a victim slot. Policy (never a slot being computed on or read into): an empty slot,
+  else the expert chosen least often so far (the routing tracker's counts: LFU), the least
+  recently used among equals. Not plain LRU: a decode step visits every block in turn, so an
+  LRU cache smaller than one step's experts evicts each expert just before its block comes
+  round again and never hits (measured: 0 LRU hits in 3220 uses on the skewed bench model with
+  49 slots); counts keep the experts that are hot across tokens, the static hot set the
+  planner's cost model assumes. In ``prefetch`` mode the last ``prefetch`` slots are a
+  prefetch area that only guesses are read into (least recently used first, a guess for a
+  block still ahead kept until that block runs), so a guess never evicts the hot set (measured
+  on the H200 when guesses could take any slot: 1.8x the reads of the cache alone); these are
+  the plan's prefetch working slots.
+  Modes: ``none`` (every use reads: slots are emptied after each group, the baseline),
+  ``cache`` (the cache alone) and ``prefetch`` (the cache plus co-activation prefetch).
 - **Routing tracker** (:class:`RoutingTracker`): per block, how often each expert is chosen and
   which experts are chosen together; across blocks, how often expert e' in block l+1 follows
   expert e in block l for the same token (the successor counts). It predicts block l+1's
   experts once block l's are known: the ``prefetch`` experts with the largest summed successor
   counts from the experts just chosen (ties to the more often chosen expert, then the lower
-  index). In ``prefetch`` mode those are read into free or least-recently-used slots while block
-  l computes, so block l+1 finds them cached.
+  index). In ``prefetch`` mode the ``prefetch`` most likely ones the cache does not hold yet
+  are read while block l computes, so block l+1 finds them cached.
 - **Routing profile**: the tracker's counts, saved as JSON (``RoutingProfile``), let
   ``plan.py plan --routing-profile FILE`` replace uniform top-k/n access with measured
   frequencies and the measured prediction recall.
@@ -155,16 +155,18 @@ class RoutingTracker:
         self._prev = (layer, chosen)
 
     def predict(self, layer: int, chosen: np.ndarray, m: int) -> list[int]:
-        """The ``m`` experts of block ``layer`` most likely to follow ``chosen`` (block
-        ``layer - 1``'s choice, int [T, k]); [] past the last block or for m = 0."""
+        """Block ``layer``'s experts, most likely first to follow ``chosen`` (block
+        ``layer - 1``'s choice, int [T, k]); [] past the last block or for m = 0. The first
+        ``m`` are the prediction whose precision the tracker measures; the cache reads the
+        first ``m`` it does not already hold."""
         if m <= 0 or not 0 < layer < self.layers:
             return []
         score = self.successor[layer - 1][chosen.ravel()].sum(axis=0).astype(np.float64)
         # Ties (and a tracker with no history yet): the more often chosen expert, then the lower.
         score += self.counts[layer] / (1.0 + self.counts[layer].max())
-        order = np.lexsort((np.arange(self.n), -score))[:m]
+        order = np.lexsort((np.arange(self.n), -score))
         if len(chosen) == 1:  # precision is measured on decode steps (one token)
-            self._pending[layer] = order
+            self._pending[layer] = order[:m]
         return [int(e) for e in order]
 
     def profile(self, model_sha256: str | None, header_sha256: str) -> RoutingProfile:
@@ -220,7 +222,8 @@ class ExpertCache:
             )
         self.store, self.mode = store, mode
         self._streamed = set(units)
-        self.prefetch = prefetch if mode == "prefetch" else 0
+        # At least one slot stays for the cache (misses); the rest may be the prefetch area.
+        self.prefetch = min(prefetch, max(0, slots - 1)) if mode == "prefetch" else 0
         slot_bytes = max(store.units[u].nbytes for u in units)
         self.arena = SlotArena(store.path, slots, slot_bytes, io_threads, dtype)
         self.direct, self.method = self.arena.direct, self.arena.method
@@ -254,35 +257,47 @@ class ExpertCache:
             self.bytes_read += got
         return got
 
-    def _victim(self, wait: bool, colder_than: int | None = None) -> int | None:
-        """The slot to reuse (policy in the module docstring), or None when every slot is being
-        computed on or read into; with ``wait``, waits for a read in flight instead. With
-        ``colder_than`` (a prefetch), a cached expert is a victim only if it was chosen fewer
-        times than that: a guess never displaces an expert hotter than itself."""
+    def _victim(self, wait: bool, for_prefetch: bool = False) -> int | None:
+        """The slot to reuse, or None when every slot is being computed on or read into.
+
+        The last ``prefetch`` slots are the prefetch area, the others the cache. A miss takes,
+        in the cache, an empty slot, else the expert chosen least often (LFU; the least
+        recently used among equals); with ``wait``, if every cache slot is busy, it waits for
+        a read in flight, and only then takes a prefetch slot. A prefetch takes, in the prefetch
+        area, an empty slot, else the least recently used one, but never a guess for a block
+        still ahead. So guesses never evict the hot set the cache holds.
+        """
+        area = range(self.slots - self.prefetch, self.slots)
         while True:
-            best, best_key, ahead = None, None, None
+            for slot, fut in list(self._reading.items()):
+                if fut.done():  # a finished read (a guess nobody used yet): the slot is free
+                    self._finish(slot, fut)
+            best, best_key, spare = None, None, None
             for order, s in enumerate(self._lru):  # least recently used first
                 if s in self._pinned or s in self._reading:
+                    continue
+                in_area = s in area
+                if for_prefetch != in_area:
+                    if in_area and spare is None and self._key[s][0] <= self._layer:
+                        spare = s  # a prefetch slot a miss may take as a last resort
                     continue
                 if self._unit_of[s] is None:
                     return s
                 layer, e = self._key[s]
-                if s in self._prefetched:
-                    if layer > self._layer:
-                        ahead = s if ahead is None else ahead
+                if for_prefetch:
+                    if s in self._prefetched and layer > self._layer:
                         continue  # a guess for a block still ahead: keep it until it runs
-                    return s  # a guess whose block has passed unused
+                    return s
                 count = 0 if self._frequency is None else int(self._frequency[layer, e])
-                if colder_than is not None and count >= colder_than:
-                    continue
                 if best_key is None or (count, order) < best_key:
                     best, best_key = s, (count, order)
-            if best is None and wait:
-                best = ahead  # a miss now outranks a guess for later
-            if best is not None or not wait or not self._reading:
+            if best is not None or for_prefetch:
                 return best
-            slot, fut = next(iter(self._reading.items()))
-            self._finish(slot, fut)
+            if wait and self._reading:
+                slot, fut = next(iter(self._reading.items()))
+                self._finish(slot, fut)
+                continue
+            return spare
 
     def _finish(self, slot: int, fut: Future) -> None:
         try:
@@ -354,17 +369,20 @@ class ExpertCache:
         if self._next is not None:
             nl, guess = self._next
             self._next = None
-            for e in guess[: self.prefetch]:
+            issued = 0
+            for e in guess:
+                if issued == self.prefetch:
+                    break
                 unit = f"blk.{nl}.expert.{e}"
                 if unit in self._slot_of or unit not in self._streamed:
                     continue  # cached or in flight already, or not streamed (pinned, ram)
-                heat = None if self._frequency is None else int(self._frequency[nl, e])
-                slot = self._victim(wait=False, colder_than=heat)
+                slot = self._victim(wait=False, for_prefetch=True)
                 if slot is None:
                     continue
                 self._load(slot, unit)
                 self._prefetched.add(slot)
                 self.prefetch_issued += 1
+                issued += 1
         t0 = time.perf_counter()
         for slot in slots:
             fut = self._reading.get(slot)

@@ -10,12 +10,47 @@ synthetic model of each architecture).
 
 from __future__ import annotations
 
+import hashlib
+import json
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import numpy as np
+import pytest
 
 from executor.chat import messages_to_ids
 from executor.sampling import SamplingParams
+
+
+def references_by_model(path: Path) -> dict[str, list[dict]]:
+    """llama.cpp's stored outputs (a tests/make_arch_references.py file), by model name."""
+    out: dict[str, list[dict]] = {}
+    for ref in json.loads(path.read_text()):
+        out.setdefault(ref["model"], []).append(ref)
+    return out
+
+
+def regenerated_models(
+    names: list[str], refs: dict[str, list[dict]], folder: Path, tokenizer: Path, remake: str
+) -> dict[str, Path]:
+    """Each named synthetic model written anew (``gguf_factory.write_arch_model``), checked to be
+    the very file llama.cpp's references were made on (``remake``: the command that re-makes
+    them when the factory's bytes change)."""
+    from gguf_factory import write_arch_model
+
+    paths = {}
+    for name in names:
+        path = write_arch_model(folder / f"strata-synthetic-{name}.gguf", name, tokenizer)
+        got = hashlib.sha256(path.read_bytes()).hexdigest()
+        want = {r["model_sha256"] for r in refs.get(name, [])}
+        if want != {got}:
+            pytest.fail(
+                f"the regenerated {name} GGUF has sha256 {got}, but llama.cpp's references were "
+                f"made on {sorted(want) or 'no file'}: the factory (or gguf-py/numpy) now writes "
+                f"other bytes. Re-make them with llama.cpp: {remake}"
+            )
+        paths[name] = path
+    return paths
 
 
 def prompt_ids(engine, case: dict) -> list[int]:

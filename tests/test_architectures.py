@@ -16,7 +16,6 @@ SmolLM2's tokenizer).
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import json
 from pathlib import Path
 
@@ -24,7 +23,14 @@ import numpy as np
 import pytest
 from conftest import DATA, make_plan_file
 from gguf_factory import ARCH_MODELS, write_arch_model
-from reference_check import RuleResult, check_case, greedy_divergence, prompt_ids
+from reference_check import (
+    RuleResult,
+    check_case,
+    greedy_divergence,
+    prompt_ids,
+    references_by_model,
+    regenerated_models,
+)
 from test_tiers import _moved
 
 from executor.engine import Engine, check_tensors
@@ -47,30 +53,20 @@ NAMES = list(ARCH_MODELS)
 @pytest.fixture(scope="session")
 def arch_references() -> dict[str, list[dict]]:
     """llama.cpp's outputs per synthetic model (tests/make_arch_references.py)."""
-    out: dict[str, list[dict]] = {}
-    for ref in json.loads(REFERENCES.read_text()):
-        out.setdefault(ref["model"], []).append(ref)
-    return out
+    return references_by_model(REFERENCES)
 
 
 @pytest.fixture(scope="session")
 def arch_ggufs(tmp_path_factory, smollm2_gguf, arch_references) -> dict[str, Path]:
     """Each synthetic model, regenerated, checked to be the file llama.cpp's references are of."""
-    d = tmp_path_factory.mktemp("arch-models")
-    paths = {}
-    for name in NAMES:
-        path = write_arch_model(d / f"strata-synthetic-{name}.gguf", name, smollm2_gguf)
-        got = hashlib.sha256(path.read_bytes()).hexdigest()
-        want = {r["model_sha256"] for r in arch_references.get(name, [])}
-        if want != {got}:
-            pytest.fail(
-                f"the regenerated {name} GGUF has sha256 {got}, but llama.cpp's references in "
-                f"{REFERENCES.name} were made on {sorted(want) or 'no file'}: the factory (or "
-                "gguf-py/numpy) now writes other bytes. Re-make them with llama.cpp: "
-                "tests/make_arch_references.py --llama-python PYTHON"
-            )
-        paths[name] = path
-    return paths
+    folder = tmp_path_factory.mktemp("arch-models")
+    return regenerated_models(
+        NAMES,
+        arch_references,
+        folder,
+        smollm2_gguf,
+        "tests/make_arch_references.py --llama-python PYTHON",
+    )
 
 
 @pytest.fixture(scope="module", params=NAMES)

@@ -21,7 +21,6 @@ experts, Q8_0/F16 embeddings and heads, SmolLM2's tokenizer).
 
 from __future__ import annotations
 
-import hashlib
 import json
 from pathlib import Path
 
@@ -31,7 +30,14 @@ import pytest
 import yaml
 from conftest import DATA, make_plan_file
 from gguf_factory import MOE_MODELS, moe_key_variant, write_arch_model
-from reference_check import RuleResult, check_case, greedy_divergence, prompt_ids
+from reference_check import (
+    RuleResult,
+    check_case,
+    greedy_divergence,
+    prompt_ids,
+    references_by_model,
+    regenerated_models,
+)
 from test_tiers import _moved
 
 from executor.engine import Engine, check_tensors
@@ -58,30 +64,20 @@ CASE_FILES = ("cases_visible.json", "cases_arch.json")
 @pytest.fixture(scope="session")
 def moe_references() -> dict[str, list[dict]]:
     """llama.cpp's outputs per synthetic MoE model (tests/make_arch_references.py --moe)."""
-    out: dict[str, list[dict]] = {}
-    for ref in json.loads(REFERENCES.read_text()):
-        out.setdefault(ref["model"], []).append(ref)
-    return out
+    return references_by_model(REFERENCES)
 
 
 @pytest.fixture(scope="session")
 def moe_ggufs(tmp_path_factory, smollm2_gguf, moe_references) -> dict[str, Path]:
     """Each synthetic MoE model, regenerated, checked to be the file the references are of."""
-    d = tmp_path_factory.mktemp("moe-models")
-    paths = {}
-    for name in NAMES:
-        path = write_arch_model(d / f"strata-synthetic-{name}.gguf", name, smollm2_gguf)
-        got = hashlib.sha256(path.read_bytes()).hexdigest()
-        want = {r["model_sha256"] for r in moe_references.get(name, [])}
-        if want != {got}:
-            pytest.fail(
-                f"the regenerated {name} GGUF has sha256 {got}, but llama.cpp's references in "
-                f"{REFERENCES.name} were made on {sorted(want) or 'no file'}: the factory (or "
-                "gguf-py/numpy) now writes other bytes. Re-make them with llama.cpp: "
-                "tests/make_arch_references.py --moe --llama-python PYTHON"
-            )
-        paths[name] = path
-    return paths
+    folder = tmp_path_factory.mktemp("moe-models")
+    return regenerated_models(
+        NAMES,
+        moe_references,
+        folder,
+        smollm2_gguf,
+        "tests/make_arch_references.py --moe --llama-python PYTHON",
+    )
 
 
 @pytest.fixture(scope="module", params=NAMES)
