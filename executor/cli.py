@@ -77,6 +77,8 @@ def cmd_run(args: argparse.Namespace) -> None:
         if not loaded.gguf.field("tokenizer.chat_template"):
             raise ChatError(NO_TEMPLATE)  # before loading the weights, not after
     if args.save_routing_profile:
+        if not loaded.desc.architecture.expert_count:
+            raise StrataError("--save-routing-profile needs a mixture-of-experts model")
         _writable_parent(Path(args.save_routing_profile))
     engine = Engine(loaded, expert_cache_mode=args.expert_cache)
     load_s = time.perf_counter() - t0
@@ -126,13 +128,7 @@ def cmd_run(args: argparse.Namespace) -> None:
 
 
 def _save_routing(engine, loaded, path: Path) -> None:
-    """Write the run's routing counts as a routing profile (JSON).
-
-    Raises:
-        StrataError: a dense model (nothing to measure).
-    """
-    if not loaded.desc.architecture.expert_count:
-        raise StrataError("--save-routing-profile needs a mixture-of-experts model")
+    """Write the run's routing counts as a routing profile (JSON)."""
     src = loaded.desc.model
     doc = engine.store.routing.profile(src.sha256, src.header_sha256)
     path.write_text(doc.model_dump_json() + "\n")

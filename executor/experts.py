@@ -179,6 +179,7 @@ class RoutingTracker:
             tokens=[int(x) for x in self.tokens],
             counts=self.counts.tolist(),
             successor=self.successor.tolist(),
+            coactivation=self.coactivation.tolist(),
             predicted=self.predicted,
             predicted_hits=self.predicted_hits,
         )

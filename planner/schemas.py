@@ -207,6 +207,10 @@ class RoutingProfile(Strict):
     successor: list[list[list[int]]] = Field(
         description="[layer][e][f]: tokens that chose e in block layer and f in block layer + 1"
     )
+    coactivation: list[list[list[int]]] = Field(
+        default_factory=list,
+        description="[layer][e][f]: tokens that chose both e and f in block layer (e != f)",
+    )
     predicted: int = Field(default=0, ge=0, description="next-block experts predicted (prefetch)")
     predicted_hits: int = Field(default=0, ge=0, description="predictions the next block chose")
 

@@ -4,11 +4,12 @@ everything streamed; the expert counters add up."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import make_plan_file
+from conftest import DEV_PROFILE, make_plan_file
 from gguf_factory import write_arch_model
 
 from executor.engine import Engine
@@ -136,3 +137,40 @@ def test_prefetch_reads_only_streamed_experts(moe_plans, monkeypatch):
     assert loaded and all(int(u.rsplit(".", 1)[1]) >= 4 for u in loaded)
     ex = gen.stats["experts"]
     assert ex["uses_gpu"] > 0 and ex["hits"] + ex["misses"] > 0
+
+
+def test_routing_profile_round_trip_through_the_command_lines(moe_plans, tmp_path):
+    """``execute.py run --save-routing-profile`` writes what ``plan.py plan --routing-profile``
+    reads (the plan names the profile), and a dense model's run refuses to save one."""
+    from test_cli import assert_one_line_error, cli
+
+    resident, d = moe_plans
+    profile = tmp_path / "routing.json"
+    run = cli(
+        "execute.py", "run", str(resident), "--prompt", "Once upon a time there was",
+        "--max-tokens", "12", "--save-routing-profile", str(profile),
+    )  # fmt: skip
+    assert "wrote routing profile" in run.stderr
+    doc = json.loads(profile.read_text())
+    # Every block saw every token, each choosing the same k experts.
+    used = {sum(row) / doc["tokens"][i] for i, row in enumerate(doc["counts"])}
+    assert len(used) == 1 and used.pop() in (2.0, 4.0)
+    assert doc["predicted"] > 0  # decode steps measured the successor prediction
+    plan_doc = read_yaml(resident, Plan)
+    gguf = plan_doc.fingerprints.model.path
+    out = tmp_path / "profiled.yaml"
+    cli(
+        "plan.py", "plan", "--model", gguf, "--profile", str(DEV_PROFILE), "--context", "64",
+        "--gpu-budget", "12MiB", "--ram-budget", "12MiB", "--routing-profile", str(profile),
+        "-o", str(out),
+    )  # fmt: skip
+    planned = read_yaml(out, Plan)
+    assert planned.fingerprints.routing_profile_sha256 is not None
+    from gguf_factory import write_tiny_llama
+
+    dense = make_plan_file(str(write_tiny_llama(tmp_path / "d.gguf")), tmp_path / "d.yaml")
+    bad = cli(
+        "execute.py", "run", str(dense), "--prompt", "Hi",
+        "--max-tokens", "1", "--save-routing-profile", str(tmp_path / "x.json"), ok=False,
+    )  # fmt: skip
+    assert_one_line_error(bad, "mixture-of-experts")
