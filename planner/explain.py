@@ -310,7 +310,10 @@ def expert_cache_label(plan: Plan) -> str:
         )
     if ec.pinned:
         blocks = sorted({infer_role(u)[0] or 0 for u in ec.pinned})
-        parts.append(f"{len(ec.pinned)} experts pinned on the device in {len(blocks)} blocks")
+        n, nb = len(ec.pinned), len(blocks)
+        parts.append(
+            f"{n} expert{'s' * (n != 1)} pinned on the device in {nb} block{'s' * (nb != 1)}"
+        )
     hit = plan.prediction.expert_hit_rate if plan.prediction else None
     if hit is not None:
         parts.append(f"predicted hit rate {hit:.1%}")

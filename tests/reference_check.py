@@ -53,6 +53,20 @@ def regenerated_models(
     return paths
 
 
+def resident_engine(name: str, gguf: Path, tmp_path_factory, context: int):
+    """Yield (name, all-resident plan path, engine) of a model, closing the engine after."""
+    from conftest import make_plan_file
+
+    from executor.engine import Engine
+    from executor.plan_loader import load_plan
+
+    plan = tmp_path_factory.mktemp(f"plan-{name}") / "resident.yaml"
+    make_plan_file(str(gguf), plan, context=context)
+    engine = Engine(load_plan(plan))
+    yield name, plan, engine
+    engine.close()
+
+
 def prompt_ids(engine, case: dict) -> list[int]:
     """Our token ids for a case: chat messages through the GGUF's template, or a plain prompt."""
     if "messages" in case:
@@ -128,3 +142,20 @@ def greedy_divergence(engine, ref: dict, gap: float) -> str | None:
                 return None
             return f"{ref['case']} diverged at step {step}: {got} != {want}"
     return None
+
+
+def assert_correctness_rule(
+    name: str, engine, refs: list[dict], gap: float, tol: float, record_property
+) -> None:
+    """The correctness rule on every reference of one model: teacher-forced argmax where
+    llama.cpp's top-2 gap >= ``gap``, top-10 logits after the prompt within ``tol``, and at least
+    50 steps checked (figures recorded as test properties)."""
+    result = RuleResult()
+    for ref in refs:
+        check_case(engine, ref, gap, result)
+    record_property(f"{name}_max_top10_logit_diff", result.top10_diff)
+    record_property(f"{name}_checked_steps", result.checked)
+    print(f"{name}: {result.summary()}")
+    assert not result.failures, f"{name}: argmax differs where llama.cpp is sure: {result.failures}"
+    assert result.top10_diff <= tol, f"{name}: top-10 logits differ by {result.top10_diff:.3f}"
+    assert result.checked >= 50, f"{name}: only {result.checked} steps had a gap >= {gap}"

@@ -24,12 +24,12 @@ import pytest
 from conftest import DATA, make_plan_file
 from gguf_factory import ARCH_MODELS, write_arch_model
 from reference_check import (
-    RuleResult,
-    check_case,
+    assert_correctness_rule,
     greedy_divergence,
     prompt_ids,
     references_by_model,
     regenerated_models,
+    resident_engine,
 )
 from test_tiers import _moved
 
@@ -72,12 +72,7 @@ def arch_ggufs(tmp_path_factory, smollm2_gguf, arch_references) -> dict[str, Pat
 @pytest.fixture(scope="module", params=NAMES)
 def arch(request, arch_ggufs, tmp_path_factory):
     """(name, all-resident plan path, engine) of one synthetic model."""
-    name = request.param
-    plan = tmp_path_factory.mktemp(f"plan-{name}") / "resident.yaml"
-    make_plan_file(str(arch_ggufs[name]), plan, context=CONTEXT)
-    engine = Engine(load_plan(plan))
-    yield name, plan, engine
-    engine.close()
+    yield from resident_engine(request.param, arch_ggufs[request.param], tmp_path_factory, CONTEXT)
 
 
 def test_references_cover_every_architecture_and_case(arch_references):
@@ -99,15 +94,7 @@ def test_correctness_rule_against_llamacpp(arch, arch_references, record_propert
     """Teacher-forced argmax where llama.cpp's gap >= 1.0; top-10 logits after the prompt within
     1.0."""
     name, _, engine = arch
-    result = RuleResult()
-    for ref in arch_references[name]:
-        check_case(engine, ref, GAP, result)
-    record_property(f"{name}_max_top10_logit_diff", result.top10_diff)
-    record_property(f"{name}_checked_steps", result.checked)
-    print(f"{name}: {result.summary()}")
-    assert not result.failures, f"{name}: argmax differs where llama.cpp is sure: {result.failures}"
-    assert result.top10_diff <= TOL, f"{name}: top-10 logits differ by {result.top10_diff:.3f}"
-    assert result.checked >= 50, f"{name}: only {result.checked} steps had a gap >= {GAP}"
+    assert_correctness_rule(name, engine, arch_references[name], GAP, TOL, record_property)
 
 
 def test_greedy_decode_follows_llamacpp_until_a_near_tie(arch, arch_references):

@@ -28,15 +28,15 @@ import mlx.core as mx
 import numpy as np
 import pytest
 import yaml
-from conftest import DATA, make_plan_file
+from conftest import DATA
 from gguf_factory import MOE_MODELS, moe_key_variant, write_arch_model
 from reference_check import (
-    RuleResult,
-    check_case,
+    assert_correctness_rule,
     greedy_divergence,
     prompt_ids,
     references_by_model,
     regenerated_models,
+    resident_engine,
 )
 from test_tiers import _moved
 
@@ -83,12 +83,7 @@ def moe_ggufs(tmp_path_factory, smollm2_gguf, moe_references) -> dict[str, Path]
 @pytest.fixture(scope="module", params=NAMES)
 def moe(request, moe_ggufs, tmp_path_factory):
     """(name, all-resident plan path, engine) of one synthetic MoE model."""
-    name = request.param
-    plan = tmp_path_factory.mktemp(f"plan-{name}") / "resident.yaml"
-    make_plan_file(str(moe_ggufs[name]), plan, context=CONTEXT)
-    engine = Engine(load_plan(plan))
-    yield name, plan, engine
-    engine.close()
+    yield from resident_engine(request.param, moe_ggufs[request.param], tmp_path_factory, CONTEXT)
 
 
 def _cases() -> list[dict]:
@@ -117,15 +112,7 @@ def test_correctness_rule_against_llamacpp(moe, moe_references, record_property)
     """Teacher-forced argmax where llama.cpp's gap >= 1.0; top-10 logits after the prompt within
     1.0."""
     name, _, engine = moe
-    result = RuleResult()
-    for ref in moe_references[name]:
-        check_case(engine, ref, GAP, result)
-    record_property(f"{name}_max_top10_logit_diff", result.top10_diff)
-    record_property(f"{name}_checked_steps", result.checked)
-    print(f"{name}: {result.summary()}")
-    assert not result.failures, f"{name}: argmax differs where llama.cpp is sure: {result.failures}"
-    assert result.top10_diff <= TOL, f"{name}: top-10 logits differ by {result.top10_diff:.3f}"
-    assert result.checked >= 50, f"{name}: only {result.checked} steps had a gap >= {GAP}"
+    assert_correctness_rule(name, engine, moe_references[name], GAP, TOL, record_property)
 
 
 def test_greedy_decode_follows_llamacpp_until_a_near_tie(moe, moe_references):

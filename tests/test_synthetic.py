@@ -193,6 +193,11 @@ def test_cli_writes_and_reports(tmp_path, smollm2_gguf):
     ],
 )
 def test_bad_arguments_are_one_line_errors(tmp_path, capsys, argv, words):
+    assert_synth_error(tmp_path, capsys, argv, words)
+
+
+def assert_synth_error(tmp_path, capsys, argv: list[str], words: list[str]) -> None:
+    """``synth.py ARGV`` exits 2 with one ``error:`` line naming ``words``, writing nothing."""
     rc = synth.main([*argv, "-o", str(tmp_path / "x.gguf")])
     err = capsys.readouterr().err
     assert rc == 2, err
