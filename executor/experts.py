@@ -279,7 +279,8 @@ class ExpertCache:
                     continue
                 in_area = s in area
                 if for_prefetch != in_area:
-                    if in_area and spare is None and self._key[s][0] <= self._layer:
+                    ahead = s in self._prefetched and self._key[s][0] > self._layer
+                    if in_area and spare is None and not ahead:
                         spare = s  # a prefetch slot a miss may take as a last resort
                     continue
                 if self._unit_of[s] is None:
