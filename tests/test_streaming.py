@@ -77,6 +77,9 @@ def test_ctrl_c_in_execute_run_exits_cleanly(budget_plans):
         [sys.executable, "execute.py", "run", str(budget_plans["ffn-nvme"]), "--prompt", "Hi",
          "--max-tokens", "200"],
         cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        # A runner started in the background by a shell ignores SIGINT, and a child inherits
+        # that (Python then installs no handler): give the child a terminal's default.
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
     )  # fmt: skip
     assert proc.stdout is not None
     proc.stdout.read(1)  # generation has started: the first text arrived
