@@ -568,7 +568,7 @@ def capacity_use(
     """
     _check_tiers(desc, tiers)
     pool = pool or pool_for(desc, tiers, depth)
-    cache = experts or expert_cache_for(desc, tiers)
+    cache = experts if experts is not None else expert_cache_for(desc, tiers)
     weights = weights_by_tier(desc, tiers)
     pool_bytes = pool.slots * pool.slot_bytes + cache.slots * cache.slot_bytes
     return [(r, r.used(weights, pool_bytes)) for r in capacity_rows(desc, profile, request, batch)]
@@ -596,7 +596,7 @@ def tier_memory(
     _check_tiers(desc, tiers)
     batch = batch or batch_limits(request)
     pool = pool or pool_for(desc, tiers, depth)
-    cache = experts or expert_cache_for(desc, tiers)
+    cache = experts if experts is not None else expert_cache_for(desc, tiers)
     pool_bytes = pool.slots * pool.slot_bytes
     cache_bytes = cache.slots * cache.slot_bytes
     weights = weights_by_tier(desc, tiers)
@@ -728,7 +728,7 @@ def score(
         PlanError: ``tiers`` does not cover exactly the units of ``desc``, or the profile has a
             zero bandwidth or compute throughput.
     """
-    cache = experts or expert_cache_for(desc, tiers)
+    cache = experts if experts is not None else expert_cache_for(desc, tiers)
     use = capacity_use(desc, profile, request, tiers, depth, pool=pool, batch=batch, experts=cache)
     costs = unit_costs(desc, profile, request, batch)
     unified = profile.unified_memory

@@ -862,7 +862,13 @@ def _stage1(
     assert t_star is not None  # at least one side found an incumbent (checked above)
     # Proven gap of the whole model: the best step against the lower of the two sides' bounds.
     gap = max(0.0, (t_star - min(out_a.bound, out_b.bound)) / t_star)
-    if out_a.out_of_time or out_b.out_of_time or gap > ACCEPT_GAP:
+    if out_a.out_of_time or out_b.out_of_time:
+        raise PlanError(
+            f"the placement ILP ran out of time after {time.perf_counter() - start:.1f} s "
+            f"(best found within {gap:.2%} of optimal, its search unfinished; a routing profile "
+            "gives every expert its own class); raise the time limit"
+        )
+    if gap > ACCEPT_GAP:
         raise PlanError(
             f"the placement ILP proved no placement within {ACCEPT_GAP:.0%} of optimal in "
             f"{time.perf_counter() - start:.1f} s (gap {gap:.2%}); raise the time limit"
