@@ -333,7 +333,32 @@ class ExpertCache:
     def plan_prefetch(self, layer: int, experts: list[int]) -> None:
         """Prefetch ``experts`` of block ``layer`` after the next ``acquire`` has issued its own
         reads (so a block's misses are read before guesses about the next block)."""
+        self._layer = layer - 1  # the block being routed, for the prefetch area's "ahead" test
         self._next = (layer, experts) if self.prefetch and experts else None
+
+    def issue_prefetch(self) -> None:
+        """Read the guesses ``plan_prefetch`` queued: the first ``prefetch`` streamed experts of
+        the queue that are neither cached nor in flight, each into a prefetch-area slot. Called
+        by ``acquire`` after the block's own misses, or by the weight store directly when the
+        block chose no streamed expert (no ``acquire`` follows; the guesses must still go out)."""
+        if self._next is None:
+            return
+        nl, guess = self._next
+        self._next = None
+        issued = 0
+        for e in guess:
+            if issued == self.prefetch:
+                break
+            unit = f"blk.{nl}.expert.{e}"
+            if unit in self._slot_of or unit not in self._streamed:
+                continue  # cached or in flight already, or not streamed (pinned, ram)
+            slot = self._victim(wait=False, for_prefetch=True)
+            if slot is None:
+                continue
+            self._load(slot, unit)
+            self._prefetched.add(slot)
+            self.prefetch_issued += 1
+            issued += 1
 
     def acquire(self, layer: int, experts: list[int]) -> dict[int, dict]:
         """The tensors of ``experts`` of block ``layer`` as views of their slots, pinned until
@@ -369,23 +394,7 @@ class ExpertCache:
                 self._lru.move_to_end(slot)
             self._pinned.add(slot)
             slots.append(slot)
-        if self._next is not None:
-            nl, guess = self._next
-            self._next = None
-            issued = 0
-            for e in guess:
-                if issued == self.prefetch:
-                    break
-                unit = f"blk.{nl}.expert.{e}"
-                if unit in self._slot_of or unit not in self._streamed:
-                    continue  # cached or in flight already, or not streamed (pinned, ram)
-                slot = self._victim(wait=False, for_prefetch=True)
-                if slot is None:
-                    continue
-                self._load(slot, unit)
-                self._prefetched.add(slot)
-                self.prefetch_issued += 1
-                issued += 1
+        self.issue_prefetch()
         t0 = time.perf_counter()
         for slot in slots:
             fut = self._reading.get(slot)

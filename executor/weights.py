@@ -169,7 +169,7 @@ class WeightStore:
             return [ids]
         cache.plan_prefetch(layer + 1, guess)
         groups: list[list[int]] = [[]]
-        streamed = 0
+        streamed = any_streamed = 0
         room = max(1, cache.slots - cache.prefetch)  # the prefetched experts keep their slots
         for e in ids:
             on_nvme = self._tier_of_unit[f"blk.{layer}.expert.{e}"] == "nvme"
@@ -178,6 +178,9 @@ class WeightStore:
                 streamed = 0
             groups[-1].append(e)
             streamed += on_nvme
+            any_streamed |= on_nvme
+        if not any_streamed:  # no acquire follows, which would issue the guesses after its reads
+            cache.issue_prefetch()
         return groups
 
     def experts(self, layer: int, group: list[int]) -> dict[int, dict[str, Weight]]:
