@@ -53,6 +53,43 @@ def main(argv: list[str] | None = None) -> int:
         "--expert-cache-modes",
         help="MoE: also measure these expert-cache modes in this run, e.g. none,cache,prefetch",
     )
+    b.add_argument(
+        "--concurrency",
+        help="serving bench: start `serve` and measure these concurrency levels over HTTP, e.g. "
+        "1,2,4,8 (TTFT, TPOT, aggregate tok/s; --prompt and --check do not apply)",
+    )
+    b.add_argument(
+        "--requests",
+        type=int,
+        help="serving bench: requests per level (default max(2c, 8) at level c; level 1, the "
+        "text reference, runs as many as the largest level)",
+    )
+    b.add_argument(
+        "--prefix-tokens",
+        type=int,
+        help="serving bench: shared-prefix tokens of the prefix-cache TTFT test (1000; 0 skips it)",
+    )
+    b.add_argument(
+        "--prompt-tokens",
+        help="serving bench: prompt lengths in tokens, cycled over the requests "
+        "(default 48,96,160,256,64,128,200,32)",
+    )
+
+    s = sub.add_parser("serve", help="serve a plan over an OpenAI-compatible HTTP API")
+    s.add_argument("plan", help="plan file written by plan.py plan (or by hand)")
+    s.add_argument("--host", default="127.0.0.1", help="address to listen on (127.0.0.1)")
+    s.add_argument("--port", type=int, default=8000, help="TCP port (8000; 0 = any free port)")
+    s.add_argument(
+        "--api-key",
+        metavar="KEY",
+        help="require 'Authorization: Bearer KEY' on /v1/* (default: no key; /health is open)",
+    )
+    s.add_argument(
+        "--model-name",
+        metavar="NAME",
+        help="the model's name in requests and /v1/models (default: the catalog name, else the "
+        "GGUF file's stem)",
+    )
 
     return run(p.parse_args(argv))
 

@@ -2,7 +2,8 @@
 
 Text streams to stdout as it is generated and stats go to stderr; ``--json`` prints one object
 (``prompt_ids``, ``output_ids``, ``text``, ``stats``) instead. User errors are one line on stderr
-with exit status 2.
+with exit status 2. ``serve`` prints one line to stderr once it accepts requests and runs until
+Ctrl-C or SIGTERM.
 """
 
 from __future__ import annotations
@@ -159,6 +160,12 @@ def cmd_bench(args: argparse.Namespace) -> None:
     for out in (args.output, args.plot):
         if out:
             _writable_parent(Path(out))
+    from executor.http_bench import cmd_http_bench, refuse_serving_options
+
+    if args.concurrency is not None:  # the serving bench, over HTTP (executor/http_bench.py)
+        cmd_http_bench(args)
+        return
+    refuse_serving_options(args)
     modes = [m for m in (args.expert_cache_modes or "").split(",") if m]
     bad = [m for m in modes if m not in CACHE_MODES]
     if bad:
@@ -178,7 +185,17 @@ def cmd_bench(args: argparse.Namespace) -> None:
         print(f"wrote {args.plot}", file=sys.stderr)
 
 
-COMMANDS = {"run": cmd_run, "bench": cmd_bench}
+def cmd_serve(args: argparse.Namespace) -> None:
+    from executor.server import serve
+
+    if not 0 <= args.port <= 65535:
+        raise StrataError(f"--port {args.port}: give a port in 0..65535 (0 = any free port)")
+    if args.api_key is not None and not args.api_key.strip():
+        raise StrataError("--api-key is empty; give a key, or leave the option out")
+    serve(args.plan, args.host, args.port, args.api_key, args.model_name)
+
+
+COMMANDS = {"run": cmd_run, "bench": cmd_bench, "serve": cmd_serve}
 
 
 def run(args: argparse.Namespace) -> int:

@@ -43,8 +43,8 @@ from dataclasses import dataclass, replace
 import mlx.core as mx
 import numpy as np
 
-from executor.kv_cache import KVCache
 from executor.ops import linear
+from executor.paged_kv import ForwardBatch, PagedKVCache, SequenceCache
 from executor.weights import Weight, WeightStore
 from planner.errors import StrataError
 from planner.schemas import Architecture
@@ -365,10 +365,17 @@ class LlamaModel:
             shapes[p + "ffn_down_shexp.weight"] = [sh, d]
         return shapes
 
-    def make_cache(self, max_tokens: int) -> KVCache:
+    def make_cache(self, max_tokens: int) -> SequenceCache:
         """An empty KV cache for one sequence of at most ``max_tokens`` tokens."""
         a = self.arch
-        return KVCache(a.block_count, a.head_count_kv, a.head_dim, max_tokens, self.dtype)
+        return SequenceCache(a.block_count, a.head_count_kv, a.head_dim, max_tokens, self.dtype)
+
+    def make_paged_cache(self, num_blocks: int, block_size: int) -> PagedKVCache:
+        """The KV block pool of the serving path: ``num_blocks`` blocks of ``block_size`` tokens."""
+        a = self.arch
+        return PagedKVCache(
+            a.block_count, a.head_count_kv, a.head_dim, num_blocks, block_size, self.dtype
+        )
 
     # ----------------------------------------------------------------- the shared parts
 
@@ -381,7 +388,7 @@ class LlamaModel:
         return y if bias is None else y + bias
 
     def _rope(
-        self, x: mx.array, la: LayerAttention, offset: int, freqs: mx.array | None
+        self, x: mx.array, la: LayerAttention, offset: int | mx.array, freqs: mx.array | None
     ) -> mx.array:
         dims = self.arch.rope_dimension_count
         if la.use_rope_freqs and freqs is not None:
@@ -410,34 +417,58 @@ class LlamaModel:
         w: dict[str, Weight],
         layer: int,
         x: mx.array,
-        cache: KVCache,
+        batch: ForwardBatch,
+        kv: PagedKVCache,
         rope_freqs: mx.array | None = None,
     ) -> mx.array:
-        """Self-attention of block ``layer``: x [1, T, d] -> [1, T, d]; appends K/V to the cache.
+        """Self-attention of block ``layer`` for a batch: x [1, N, d] -> [1, N, d].
 
-        ``rope_freqs``: Llama 3's frequency factors (the ``globals`` unit), if the model has them.
+        Q/K/V are projected for all N tokens at once; RoPE, the K/V write and the attention
+        follow the batch's layout (``executor.paged_kv``: the decode group together, each
+        prefill chunk on its own). ``rope_freqs``: Llama 3's frequency factors (the ``globals``
+        unit), if the model has them.
         """
         a, p, la = self.arch, f"blk.{layer}.", self.layers[layer]
-        _, t, _ = x.shape
+        n = x.shape[1]
         h = self._norm(x, w[p + "attn_norm.weight"])
         q, k = self._proj(w, p + "attn_q", h), self._proj(w, p + "attn_k", h)
         if self.qk_norm_full:
             q = self._norm(q, w[p + "attn_q_norm.weight"])
             k = self._norm(k, w[p + "attn_k_norm.weight"])
-        q = q.reshape(1, t, a.head_count, a.head_dim)
-        k = k.reshape(1, t, a.head_count_kv, a.head_dim)
-        v = self._proj(w, p + "attn_v", h).reshape(1, t, a.head_count_kv, a.head_dim)
+        q = q.reshape(n, a.head_count, a.head_dim)
+        k = k.reshape(n, a.head_count_kv, a.head_dim)
+        v = self._proj(w, p + "attn_v", h).reshape(n, a.head_count_kv, a.head_dim)
         if self.qk_norm and not self.qk_norm_full:
             q = self._norm(q, w[p + "attn_q_norm.weight"])
             k = self._norm(k, w[p + "attn_k_norm.weight"])
-        q, k, v = (z.transpose(0, 2, 1, 3) for z in (q, k, v))
-        start = cache.offset
-        q = self._rope(q, la, start, rope_freqs)
-        k = self._rope(k, la, start, rope_freqs)
-        keys, values = cache.update(layer, k, v)
-        keys, values, mask = _attention_span(keys, values, start, t, la.window)
-        o = mx.fast.scaled_dot_product_attention(q, keys, values, scale=self.scale, mask=mask)
-        o = o.transpose(0, 2, 1, 3).reshape(1, t, a.head_count * a.head_dim)
+        # RoPE per group, in [B, heads, T, head_dim] layout: decodes share one call with
+        # per-sequence offsets; a chunk's offset is where it starts. k_rows: RoPE'd keys back in
+        # row order, [rows, kv_heads, head_dim], for the cache.
+        qs, k_rows = [], []
+        b = batch.decode_rows
+        if b:
+            qs.append(self._rope(q[:b, :, None], la, batch.decode_offsets, rope_freqs))
+            k_rows.append(self._rope(k[:b, :, None], la, batch.decode_offsets, rope_freqs)[:, :, 0])
+        for c in batch.chunks:
+            rows = slice(c.row, c.row + c.length)
+            qs.append(self._rope(q[rows].transpose(1, 0, 2)[None], la, c.start, rope_freqs))
+            kc = self._rope(k[rows].transpose(1, 0, 2)[None], la, c.start, rope_freqs)
+            k_rows.append(kc[0].transpose(1, 0, 2))
+        # Every token's K/V goes in before anyone attends: a chunk sees its own tokens.
+        kv.write(layer, batch.write_slots, _cat(k_rows), v)
+        outs = []
+        if b:
+            keys, values = kv.gather(layer, batch.decode_table)
+            o = mx.fast.scaled_dot_product_attention(
+                qs[0], keys, values, scale=self.scale, mask=batch.decode_mask(la.window)
+            )
+            outs.append(o[:, :, 0])  # [B, heads, head_dim]
+        for c, qc in zip(batch.chunks, qs[1 if b else 0 :], strict=True):
+            keys, values = kv.gather(layer, c.table)
+            keys, values, mask = _attention_span(keys, values, c.start, c.length, la.window)
+            o = mx.fast.scaled_dot_product_attention(qc, keys, values, scale=self.scale, mask=mask)
+            outs.append(o[0].transpose(1, 0, 2))  # [T, heads, head_dim]
+        o = _cat(outs).reshape(1, n, -1)
         o = self._proj(w, p + "attn_output", o)
         return self._norm(o, w[p + "post_attention_norm.weight"]) if self.post_norms else o
 
@@ -482,7 +513,9 @@ class LlamaModel:
                     continue
                 r = mx.array(rows.astype(np.int32))
                 g = weights[r, mx.array(slots.astype(np.int32))].astype(h.dtype)  # [n]
-                out = out.at[r].add(self.expert(ws[e], h[r]) * g[:, None])
+                out = out.at[r].add(
+                    self.expert(ws[e], h[_padded_rows(rows)])[: len(rows)] * g[:, None]
+                )
             out = s.release_experts(layer, out)
         if self.shared_expert:
             out = out + self.shared_ffn(w, layer, h)
@@ -511,14 +544,28 @@ class LlamaModel:
         u = linear(h, w[p + "ffn_up_shexp.weight"])
         return linear(self.activation(g) * u, w[p + "ffn_down_shexp.weight"]) * mx.sigmoid(z)
 
-    def forward(self, ids: list[int], cache: KVCache, all_logits: bool = False) -> mx.array:
-        """Run ``ids`` (the next T tokens of the sequence) through the model.
+    def forward(self, ids: list[int], cache: SequenceCache, all_logits: bool = False) -> mx.array:
+        """Run ``ids`` (the next T tokens of one sequence) through the model and advance
+        ``cache`` past them.
 
         Returns:
             float32 logits, [T, vocab] if ``all_logits`` else [1, vocab] for the last token.
         """
+        seq = cache.next_input(ids, "all" if all_logits else "last")
+        logits = self.forward_batch(ForwardBatch.build([seq]), cache.kv)
+        cache.advance(len(ids))
+        return logits
+
+    def forward_batch(self, batch: ForwardBatch, kv: PagedKVCache) -> mx.array:
+        """One forward pass over the tokens of several sequences (``executor.paged_kv``): every
+        unit is asked of the store once for the whole batch, so a streamed unit is read once
+        per pass whatever the batch size.
+
+        Returns:
+            float32 logits [S, vocab] of the batch's ``logit_rows``, in their order.
+        """
         s = self.store
-        x = self.embed(ids)
+        x = self.embed(batch.ids)
         rope_freqs = None
         if self.has_globals:
             # Read once per pass and released at once: a new array (``* 1.0``), as a streamed
@@ -527,12 +574,11 @@ class LlamaModel:
             rope_freqs = s.release("globals", factors.astype(mx.float32) * 1.0)
         for i in range(self.arch.block_count):
             attn, ffn = f"blk.{i}.attn", f"blk.{i}.ffn"
-            x = s.release(attn, x + self.attention(s.unit(attn), i, x, cache, rope_freqs))
+            x = s.release(attn, x + self.attention(s.unit(attn), i, x, batch, kv, rope_freqs))
             ffn_out = (self.ffn if self.routing is None else self.moe_ffn)(s.unit(ffn), i, x)
             x = s.release(ffn, x + ffn_out)
-        cache.advance(len(ids))
         out = s.unit("output")
-        x = self._norm(x if all_logits else x[:, -1:], out["output_norm.weight"])
+        x = self._norm(x[:, batch.logit_rows], out["output_norm.weight"])
         head = out.get("output.weight")
         if head is None:
             # Tied embeddings: the head is the token embedding table. The output unit (the final
@@ -577,6 +623,29 @@ def _attention_span(
     qpos = mx.arange(start, start + t)[:, None]
     kpos = mx.arange(first, start + t)[None, :]
     return keys, values, (kpos <= qpos) & (qpos - kpos < window)
+
+
+PAD_EXPERT_ROWS = mx.cuda.is_available()
+"""Pad each expert's row count to a power of two on MLX's CUDA backend, which prepares kernels
+per distinct matmul shape: unpadded, the first MoE prefill of a 55-token prompt took 79 s on the
+H200, one shape per distinct number of tokens choosing an expert; padded, a prefill of T tokens
+has at most log2(T) + 1 shapes (the whole MoE bench, five engines each with a first prefill, then
+finished in 500 s where it had not within 560 s). Elsewhere the extra rows would only cost
+compute, so the CPU and Metal compute exactly the rows that chose the expert."""
+
+
+def _padded_rows(rows: np.ndarray) -> mx.array:
+    """``rows`` (int [n]) as an index array, padded to a power of two with copies of its first
+    row where ``PAD_EXPERT_ROWS`` (the extra results are sliced off)."""
+    n = len(rows)
+    if PAD_EXPERT_ROWS and n & (n - 1):
+        rows = np.concatenate([rows, np.full((1 << n.bit_length()) - n, rows[0])])
+    return mx.array(rows.astype(np.int32))
+
+
+def _cat(parts: list[mx.array]) -> mx.array:
+    """Row-wise concatenation (no copy for a single part)."""
+    return parts[0] if len(parts) == 1 else mx.concatenate(parts)
 
 
 def nn_silu(x: mx.array) -> mx.array:

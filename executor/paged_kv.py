@@ -1,0 +1,271 @@
+"""The paged KV cache: keys and values of every sequence in fixed-size blocks of one pool, and the
+layout of one batched forward pass over it.
+
+Storage (:class:`PagedKVCache`): per layer, keys and values are ``[num_blocks * block_size,
+n_kv_heads, head_dim]`` arrays in the compute dtype, one row per token slot; the token at position
+p of a sequence lives in slot ``block_ids[p // block_size] * block_size + p % block_size``. Which
+blocks a sequence owns is bookkeeping outside this module (``executor.block_pool``, the
+scheduler); here a sequence is just its slot table.
+
+A forward pass (:class:`ForwardBatch`) carries the next tokens of several sequences at once,
+flattened into one ``[1, N, d]`` activation so that every weight is read once for all of them:
+
+- **decodes** (one token each) come first and attend together: one RoPE with per-sequence
+  offsets, one gather of their keys padded to the longest, a boolean mask for the padding (and
+  for sliding windows), one scaled-dot-product attention;
+- **prefill chunks** (several tokens of one sequence) follow, each attending on its own with a
+  causal mask over its sequence's earlier tokens and itself.
+
+The K/V of all N tokens are written with one scatter per layer before anyone attends, so a chunk
+sees its own tokens. A single sequence is the same path with one entry (:class:`SequenceCache`
+gives it a private pool), so a request computes the same numbers alone or in a batch wherever
+the kernels are batch-invariant (measured on MLX CPU: quantized and dense matmul rows and padded
+attention are bit-identical to one row at a time).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import mlx.core as mx
+import numpy as np
+
+from planner.errors import StrataError
+
+
+class PagedKVCache:
+    """Keys and values of all layers in ``num_blocks`` blocks of ``block_size`` token slots.
+
+    Args:
+        n_layers: blocks (layers) of the model.
+        n_kv_heads: key/value heads per layer.
+        head_dim: dimension of one head.
+        num_blocks: KV blocks in the pool (the plan's ``batch.kv_num_blocks``).
+        block_size: tokens per block (the plan's ``batch.kv_block_size``).
+        dtype: element dtype (the compute dtype).
+
+    Memory: ``2 * n_layers * num_blocks * block_size * n_kv_heads * head_dim * dtype bytes``,
+    allocated on the first write (MLX arrays are lazy).
+    """
+
+    def __init__(
+        self,
+        n_layers: int,
+        n_kv_heads: int,
+        head_dim: int,
+        num_blocks: int,
+        block_size: int,
+        dtype: mx.Dtype,
+    ):
+        if num_blocks < 1 or block_size < 1:
+            raise StrataError(
+                f"a KV cache of {num_blocks} blocks of {block_size} tokens cannot hold a token; "
+                "re-plan (plan.py plan) with a larger context"
+            )
+        self.num_blocks, self.block_size = num_blocks, block_size
+        shape = (num_blocks * block_size, n_kv_heads, head_dim)
+        self.keys = [mx.zeros(shape, dtype) for _ in range(n_layers)]
+        self.values = [mx.zeros(shape, dtype) for _ in range(n_layers)]
+
+    @property
+    def num_slots(self) -> int:
+        """Token slots in the pool."""
+        return self.num_blocks * self.block_size
+
+    def write(self, layer: int, slots: mx.array, k: mx.array, v: mx.array) -> None:
+        """Store ``k``/``v`` ([N, kv_heads, head_dim]) of N tokens in ``slots`` (int32 [N])."""
+        self.keys[layer][slots] = k
+        self.values[layer][slots] = v
+
+    def gather(self, layer: int, table: mx.array) -> tuple[mx.array, mx.array]:
+        """Keys and values of the slots in ``table`` (int32 [B, L]): two [B, kv_heads, L,
+        head_dim] arrays."""
+        k = self.keys[layer][table].transpose(0, 2, 1, 3)
+        v = self.values[layer][table].transpose(0, 2, 1, 3)
+        return k, v
+
+
+def slot_table(block_ids: list[int], block_size: int, length: int) -> np.ndarray:
+    """Slots of positions ``0..length-1`` of a sequence that owns ``block_ids`` (int32 [length]).
+
+    Raises:
+        StrataError: the blocks hold fewer than ``length`` tokens (a scheduler bug).
+    """
+    if length > len(block_ids) * block_size:
+        raise StrataError(
+            f"{length} tokens need {-(-length // block_size)} KV blocks but the sequence has "
+            f"{len(block_ids)}; this is a bug in block allocation"
+        )
+    blocks = np.asarray(block_ids, dtype=np.int32)
+    pos = np.arange(length, dtype=np.int32)
+    return blocks[pos // block_size] * block_size + pos % block_size
+
+
+@dataclass
+class SeqInput:
+    """One sequence's part of a forward pass.
+
+    Attributes:
+        ids: the tokens to compute now (positions ``start .. start + len(ids) - 1``).
+        start: position of ``ids[0]`` (tokens already in the KV cache).
+        slots: int32 [start + len(ids)], the KV slot of every position (:func:`slot_table`).
+        logits: ``"last"`` (the last token's logits), ``"all"`` (every token's) or ``"none"``.
+    """
+
+    ids: list[int]
+    start: int
+    slots: np.ndarray
+    logits: str = "last"
+
+
+@dataclass
+class Chunk:
+    """A prefill chunk inside a batch: rows ``row .. row + len - 1`` of the activation."""
+
+    row: int
+    length: int
+    start: int
+    table: mx.array  # int32 [1, start + length]
+
+
+@dataclass
+class ForwardBatch:
+    """The layout of one forward pass over the paged KV cache (see the module docstring).
+
+    Attributes:
+        ids: the N tokens, decodes first, then each prefill chunk's tokens.
+        write_slots: int32 [N], the KV slot each token's keys/values go to.
+        decode_rows: B, the number of decode sequences (rows ``0 .. B-1``, one token each).
+        decode_offsets: int32 [B], each decode token's position (its RoPE offset).
+        decode_table: int32 [B, L], each decode sequence's slots, padded to the longest (L).
+        decode_lengths: int [B], each decode sequence's length including its new token.
+        chunks: the prefill chunks, in row order after the decodes.
+        logit_rows: int32 [S], the rows whose logits are returned, in the order of the inputs.
+        logit_counts: rows of ``logit_rows`` per input (0, 1 or its token count).
+    """
+
+    ids: list[int]
+    write_slots: mx.array
+    decode_rows: int
+    decode_offsets: mx.array | None
+    decode_table: mx.array | None
+    decode_lengths: np.ndarray
+    chunks: list[Chunk]
+    logit_rows: mx.array
+    logit_counts: list[int]
+    _masks: dict[int, mx.array | None] = field(default_factory=dict)
+
+    @classmethod
+    def build(cls, seqs: list[SeqInput]) -> ForwardBatch:
+        """Lay ``seqs`` out: one-token inputs form the decode group, the others are chunks.
+
+        Raises:
+            StrataError: an input without tokens.
+        """
+        if not seqs or any(not s.ids for s in seqs):
+            raise StrataError("a forward pass needs at least one token per sequence")
+        decodes = [i for i, s in enumerate(seqs) if len(s.ids) == 1]
+        prefills = [i for i, s in enumerate(seqs) if len(s.ids) > 1]
+        ids: list[int] = []
+        writes: list[np.ndarray] = []
+        row_of: dict[int, int] = {}
+        for i in decodes:
+            s = seqs[i]
+            row_of[i] = len(ids)
+            ids.extend(s.ids)
+            writes.append(s.slots[s.start : s.start + 1])
+        lengths = np.array([seqs[i].start + 1 for i in decodes], dtype=np.int64)
+        offsets = table = None
+        if decodes:
+            width = int(lengths.max())
+            padded = np.zeros((len(decodes), width), dtype=np.int32)
+            for r, i in enumerate(decodes):
+                padded[r, : lengths[r]] = seqs[i].slots[: lengths[r]]
+            table = mx.array(padded)
+            offsets = mx.array([seqs[i].start for i in decodes], dtype=mx.int32)
+        chunks = []
+        for i in prefills:
+            s = seqs[i]
+            row_of[i] = len(ids)
+            end = s.start + len(s.ids)
+            chunks.append(Chunk(len(ids), len(s.ids), s.start, mx.array(s.slots[None, :end])))
+            ids.extend(s.ids)
+            writes.append(s.slots[s.start : end])
+        rows: list[int] = []
+        counts = []
+        for i, s in enumerate(seqs):
+            n = {"last": 1, "all": len(s.ids), "none": 0}[s.logits]
+            rows.extend(range(row_of[i] + len(s.ids) - n, row_of[i] + len(s.ids)))
+            counts.append(n)
+        return cls(
+            ids=ids,
+            write_slots=mx.array(np.concatenate(writes).astype(np.int32)),
+            decode_rows=len(decodes),
+            decode_offsets=offsets,
+            decode_table=table,
+            decode_lengths=lengths,
+            chunks=chunks,
+            logit_rows=mx.array(np.array(rows, dtype=np.int32)),
+            logit_counts=counts,
+        )
+
+    def decode_mask(self, window: int) -> mx.array | None:
+        """Boolean [B, 1, 1, L] mask of the decode group's keys for a ``window`` (0: none):
+        key j of sequence b is seen iff ``j < length_b`` and, with a window, ``length_b - 1 - j <
+        window``. None when nothing is masked (one sequence, no window reach)."""
+        if window not in self._masks:
+            lengths = self.decode_lengths
+            width = int(lengths.max())
+            kpos = np.arange(width)[None, :]
+            keep = kpos < lengths[:, None]
+            if window:
+                keep &= (lengths[:, None] - 1 - kpos) < window
+            self._masks[window] = None if keep.all() else mx.array(keep[:, None, None, :])
+        return self._masks[window]
+
+
+class SequenceCache:
+    """A private paged KV cache for one sequence of at most ``max_tokens`` tokens (the
+    single-request path: ``Engine.generate``), its blocks in order.
+
+    Args:
+        n_layers, n_kv_heads, head_dim, dtype: as :class:`PagedKVCache`.
+        max_tokens: most tokens the sequence may hold (the plan's context).
+        block_size: tokens per block.
+
+    Attributes:
+        offset: tokens already stored (the position of the next token).
+    """
+
+    def __init__(
+        self,
+        n_layers: int,
+        n_kv_heads: int,
+        head_dim: int,
+        max_tokens: int,
+        dtype: mx.Dtype,
+        block_size: int = 16,
+    ):
+        blocks = -(-max_tokens // block_size)
+        self.kv = PagedKVCache(n_layers, n_kv_heads, head_dim, blocks, block_size, dtype)
+        self.max_tokens = max_tokens
+        self.offset = 0
+        self._slots = np.arange(blocks * block_size, dtype=np.int32)
+
+    def next_input(self, ids: list[int], logits: str) -> SeqInput:
+        """The sequence's next ``ids`` as a forward-pass input.
+
+        Raises:
+            StrataError: the sequence would exceed ``max_tokens``.
+        """
+        end = self.offset + len(ids)
+        if end > self.max_tokens:
+            raise StrataError(
+                f"sequence of {end} tokens exceeds the plan's context of {self.max_tokens}; "
+                "re-plan with a larger --context or lower --max-tokens"
+            )
+        return SeqInput(list(ids), self.offset, self._slots[:end], logits)
+
+    def advance(self, t: int) -> None:
+        """Mark ``t`` more tokens as stored."""
+        self.offset += t

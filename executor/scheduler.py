@@ -1,0 +1,394 @@
+"""Continuous batching in vLLM v1's style: which tokens of which sequences the next step runs.
+
+Model. A sequence is its tokens (prompt, then the outputs sampled so far) and
+``num_computed_tokens``, how many of them have their KV in the cache. There are no prefill and
+decode phases: each step, every sequence's computed tokens catch up with its tokens by a chunk
+``(start=num_computed_tokens, num_tokens)``. A prompt is caught up in prefill chunks; afterwards
+each step has one new token to compute (a decode). A chunk that reaches the sequence's last token
+samples the next token from its last logits (``ScheduledChunk.sample``); ``update`` appends it.
+
+Budget. One token budget per step (``max_num_batched_tokens``), shared by prefill chunks and
+decodes, bounds the step's work, so a long prompt never stalls running decodes for more than one
+chunk (``prefill_chunk``) and TPOT stays flat while others prefill. Running sequences come first,
+in arrival order: each gets ``min(tokens left, prefill_chunk, budget left)``. Then waiting
+sequences are admitted first come, first served while budget is left and fewer than
+``max_num_seqs`` run; admission looks the sequence up in the prefix cache (``BlockPool
+.match_prefix``, leaving at least the last token to compute), so a shared prompt starts its
+prefill after the cached blocks. A waiting sequence whose blocks cannot be allocated stops
+admission: nothing behind it skips ahead (no starvation of long prompts).
+
+Preemption. A running sequence whose chunk needs a block the pool does not have preempts the
+*latest-arrived* running sequence, itself included, and retries. Recompute, not swap: the
+victim's blocks are freed and its ``num_computed_tokens`` reset, its outputs kept, and it goes
+back to the front of the waiting queue. Its full blocks were committed to the prefix cache as they
+were computed, and freed blocks keep their hashes until reused, so re-admission usually finds most
+of them and recomputes little; there is no host copy path to maintain. Latest-arrived first keeps
+FCFS fairness, and it guarantees progress: the earliest running sequence is never preempted while
+others run, and ``add`` refuses a sequence that could not run alone in the whole pool (prompt +
+``max_tokens``, capped by the context, where the engine finishes it), so it always gets its
+blocks. No sequence is admitted in a step that preempted (the pool is short).
+
+Order invariant: every running sequence arrived before every waiting one (admission takes the
+queue's head, a preempted sequence is the latest running one and goes back to the head), so
+``running`` stays in arrival order by appending, and its last entry is the latest-arrived.
+
+Costs per step: O(running + admitted) list work; sha256 only when a block fills (in ``update``)
+and for the prompt of each admission (``match_prefix``); nothing scans the pool.
+"""
+
+from __future__ import annotations
+
+import enum
+import itertools
+from collections import deque
+from dataclasses import dataclass, field
+
+from executor.block_pool import BlockPool
+from planner.errors import StrataError
+
+
+class SeqStatus(enum.Enum):
+    """Where a sequence is: waiting for admission, running (holds KV blocks), finished."""
+
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass(eq=False)
+class Sequence:
+    """One request's tokens and its scheduling state.
+
+    Attributes:
+        request_id: unique among the scheduler's waiting and running sequences.
+        prompt_ids: the prompt's token ids.
+        max_tokens: most tokens to generate (the engine finishes the sequence there).
+        output_ids: tokens sampled so far (kept across preemption).
+        num_computed_tokens: leading tokens of ``all_ids`` whose KV is in the cache.
+        block_ids: the block table: block ``i`` holds tokens ``[i * block_size, (i+1) *
+            block_size)``.
+        num_cached_tokens: prompt tokens served by the prefix cache at the (last) admission.
+        num_preemptions: times this sequence was preempted.
+        status: waiting, running or finished.
+        finish_reason: why it finished (``"stop"``, ``"length"``, ``"abort"``, ...), else None.
+        arrival: order of arrival, set by ``Scheduler.add`` (monotonic).
+    """
+
+    request_id: str
+    prompt_ids: list[int]
+    max_tokens: int
+    output_ids: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    block_ids: list[int] = field(default_factory=list)
+    num_cached_tokens: int = 0
+    num_preemptions: int = 0
+    status: SeqStatus = SeqStatus.WAITING
+    finish_reason: str | None = None
+    arrival: int = 0
+
+    @property
+    def all_ids(self) -> list[int]:
+        """Prompt and outputs, a new list (O(tokens): prefer ``ScheduledChunk.ids`` per step)."""
+        return self.prompt_ids + self.output_ids
+
+    @property
+    def num_tokens(self) -> int:
+        """Tokens of the prompt and outputs."""
+        return len(self.prompt_ids) + len(self.output_ids)
+
+
+@dataclass
+class ScheduledChunk:
+    """Tokens ``[start, start + num_tokens)`` of ``seq`` to compute in this step.
+
+    Attributes:
+        seq: the sequence.
+        start: the first token's position (the sequence's ``num_computed_tokens`` when scheduled).
+        num_tokens: tokens to compute.
+        sample: the chunk reaches the sequence's last token when scheduled, so a new token is
+            sampled from its last logits. Fixed at construction, so it still reads True after
+            ``update`` appended that token.
+    """
+
+    seq: Sequence
+    start: int
+    num_tokens: int
+    sample: bool = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.sample = self.start + self.num_tokens == self.seq.num_tokens
+
+    @property
+    def ids(self) -> list[int]:
+        """The chunk's token ids, ``seq.all_ids[start:start + num_tokens]`` without building
+        ``all_ids`` (a decode copies one id, not the whole sequence)."""
+        prompt, out = self.seq.prompt_ids, self.seq.output_ids
+        p, s, e = len(prompt), self.start, self.start + self.num_tokens
+        if s >= p:
+            return out[s - p : e - p]
+        if e <= p:
+            return prompt[s:e]
+        return prompt[s:] + out[: e - p]
+
+
+@dataclass
+class SchedulerStep:
+    """What one forward pass runs.
+
+    Attributes:
+        chunks: running sequences first (arrival order), then the ones admitted in this step.
+        preempted: sequences preempted while scheduling (now waiting, with no blocks).
+    """
+
+    chunks: list[ScheduledChunk] = field(default_factory=list)
+    preempted: list[Sequence] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        """Tokens computed by the step (at most the scheduler's ``max_num_batched_tokens``)."""
+        return sum(c.num_tokens for c in self.chunks)
+
+
+class Scheduler:
+    """Decides each step's chunks; owns the waiting queue and the running list.
+
+    The engine loop: ``step = schedule()``; run the model on ``step.chunks`` and sample a token
+    for each chunk with ``sample``; ``update(step, sampled)``; ``finish`` the sequences that are
+    done (end-of-generation token, ``max_tokens``, context).
+
+    Args:
+        pool: the KV block pool (its ``block_size`` is the scheduler's).
+        max_num_seqs: most sequences running at once.
+        max_num_batched_tokens: token budget of one step (prefill chunks and decodes together).
+        prefill_chunk: most tokens of one sequence in one step.
+        max_model_len: the context: a sequence never holds more tokens.
+
+    Raises:
+        StrataError: a limit is below 1.
+    """
+
+    def __init__(
+        self,
+        pool: BlockPool,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        prefill_chunk: int,
+        max_model_len: int,
+    ):
+        limits = {
+            "max_num_seqs": max_num_seqs,
+            "max_num_batched_tokens": max_num_batched_tokens,
+            "prefill_chunk": prefill_chunk,
+            "max_model_len (the context)": max_model_len,
+        }
+        for name, value in limits.items():
+            if value < 1:
+                raise StrataError(f"{name} is {value}; the scheduler needs it >= 1: fix the plan")
+        self.pool = pool
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.prefill_chunk = prefill_chunk
+        self.max_model_len = max_model_len
+        self.running: list[Sequence] = []
+        self.waiting: deque[Sequence] = deque()
+        self.num_preemptions = 0
+        self._live: dict[str, Sequence] = {}  # request_id -> waiting or running sequence
+        self._arrivals = itertools.count()
+
+    def _blocks_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.pool.block_size)
+
+    def add(self, seq: Sequence) -> None:
+        """Queue a new sequence (status WAITING, ``arrival`` set); it runs when admitted.
+
+        A sequence with outputs already (e.g. one resumed by the caller) resumes with all its
+        tokens.
+
+        Args:
+            seq: the sequence; its ``request_id`` must not be waiting or running.
+
+        Raises:
+            StrataError: the prompt is empty; it leaves no room to generate in the context
+                (``len(prompt) >= max_model_len``); ``max_tokens`` < 1; the sequence could not
+                run even alone, its prompt and ``max_tokens`` (capped by the context) needing
+                more blocks than the whole pool has; the id is taken.
+        """
+        rid, n, bs = seq.request_id, len(seq.prompt_ids), self.pool.block_size
+        if n == 0:
+            raise StrataError(f"request {rid!r} has an empty prompt; send at least one token")
+        if n >= self.max_model_len:
+            raise StrataError(
+                f"request {rid!r}: its prompt of {n} tokens leaves no room to generate in the "
+                f"{self.max_model_len}-token context; shorten it to at most "
+                f"{self.max_model_len - 1} tokens or plan a larger context"
+            )
+        if seq.max_tokens < 1:
+            raise StrataError(
+                f"request {rid!r} asks for max_tokens {seq.max_tokens}; ask for at least 1"
+            )
+        # The most tokens it can hold (the engine finishes it at max_tokens or the context).
+        # Refusing what cannot fit alone is what makes preemption always end.
+        peak = min(n + seq.max_tokens, self.max_model_len)
+        need = self._blocks_for(peak)
+        if need > self.pool.num_blocks:
+            raise StrataError(
+                f"request {rid!r} needs up to {need} KV blocks ({peak} tokens: a prompt of {n} "
+                f"+ max_tokens {seq.max_tokens}, within the {self.max_model_len}-token context) "
+                f"but the KV cache has {self.pool.num_blocks} blocks of {bs} tokens in all; "
+                "lower max_tokens, shorten the prompt or plan more KV blocks (kv_num_blocks)"
+            )
+        if rid in self._live:
+            raise StrataError(
+                f"request id {rid!r} is already waiting or running; give each request its own id"
+            )
+        seq.arrival = next(self._arrivals)
+        seq.status = SeqStatus.WAITING
+        seq.finish_reason = None
+        seq.num_computed_tokens = 0
+        seq.block_ids = []
+        self._live[rid] = seq
+        self.waiting.append(seq)
+
+    def abort(self, request_id: str) -> Sequence | None:
+        """Finish a waiting or running sequence with reason ``"abort"``, freeing its blocks.
+
+        Args:
+            request_id: the sequence's id.
+
+        Returns:
+            The sequence, or None when no sequence of that id is waiting or running (unknown, or
+            already finished).
+        """
+        seq = self._live.get(request_id)
+        if seq is not None:
+            self.finish(seq, "abort")
+        return seq
+
+    def finish(self, seq: Sequence, reason: str) -> None:
+        """Take a sequence out of the running list (or the waiting queue) and free its blocks.
+
+        Its computed full blocks stay in the prefix cache. A no-op for a sequence that is not
+        waiting or running in this scheduler (already finished).
+
+        Args:
+            seq: the sequence.
+            reason: its ``finish_reason`` (``"stop"``, ``"length"``, ``"abort"``, ``"error"``).
+        """
+        if self._live.get(seq.request_id) is not seq:
+            return
+        del self._live[seq.request_id]
+        if seq.status is SeqStatus.RUNNING:
+            self.running.remove(seq)
+        else:
+            self.waiting.remove(seq)
+        self.pool.free(seq.block_ids)
+        seq.block_ids = []
+        seq.status = SeqStatus.FINISHED
+        seq.finish_reason = reason
+
+    def has_work(self) -> bool:
+        """True while a sequence is waiting or running."""
+        return bool(self.running or self.waiting)
+
+    def _preempt(self, step: SchedulerStep) -> Sequence:
+        """Preempt the latest-arrived running sequence (the last of ``running``) by recompute."""
+        seq = self.running.pop()
+        self.pool.free(seq.block_ids)
+        seq.block_ids = []
+        seq.num_computed_tokens = 0
+        seq.status = SeqStatus.WAITING
+        seq.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(seq)
+        step.preempted.append(seq)
+        return seq
+
+    def schedule(self) -> SchedulerStep:
+        """The next step's chunks: running sequences first, then admissions (see the module).
+
+        Allocates the blocks each chunk writes; may preempt running sequences (listed in
+        ``preempted``). Changes no ``num_computed_tokens`` of a scheduled sequence: ``update``
+        does, once the step has run.
+
+        Returns:
+            The step; its ``chunks`` are empty when nothing can run.
+        """
+        step = SchedulerStep()
+        budget = self.max_num_batched_tokens
+        chunk_cap = self.prefill_chunk
+        pool = self.pool
+        i = 0
+        while i < len(self.running) and budget > 0:
+            seq = self.running[i]
+            n = min(seq.num_tokens - seq.num_computed_tokens, chunk_cap, budget)
+            if n <= 0:  # nothing to compute (no token sampled for it yet)
+                i += 1
+                continue
+            need = self._blocks_for(seq.num_computed_tokens + n) - len(seq.block_ids)
+            if need > 0:
+                new = pool.allocate(need)
+                while new is None:
+                    # Victims come after seq (arrival order), so none was scheduled yet.
+                    if self._preempt(step) is seq:
+                        break
+                    new = pool.allocate(need)
+                if new is None:
+                    break  # seq was the latest: nothing runs after it
+                seq.block_ids.extend(new)
+            step.chunks.append(ScheduledChunk(seq, seq.num_computed_tokens, n))
+            budget -= n
+            i += 1
+
+        if step.preempted:
+            return step
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            # An admission always needs a new block (a prefix hit ends on a block boundary and
+            # at least one token is computed): skip the prefix lookup when none is free.
+            if pool.num_free_blocks() == 0:
+                break
+            seq = self.waiting[0]
+            ids = seq.all_ids
+            counters = pool.prefix_query_tokens, pool.prefix_hit_tokens
+            matched = pool.match_prefix(ids, len(ids) - 1)  # the last token always runs
+            computed = len(matched) * pool.block_size
+            n = min(len(ids) - computed, chunk_cap, budget)
+            new = pool.allocate(self._blocks_for(computed + n) - len(matched))
+            if new is None:
+                # FCFS: wait for blocks rather than let a later sequence skip ahead. The lookup
+                # is repeated next step, so it is not counted now.
+                pool.free(matched)
+                pool.prefix_query_tokens, pool.prefix_hit_tokens = counters
+                break
+            self.waiting.popleft()
+            seq.block_ids = matched + new
+            seq.num_computed_tokens = computed
+            seq.num_cached_tokens = min(computed, len(seq.prompt_ids))
+            seq.status = SeqStatus.RUNNING
+            self.running.append(seq)  # still in arrival order (see the module docstring)
+            step.chunks.append(ScheduledChunk(seq, computed, n))
+            budget -= n
+        return step
+
+    def update(self, step: SchedulerStep, sampled: dict[str, int]) -> None:
+        """Record that ``step`` ran: advance computed tokens, cache full blocks, append samples.
+
+        Chunks of sequences finished, aborted or preempted since ``schedule`` are skipped.
+
+        Args:
+            step: the step ``schedule`` returned, after the model ran it.
+            sampled: request id -> the token sampled for each chunk with ``sample``.
+
+        Raises:
+            KeyError: a chunk with ``sample`` has no token in ``sampled``.
+        """
+        bs, caching = self.pool.block_size, self.pool.prefix_caching
+        for chunk in step.chunks:
+            seq = chunk.seq
+            if seq.status is not SeqStatus.RUNNING or seq.num_computed_tokens != chunk.start:
+                continue
+            before = seq.num_computed_tokens
+            seq.num_computed_tokens = after = before + chunk.num_tokens
+            if caching and after // bs != before // bs:  # a block filled: offer it to the cache
+                self.pool.commit(seq.all_ids, seq.block_ids, after)
+            if chunk.sample:
+                seq.output_ids.append(sampled[seq.request_id])

@@ -1,0 +1,320 @@
+"""Serving many requests from one plan: continuous batching over the paged KV cache.
+
+:class:`ServingEngine` owns one engine thread that does all MLX work. Each step it asks the
+scheduler (``executor.scheduler``: vLLM-style, one token budget shared by prefill chunks and
+decodes, the plan's ``batch`` limits) which sequences advance by how many tokens, runs them as
+one batched forward pass (``LlamaModel.forward_batch`` over ``executor.paged_kv``: every unit,
+streamed ones included, is read once per step for the whole batch), samples one token for each
+sequence whose chunk reached its last known token, and reports it through the request's
+``on_event`` callback. Requests and aborts arrive from other threads through a queue and are
+applied between steps, so the scheduler and the KV block pool are only ever touched by the
+engine thread.
+
+Finishing: an end-of-generation token (kept, finish reason ``stop``) unless ``ignore_eos``;
+``max_tokens`` or the plan's context (``length``); ``abort``; ``error`` when a step fails (every
+sequence of that step is finished with the message; the thread keeps serving the others).
+A finished or aborted sequence's KV blocks go back to the pool at once; its full blocks stay in
+the prefix cache until evicted.
+"""
+
+from __future__ import annotations
+
+import queue
+import sys
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import mlx.core as mx
+import numpy as np
+
+from executor.block_pool import BlockPool
+from executor.engine import Engine
+from executor.paged_kv import ForwardBatch, SeqInput, slot_table
+from executor.sampling import Sampler, SamplingParams
+from executor.scheduler import Scheduler, SchedulerStep, Sequence
+from planner.errors import StrataError
+
+
+@dataclass
+class GenerationRequest:
+    """One request to the serving engine.
+
+    Attributes:
+        request_id: unique among live requests.
+        prompt_ids: the prompt's token ids.
+        max_tokens: most tokens to generate (>= 1).
+        params: sampling parameters (temperature 0 = greedy; a seeded generator per request).
+        ignore_eos: keep generating past end-of-generation tokens (benchmarks).
+    """
+
+    request_id: str
+    prompt_ids: list[int]
+    max_tokens: int
+    params: SamplingParams
+    ignore_eos: bool = False
+
+
+@dataclass
+class TokenEvent:
+    """New tokens of a request, or its end.
+
+    Attributes:
+        request_id: the request.
+        token_ids: tokens generated since the last event (an end-of-generation token included).
+        finish_reason: None while running; ``stop``, ``length``, ``abort`` or ``error``.
+        prompt_tokens, completion_tokens: token counts so far.
+        cached_tokens: prompt tokens served by the prefix cache.
+        error: the message, for ``error``.
+    """
+
+    request_id: str
+    token_ids: list[int]
+    finish_reason: str | None
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int
+    error: str | None = None
+
+
+@dataclass
+class _Live:
+    req: GenerationRequest
+    seq: Sequence
+    sampler: Sampler
+    on_event: Callable[[TokenEvent], None]
+
+
+class ServingEngine:
+    """Continuous batching of many requests over one loaded plan (module docstring).
+
+    Args:
+        engine: a loaded plan made runnable (``executor.engine.Engine``); its weights, streaming
+            pool and expert cache serve every request.
+
+    Attributes:
+        tokenizer: the model's tokenizer.
+        model_name: the GGUF file's stem.
+        context: the plan's context (prompt + output tokens per sequence).
+        batch: the plan's batch limits, which the scheduler enforces.
+    """
+
+    def __init__(self, engine: Engine):
+        self.engine = engine
+        plan = engine.loaded.plan
+        self.batch = b = plan.batch
+        self.tokenizer = engine.tokenizer
+        self.context = engine.context
+        self.model_name = engine.loaded.gguf.path.stem
+        self.vocab_size = engine.loaded.desc.architecture.vocab_size
+        self.pool = BlockPool(b.kv_num_blocks, b.kv_block_size)
+        self.kv = None  # made on the engine thread: MLX streams belong to the thread that made them
+        self.scheduler = Scheduler(
+            self.pool, b.max_num_seqs, b.max_num_batched_tokens, b.prefill_chunk, self.context
+        )
+        self._eog = set(self.tokenizer.eog_ids)
+        self._inbox: queue.Queue = queue.Queue()
+        self._live: dict[str, _Live] = {}
+        self._thread: threading.Thread | None = None
+        self.steps = self.batched_tokens = 0
+
+    # ------------------------------------------------------------------ any thread
+
+    def start(self) -> None:
+        """Start the engine thread (idempotent)."""
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="strata-engine", daemon=True)
+            self._thread.start()
+
+    def validate(self, req: GenerationRequest) -> None:
+        """Refuse a request that could never run.
+
+        Raises:
+            StrataError: empty prompt, ids outside the vocabulary, a prompt that leaves no room
+                for a generated token in the plan's context, or max_tokens < 1.
+        """
+        if not req.prompt_ids:
+            raise StrataError("the prompt is empty; give at least one token")
+        bad = [i for i in req.prompt_ids if not 0 <= i < self.vocab_size]
+        if bad:
+            raise StrataError(
+                f"token id {bad[0]} is outside the vocabulary (0..{self.vocab_size - 1})"
+            )
+        if len(req.prompt_ids) >= self.context:
+            raise StrataError(
+                f"the prompt has {len(req.prompt_ids)} tokens but the plan's context is "
+                f"{self.context}; shorten it or re-plan with a larger --context"
+            )
+        if req.max_tokens < 1:
+            raise StrataError(f"max_tokens is {req.max_tokens}; ask for at least 1 token")
+
+    def submit(self, req: GenerationRequest, on_event: Callable[[TokenEvent], None]) -> None:
+        """Queue a request; ``on_event`` is called on the engine thread with its tokens.
+
+        Raises:
+            StrataError: the request could never run (:meth:`validate`), or the engine stopped.
+        """
+        self.validate(req)
+        if self._thread is None or not self._thread.is_alive():
+            raise StrataError("the serving engine is not running")
+        self._inbox.put(("submit", req, on_event))
+
+    def abort(self, request_id: str) -> None:
+        """Stop a request and free its KV blocks (no more events; unknown ids are ignored)."""
+        self._inbox.put(("abort", request_id, None))
+
+    def close(self) -> None:
+        """Abort what is left (events ``abort``), stop the thread and the engine's I/O."""
+        if self._thread is not None and self._thread.is_alive():
+            self._inbox.put(("stop", None, None))
+            self._thread.join()
+        self.engine.close()
+
+    def metrics(self) -> dict:
+        """A snapshot of the serving counters (read without locking: each value is one int)."""
+        read = self.engine.store.counters()
+        return {
+            "kv_blocks_total": self.pool.num_blocks,
+            "kv_blocks_in_use": self.pool.num_used_blocks(),
+            "prefix_query_tokens": self.pool.prefix_query_tokens,
+            "prefix_hit_tokens": self.pool.prefix_hit_tokens,
+            "bytes_read": {t: int(read[t]) for t in ("gpu", "ram", "nvme")},
+            "running": len(self.scheduler.running),
+            "waiting": len(self.scheduler.waiting),
+            "preemptions": self.scheduler.num_preemptions,
+            "steps": self.steps,
+            "batched_tokens": self.batched_tokens,
+        }
+
+    # ------------------------------------------------------------------ engine thread
+
+    def _run(self) -> None:
+        # MLX streams are thread-local (MLX >= 0.31.2): this thread computes on its own stream,
+        # and the KV pool is made here so that its lazy arrays belong to it.
+        mx.set_default_stream(mx.new_stream(mx.default_device()))
+        b = self.batch
+        self.kv = self.engine.model.make_paged_cache(b.kv_num_blocks, b.kv_block_size)
+        while True:
+            idle = not self.scheduler.has_work()
+            msgs = []
+            try:
+                msgs.append(self._inbox.get(block=idle))  # sleep only when there is no work
+                while True:
+                    msgs.append(self._inbox.get_nowait())
+            except queue.Empty:
+                pass
+            for kind, arg, cb in msgs:
+                if kind == "stop":
+                    for rid in list(self._live):
+                        self._finish(self._live[rid], "abort")
+                    return
+                if kind == "submit":
+                    self._admit(arg, cb)
+                elif kind == "abort":
+                    live = self._live.pop(arg, None)
+                    if live is not None:
+                        self.scheduler.abort(arg)
+            if self.scheduler.has_work():
+                self.step()
+
+    def _admit(self, req: GenerationRequest, on_event: Callable[[TokenEvent], None]) -> None:
+        seq = Sequence(req.request_id, list(req.prompt_ids), req.max_tokens)
+        live = _Live(req, seq, Sampler(req.params), on_event)
+        if req.request_id in self._live:
+            self._emit(live, [], "error", f"request id {req.request_id} is already running")
+            return
+        try:
+            self.scheduler.add(seq)
+        except StrataError as e:
+            self._emit(live, [], "error", str(e))
+            return
+        self._live[req.request_id] = live
+
+    def step(self) -> None:
+        """One scheduler step: a batched forward pass, sampling, events."""
+        step = self.scheduler.schedule()
+        if not step.chunks:
+            return
+        try:
+            sampled = self._forward(step)
+        except Exception as e:  # a failed step ends its sequences, never the thread
+            print(f"error: serving step failed: {e}", file=sys.stderr)
+            for c in step.chunks:
+                live = self._live.get(c.seq.request_id)
+                if live is not None:
+                    self._finish(live, "error", f"the forward pass failed: {e}")
+            return
+        self.steps += 1
+        self.batched_tokens += step.num_tokens
+        self.scheduler.update(step, sampled)
+        for rid, tok in sampled.items():
+            live = self._live[rid]
+            seq = live.seq
+            reason = None
+            if tok in self._eog and not live.req.ignore_eos:
+                reason = "stop"
+            elif len(seq.output_ids) >= live.req.max_tokens or seq.num_tokens >= self.context:
+                reason = "length"
+            if reason is None:
+                self._emit(live, [tok], None)
+            else:
+                self._finish(live, reason, tokens=[tok])
+
+    def _forward(self, step: SchedulerStep) -> dict[str, int]:
+        """Run the step's chunks as one forward pass; the sampled token of each sequence whose
+        chunk reached its last known token."""
+        bs = self.pool.block_size
+        inputs = []
+        for c in step.chunks:
+            slots = slot_table(c.seq.block_ids, bs, c.start + c.num_tokens)
+            # Every input returns its last row's logits (the forward pass must produce
+            # something to evaluate); only sampling chunks use them.
+            inputs.append(SeqInput(c.ids, c.start, slots, "last"))
+        logits = self.engine.model.forward_batch(ForwardBatch.build(inputs), self.kv)
+        want = [i for i, c in enumerate(step.chunks) if c.sample]
+        if not want:
+            mx.eval(logits)
+            return {}
+        greedy = all(
+            self._live[step.chunks[i].seq.request_id].req.params.temperature == 0 for i in want
+        )
+        if greedy:
+            rows = np.array(mx.argmax(logits, axis=-1)).tolist()
+            return {step.chunks[i].seq.request_id: int(rows[i]) for i in want}
+        host = np.array(logits)
+        out = {}
+        for i in want:
+            live = self._live[step.chunks[i].seq.request_id]
+            out[live.req.request_id] = live.sampler(host[i])
+        return out
+
+    def _emit(
+        self, live: _Live, tokens: list[int], reason: str | None, error: str | None = None
+    ) -> None:
+        seq = live.seq
+        ev = TokenEvent(
+            live.req.request_id,
+            tokens,
+            reason,
+            len(seq.prompt_ids),
+            len(seq.output_ids),
+            seq.num_cached_tokens,
+            error,
+        )
+        try:
+            live.on_event(ev)
+        except Exception as e:  # a broken consumer must not stop the engine
+            print(
+                f"warning: request {live.req.request_id}: event handler failed: {e}",
+                file=sys.stderr,
+            )
+
+    def _finish(
+        self, live: _Live, reason: str, error: str | None = None, tokens: list[int] | None = None
+    ) -> None:
+        self._live.pop(live.req.request_id, None)
+        if reason in ("abort", "error"):
+            self.scheduler.abort(live.req.request_id)  # running or waiting alike
+        else:
+            self.scheduler.finish(live.seq, reason)
+        self._emit(live, tokens or [], reason, error)

@@ -1,0 +1,294 @@
+"""``execute.py bench --concurrency``: the serving bench, driving a real ``execute.py serve`` over
+HTTP with the real SmolLM2 plan.
+
+Decode and prefill on this CPU run at roughly 5-15 tokens/s, so the one end-to-end run asks for
+little: levels 1 and 2, two requests of 4 tokens each, prompts of 16 and 24 tokens and a 96-token
+prefix. Argument errors are checked in-process, before any server would start.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from conftest import ROOT, make_plan_file
+from test_cli import cli
+
+import execute
+from executor.http_bench import (
+    RequestResult,
+    ServerProcess,
+    _level_result,
+    _mismatches,
+    make_text,
+    parse_concurrency,
+    parse_metrics,
+    queue_note,
+    requests_per_level,
+    server_summary,
+)
+from planner.errors import StrataError
+
+CONTEXT = 1200
+
+
+@pytest.fixture(scope="module")
+def serving_plan(tmp_path_factory) -> Path:
+    """SmolLM2 planned for throughput at concurrency 2 with a small context."""
+    path = tmp_path_factory.mktemp("plans") / "serving.yaml"
+    return make_plan_file(
+        "smollm2-135m", path, context=CONTEXT, concurrency=2, objective="throughput"
+    )
+
+
+def _bench_args(plan: Path, *extra: str) -> list[str]:
+    return ["execute.py", "bench", str(plan), "--max-tokens", "4", "--requests", "2", *extra]
+
+
+def test_serving_bench_end_to_end(serving_plan, tmp_path):
+    out, png = tmp_path / "serving.json", tmp_path / "serving.png"
+    args = _bench_args(serving_plan, "--concurrency", "2,1", "--prompt-tokens", "16,24")
+    done = cli(*args, "--prefix-tokens", "96", "-o", str(out), "--plot", str(png))
+    assert "Traceback" not in done.stderr
+    r = json.loads(out.read_text())
+    assert r["kind"] == "serving" and r["model"] == "smollm2-135m"
+    assert r["check_passed"] is True and r["mismatches"] == []
+    m = r["machine"]
+    assert m["cpu_count"] >= 1 and m["mlx_device"] and m["platform"] and m["mlx_version"]
+    limits = r["plan_limits"]
+    assert limits["context"] == CONTEXT and limits["objective"] == "throughput"
+    assert limits["batch"]["max_num_seqs"] >= 2 and limits["batch"]["kv_block_size"] > 0
+    s = r["settings"]
+    assert s["concurrency"] == [1, 2] and s["added_level_1"] is False
+    assert s["max_tokens"] == 4 and s["requests"] == {"1": 2, "2": 2}
+    assert s["prompt_lengths"] == [16, 24] and all(n <= 24 for n in s["prompt_tokens"])
+    assert s["temperature"] == 0 and s["ignore_eos"] is True
+
+    one, two = r["levels"]
+    assert [one["concurrency"], two["concurrency"]] == [1, 2]
+    for lv in (one, two):
+        assert lv["requests"] == 2 and lv["completion_tokens"] == 8 and lv["queued"] is False
+        assert lv["wall_s"] > 0 and lv["aggregate_tok_s"] == pytest.approx(8 / lv["wall_s"], 1e-2)
+        for key in ("ttft_s", "tpot_s", "request_decode_tok_s"):
+            q = lv[key]
+            assert 0 < q["min"] <= q["p50"] <= q["p99"] <= q["max"], (key, q)
+        assert lv["check_passed"] is True and lv["mismatched_prompts"] == []
+        for req in lv["per_request"]:
+            assert req["completion_tokens"] == 4 and req["finish_reason"] == "length"
+            assert req["tpot_s"] == pytest.approx(1 / req["decode_tok_s"], 1e-2)
+        srv = lv["server"]
+        assert srv["kv_blocks_total"] == limits["batch"]["kv_num_blocks"]
+        assert srv["kv_blocks_peak"] >= 1 and srv["preemptions"] == 0
+        assert srv["prefix_hit_tokens"] == 0  # a fresh server per level: no level is served cached
+        assert srv["server_ttft_mean_s"] > 0 and srv["server_tpot_mean_s"] > 0
+    # Two requests at once share engine steps (prefill and decode batched): fewer steps.
+    assert two["server"]["engine_steps"] < one["server"]["engine_steps"]
+    assert one["vs_level_1"] == 1.0
+    assert r["scaling"] == {"1": 1.0, "2": two["vs_level_1"]}
+    assert two["vs_level_1"] == pytest.approx(two["aggregate_tok_s"] / one["aggregate_tok_s"], 1e-2)
+    assert len(r["texts"]) == 2 and all(r["texts"])
+
+    p = r["prefix_cache"]
+    assert p["check_passed"] is True and p["cold_hit_tokens"] == 0
+    assert p["warm_hit_tokens"] > 0 and p["warm_hit_tokens"] == p["expected_hit_tokens"]
+    assert p["warm_cached_tokens"] == p["warm_hit_tokens"]
+    assert 90 <= p["prefix_tokens"] <= 96 and p["shared_prefix_tokens"] >= p["prefix_tokens"]
+    assert p["warm_ttft_s"] < p["cold_ttft_s"]  # ~3x less prefill on a CPU that prefills slowly
+    assert p["warm_over_cold"] == pytest.approx(p["warm_ttft_s"] / p["cold_ttft_s"], 1e-2)
+
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "bench: concurrency 2:" in done.stderr and "bench: prefix cache:" in done.stderr
+
+
+def test_ctrl_c_stops_the_server(serving_plan):
+    """SIGINT while a level runs: exit 130, one line, and the server process is gone."""
+    proc = subprocess.Popen(
+        [sys.executable, "execute.py", "bench", str(serving_plan), "--concurrency", "1"]
+        + ["--max-tokens", "200", "--requests", "2"],
+        cwd=ROOT,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+        # A runner started in the background ignores SIGINT and a child inherits that: give the
+        # child a terminal's default.
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+    )
+    assert proc.stderr is not None
+    pid = None
+    for line in proc.stderr:
+        if "server up (pid " in line:
+            pid = int(line.split("server up (pid ")[1].split(",")[0])
+            break
+    assert pid is not None, proc.communicate(timeout=60)
+    time.sleep(1)  # the level's requests are in flight
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130, err
+    assert "interrupted" in err and "Traceback" not in err
+    with pytest.raises(ProcessLookupError):
+        os.kill(pid, 0)  # stopped and reaped by the bench
+
+
+def _run(capsys, *args: str) -> str:
+    """``execute.py`` in-process; the one error line it must print (exit status 2)."""
+    assert execute.main(list(args)) == 2
+    err = capsys.readouterr().err
+    lines = [ln for ln in err.splitlines() if ln.startswith("error: ")]
+    assert len(lines) == 1 and "Traceback" not in err, err
+    return lines[0]
+
+
+@pytest.mark.parametrize(
+    "extra, words",
+    [
+        (["--concurrency", "0"], ["--concurrency", "not positive"]),
+        (["--concurrency", "1,-4"], ["not positive"]),
+        (["--concurrency", "1,two"], ["'two' is not an integer"]),
+        (["--concurrency", "1.5"], ["not an integer"]),
+        (["--concurrency", "1,,4"], ["comma-separated positive integers"]),
+        (["--concurrency", ""], ["comma-separated positive integers"]),
+        (["--concurrency", "2,2"], ["repeated"]),
+        (["--concurrency", "1,4", "--requests", "3"], ["--requests 3 is below", "4"]),
+        (["--concurrency", "1", "--requests", "0"], ["--requests 0"]),
+        (["--concurrency", "1", "--prompt-tokens", "8,0"], ["--prompt-tokens", "not positive"]),
+        (["--concurrency", "1", "--check", "none"], ["--check applies to the single-stream"]),
+        (["--concurrency", "1", "--expert-cache-modes", "cache"], ["--expert-cache-modes"]),
+        (["--concurrency", "1", "--max-tokens", "1"], ["at least 2"]),
+        (["--concurrency", "1", "--plot", "x.txt"], ["--plot", ".png"]),
+        (["--requests", "3"], ["--requests applies to the serving bench", "--concurrency"]),
+        (["--prefix-tokens", "10"], ["--prefix-tokens applies to the serving bench"]),
+    ],
+)
+def test_argument_errors(capsys, tmp_path, extra, words):
+    line = _run(capsys, "bench", str(tmp_path / "no-plan-needed.yaml"), *extra)
+    for w in words:
+        assert w in line, line
+
+
+@pytest.mark.parametrize(
+    "extra, words",
+    [
+        (["--prefix-tokens", "1190"], ["--prefix-tokens 1190", "re-plan with a larger --context"]),
+        (["--max-tokens", "1195"], ["--max-tokens 1195", "context is 1200", "--context"]),
+        (["--prefix-tokens", "8"], ["below the plan's KV block size", "0 to skip"]),
+        (["--prefix-tokens", "-1"], ["--prefix-tokens -1"]),
+    ],
+)
+def test_workload_must_fit_the_plan(capsys, serving_plan, extra, words):
+    """Checked against the plan before any server starts."""
+    line = _run(capsys, "bench", str(serving_plan), "--concurrency", "1", *extra)
+    for w in words:
+        assert w in line, line
+
+
+def test_server_that_fails_to_start_is_one_line_with_its_stderr():
+    fail = "import sys; print('loading...', file=sys.stderr); "
+    fail += "print('error: the plan is broken', file=sys.stderr); sys.exit(2)"
+    srv = ServerProcess([sys.executable, "-c", fail], "key")
+    with pytest.raises(StrataError) as e:
+        with srv:
+            pass
+    msg = str(e.value)
+    assert "\n" not in msg and "exit status 2" in msg and "error: the plan is broken" in msg
+    assert not srv._log.exists()
+
+
+def test_server_that_never_answers_is_stopped(tmp_path):
+    pid_file = tmp_path / "pid"
+    hang = (
+        "import os, sys, time; open(sys.argv[1], 'w').write(str(os.getpid())); "
+        "print('serving m on http://127.0.0.1:9', file=sys.stderr, flush=True); time.sleep(600)"
+    )
+    srv = ServerProcess([sys.executable, "-c", hang, str(pid_file)], "key", start_timeout_s=1)
+    with pytest.raises(StrataError, match="never answered /health"):
+        with srv:
+            pass
+    with pytest.raises(ProcessLookupError):
+        os.kill(int(pid_file.read_text()), 0)
+
+
+def test_parse_concurrency_and_requests():
+    assert parse_concurrency(" 8, 1,2 ") == [1, 2, 8]
+    assert requests_per_level([1, 2, 4, 8, 16], None) == {1: 32, 2: 8, 4: 8, 8: 16, 16: 32}
+    assert requests_per_level([1, 4], 5) == {1: 5, 4: 5}
+    with pytest.raises(StrataError, match="below --concurrency 4"):
+        requests_per_level([1, 4], 3)
+    assert queue_note(2, 2) is None
+    assert "max_num_seqs 2" in queue_note(4, 2)
+
+
+def _result(prompt: int, text: str, tokens: int = 4, t0: float = 10.0) -> RequestResult:
+    # Sent at t0, first token 0.5 s later, then one token every 0.1 s.
+    return RequestResult(
+        prompt, text, "length", 20, tokens, 0, t0, t0 + 0.5, t0 + 0.5 + 0.1 * (tokens - 1)
+    )
+
+
+def test_level_figures_and_text_check():
+    results = [_result(0, " a b"), _result(1, " c d")]
+    lv = _level_result(4, 2, results, 2.0, {}, 4)
+    assert lv["queued"] is True and "max_num_seqs 2" in lv["note"]
+    assert lv["aggregate_tok_s"] == 4.0 and lv["ttft_s"]["p50"] == pytest.approx(0.5)
+    assert lv["tpot_s"]["p99"] == pytest.approx(0.1) and lv["request_decode_tok_s"]["max"] == 10
+    assert not _level_result(2, 2, results, 2.0, {}, 4)["queued"]
+    with pytest.raises(StrataError, match="despite ignore_eos"):
+        _level_result(1, 2, [_result(0, "x", tokens=3)], 1.0, {}, 4)
+    bad = _mismatches(2, [_result(0, " a b"), _result(1, " c e")], [" a b", " c d"])
+    assert bad == [
+        {"concurrency": 2, "prompt": 1, "first_difference": 3, "expected": " c d", "got": " c e"}
+    ]
+
+
+def test_metrics_summary():
+    def expo(hits: int, steps: int, used: int, ttft_sum: float, ttft_n: int) -> dict:
+        return parse_metrics(
+            "# HELP strata_prefix_cache_hits_total x\n"
+            "# TYPE strata_prefix_cache_hits_total counter\n"
+            f"strata_prefix_cache_hits_total {hits}\n"
+            f"strata_engine_steps_total {steps}\nstrata_batched_tokens_total {steps * 3}\n"
+            f"strata_kv_blocks_in_use {used}\nstrata_kv_blocks_total 150\n"
+            f'strata_time_to_first_token_seconds_bucket{{le="+Inf"}} {ttft_n}\n'
+            f"strata_time_to_first_token_seconds_sum {ttft_sum!r}\n"
+            f"strata_time_to_first_token_seconds_count {ttft_n}\n"
+        )
+
+    before, during, after = (
+        expo(16, 10, 0, 1.0, 1),
+        expo(16, 12, 9, 1.0, 1),
+        expo(48, 20, 2, 4.0, 3),
+    )
+    s = server_summary(before, after, [during])
+    assert s["prefix_hit_tokens"] == 32 and s["engine_steps"] == 10 and s["batched_tokens"] == 30
+    assert s["mean_batched_tokens_per_step"] == 3.0 and s["server_ttft_mean_s"] == 1.5
+    assert s["kv_blocks_peak"] == 9 and s["kv_blocks_total"] == 150
+    assert s["preemptions"] is None and s["server_tpot_mean_s"] is None  # not exported here
+
+
+def test_prompts_are_deterministic_and_fit(smollm2_gguf):
+    from executor.tokenizer import GGUFTokenizer
+
+    tok = GGUFTokenizer.from_gguf(smollm2_gguf)
+    for n in (16, 100, 257):
+        text, count = make_text(tok, f"prompt-{n}", n)
+        assert n - 3 <= count <= n and count == len(tok.encode(text))
+        assert make_text(tok, f"prompt-{n}", n) == (text, count)
+    assert make_text(tok, "prompt-0", 50)[0] != make_text(tok, "prompt-1", 50)[0]
+
+
+def test_failed_check_writes_the_json_then_fails(capsys, monkeypatch, tmp_path):
+    """A text mismatch is never silent: the JSON is written, then one error line names it."""
+    import executor.http_bench as hb
+
+    mismatch = {"concurrency": 2, "prompt": 1, "first_difference": 3, "expected": "a", "got": "b"}
+    result = {"check_passed": False, "mismatches": [mismatch], "prefix_cache": None}
+    monkeypatch.setattr(hb, "http_bench", lambda *a, **k: result)
+    out = tmp_path / "r.json"
+    line = _run(capsys, "bench", "p.yaml", "--concurrency", "1,2", "-o", str(out))
+    assert "bench check failed" in line and "c=2 prompt 1" in line
+    assert json.loads(out.read_text())["mismatches"] == [mismatch]

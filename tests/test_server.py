@@ -1,0 +1,570 @@
+"""The OpenAI-compatible server: a real ``execute.py serve`` subprocess with the real SmolLM2 plan,
+driven by the official ``openai`` client, ``httpx`` and ``curl`` over loopback.
+
+One server process serves the whole module (loading takes a few seconds); requests ask for few
+tokens. Greedy decoding makes the texts comparable across endpoints and streaming modes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import json
+import random
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+
+from executor.server import StopMatcher
+
+ROOT = Path(__file__).resolve().parent.parent
+KEY = "test-key-123"
+MODEL = "smollm2-135m"
+CONTEXT = 2048
+CHAT = [{"role": "user", "content": "What is the capital of France?"}]
+PROMPT = "The capital of France is"
+
+
+@dataclass
+class Server:
+    url: str
+    proc: subprocess.Popen
+
+    def client(self, key: str = KEY) -> openai.OpenAI:
+        return openai.OpenAI(base_url=f"{self.url}/v1", api_key=key, max_retries=0, timeout=60)
+
+    def post(
+        self, path: str, body: object, key: str | None = KEY, timeout: float = 60
+    ) -> httpx.Response:
+        headers = {"Authorization": f"Bearer {key}"} if key else {}
+        content = body if isinstance(body, str | bytes) else json.dumps(body)
+        return httpx.post(f"{self.url}{path}", content=content, headers=headers, timeout=timeout)
+
+    def metrics(self) -> dict[str, float]:
+        r = httpx.get(f"{self.url}/metrics", timeout=10)
+        assert r.status_code == 200
+        assert r.headers["content-type"].startswith("text/plain")
+        return parse_prometheus(r.text)
+
+
+def parse_prometheus(text: str) -> dict[str, float]:
+    """``{'name{labels}': value}`` from Prometheus text format, checking every line's syntax."""
+    samples: dict[str, float] = {}
+    typed: set[str] = set()
+    sample = re.compile(
+        r'^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{[a-zA-Z_]+="[^"]*"(,[a-zA-Z_]+="[^"]*")*\})? (\S+)$'
+    )
+    assert text.endswith("\n")
+    for line in text.splitlines():
+        if line.startswith("# TYPE "):
+            name, kind = line.split()[2:4]
+            assert kind in ("counter", "gauge", "histogram"), line
+            typed.add(name)
+            continue
+        if line.startswith("# HELP "):
+            continue
+        m = sample.match(line)
+        assert m, f"not a Prometheus sample line: {line!r}"
+        name = m.group(1)
+        assert re.sub(r"_(bucket|sum|count)$", "", name) in typed or name in typed, line
+        samples[name + (m.group(2) or "")] = float(m.group(4))
+    return samples
+
+
+@pytest.fixture(scope="module")
+def server(smollm2_plan, tmp_path_factory) -> Server:
+    """``execute.py serve`` on a free loopback port (port 0: the server reports the one it got)."""
+    log = tmp_path_factory.mktemp("serve") / "stderr.txt"
+    with open(log, "w") as err:
+        proc = subprocess.Popen(
+            [sys.executable, "execute.py", "serve", str(smollm2_plan), "--port", "0"]
+            + ["--api-key", KEY],
+            cwd=ROOT,
+            stdout=subprocess.DEVNULL,
+            stderr=err,
+        )
+    deadline = time.monotonic() + 120
+    url = None
+    while url is None:
+        m = re.search(r"serving (\S+) on (http://127\.0\.0\.1:\d+)", log.read_text())
+        if m:
+            assert m.group(1) == MODEL
+            url = m.group(2)
+        elif proc.poll() is not None or time.monotonic() > deadline:
+            proc.kill()
+            pytest.fail(f"the server did not start: {log.read_text()}")
+        else:
+            time.sleep(0.2)
+    assert httpx.get(f"{url}/health", timeout=10).json() == {"status": "ok"}  # no key needed
+    yield Server(url, proc)
+    proc.send_signal(signal.SIGINT)
+    try:
+        assert proc.wait(timeout=30) == 0, log.read_text()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert "Traceback" not in log.read_text(), log.read_text()
+
+
+@pytest.fixture(scope="module")
+def tokenizer(smollm2_gguf):
+    from executor.tokenizer import GGUFTokenizer
+
+    return GGUFTokenizer.from_gguf(smollm2_gguf)
+
+
+def chat(server: Server, **kw):
+    kw.setdefault("temperature", 0)
+    return server.client().chat.completions.create(model=MODEL, messages=CHAT, **kw)
+
+
+def stream_chat(server: Server, **kw) -> tuple[list[str], str | None, object]:
+    """(content deltas, finish reason, usage) of a streamed chat completion."""
+    deltas, finish, usage = [], None, None
+    stream = chat(server, stream=True, stream_options={"include_usage": True}, **kw)
+    for i, chunk in enumerate(stream):
+        if i == 0:
+            assert chunk.choices[0].delta.role == "assistant"
+        if chunk.usage is not None:
+            assert chunk.choices == []
+            usage = chunk.usage
+            continue
+        assert chunk.model == MODEL and chunk.object == "chat.completion.chunk"
+        choice = chunk.choices[0]
+        if choice.delta.content:
+            deltas.append(choice.delta.content)
+        if choice.finish_reason:
+            finish = choice.finish_reason
+    return deltas, finish, usage
+
+
+def complete(server: Server, prompt: str | list[int] = PROMPT, **kw):
+    kw.setdefault("temperature", 0)
+    return server.client().completions.create(model=MODEL, prompt=prompt, **kw)
+
+
+def stream_complete(server: Server, prompt: str | list[int] = PROMPT, **kw):
+    texts, finish, usage = [], None, None
+    stream = complete(server, prompt, stream=True, stream_options={"include_usage": True}, **kw)
+    for chunk in stream:
+        if chunk.usage is not None:
+            usage = chunk.usage
+        for choice in chunk.choices:
+            texts.append(choice.text)
+            finish = choice.finish_reason or finish
+    return texts, finish, usage
+
+
+# ------------------------------------------------------------------------------------ happy path
+
+
+def test_models(server):
+    models = server.client().models.list().data
+    assert [m.id for m in models] == [MODEL]
+    assert server.client().models.retrieve(MODEL).id == MODEL
+
+
+def test_chat_stream_equals_non_stream(server, tokenizer):
+    from executor.chat import messages_to_ids
+
+    prompt_ids = messages_to_ids(tokenizer, CHAT)
+    r = chat(server, max_tokens=12)
+    text = r.choices[0].message.content
+    assert r.object == "chat.completion" and r.model == MODEL and r.id.startswith("chatcmpl-")
+    assert r.choices[0].message.role == "assistant"
+    assert text and "Paris" in text
+    u = r.usage
+    assert u.prompt_tokens == len(prompt_ids)
+    assert 1 <= u.completion_tokens <= 12
+    assert u.total_tokens == u.prompt_tokens + u.completion_tokens
+    assert u.prompt_tokens_details.cached_tokens >= 0
+    assert r.choices[0].finish_reason == ("length" if u.completion_tokens == 12 else "stop")
+
+    deltas, finish, usage = stream_chat(server, max_tokens=12)
+    assert "".join(deltas) == text
+    assert finish == r.choices[0].finish_reason
+    assert (usage.prompt_tokens, usage.completion_tokens) == (u.prompt_tokens, u.completion_tokens)
+    # The same prompt as token ids through /v1/completions gives the same greedy text.
+    assert complete(server, prompt_ids, max_tokens=12).choices[0].text == text
+    # The prompt's full blocks are in the prefix cache now.
+    assert chat(server, max_tokens=1).usage.prompt_tokens_details.cached_tokens > 0
+
+
+def test_completions_stream_equals_non_stream(server, tokenizer):
+    r = complete(server, max_tokens=8)
+    assert r.object == "text_completion" and r.id.startswith("cmpl-")
+    assert r.choices[0].finish_reason == "length"
+    assert r.usage.completion_tokens == 8
+    assert r.usage.prompt_tokens == len(tokenizer.encode(PROMPT))
+    texts, finish, usage = stream_complete(server, max_tokens=8)
+    assert "".join(texts) == r.choices[0].text and finish == "length"
+    assert usage.completion_tokens == 8
+    # Default max_tokens of /v1/completions is OpenAI's 16.
+    assert complete(server).usage.completion_tokens == 16
+
+
+def test_seeded_sampling_repeats(server):
+    a, b = (
+        complete(
+            server, max_tokens=8, temperature=0.9, top_p=0.95, seed=7, extra_body={"top_k": 40}
+        )
+        .choices[0]
+        .text
+        for _ in range(2)
+    )
+    assert a == b
+
+
+def test_ignore_eos_runs_to_max_tokens(server):
+    r = chat(server, max_tokens=12, extra_body={"ignore_eos": True})
+    assert r.usage.completion_tokens == 12 and r.choices[0].finish_reason == "length"
+
+
+# ------------------------------------------------------------------------------------ stop strings
+
+
+def test_stop_strings(server, tokenizer):
+    full = complete(server, max_tokens=12).choices[0].text
+    ids = tokenizer.encode(full, add_bos=False)
+    # A stop string across a token boundary, from the middle of the text.
+    cut = len(tokenizer.decode(ids[: len(ids) // 2]))
+    stop = full[cut - 2 : cut + 2]
+    assert len(stop) == 4
+    expected = full[: full.find(stop)]
+    r = complete(server, max_tokens=12, stop=[stop, "never-seen-zq"])
+    assert r.choices[0].text == expected and r.choices[0].finish_reason == "stop"
+    assert r.usage.completion_tokens < 12
+    texts, finish, _ = stream_complete(server, max_tokens=12, stop=stop)
+    assert "".join(texts) == expected and finish == "stop"
+    assert not any(stop in t for t in texts)
+    # A stop string that never completes: nothing held back is lost.
+    never = full[cut : cut + 3] + "\x00"
+    texts, finish, _ = stream_complete(server, max_tokens=12, stop=never)
+    assert "".join(texts) == full and finish == "length"
+
+
+def test_stop_matcher_any_split():
+    """StopMatcher's pieces join to the text cut before the first stop, however it is split."""
+    rng = random.Random(0)
+    text = "abcabd xyz ab abcab abcabd the end"
+    for stops in (["abd"], ["cab", "d x"], ["zz"], ["end", "the end"], ["b"], ["ab abcab"]):
+        hits = [text.find(s) for s in stops if s in text]
+        expected = text[: min(hits)] if hits else text
+        for _ in range(50):
+            cuts = sorted(rng.sample(range(1, len(text)), rng.randint(0, 8)))
+            pieces = [text[a:b] for a, b in zip([0, *cuts], [*cuts, len(text)], strict=True)]
+            m, out, hit = StopMatcher(stops), [], False
+            for p in pieces:
+                emit, hit = m.push(p)
+                out.append(emit)
+                if hit:
+                    break
+            if not hit:
+                out.append(m.flush())
+            assert "".join(out) == expected and hit == bool(hits)
+            assert not any(s in o for o in out for s in stops)
+
+
+# ------------------------------------------------------------------------------------ errors
+
+
+def error_of(r: httpx.Response, status: int, *words: str) -> dict:
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"}
+    for w in words:
+        assert w in err["message"], err
+    return err
+
+
+def test_bad_requests(server):
+    chat_path = "/v1/chat/completions"
+    ok = {"model": MODEL, "messages": CHAT, "max_tokens": 1}
+    error_of(server.post(chat_path, "{not json"), 400, "not valid JSON")
+    error_of(server.post(chat_path, "[1, 2]"), 400, "JSON object")
+    for field, value in (
+        ("temperature", "hot"),
+        ("max_tokens", "ten"),
+        ("messages", "hi"),
+        ("stream", "yes"),
+        ("max_tokens", 0),
+        ("top_p", 2),
+    ):
+        err = error_of(server.post(chat_path, {**ok, field: value}), 400, field)
+        assert err["param"] == field and err["type"] == "invalid_request_error"
+    err = error_of(server.post(chat_path, {**ok, "messages": [{"content": "x"}]}), 400, "role")
+    assert err["param"] == "messages.0.role"
+    error_of(server.post(chat_path, {**ok, "n": 2}), 400, "n=2")
+    error_of(server.post(chat_path, {**ok, "logprobs": True}), 400, "logprobs")
+    # Fields this server ignores (clients send many) do not fail the request.
+    assert server.post(chat_path, {**ok, "user": "u", "presence_penalty": 0}).status_code == 200
+    long = {"model": MODEL, "prompt": list(range(10, 10 + CONTEXT)), "max_tokens": 1}
+    err = error_of(server.post("/v1/completions", long), 400, str(CONTEXT), "context")
+    assert err["code"] == "context_length_exceeded"
+    err = error_of(server.post(chat_path, {**ok, "max_tokens": CONTEXT}), 400, str(CONTEXT))
+    assert err["param"] == "max_tokens"
+    error_of(server.post("/v1/completions", {**long, "prompt": [1 << 30]}), 400, "vocabulary")
+    error_of(server.post(chat_path, {**ok, "model": "gpt-4"}), 404, "gpt-4", MODEL)
+    error_of(server.post("/v1/nowhere", ok), 404, "/v1/nowhere")
+    error_of(httpx.get(f"{server.url}/v1/completions", headers=auth()), 405, "GET")
+    error_of(server.post(chat_path, ok, key="wrong"), 401, "API key")
+    error_of(server.post(chat_path, ok, key=None), 401)
+    assert httpx.get(f"{server.url}/health").status_code == 200  # open without the key
+
+
+def test_client_errors(server):
+    with pytest.raises(openai.AuthenticationError):
+        server.client(key="wrong").models.list()
+    with pytest.raises(openai.NotFoundError):
+        server.client().chat.completions.create(model="nope", messages=CHAT)
+    with pytest.raises(openai.BadRequestError, match="n=2"):
+        chat(server, n=2, max_tokens=1)
+    with pytest.raises(openai.BadRequestError, match=str(CONTEXT)):
+        complete(server, "word " * CONTEXT, max_tokens=1)
+
+
+def auth() -> dict[str, str]:
+    return {"Authorization": f"Bearer {KEY}"}
+
+
+# ------------------------------------------------------------------------------------ curl
+
+
+def curl(server: Server, path: str, body: str | None = None, stream: bool = False) -> tuple:
+    if shutil.which("curl") is None:
+        pytest.skip("curl is not installed")
+    cmd = ["curl", "-sS", "-w", "\n%{http_code}", "-H", f"Authorization: Bearer {KEY}"]
+    if stream:
+        cmd.append("-N")
+    if body is not None:
+        cmd += ["-H", "Content-Type: application/json", "-d", body]
+    done = subprocess.run(cmd + [server.url + path], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    out, _, code = done.stdout.rpartition("\n")
+    return int(code), out
+
+
+def test_curl(server):
+    expected = complete(server, max_tokens=8).choices[0].text
+    body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 8, "temperature": 0}
+    code, out = curl(server, "/v1/completions", json.dumps(body))
+    assert code == 200 and json.loads(out)["choices"][0]["text"] == expected
+    code, out = curl(server, "/v1/completions", json.dumps({**body, "stream": True}), stream=True)
+    assert code == 200
+    events = [e for e in out.split("\n\n") if e]
+    assert all(e.startswith("data: ") for e in events) and events[-1] == "data: [DONE]"
+    chunks = [json.loads(e[6:]) for e in events[:-1]]
+    assert "".join(c["choices"][0]["text"] for c in chunks) == expected
+    assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+    code, out = curl(server, "/v1/chat/completions", '{"model": "x", "messages": [')
+    assert code == 400 and "not valid JSON" in json.loads(out)["error"]["message"]
+    # No model named: the served one (as vLLM).
+    code, out = curl(
+        server, "/v1/completions", json.dumps({k: body[k] for k in body if k != "model"})
+    )
+    assert code == 200 and json.loads(out)["model"] == MODEL
+    code, out = curl(server, "/v1/models")
+    assert code == 200 and json.loads(out)["data"][0]["id"] == MODEL
+
+
+# ------------------------------------------------------------------------------------ metrics
+
+
+def test_metrics(server):
+    before = server.metrics()
+    chat(server, max_tokens=4)
+    server.post("/v1/chat/completions", "{bad")
+    m = server.metrics()
+    ok = 'strata_requests_total{endpoint="/v1/chat/completions",status="200"}'
+    bad = 'strata_requests_total{endpoint="/v1/chat/completions",status="400"}'
+    assert m[ok] == before.get(ok, 0) + 1
+    assert m[bad] == before.get(bad, 0) + 1
+    assert (
+        m["strata_generation_tokens_total"] >= before.get("strata_generation_tokens_total", 0) + 1
+    )
+    assert m["strata_prompt_tokens_total"] > before.get("strata_prompt_tokens_total", 0)
+    for h in ("strata_time_to_first_token_seconds", "strata_time_per_output_token_seconds"):
+        buckets = [v for k, v in m.items() if k.startswith(h + "_bucket")]
+        assert buckets == sorted(buckets) and buckets[-1] == m[h + "_count"] >= 1
+        assert m[h + "_sum"] > 0
+    assert m["strata_kv_blocks_total"] > 0
+    assert m["strata_kv_blocks_in_use"] == 0
+    assert m["strata_num_requests_running"] == 0 and m["strata_num_requests_waiting"] == 0
+    assert m["strata_prefix_cache_queries_total"] >= m["strata_prefix_cache_hits_total"] > 0
+    assert 0 < m["strata_prefix_cache_hit_rate"] <= 1
+    assert m['strata_bytes_read_total{tier="gpu"}'] > 0
+    assert "strata_preemptions_total" in m
+
+
+# ------------------------------------------------------------------------------------ disconnects
+
+
+def wait_for_idle(server: Server, timeout: float = 15) -> dict[str, float]:
+    deadline = time.monotonic() + timeout
+    while True:
+        m = server.metrics()
+        busy = m["strata_num_requests_running"] + m["strata_num_requests_waiting"]
+        if m["strata_kv_blocks_in_use"] == 0 and busy == 0:
+            return m
+        assert time.monotonic() < deadline, f"blocks never freed: {m['strata_kv_blocks_in_use']}"
+        time.sleep(0.1)
+
+
+def wait_for(server: Server, key: str, value: float, timeout: float = 15) -> None:
+    deadline = time.monotonic() + timeout
+    while server.metrics()[key] != value:
+        assert time.monotonic() < deadline, f"{key} never became {value}"
+        time.sleep(0.05)
+
+
+def open_stream(stack: contextlib.ExitStack, server: Server, body: dict) -> httpx.Response:
+    return stack.enter_context(
+        httpx.stream(
+            "POST", f"{server.url}/v1/completions", json={**body, "stream": True}, headers=auth()
+        )
+    )
+
+
+def test_disconnect_frees_blocks(server, smollm2_plan):
+    from planner.schemas import Plan
+    from planner.yamlio import read_yaml
+
+    max_seqs = read_yaml(smollm2_plan, Plan).batch.max_num_seqs
+    long = {"model": MODEL, "prompt": PROMPT, "max_tokens": 1500, "ignore_eos": True}
+    with contextlib.ExitStack() as running:
+        # Fill the batch with streams that are generating, then hang up on one still waiting.
+        for _ in range(max_seqs):
+            lines = open_stream(running, server, long).iter_lines()
+            assert next(line for line in lines if line.startswith("data:"))
+        assert server.metrics()["strata_kv_blocks_in_use"] > 0
+        with contextlib.ExitStack() as queued:
+            assert open_stream(queued, server, long).status_code == 200
+            wait_for(server, "strata_num_requests_waiting", 1)
+        wait_for(server, "strata_num_requests_waiting", 0)
+        assert server.metrics()["strata_num_requests_running"] == max_seqs
+    m = wait_for_idle(server)  # the generating streams were aborted when they closed
+    generated = m["strata_generation_tokens_total"]
+    time.sleep(0.5)
+    assert server.metrics()["strata_generation_tokens_total"] == generated  # it really stopped
+    # Not streaming: the client gives up waiting for the whole answer.
+    with pytest.raises(httpx.ReadTimeout):
+        server.post("/v1/completions", long, timeout=1.5)
+    m = wait_for_idle(server)
+    assert m['strata_requests_total{endpoint="/v1/completions",status="499"}'] >= 1
+    assert chat(server, max_tokens=2).usage.completion_tokens >= 1  # the server still serves
+
+
+def test_concurrent_requests_match_sequential(server):
+    expected = complete(server, max_tokens=6).choices[0].text
+    results: list[str] = []
+    threads = [
+        threading.Thread(
+            target=lambda: results.append(complete(server, max_tokens=6).choices[0].text)
+        )
+        for _ in range(2)
+    ]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    assert results == [expected, expected]
+
+
+# ------------------------------------------------------------------------------------ CLI
+
+
+def test_serve_errors(tmp_path):
+    """Bad plans and busy ports are one-line errors, before any model is loaded."""
+    done = subprocess.run(
+        [sys.executable, "execute.py", "serve", str(tmp_path / "missing.yaml"), "--port", "0"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 2 and done.stderr.count("\n") == 1, done.stderr
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        done = subprocess.run(
+            [sys.executable, "execute.py", "serve", "unused.yaml", "--port", str(port)],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+    assert done.returncode == 2 and done.stderr.count("\n") == 1, done.stderr
+    assert str(port) in done.stderr
+
+
+# ------------------------------------------------------------------------------------ engine errors
+
+
+class FailingEngine:
+    """Stands in for ``ServingEngine`` to reach what a real engine failure does (a step that
+    raises, which the real engine reports as an ``error`` event): one token, then the error."""
+
+    context = CONTEXT
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+        self.aborted: list[str] = []
+
+    def submit(self, req, on_event) -> None:
+        from executor.serving import TokenEvent
+
+        if req.prompt_ids[0] == 0:
+            raise RuntimeError("engine thread died")
+        n = len(req.prompt_ids)
+
+        def run() -> None:
+            on_event(TokenEvent(req.request_id, [req.prompt_ids[-1]], None, n, 1, 0))
+            on_event(TokenEvent(req.request_id, [], "error", n, 1, 0, "out of memory"))
+
+        threading.Thread(target=run).start()
+
+    def abort(self, request_id: str) -> None:
+        self.aborted.append(request_id)
+
+    def metrics(self) -> dict:
+        return {}
+
+
+def test_engine_errors_and_missing_template(tokenizer):
+    from starlette.testclient import TestClient
+
+    from executor.server import create_app
+
+    engine = FailingEngine(tokenizer)
+    body = {"model": "m", "prompt": [1, 2, 3], "max_tokens": 4}
+    with TestClient(create_app(engine, "m"), raise_server_exceptions=False) as client:
+        err = error_of(client.post("/v1/completions", json=body), 500, "out of memory")
+        assert err["type"] == "server_error"
+        with client.stream("POST", "/v1/completions", json={**body, "stream": True}) as r:
+            assert r.status_code == 200
+            events = [e for e in r.iter_lines() if e]
+        assert events[-1] == "data: [DONE]"
+        assert "out of memory" in json.loads(events[-2][6:])["error"]["message"]
+        error_of(client.post("/v1/completions", json={**body, "prompt": [0]}), 500, "died")
+        assert client.get("/health").status_code == 200
+        m = parse_prometheus(client.get("/metrics").text)
+        assert m['strata_requests_total{endpoint="/v1/completions",status="500"}'] == 2
+        chat_body = {"model": "m", "messages": CHAT}
+        engine.tokenizer = copy.copy(tokenizer)
+        engine.tokenizer.chat_template = None
+        error_of(client.post("/v1/chat/completions", json=chat_body), 400, "no chat template")
+        big = {"model": "m", "prompt": "x" * (17 << 20)}
+        error_of(client.post("/v1/completions", json=big), 413, "MiB")
+    assert engine.aborted == []  # errors end requests in the engine already: nothing to abort
