@@ -82,7 +82,8 @@ def main(argv: list[str] | None = None) -> int:
     s.add_argument(
         "--api-key",
         metavar="KEY",
-        help="require 'Authorization: Bearer KEY' on /v1/* (default: no key; /health is open)",
+        help="require 'Authorization: Bearer KEY' on /v1/* and /reset_prefix_cache (default: no "
+        "key; /health and /metrics are open)",
     )
     s.add_argument(
         "--model-name",

@@ -22,14 +22,19 @@ The free list's order therefore makes eviction least-recently-used (by release t
 sequence's tail blocks first. A block matched while free is taken off the list (ref 0 -> 1); it
 goes back to the tail when released again.
 
-Costs: every operation is O(blocks it touches); nothing scans the pool. ``commit`` only hashes
-blocks that are not registered yet (it walks back from the last full block to the first one
-already hashed), so calling it every decode step costs O(1) between block boundaries.
+Costs: every operation is O(blocks it touches); only ``reset_prefix_cache`` scans the pool.
+``commit`` only hashes blocks that are not registered yet (it walks back from the last full block
+to the first one already hashed), so calling it every decode step costs O(1) between block
+boundaries.
 
 Counters (ints, read by the serving metrics): ``prefix_query_tokens`` (tokens of the prompts
 looked up), ``prefix_hit_tokens`` (tokens served by cached blocks) and ``evictions`` (registered
 blocks dropped to be reused). With ``prefix_caching`` False nothing is hashed, ``match_prefix``
 returns ``[]`` and the counters stay 0.
+
+``reset_prefix_cache`` forgets every hash at once (benchmarks, vLLM's ``/reset_prefix_cache``):
+blocks in use stay allocated, free blocks stay on the free list in their order, counters keep
+their values; later prompts miss until their blocks are committed again.
 """
 
 from __future__ import annotations
@@ -193,6 +198,14 @@ class BlockPool:
         self.prefix_query_tokens += len(token_ids)
         self.prefix_hit_tokens += len(hits) * bs
         return hits
+
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached block hash: no later ``match_prefix`` hits until blocks are
+        committed again. Reference counts, the free list and the counters are unchanged, and a
+        block still in use is re-hashed from its sequence's first block by its next ``commit``.
+        O(num_blocks)."""
+        self._hash = [None] * self.num_blocks
+        self._cached.clear()
 
     def commit(self, token_ids: Sequence[int], blocks: Sequence[int], num_computed: int) -> None:
         """Register the full blocks among a sequence's first ``num_computed`` tokens.

@@ -16,11 +16,17 @@ Levels. For each concurrency ``c`` (ascending; 1 is added when missing: it is th
 closed loop keeps ``c`` requests in flight until the level's requests have completed. Requests
 per level: ``--requests`` at every level, or by default ``max(2c, 8)`` at level ``c``, except
 level 1, which runs as many as the largest level because it is the text reference of every
-prompt. Each level runs on a *fresh* server: the server keeps finished prompts in its prefix
-cache and has no way to turn that off or to salt it per request, so a shared server would serve
-level 2's prompts from the KV that level 1 left and its TTFT would not be comparable. Before a
-level, ``min(c, max_num_seqs)`` short warm-up requests (other prompts, not measured) run at once
-so that first-use costs (kernel compilation, allocator growth) are not in the figures.
+prompt. One server serves every level. It keeps finished prompts in its prefix cache, which
+would serve level 2's prompts from the KV that level 1 left, so before each level (and before
+the prefix-cache test) the bench empties it (``POST /reset_prefix_cache``): every level starts
+cold and TTFTs are comparable, without paying a fresh server's start (the model's load and, on
+MLX's CUDA backend, the kernels built at each shape's first use: tens of seconds) per level.
+
+Warm-up (not measured) before each level, so that first-use costs (kernel builds, allocator
+growth) are not in the figures: one request per distinct prompt token count the level sends that
+no earlier level sent, one at a time (every prefill shape; level 1 sends every count), then, above
+level 1, ``min(c, max_num_seqs)`` short requests of other prompts at once (the decode batch
+shapes), ``WARMUP_MAX_TOKENS`` tokens each; then the prefix-cache reset.
 
 Measured per request (client side, ``time.perf_counter``):
 - TTFT: request sent -> first streamed chunk carrying a token's text, seconds;
@@ -45,10 +51,13 @@ its text at concurrency 1 (greedy decoding is batch invariant); a mismatch sets 
 the result's ``check_passed`` to false and is listed in ``mismatches``. The command writes the
 JSON and plot, then exits with an error that names the mismatches.
 
-Prefix cache. With ``--prefix-tokens N`` (default 1000; 0 skips it), after the last level, on
-its server: a prompt made of an ``N``-token document and a short suffix A is sent once (cold,
-TTFT measured), then the same document with a different suffix B of the same kind (warm: the
-prefix cache serves the document's full KV blocks). Reported: both TTFTs, warm / cold, the
+Prefix cache. With ``--prefix-tokens N`` (default 1000; 0 skips it), after the last level and a
+prefix-cache reset: a prompt made of an ``N``-token document and a short suffix A is sent once
+(cold, TTFT measured), then the same document with a different suffix B of the same kind (warm:
+the prefix cache serves the document's full KV blocks). On a GPU both are first sent once before
+the reset, so that kernels for their shapes are built then; on the CPU nothing warms them up (no
+kernels are built there; it saves test time), so the cold TTFT includes any first use of its
+prefill shape. Reported: both TTFTs, warm / cold, the
 ``prefix_hit_tokens`` counter delta of each request (the warm one must be > 0, else the check
 fails) and the warm response's ``usage.prompt_tokens_details.cached_tokens``.
 
@@ -63,8 +72,9 @@ JSON (``-o``; every time in seconds, every rate in tokens/s):
   ``kv_block_size``, ``kv_num_blocks``, ``prefill_chunk``).
 - ``settings``: ``concurrency`` (the levels run), ``added_level_1``, ``max_tokens``,
   ``requests`` (``{"c": n}``), ``prefix_tokens``, ``temperature``, ``ignore_eos``,
-  ``server_per_level``, ``prompt_lengths`` (the target lengths, cycled), ``prompt_tokens`` (the
-  token count of each prompt, by index).
+  ``server_per_level`` (false: one server, its prefix cache reset before each level),
+  ``prompt_lengths`` (the target lengths, cycled), ``prompt_tokens`` (the token count of each
+  prompt, by index).
 - ``levels``: one object per level: ``concurrency``, ``requests``, ``queued`` (and ``note`` when
   queued), ``wall_s``, ``completion_tokens``, ``aggregate_tok_s``, ``vs_level_1`` (aggregate
   tok/s / level 1's), ``ttft_s``, ``tpot_s`` and ``request_decode_tok_s`` (each ``p50``, ``p99``,
@@ -72,7 +82,9 @@ JSON (``-o``; every time in seconds, every rate in tokens/s):
   ``preemptions``, ``engine_steps``, ``batched_tokens``, ``mean_batched_tokens_per_step``,
   ``server_ttft_mean_s``, ``server_tpot_mean_s``, ``kv_blocks_total``, ``kv_blocks_peak``,
   ``running_peak``, ``waiting_peak``; None where ``/metrics`` lacks the series; peaks are
-  sampled), ``check_passed``, ``mismatched_prompts`` and ``per_request`` (``prompt``,
+  sampled), ``warmup`` (``requests``, ``prompt_tokens``: the token counts warmed one at a time,
+  ``concurrent``: the short requests sent at once, ``max_tokens``, ``wall_s``; not measured),
+  ``check_passed``, ``mismatched_prompts`` and ``per_request`` (``prompt``,
   ``prompt_tokens``, ``completion_tokens``, ``cached_tokens``, ``ttft_s``, ``tpot_s``,
   ``decode_tok_s``, ``finish_reason``).
 - ``scaling``: ``{"c": aggregate tok/s at c / at 1}``.
@@ -125,10 +137,11 @@ MIN_PROMPT_TOKENS = 8
 """Fewest prompt tokens the context must leave room for next to ``max_tokens``."""
 MIN_REQUESTS = 8
 """Least requests of a level by default (``max(2c, MIN_REQUESTS)`` at concurrency ``c``)."""
-WARMUP_PROMPT_TOKENS = 16
-"""Prompt tokens of each warm-up request (not measured: it only needs to run every kernel)."""
+WARMUP_PROMPT_TOKENS = 8
+"""Prompt tokens of each concurrent warm-up request (not measured: it is there for the decode
+batch shapes, so its prefill is kept short)."""
 WARMUP_MAX_TOKENS = 2
-"""Tokens generated by each warm-up request."""
+"""Tokens generated by each warm-up request (a prefill, then one decode step)."""
 PREFIX_TOKENS = 1000
 """Default tokens of the shared document in the prefix-cache test (``--prefix-tokens``)."""
 PREFIX_SUFFIX_TOKENS = 16
@@ -476,11 +489,7 @@ async def stream_completion(
     t_sent = time.perf_counter()
     async with client.stream("POST", "/v1/completions", json=body) as r:
         if r.status_code != 200:
-            raw = await r.aread()
-            try:
-                message = json.loads(raw)["error"]["message"]
-            except (ValueError, KeyError, TypeError):
-                message = raw.decode(errors="replace")[:200]
+            message = _error_message(await r.aread())
             raise StrataError(f"{what}: HTTP {r.status_code}: {message}")
         async for line in r.aiter_lines():
             if not line.startswith("data: "):
@@ -518,6 +527,27 @@ async def stream_completion(
         t_first=t_first,
         t_last=t_last,
     )
+
+
+def _error_message(raw: bytes) -> str:
+    """The message of an OpenAI error object, else the start of the body."""
+    try:
+        return json.loads(raw)["error"]["message"]
+    except (ValueError, KeyError, TypeError):
+        return raw.decode(errors="replace")[:200]
+
+
+async def reset_prefix_cache(client: httpx.AsyncClient) -> None:
+    """``POST /reset_prefix_cache``: empty the server's prefix cache (no request may be running).
+
+    Raises:
+        StrataError: the server refused (HTTP 409 while requests run) or failed.
+    """
+    r = await client.post("/reset_prefix_cache")
+    if r.status_code != 200:
+        raise StrataError(
+            f"resetting the prefix cache: HTTP {r.status_code}: {_error_message(r.content)}"
+        )
 
 
 _SAMPLE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{[^}]*\})? (\S+)$")
@@ -637,17 +667,32 @@ async def _sample_metrics(client: httpx.AsyncClient, samples: list[dict]) -> Non
 async def run_level(
     server: ServerProcess,
     prompts: list[str],
-    warmup: list[str],
+    warmup_solo: list[str],
+    warmup_batch: list[str],
     max_tokens: int,
     c: int,
-) -> tuple[list[RequestResult], float, dict[str, Any]]:
-    """Warm up, then run one closed-loop level.
+) -> tuple[list[RequestResult], float, dict[str, Any], float]:
+    """Warm up, reset the prefix cache, then run one closed-loop level.
+
+    Args:
+        server: the running server.
+        prompts: the level's prompts (request ``i`` sends ``prompts[i]``).
+        warmup_solo: warm-up prompts sent one at a time (one per prefill shape).
+        warmup_batch: warm-up prompts sent next, all at once (the decode batch shapes).
+        max_tokens: tokens each measured request generates.
+        c: measured requests kept in flight.
 
     Returns:
-        ``(results in prompt order, wall time of the level in seconds, server figures)``.
+        ``(results in prompt order, wall time of the level in seconds, server figures, wall time
+        of the warm-up in seconds)``.
     """
     async with _client(server, c + 1) as client:
-        await _closed_loop(client, server.model, warmup, WARMUP_MAX_TOKENS, len(warmup))
+        t0 = time.perf_counter()
+        await _closed_loop(client, server.model, warmup_solo, WARMUP_MAX_TOKENS, 1)
+        n = len(warmup_batch)
+        await _closed_loop(client, server.model, warmup_batch, WARMUP_MAX_TOKENS, n)
+        warmup_s = time.perf_counter() - t0
+        await reset_prefix_cache(client)
         before = await _metrics(client)
         samples: list[dict] = []
         poller = asyncio.create_task(_sample_metrics(client, samples))
@@ -658,13 +703,15 @@ async def run_level(
             poller.cancel()
         wall = time.perf_counter() - t0
         after = await _metrics(client)
-    return results, wall, server_summary(before, after, samples)
+    return results, wall, server_summary(before, after, samples), warmup_s
 
 
 async def run_prefix_test(
-    server: ServerProcess, cold: str, warm: str
+    server: ServerProcess, cold: str, warm: str, warm_up: bool = False
 ) -> tuple[RequestResult, RequestResult, int | None, int | None]:
-    """The cold request, then the warm one, one at a time on an idle server.
+    """A prefix-cache reset, then the cold request, then the warm one, one at a time on an idle
+    server. With ``warm_up`` (a GPU, whose backend builds kernels for each new shape), both are
+    sent once before the reset, so that the cold TTFT is prefill, not kernel building.
 
     Returns:
         ``(cold result, warm result, cold prefix-hit tokens, warm prefix-hit tokens)``; the hit
@@ -672,6 +719,10 @@ async def run_prefix_test(
     """
     name = COUNTERS["prefix_hit_tokens"]
     async with _client(server, 2) as client:
+        if warm_up:
+            for text in (cold, warm):
+                await stream_completion(client, server.model, text, PREFIX_MAX_TOKENS, -3)
+        await reset_prefix_cache(client)
         m0 = await _metrics(client)
         a = await stream_completion(client, server.model, cold, PREFIX_MAX_TOKENS, -1)
         m1 = await _metrics(client)
@@ -938,7 +989,7 @@ def http_bench(
             "prefix_tokens": prefix_tokens,
             "temperature": 0,
             "ignore_eos": True,
-            "server_per_level": True,
+            "server_per_level": False,
             "prompt_lengths": list(prompt_tokens),
             "prompt_tokens": [n for _, n in work.prompts],
         },
@@ -950,44 +1001,64 @@ def http_bench(
     }
     if 1 not in concurrency:
         print("bench: added concurrency 1 (the text reference and the scaling base)", file=log)
-    with _sigterm_as_interrupt():
+    key = secrets.token_hex(16)
+    with (
+        _sigterm_as_interrupt(),
+        ServerProcess(ServerProcess.serve_command(Path(plan_path), key), key) as srv,
+    ):
+        result["model"] = srv.model
+        assert srv.proc is not None
+        print(f"bench: server up (pid {srv.proc.pid}, {srv.url})", file=log, flush=True)
+        warmed: set[int] = set()  # prompt token counts prefilled on this server
         for c in levels:
-            key = secrets.token_hex(16)
-            with ServerProcess(ServerProcess.serve_command(Path(plan_path), key), key) as srv:
-                result["model"] = srv.model
-                assert srv.proc is not None
-                print(
-                    f"bench: concurrency {c}: server up (pid {srv.proc.pid}, {srv.url}), "
-                    f"{per_level[c]} requests of {max_tokens} tokens",
-                    file=log,
-                    flush=True,
-                )
-                texts = [p for p, _ in work.prompts[: per_level[c]]]
-                warmup = work.warmup[: min(c, batch.max_num_seqs)]
-                results, wall, server = _on_server(
-                    srv, f"concurrency {c}", run_level(srv, texts, warmup, max_tokens, c)
-                )
-                level = _level_result(c, batch.max_num_seqs, results, wall, server, max_tokens)
-                if c == 1:
-                    result["texts"] = [r.text for r in results]
-                base = result["levels"][0]["aggregate_tok_s"] if result["levels"] else None
-                level["vs_level_1"] = round(level["aggregate_tok_s"] / base, 3) if base else 1.0
-                bad = _mismatches(c, results, result["texts"])
-                level["check_passed"] = not bad
-                level["mismatched_prompts"] = [m["prompt"] for m in bad]
-                result["mismatches"] += bad
-                result["scaling"][str(c)] = level["vs_level_1"]
-                result["levels"].append(_ordered(level))
-                _log_level(level, log)
-                if work.prefix is not None and c == levels[-1]:
-                    p = work.prefix
-                    cold, warm, hit_cold, hit_warm = _on_server(
-                        srv, "prefix-cache test", run_prefix_test(srv, p["cold"], p["warm"])
-                    )
-                    result["prefix_cache"] = _prefix_result(
-                        p, cold, warm, hit_cold, hit_warm, batch.kv_block_size
-                    )
-                    _log_prefix(result["prefix_cache"], log)
+            print(
+                f"bench: concurrency {c}: {per_level[c]} requests of {max_tokens} tokens",
+                file=log,
+                flush=True,
+            )
+            level_prompts = work.prompts[: per_level[c]]
+            solo: dict[int, str] = {}  # one prompt per new token count: every prefill shape
+            for text, n in level_prompts:
+                if n not in warmed:
+                    solo.setdefault(n, text)
+            warmed |= solo.keys()
+            # Level 1's decode batch (one sequence) is warmed by the solo requests already.
+            warmup = work.warmup[: min(c, batch.max_num_seqs)] if c > 1 else []
+            texts = [t for t, _ in level_prompts]
+            run = run_level(srv, texts, [*solo.values()], warmup, max_tokens, c)
+            results, wall, server, warmup_s = _on_server(srv, f"concurrency {c}", run)
+            level = _level_result(c, batch.max_num_seqs, results, wall, server, max_tokens)
+            level["warmup"] = {
+                "requests": len(solo) + len(warmup),
+                "prompt_tokens": [*solo],
+                "concurrent": len(warmup),
+                "max_tokens": WARMUP_MAX_TOKENS,
+                "wall_s": round(warmup_s, 6),
+            }
+            if c == 1:
+                result["texts"] = [r.text for r in results]
+            base = result["levels"][0]["aggregate_tok_s"] if result["levels"] else None
+            level["vs_level_1"] = round(level["aggregate_tok_s"] / base, 3) if base else 1.0
+            bad = _mismatches(c, results, result["texts"])
+            level["check_passed"] = not bad
+            level["mismatched_prompts"] = [m["prompt"] for m in bad]
+            result["mismatches"] += bad
+            result["scaling"][str(c)] = level["vs_level_1"]
+            result["levels"].append(_ordered(level))
+            _log_level(level, log)
+        if work.prefix is not None:
+            p = work.prefix
+            cold, warm, hit_cold, hit_warm = _on_server(
+                srv,
+                "prefix-cache test",
+                run_prefix_test(
+                    srv, p["cold"], p["warm"], "cpu" not in result["machine"]["mlx_device"]
+                ),
+            )
+            result["prefix_cache"] = _prefix_result(
+                p, cold, warm, hit_cold, hit_warm, batch.kv_block_size
+            )
+            _log_prefix(result["prefix_cache"], log)
     prefix_ok = result["prefix_cache"] is None or result["prefix_cache"]["check_passed"]
     result["check_passed"] = all(lv["check_passed"] for lv in result["levels"]) and prefix_ok
     result["measured_at"] = time.strftime("%Y-%m-%dT%H:%M:%S")
@@ -1043,7 +1114,7 @@ def _level_result(
 
 _LEVEL_KEYS = (
     "concurrency requests queued note wall_s completion_tokens aggregate_tok_s vs_level_1 ttft_s "
-    "tpot_s request_decode_tok_s server check_passed mismatched_prompts per_request"
+    "tpot_s request_decode_tok_s server warmup check_passed mismatched_prompts per_request"
 ).split()
 
 
@@ -1087,7 +1158,8 @@ def _log_level(lv: dict, log: TextIO) -> None:
         f"TTFT p50 {_ms(ttft['p50'])} p99 {_ms(ttft['p99'])}, "
         f"TPOT p50 {_ms(tpot['p50'])} p99 {_ms(tpot['p99'])}, "
         f"KV blocks peak {s['kv_blocks_peak']}/{s['kv_blocks_total']}, "
-        f"preemptions {s['preemptions']}, texts {'equal' if lv['check_passed'] else 'DIFFER'}"
+        f"preemptions {s['preemptions']}, warm-up {lv['warmup']['wall_s']:.1f} s, "
+        f"texts {'equal' if lv['check_passed'] else 'DIFFER'}"
         + (" (queued: above max_num_seqs)" if lv["queued"] else ""),
         file=log,
         flush=True,

@@ -26,7 +26,18 @@ import numpy as np
 
 from executor.quant import PackedWeight
 
-__all__ = ["QuantLinear", "embedding", "linear", "to_mlx"]
+__all__ = ["QuantLinear", "embedding", "linear", "set_dequant_min_rows", "to_mlx"]
+
+_dequant_min_rows = 0
+"""Kernel path of quantized projections (the plan's ``runtime.dequant_matmul_min_rows``): from
+this many rows, dequantize + dense matmul; 0: always ``mx.quantized_matmul``."""
+
+
+def set_dequant_min_rows(rows: int) -> None:
+    """Choose the kernel path of quantized projections for this process (the plan's measured
+    ``runtime.dequant_matmul_min_rows``; 0 keeps the quantized matmul at every batch size)."""
+    global _dequant_min_rows
+    _dequant_min_rows = max(0, int(rows))
 
 
 @dataclass(frozen=True)
@@ -117,7 +128,8 @@ def linear(x: mx.array, w: QuantLinear | mx.array) -> mx.array:
     """``x @ w.T``: ``x`` ``[..., in]`` times ``w`` ``[out, in]`` gives ``[..., out]``.
 
     Quantized weights go through ``mx.quantized_matmul(..., transpose=True)`` (no
-    dequantized copy). The result dtype is MLX's promotion of ``x`` and the weight's
+    dequantized copy), or, for at least ``set_dequant_min_rows`` rows, a dequantized copy made
+    for this call and a dense matmul. The result dtype is MLX's promotion of ``x`` and the weight's
     (scales') dtype: float32 activations give float32.
 
     Raises:
@@ -129,6 +141,13 @@ def linear(x: mx.array, w: QuantLinear | mx.array) -> mx.array:
             raise ValueError(
                 f"linear: input has {x.shape[-1]} features, weight {w.shape} expects {cols}"
             )
+        if _dequant_min_rows and x.size // cols >= _dequant_min_rows:
+            # Many rows: one dequantizing pass over the weight, then a dense matmul (faster than
+            # the quantized kernel there, where the profile measured so).
+            full = mx.dequantize(
+                w.weight, w.scales, w.biases, group_size=w.group_size, bits=w.bits, dtype=x.dtype
+            )
+            return x @ full.T
         return mx.quantized_matmul(
             x,
             w.weight,

@@ -3,7 +3,9 @@
 Routes: ``POST /v1/chat/completions`` and ``POST /v1/completions`` (streamed as server-sent events
 or not), ``GET /v1/models``, ``GET /health`` and ``GET /metrics`` (Prometheus text format). The
 request and response shapes are OpenAI's, so the official clients work unchanged; ``top_k`` and
-``ignore_eos`` are extensions, as in vLLM.
+``ignore_eos`` are extensions, as in vLLM. ``POST /reset_prefix_cache`` (vLLM's route, with the
+API key when one is set) empties the prefix cache between benchmark runs: 200 ``{"reset": true}``,
+or 409 while requests are running or waiting.
 
 Threads. Uvicorn runs one asyncio event loop that parses requests, tokenizes prompts and writes
 responses; all model work happens on the engine thread of ``executor.serving.ServingEngine``,
@@ -91,6 +93,7 @@ ENDPOINTS = (
     "/v1/models",
     "/health",
     "/metrics",
+    "/reset_prefix_cache",
 )
 
 
@@ -1021,6 +1024,23 @@ async def metrics(request: Request) -> Response:
     return PlainTextResponse(text, media_type="text/plain; version=0.0.4; charset=utf-8")
 
 
+async def reset_prefix_cache(request: Request) -> Response:
+    """``POST /reset_prefix_cache`` (vLLM's route): forget every cached prefix, so that later
+    prompts are prefilled in full. 200 ``{"reset": true}``; 409 while requests are running or
+    waiting (nothing changes, as in vLLM)."""
+    try:
+        reset = await run_in_threadpool(_state(request).engine.reset_prefix_cache)
+    except StrataError as e:
+        raise _engine_error(f"cannot reset the prefix cache: {e}") from e
+    if not reset:
+        raise APIError(
+            409,
+            "requests are running or waiting; reset the prefix cache once they have finished",
+            code="requests_running",
+        )
+    return JSONResponse({"reset": True})
+
+
 async def _api_error(request: Request, exc: Exception) -> Response:
     assert isinstance(exc, APIError)
     return exc.response()
@@ -1044,7 +1064,8 @@ async def _internal_error(request: Request, exc: Exception) -> Response:
 
 
 class _Gate:
-    """ASGI middleware: the API key check on ``/v1/*`` and the request counter by status."""
+    """ASGI middleware: the API key check on ``/v1/*`` and ``/reset_prefix_cache``, and the
+    request counter by status."""
 
     def __init__(self, app: ASGIApp, api_key: str | None, metrics: ServerMetrics):
         self.app = app
@@ -1065,7 +1086,8 @@ class _Gate:
             await send(message)
 
         try:
-            if path.startswith("/v1") and self.api_key and not self._authorized(scope):
+            keyed = path.startswith("/v1") or path == "/reset_prefix_cache"
+            if keyed and self.api_key and not self._authorized(scope):
                 error = APIError(
                     401,
                     "invalid or missing API key; send the header 'Authorization: Bearer KEY'",
@@ -1098,7 +1120,8 @@ def create_app(engine: ServingEngine, model_name: str, api_key: str | None = Non
     Args:
         engine: the serving engine (started by the caller, closed by the caller).
         model_name: the model's name in requests and ``/v1/models``.
-        api_key: when given, every ``/v1/*`` request needs ``Authorization: Bearer api_key``.
+        api_key: when given, every ``/v1/*`` and ``/reset_prefix_cache`` request needs
+            ``Authorization: Bearer api_key``.
     """
     server_metrics = ServerMetrics()
     app = Starlette(
@@ -1109,6 +1132,7 @@ def create_app(engine: ServingEngine, model_name: str, api_key: str | None = Non
             Route("/v1/models/{model:path}", get_model, methods=["GET"]),
             Route("/health", health, methods=["GET"]),
             Route("/metrics", metrics, methods=["GET"]),
+            Route("/reset_prefix_cache", reset_prefix_cache, methods=["POST"]),
         ],
         middleware=[Middleware(_Gate, api_key=api_key, metrics=server_metrics)],
         exception_handlers={

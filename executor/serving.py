@@ -6,15 +6,16 @@ decodes, the plan's ``batch`` limits) which sequences advance by how many tokens
 one batched forward pass (``LlamaModel.forward_batch`` over ``executor.paged_kv``: every unit,
 streamed ones included, is read once per step for the whole batch), samples one token for each
 sequence whose chunk reached its last known token, and reports it through the request's
-``on_event`` callback. Requests and aborts arrive from other threads through a queue and are
-applied between steps, so the scheduler and the KV block pool are only ever touched by the
-engine thread.
+``on_event`` callback. Requests, aborts and prefix-cache resets arrive from other threads through
+a queue and are applied between steps, so the scheduler and the KV block pool are only ever
+touched by the engine thread.
 
 Finishing: an end-of-generation token (kept, finish reason ``stop``) unless ``ignore_eos``;
 ``max_tokens`` or the plan's context (``length``); ``abort``; ``error`` when a step fails (every
 sequence of that step is finished with the message; the thread keeps serving the others).
 A finished or aborted sequence's KV blocks go back to the pool at once; its full blocks stay in
-the prefix cache until evicted.
+the prefix cache until evicted, or until ``reset_prefix_cache`` (refused while any request runs
+or waits, as in vLLM) forgets them all.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import queue
 import sys
 import threading
 from collections.abc import Callable
+from concurrent.futures import Future
 from dataclasses import dataclass
 
 import mlx.core as mx
@@ -34,6 +36,9 @@ from executor.paged_kv import ForwardBatch, SeqInput, slot_table
 from executor.sampling import Sampler, SamplingParams
 from executor.scheduler import Scheduler, SchedulerStep, Sequence
 from planner.errors import StrataError
+
+THREAD_CHECK_S = 1.0
+"""Seconds between checks that the engine thread is alive while a caller waits on it."""
 
 
 @dataclass
@@ -163,6 +168,30 @@ class ServingEngine:
         """Stop a request and free its KV blocks (no more events; unknown ids are ignored)."""
         self._inbox.put(("abort", request_id, None))
 
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached prefix (``BlockPool.reset_prefix_cache``), as vLLM's
+        ``reset_prefix_cache``: applied on the engine thread between steps; waits until it is.
+
+        Returns:
+            True once the cache is reset; False, with nothing changed, while any request is
+            running or waiting.
+
+        Raises:
+            StrataError: the engine thread is not running (or stopped before applying it).
+        """
+        if threading.current_thread() is self._thread:  # an on_event callback: apply it now
+            return self._reset_if_idle()
+        done: Future[bool] = Future()
+        if self._thread is None or not self._thread.is_alive():
+            raise StrataError("the serving engine is not running")
+        self._inbox.put(("reset", None, done))
+        while True:
+            try:
+                return done.result(timeout=THREAD_CHECK_S)
+            except TimeoutError:
+                if not self._thread.is_alive() and not done.done():
+                    raise StrataError("the serving engine stopped") from None
+
     def close(self) -> None:
         """Abort what is left (events ``abort``), stop the thread and the engine's I/O."""
         if self._thread is not None and self._thread.is_alive():
@@ -214,8 +243,16 @@ class ServingEngine:
                     live = self._live.pop(arg, None)
                     if live is not None:
                         self.scheduler.abort(arg)
+                elif kind == "reset":
+                    cb.set_result(self._reset_if_idle())
             if self.scheduler.has_work():
                 self.step()
+
+    def _reset_if_idle(self) -> bool:
+        if self.scheduler.has_work():
+            return False
+        self.pool.reset_prefix_cache()
+        return True
 
     def _admit(self, req: GenerationRequest, on_event: Callable[[TokenEvent], None]) -> None:
         seq = Sequence(req.request_id, list(req.prompt_ids), req.max_tokens)

@@ -940,6 +940,7 @@ def solve(
     pool = pool_for(desc, tiers, depth)
     cache = _expert_cache(desc, m, tiers)
     prediction = score(desc, profile, request, tiers, depth, experts=cache)
+    crossover = profile.gpu.dequant_matmul_min_rows
     streams = bool(pool.slots or cache.slots)
     return Solution(
         placement=[
@@ -959,6 +960,10 @@ def solve(
             objective=objective(prediction, request),
             gap=round(gap, 6),
         ),
-        runtime=Runtime(backend=profile.backend, compute_dtype=profile.compute_dtype),
+        runtime=Runtime(
+            backend=profile.backend,
+            compute_dtype=profile.compute_dtype,
+            dequant_matmul_min_rows=int(crossover.value) if crossover is not None else 0,
+        ),
         solve_time_s=solve_time,
     )

@@ -502,6 +502,79 @@ def measure_decode_matvec(shape: tuple[int, int], dtype_name: str, repeats: int 
     )
 
 
+DEQUANT_ROWS = (1, 2, 4, 8, 16, 32, 64)
+"""Row counts (tokens of one forward pass) :func:`measure_dequant_crossover` times."""
+
+
+def measure_dequant_crossover(
+    shape: tuple[int, int], dtype_name: str, repeats: int = 5
+) -> tuple[Figure, dict[int, tuple[float, float]]]:
+    """The kernel path of batched quantized projections: from how many rows dequantize + dense
+    matmul beats ``mx.quantized_matmul``.
+
+    Times both on a [rows, k] activation by an [n, k] 4-bit weight (groups of 32) for each of
+    ``DEQUANT_ROWS``. The figure is the smallest row count from which the dense path is faster
+    at every larger count measured (0 when it never is). Why it is measured: on NVIDIA, MLX's
+    quantized matmul is slow for a few rows (a batch of 16 decoded tokens took 10x one token on
+    a Llama-3-8B shape, ``../shared/models.md``), while dequantizing costs a fixed pass over the
+    weights; where the quantized kernel scales well (Apple, the CPU) the dense path never wins.
+
+    Args:
+        shape: (n, k) of the weight.
+        dtype_name: activation dtype, e.g. ``float16``.
+        repeats: timed runs per point; the best counts.
+
+    Returns:
+        (the figure, {rows: (quantized seconds, dequantize + matmul seconds)}).
+    """
+    import mlx.core as mx
+
+    n, k = shape
+    dtype = getattr(mx, dtype_name)
+    w = mx.random.normal((n, k)).astype(dtype)
+    wq, scales, biases = mx.quantize(w, group_size=MATVEC_GROUP, bits=MATVEC_BITS)
+    mx.eval(wq, scales, biases)
+    del w
+    times: dict[int, tuple[float, float]] = {}
+    for rows in DEQUANT_ROWS:
+        x = mx.random.normal((rows, k)).astype(dtype)
+        mx.eval(x)
+
+        def quantized(x=x) -> None:
+            mx.eval(
+                mx.quantized_matmul(
+                    x, wq, scales, biases, transpose=True, group_size=MATVEC_GROUP, bits=MATVEC_BITS
+                )
+            )
+
+        def dense(x=x) -> None:
+            full = mx.dequantize(
+                wq, scales, biases, group_size=MATVEC_GROUP, bits=MATVEC_BITS, dtype=dtype
+            )
+            mx.eval(x @ full.T)
+
+        times[rows] = (_best_seconds(quantized, repeats), _best_seconds(dense, repeats))
+    wins = [r for r in DEQUANT_ROWS if times[r][1] < times[r][0]]
+    crossover = 0
+    for r in reversed(DEQUANT_ROWS):
+        if r not in wins:
+            break
+        crossover = r
+    table = ", ".join(f"{r}: {q * 1e6:.0f}/{d * 1e6:.0f} us" for r, (q, d) in times.items())
+    _say(f"dequantize + matmul from {crossover or 'never'} rows ({table})")
+    return (
+        Figure(
+            value=crossover,
+            source="measured",
+            how=f"MLX quantized_matmul vs dequantize + matmul of [rows, {k}] {dtype_name} by a "
+            f"[{n}, {k}] 4-bit weight on {mx.default_device()}, best of {repeats} (rows: "
+            f"quantized/dense): {table}; the dense path from the smallest row count after which "
+            f"it always wins (0: never), {_today()}",
+        ),
+        times,
+    )
+
+
 OP_BLOCK_OPS = OPS_PER_UNIT["attention"] + OPS_PER_UNIT["ffn"]
 """MLX operations in one block of :func:`measure_op_overhead`'s decode step (29): the cost
 model's attention and FFN counts, which that block is built to match op for op."""
@@ -715,6 +788,10 @@ def measure_profile(
         compute_flops_s=measure_matmul_flops(sz.prefill, sz.decode, compute_dtype, sz.repeats),
         decode_matvec_flops_s=measure_decode_matvec(sz.matvec, compute_dtype, sz.repeats + 2),
         op_overhead_s=measure_op_overhead(4 if quick else 32, sz.repeats),
+        # The CPU keeps the quantized kernel: its results are batch-invariant there (measured).
+        dequant_matmul_min_rows=None
+        if backend == "cpu"
+        else measure_dequant_crossover(sz.matvec, compute_dtype, sz.repeats)[0],
     )
     ram = RAMTier(
         capacity_bytes=Figure(

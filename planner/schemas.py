@@ -21,8 +21,8 @@ Tier = Literal["gpu", "ram", "nvme"]
 Role = Literal["embedding", "attention", "norm", "ffn", "expert", "router", "output", "other"]
 
 DESCRIPTION_VERSION = "1.1"
-PROFILE_VERSION = "1.0"
-PLAN_VERSION = "1.1"
+PROFILE_VERSION = "1.1"
+PLAN_VERSION = "1.2"
 ROUTING_VERSION = "1.0"
 
 
@@ -262,6 +262,12 @@ class GPUTier(Strict):
     op_overhead_s: Figure = Field(
         description="seconds per operation of a lazily built MLX graph (build + dispatch + launch)"
     )
+    dequant_matmul_min_rows: Figure | None = Field(
+        default=None,
+        description="rows (tokens of one forward pass) from which dequantize + matmul beats MLX's "
+        "quantized matmul (0: never); None where not measured (the CPU, where the quantized "
+        "kernel keeps results batch-invariant)",
+    )
 
 
 class RAMTier(Strict):
@@ -445,6 +451,13 @@ class Runtime(Strict):
 
     backend: Literal["cpu", "metal", "cuda"] = "cpu"
     compute_dtype: Literal["float32", "float16", "bfloat16"] = "float32"
+    dequant_matmul_min_rows: int = Field(
+        default=0,
+        ge=0,
+        description="kernel path of quantized projections: forward passes of at least this many "
+        "tokens dequantize each weight and run a dense matmul (0: always the quantized matmul); "
+        "the profile's measured crossover",
+    )
 
 
 class Plan(Strict):

@@ -1,5 +1,6 @@
 """The KV block pool on its own (pure Python): reference counts, the free list's eviction order,
-chained prefix-cache hashes, ``match_prefix``'s cap, ``commit``'s idempotence, the counters."""
+chained prefix-cache hashes, ``match_prefix``'s cap, ``commit``'s idempotence, the counters,
+``reset_prefix_cache``."""
 
 from __future__ import annotations
 
@@ -185,6 +186,25 @@ def test_eviction_is_lru_and_a_sequence_tail_goes_first():
     assert pool.evictions == 4
     assert pool.match_prefix(new, 4) == []
     assert pool.match_prefix(old, 4) == []
+
+
+def test_reset_prefix_cache_forgets_hashes_and_keeps_blocks():
+    pool = BlockPool(num_blocks=6, block_size=2)
+    old = [1, 2, 3, 4]
+    old_blocks = _cached_seq(pool, old)  # free, cached
+    held = pool.allocate(2)  # in use by a running sequence, committed
+    pool.commit([5, 6, 7, 8], held, 4)
+    assert pool.match_prefix(old, 4) == old_blocks
+    pool.free(old_blocks)
+    counters = (pool.prefix_query_tokens, pool.prefix_hit_tokens, pool.evictions)
+    pool.reset_prefix_cache()
+    assert (pool.prefix_query_tokens, pool.prefix_hit_tokens, pool.evictions) == counters
+    assert (pool.num_used_blocks(), pool.num_free_blocks()) == (2, 4)  # held stays allocated
+    assert pool.match_prefix(old, 4) == [] and pool.match_prefix([5, 6, 7, 8], 4) == []
+    # The held sequence's next commit hashes its blocks again; nothing counts as evicted.
+    pool.commit([5, 6, 7, 8], held, 4)
+    assert pool.match_prefix([5, 6, 7, 8], 4) == held
+    assert pool.allocate(4) is not None and pool.evictions == 0
 
 
 def test_without_prefix_caching_nothing_is_cached_or_counted():

@@ -68,7 +68,7 @@ def test_serving_bench_end_to_end(serving_plan, tmp_path):
     assert s["concurrency"] == [1, 2] and s["added_level_1"] is False
     assert s["max_tokens"] == 4 and s["requests"] == {"1": 2, "2": 2}
     assert s["prompt_lengths"] == [16, 24] and all(n <= 24 for n in s["prompt_tokens"])
-    assert s["temperature"] == 0 and s["ignore_eos"] is True
+    assert s["temperature"] == 0 and s["ignore_eos"] is True and s["server_per_level"] is False
 
     one, two = r["levels"]
     assert [one["concurrency"], two["concurrency"]] == [1, 2]
@@ -85,8 +85,14 @@ def test_serving_bench_end_to_end(serving_plan, tmp_path):
         srv = lv["server"]
         assert srv["kv_blocks_total"] == limits["batch"]["kv_num_blocks"]
         assert srv["kv_blocks_peak"] >= 1 and srv["preemptions"] == 0
-        assert srv["prefix_hit_tokens"] == 0  # a fresh server per level: no level is served cached
+        assert srv["prefix_hit_tokens"] == 0  # the cache is reset before each level
         assert srv["server_ttft_mean_s"] > 0 and srv["server_tpot_mean_s"] > 0
+        w = lv["warmup"]
+        assert w["requests"] == len(w["prompt_tokens"]) + w["concurrent"] and w["wall_s"] > 0
+    # Warm-up: level 1 prefills each prompt length alone; level 2 (same lengths) sends 2 at once.
+    assert sorted(one["warmup"]["prompt_tokens"]) == sorted(set(s["prompt_tokens"]))
+    assert one["warmup"]["concurrent"] == 0 and two["warmup"]["prompt_tokens"] == []
+    assert two["warmup"]["concurrent"] == 2 and two["warmup"]["max_tokens"] == 2
     # Two requests at once share engine steps (prefill and decode batched): fewer steps.
     assert two["server"]["engine_steps"] < one["server"]["engine_steps"]
     assert one["vs_level_1"] == 1.0
@@ -104,13 +110,14 @@ def test_serving_bench_end_to_end(serving_plan, tmp_path):
 
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "bench: concurrency 2:" in done.stderr and "bench: prefix cache:" in done.stderr
+    assert done.stderr.count("server up (pid ") == 1  # one server for every level
 
 
 def test_ctrl_c_stops_the_server(serving_plan):
     """SIGINT while a level runs: exit 130, one line, and the server process is gone."""
     proc = subprocess.Popen(
         [sys.executable, "execute.py", "bench", str(serving_plan), "--concurrency", "1"]
-        + ["--max-tokens", "200", "--requests", "2"],
+        + ["--max-tokens", "200", "--requests", "2", "--prompt-tokens", "8"],
         cwd=ROOT,
         stdout=subprocess.DEVNULL,
         stderr=subprocess.PIPE,
@@ -126,7 +133,7 @@ def test_ctrl_c_stops_the_server(serving_plan):
             pid = int(line.split("server up (pid ")[1].split(",")[0])
             break
     assert pid is not None, proc.communicate(timeout=60)
-    time.sleep(1)  # the level's requests are in flight
+    time.sleep(1)  # the level's requests are in flight (after one 8-token warm-up request)
     proc.send_signal(signal.SIGINT)
     _, err = proc.communicate(timeout=60)
     assert proc.returncode == 130, err

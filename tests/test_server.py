@@ -465,6 +465,33 @@ def test_disconnect_frees_blocks(server, smollm2_plan):
     assert chat(server, max_tokens=2).usage.completion_tokens >= 1  # the server still serves
 
 
+def test_reset_prefix_cache(server):
+    """vLLM's ``POST /reset_prefix_cache``: needs the key; 409 while a request runs; 200 once
+    idle, after which a cached prompt is computed in full again."""
+    ids = list(range(100, 117))  # one full KV block of 16 (the last token is always computed)
+
+    def cached() -> int:
+        return complete(server, ids, max_tokens=1).usage.prompt_tokens_details.cached_tokens
+
+    error_of(server.post("/reset_prefix_cache", "", key=None), 401, "API key")
+    error_of(httpx.get(f"{server.url}/reset_prefix_cache", headers=auth()), 405, "POST")
+    cached()
+    assert cached() == 16
+    long = {"model": MODEL, "prompt": PROMPT, "max_tokens": 1500, "ignore_eos": True}
+    with contextlib.ExitStack() as running:
+        lines = open_stream(running, server, long).iter_lines()  # kept: dropping it hangs up
+        assert next(line for line in lines if line.startswith("data:"))
+        err = error_of(server.post("/reset_prefix_cache", ""), 409, "running")
+        assert err["code"] == "requests_running"
+    wait_for_idle(server)
+    r = server.post("/reset_prefix_cache", "")
+    assert r.status_code == 200 and r.json() == {"reset": True}
+    assert cached() == 0
+    m = server.metrics()
+    assert m['strata_requests_total{endpoint="/reset_prefix_cache",status="200"}'] == 1
+    assert m['strata_requests_total{endpoint="/reset_prefix_cache",status="409"}'] == 1
+
+
 def test_concurrent_requests_match_sequential(server):
     expected = complete(server, max_tokens=6).choices[0].text
     results: list[str] = []

@@ -141,6 +141,33 @@ def test_prefix_cache_hit_gives_the_same_ids(models, tmp_path):
     assert fresh.cached_tokens == 0 and fresh.token_ids == other.token_ids
 
 
+def test_reset_prefix_cache(models, tmp_path):
+    """Refused while a request is live (the cache still serves the next one); applied once idle:
+    the same prompt is then computed in full, with the same ids."""
+    from planner.errors import StrataError
+
+    plan = make_plan_file(str(models["llama3"]), tmp_path / "p.yaml", context=CONTEXT)
+    se = _serve(plan)
+    try:
+        prompt = np.random.default_rng(3).integers(0, se.vocab_size, size=40).tolist()
+        mk = lambda rid: GenerationRequest(rid, prompt, 4, SamplingParams(), True)  # noqa: E731
+        first = run_all(se, [mk("first")])["first"]
+        finished = threading.Event()
+        se.submit(mk("live"), lambda ev: ev.finish_reason and finished.set())
+        refused = se.reset_prefix_cache()  # applied after the submit: the request is live
+        assert finished.wait(600)
+        hit = run_all(se, [mk("hit")])["hit"]
+        reset = se.reset_prefix_cache()
+        cold = run_all(se, [mk("cold")])["cold"]
+    finally:
+        se.close()
+    assert (refused, reset) == (False, True)
+    assert first.cached_tokens == 0 and hit.cached_tokens == 32 and cold.cached_tokens == 0
+    assert cold.token_ids == hit.token_ids == first.token_ids
+    with pytest.raises(StrataError, match="not running"):
+        se.reset_prefix_cache()
+
+
 def _with_batch(plan: Path, out: Path, **batch) -> Path:
     data = yaml.safe_load(plan.read_text())
     data["batch"].update(batch)
