@@ -23,7 +23,7 @@ from executor.serving import GenerationRequest, ServingEngine, TokenEvent
 
 NAMES = list(ARCH_MODELS) + list(MOE_MODELS)
 CONTEXT = 256
-BATCH = 8
+BATCH = 16
 
 
 def _serve(plan: Path) -> ServingEngine:
@@ -81,7 +81,7 @@ def models(tmp_path_factory, smollm2_gguf) -> dict[str, Path]:
 
 @pytest.mark.parametrize("name", NAMES)
 def test_batch_equals_alone(name, models, tmp_path):
-    """Every architecture: 8 mixed requests (prefill chunks and decodes in the same steps, a
+    """Every architecture: 16 mixed requests (prefill chunks and decodes in the same steps, a
     sliding window on gemma3, experts on the MoE ones) give the ids each gives alone, and alone
     equals the single-request path (``Engine.generate``)."""
     plan = make_plan_file(
