@@ -50,6 +50,33 @@ def main(argv: list[str] | None = None) -> int:
     pl.add_argument(
         "--tiers", default="gpu,ram,nvme", help="tiers the plan may use (default gpu,ram,nvme)"
     )
+    pl.add_argument(
+        "--speculative",
+        choices=("none", "prompt_lookup", "draft_model", "self"),
+        default="none",
+        help="speculative decoding: draft tokens from n-grams of the sequence (prompt_lookup), a "
+        "smaller model of the same vocabulary (draft_model), or the model's own resident layers "
+        "(self); the cost model chooses K (default none)",
+    )
+    pl.add_argument(
+        "--draft-model",
+        metavar="MODEL",
+        help="with --speculative draft_model: catalog name or GGUF path, planned together with "
+        "the target (its weights and KV cache on the device first)",
+    )
+    pl.add_argument(
+        "--num-draft-tokens",
+        type=int,
+        metavar="K",
+        help="draft tokens per step, 1..16 (default: the cost model's choice, 1..8)",
+    )
+    pl.add_argument(
+        "--acceptance-rate",
+        type=float,
+        metavar="A",
+        help="measured share of draft tokens accepted, 0..1 (default: an assumed figure per "
+        "method, stated in the plan)",
+    )
     pl.add_argument("-o", "--output", required=True, help="plan file to write")
 
     df = sub.add_parser("diff", help="what differs between two plans")

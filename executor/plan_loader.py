@@ -3,11 +3,14 @@
 A plan names its model by catalog name or path with the file's size and sha256, and its profile by
 path and canonical sha256. ``load_plan`` refuses a plan whose model file or profile changed since
 planning, and one whose units do not match the model (a hand-written plan with a typo, or a plan of
-another model), each with a message that says to re-run ``plan.py plan``.
+another model), each with a message that says to re-run ``plan.py plan``. A speculative plan's
+draft model (``speculative.draft_model``: catalog name, or a path relative to the plan's folder) is
+checked the same way: present, same size, sha256 and header.
 """
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -15,7 +18,7 @@ from planner.catalog import CATALOG, ResolvedModel, file_sha256, resolve_model
 from planner.describe import describe_gguf, source_for
 from planner.errors import PlanError
 from planner.gguf_file import GGUFFile, open_gguf
-from planner.schemas import HardwareProfile, ModelDescription, Plan
+from planner.schemas import DraftModelRef, HardwareProfile, ModelDescription, Plan
 from planner.yamlio import canonical_sha256, read_yaml
 
 
@@ -28,12 +31,70 @@ class LoadedPlan:
         path: the plan file.
         gguf: the opened model file.
         desc: the model's description (units and tensors), made from the file now on disk.
+        draft_path: the checked draft model file (``speculative.method: draft_model``), else None.
     """
 
     plan: Plan
     path: Path
     gguf: GGUFFile
     desc: ModelDescription
+    draft_path: Path | None = None
+
+
+def _draft_model_path(path: Path, ref: DraftModelRef) -> Path:
+    """The plan's draft model file, checked against its size, sha256 and header sha256.
+
+    Raises:
+        PlanError: unknown catalog name, missing file, or a file that changed since planning.
+    """
+    again = "re-run plan.py plan with --speculative draft_model --draft-model MODEL"
+    if ref.name:
+        if ref.name not in CATALOG:
+            raise PlanError(f"{path}: plan names unknown catalog draft model {ref.name!r}; {again}")
+        draft = resolve_model(ref.name).path
+    else:
+        p = Path(ref.path or "").expanduser()
+        # Relative to the plan's folder (an absolute p stays as it is).
+        draft = Path(os.path.normpath(path.parent / p))
+        if not ref.path or not draft.is_file():
+            raise PlanError(
+                f"{path}: the plan's draft model {ref.path} is not found (relative to the plan's "
+                f"folder: {draft}); put the GGUF there, or {again} pointing at it"
+            )
+    size = draft.stat().st_size
+    if size != ref.size_bytes:
+        raise PlanError(
+            f"{path}: draft model file {draft} is {size} bytes but the plan was made for "
+            f"{ref.size_bytes} bytes; the draft model changed — {again}"
+        )
+    digest = file_sha256(draft)
+    if digest != ref.sha256:
+        raise PlanError(
+            f"{path}: draft model file {draft} has sha256 {digest[:12]}… but the plan was made "
+            f"for {ref.sha256[:12]}…; the draft model changed — {again}"
+        )
+    if open_gguf(draft).header_sha256 != ref.header_sha256:
+        raise PlanError(f"{path}: draft model header changed since planning; {again}")
+    return draft
+
+
+def _check_self(path: Path, plan: Plan, desc: ModelDescription) -> None:
+    """A self-drafting plan runs blocks the model has, and reads no head unit from NVMe."""
+    sp = plan.speculative
+    n = desc.architecture.block_count
+    if sp.draft_layers > n:
+        raise PlanError(
+            f"{path}: speculative.draft_layers is {sp.draft_layers} but the model has {n} "
+            f"blocks; give 1..{n} or re-run plan.py plan --speculative self"
+        )
+    tiers = plan.tier_of()
+    streamed = [u.name for u in desc.units if u.layer is None and tiers[u.name] == "nvme"]
+    if streamed:
+        raise PlanError(
+            f"{path}: speculative method self needs {', '.join(streamed)} in memory but the "
+            "placement streams it from NVMe; place it on gpu or ram, or re-run plan.py plan "
+            "--speculative self (or --speculative prompt_lookup)"
+        )
 
 
 def _model_path(plan: Plan, plan_dir: Path) -> Path:
@@ -93,6 +154,8 @@ def load_plan(path: str | Path) -> LoadedPlan:
             raise PlanError(
                 f"{path}: profile {prof_path} changed since this plan was made; re-run plan.py plan"
             )
+    draft_ref = plan.speculative.draft_model
+    draft_path = _draft_model_path(path, draft_ref) if draft_ref is not None else None
     g = open_gguf(model_path)
     if src.header_sha256 and g.header_sha256 != src.header_sha256:
         raise PlanError(f"{path}: model header changed since planning; re-run plan.py plan")
@@ -121,4 +184,40 @@ def load_plan(path: str | Path) -> LoadedPlan:
             f"placement keeps {len(on_gpu)} on gpu; make them agree (pinned = the expert units "
             "placed on gpu) or re-run plan.py plan"
         )
-    return LoadedPlan(plan, path, g, desc)
+    if plan.speculative.method == "self":
+        _check_self(path, plan, desc)
+    return LoadedPlan(plan, path, g, desc, draft_path)
+
+
+def load_draft(loaded: LoadedPlan) -> LoadedPlan:
+    """The plan's draft model (``speculative.method: draft_model``) as a plan of its own: every
+    unit resident on the device, the target's runtime and batch limits (its KV cache follows the
+    target's sequences), no streaming, no speculation — what the planner budgeted for it.
+
+    Raises:
+        PlanError: the plan has no draft model.
+    """
+    from planner.schemas import ExpertCache, Placement, Pool, Prefetch, Speculative
+
+    if loaded.draft_path is None:
+        raise PlanError(
+            f"{loaded.path}: the plan has no draft model; re-run plan.py plan with "
+            "--speculative draft_model --draft-model MODEL"
+        )
+    g = open_gguf(loaded.draft_path)
+    ref = loaded.plan.speculative.draft_model
+    assert ref is not None  # draft_path is set only with a draft model
+    resolved = ResolvedModel(loaded.draft_path, None, ref.size_bytes, ref.sha256)
+    desc = describe_gguf(g, source_for(resolved, g.header_sha256))
+    plan = loaded.plan.model_copy(
+        update={
+            "placement": [
+                Placement(unit=u.name, tier="gpu", bytes=u.bytes_mlx) for u in desc.units
+            ],
+            "pool": Pool(slots=0, slot_bytes=0),
+            "prefetch": Prefetch(depth=0, io_threads=0),
+            "expert_cache": ExpertCache(),
+            "speculative": Speculative(),
+        }
+    )
+    return LoadedPlan(plan, loaded.draft_path, g, desc, None)

@@ -1,7 +1,9 @@
 """Greedy and seeded sampling (temperature, top-k, top-p), deterministic for a given seed.
 
 Sampling runs in numpy float64 on the host with a PCG64 generator seeded once per request, so the
-same logits and seed give the same token on every backend (CPU, Metal, CUDA).
+same logits and seed give the same token on every backend (CPU, Metal, CUDA). ``Sampler.verify``
+accepts or rejects the draft tokens of speculative decoding with the same distribution, so
+speculation changes how fast tokens come, never how they are distributed.
 """
 
 from __future__ import annotations
@@ -44,7 +46,8 @@ class SamplingParams:
 
 
 class Sampler:
-    """Picks tokens for one request.
+    """Picks tokens for one request: one at a time (``__call__``) or by verifying draft tokens
+    (``verify``, for speculative decoding). Both draw from the same distribution (``probs``).
 
     Args:
         params: the sampling parameters.
@@ -54,11 +57,17 @@ class Sampler:
         self.params = params
         self.rng = np.random.Generator(np.random.PCG64(params.seed))
 
-    def __call__(self, logits: np.ndarray) -> int:
-        """Next token id from ``logits`` ([vocab] float)."""
+    def _filtered(self, logits: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Temperature, top-k and top-p applied to one row (sampling only, temperature > 0).
+
+        Args:
+            logits: [vocab] float logits.
+
+        Returns:
+            ([n] token ids, most likely first (ties: lower id first), [n] float64
+            probabilities summing to 1).
+        """
         p = self.params
-        if p.temperature == 0:
-            return int(np.argmax(logits))
         z = logits.astype(np.float64) / p.temperature
         order = np.argsort(-z, kind="stable")
         if p.top_k:
@@ -68,4 +77,97 @@ class Sampler:
         if p.top_p < 1:
             keep = int(np.searchsorted(np.cumsum(probs), p.top_p)) + 1
             order, probs = order[:keep], probs[:keep] / probs[:keep].sum()
+        return order, probs
+
+    def probs(self, logits: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """The distribution ``__call__`` samples from for ``logits``.
+
+        Args:
+            logits: [vocab] float logits.
+
+        Returns:
+            ([n] int64 token ids, [n] float64 probabilities summing to 1): the tokens that can be
+            picked, most likely first, after temperature, top-k and top-p; greedy (temperature 0):
+            ([argmax], [1.0]).
+        """
+        if self.params.temperature == 0:
+            return np.array([np.argmax(logits)], np.int64), np.ones(1)
+        order, probs = self._filtered(logits)
+        return order.astype(np.int64, copy=False), probs
+
+    def __call__(self, logits: np.ndarray) -> int:
+        """Next token id from ``logits`` ([vocab] float)."""
+        if self.params.temperature == 0:
+            return int(np.argmax(logits))
+        order, probs = self._filtered(logits)
         return int(order[self.rng.choice(len(order), p=probs)])
+
+    def verify(self, logits: np.ndarray, draft: list[int]) -> list[int]:
+        """Accept a prefix of ``draft`` and add one token, so that the tokens returned are
+        distributed exactly as ``__call__`` would have produced them one by one.
+
+        The rule is speculative sampling (Leviathan et al. 2023, "Fast Inference from
+        Transformers via Speculative Decoding", Algorithm 1 and Theorem 1; Chen et al. 2023) for
+        a deterministic drafter, whose proposal q is a point mass on draft[j]: accept draft[j]
+        with probability min(1, p_j(x) / q(x)) = p_j(draft[j]); on rejection sample from
+        norm(max(0, p_j - q)), which is p_j with draft[j] removed and renormalized, and stop.
+        If every draft token is accepted, the bonus token is sampled from p_K. Greedy
+        (temperature 0) is the limit where p_j is a point mass on argmax: accept while draft[j]
+        equals the argmax of row j, then append the argmax of the first row not matched (or of
+        row K); no random numbers are drawn.
+
+        Args:
+            logits: [K+1, vocab] float logits; row j is the distribution after the pending token
+                and draft[:j] (row 0: after the pending token alone).
+            draft: K >= 0 proposed token ids.
+
+        Returns:
+            1..K+1 token ids: the accepted drafts, then the correction or the bonus token.
+
+        Raises:
+            StrataError: ``logits`` is not a [len(draft) + 1, vocab] matrix.
+        """
+        logits = np.asarray(logits)
+        if logits.ndim != 2 or logits.shape[0] != len(draft) + 1:
+            raise StrataError(
+                f"verify got logits of shape {logits.shape} for {len(draft)} draft tokens; "
+                f"pass one row per draft token plus one for the bonus ({len(draft) + 1} rows)"
+            )
+        if self.params.temperature == 0:
+            return accept_greedy([int(np.argmax(row)) for row in logits], draft)
+        out: list[int] = []
+        for j, d in enumerate(draft):
+            d = int(d)
+            ids, probs = self._filtered(logits[j])
+            at = np.flatnonzero(ids == d)
+            p_d = float(probs[at[0]]) if at.size else 0.0
+            # One uniform per draft token examined, drawn even when p_d is 0, so that the random
+            # stream consumed depends only on how many drafts were examined.
+            if self.rng.random() < p_d:
+                out.append(d)
+                continue
+            if at.size:  # p_d < 1 here, so other tokens remain
+                ids, probs = np.delete(ids, at[0]), np.delete(probs, at[0])
+                probs /= probs.sum()
+            return [*out, int(ids[self.rng.choice(len(ids), p=probs)])]
+        return [*out, self(logits[len(draft)])]
+
+
+def accept_greedy(targets: list[int], draft: list[int]) -> list[int]:
+    """Greedy verification: ``draft[j]`` is accepted while it equals ``targets[j]`` (the
+    argmax after the pending token and ``draft[:j]``); then the first target not matched (or
+    ``targets[K]``, the bonus) is appended. The outputs are exactly greedy decoding's.
+
+    Args:
+        targets: K+1 argmax token ids, one per verified position.
+        draft: K draft token ids.
+
+    Returns:
+        1..K+1 token ids.
+    """
+    out: list[int] = []
+    for j, d in enumerate(draft):
+        if int(targets[j]) != int(d):
+            break
+        out.append(int(d))
+    return [*out, int(targets[len(out)])]

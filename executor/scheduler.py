@@ -114,21 +114,43 @@ class ScheduledChunk:
     start: int
     num_tokens: int
     sample: bool = field(init=False)
+    draft_room: int = 0
+    """Speculative decoding: draft tokens this decode may verify (blocks and budget reserved)."""
+    draft: list[int] = field(default_factory=list)
+    """The drafter's tokens, verified after the pending one (see :meth:`set_draft`)."""
 
     def __post_init__(self) -> None:
         self.sample = self.start + self.num_tokens == self.seq.num_tokens
 
+    def set_draft(self, draft: list[int]) -> None:
+        """Verify ``draft`` (at most ``draft_room`` tokens) after the pending token: the chunk
+        becomes ``1 + len(draft)`` tokens.
+
+        Raises:
+            StrataError: more tokens than ``draft_room`` (a drafter bug).
+        """
+        if len(draft) > self.draft_room:
+            raise StrataError(
+                f"the drafter proposed {len(draft)} tokens for {self.seq.request_id} but the "
+                f"step reserved room for {self.draft_room}; this is a bug in the drafter"
+            )
+        self.draft = list(draft)
+        self.num_tokens = 1 + len(draft)
+
     @property
     def ids(self) -> list[int]:
-        """The chunk's token ids, ``seq.all_ids[start:start + num_tokens]`` without building
-        ``all_ids`` (a decode copies one id, not the whole sequence)."""
+        """The chunk's token ids, ``seq.all_ids[start:start + num_tokens]`` (then the draft)
+        without building ``all_ids`` (a decode copies one id, not the whole sequence)."""
         prompt, out = self.seq.prompt_ids, self.seq.output_ids
-        p, s, e = len(prompt), self.start, self.start + self.num_tokens
+        p, s = len(prompt), self.start
+        e = s + self.num_tokens - len(self.draft)
         if s >= p:
-            return out[s - p : e - p]
-        if e <= p:
-            return prompt[s:e]
-        return prompt[s:] + out[: e - p]
+            known = out[s - p : e - p]
+        elif e <= p:
+            known = prompt[s:e]
+        else:
+            known = prompt[s:] + out[: e - p]
+        return known + self.draft if self.draft else known
 
 
 @dataclass
@@ -162,6 +184,9 @@ class Scheduler:
         max_num_batched_tokens: token budget of one step (prefill chunks and decodes together).
         prefill_chunk: most tokens of one sequence in one step.
         max_model_len: the context: a sequence never holds more tokens.
+        num_draft_tokens: speculative decoding: each decode gets room to verify this many draft
+            tokens after its pending one (capped by the budget, its ``max_tokens`` and the
+            context); 0 turns speculation off.
 
     Raises:
         StrataError: a limit is below 1.
@@ -174,6 +199,7 @@ class Scheduler:
         max_num_batched_tokens: int,
         prefill_chunk: int,
         max_model_len: int,
+        num_draft_tokens: int = 0,
     ):
         limits = {
             "max_num_seqs": max_num_seqs,
@@ -189,6 +215,7 @@ class Scheduler:
         self.max_num_batched_tokens = max_num_batched_tokens
         self.prefill_chunk = prefill_chunk
         self.max_model_len = max_model_len
+        self.num_draft_tokens = max(0, num_draft_tokens)
         self.running: list[Sequence] = []
         self.waiting: deque[Sequence] = deque()
         self.num_preemptions = 0
@@ -303,6 +330,28 @@ class Scheduler:
         step.preempted.append(seq)
         return seq
 
+    def _draft_room(self, seq: Sequence, budget: int) -> int:
+        """Draft tokens a decode of ``seq`` may verify this step: ``num_draft_tokens``, capped by
+        the step's budget, the outputs ``max_tokens`` still allows after the pending token and
+        the bonus, and the context; its blocks are allocated here, never by preempting (a draft
+        is an optimisation: with a short pool it shrinks to the blocks the sequence has)."""
+        room = min(
+            self.num_draft_tokens,
+            budget,
+            seq.max_tokens - len(seq.output_ids) - 1,
+            self.max_model_len - seq.num_tokens - 1,
+        )
+        if room <= 0:
+            return 0
+        bs = self.pool.block_size
+        extra = self._blocks_for(seq.num_computed_tokens + 1 + room) - len(seq.block_ids)
+        if extra > 0:
+            new = self.pool.allocate(extra)
+            if new is None:
+                return max(0, min(room, len(seq.block_ids) * bs - seq.num_computed_tokens - 1))
+            seq.block_ids.extend(new)
+        return room
+
     def schedule(self) -> SchedulerStep:
         """The next step's chunks: running sequences first, then admissions (see the module).
 
@@ -335,8 +384,11 @@ class Scheduler:
                 if new is None:
                     break  # seq was the latest: nothing runs after it
                 seq.block_ids.extend(new)
-            step.chunks.append(ScheduledChunk(seq, seq.num_computed_tokens, n))
-            budget -= n
+            chunk = ScheduledChunk(seq, seq.num_computed_tokens, n)
+            if self.num_draft_tokens and seq.num_tokens - seq.num_computed_tokens == 1:
+                chunk.draft_room = self._draft_room(seq, budget - 1)
+            step.chunks.append(chunk)
+            budget -= n + chunk.draft_room
             i += 1
 
         if step.preempted:
@@ -369,17 +421,22 @@ class Scheduler:
             budget -= n
         return step
 
-    def update(self, step: SchedulerStep, sampled: dict[str, int]) -> None:
-        """Record that ``step`` ran: advance computed tokens, cache full blocks, append samples.
+    def update(self, step: SchedulerStep, sampled: dict[str, int | list[int]]) -> None:
+        """Record that ``step`` ran: advance computed tokens, append samples, cache full blocks.
 
-        Chunks of sequences finished, aborted or preempted since ``schedule`` are skipped.
+        A verification chunk (one with a ``draft``) advances by its pending token and the
+        accepted drafts only: the rejected drafts' KV slots lie past ``num_computed_tokens``,
+        where the next step overwrites them (the rollback). Chunks of sequences finished,
+        aborted or preempted since ``schedule`` are skipped.
 
         Args:
             step: the step ``schedule`` returned, after the model ran it.
-            sampled: request id -> the token sampled for each chunk with ``sample``.
+            sampled: request id -> the token sampled for each chunk with ``sample``; for a chunk
+                with a draft, the accepted drafts then one more token (``Sampler.verify``).
 
         Raises:
             KeyError: a chunk with ``sample`` has no token in ``sampled``.
+            StrataError: more tokens than the draft could yield (a verification bug).
         """
         bs, caching = self.pool.block_size, self.pool.prefix_caching
         for chunk in step.chunks:
@@ -387,8 +444,17 @@ class Scheduler:
             if seq.status is not SeqStatus.RUNNING or seq.num_computed_tokens != chunk.start:
                 continue
             before = seq.num_computed_tokens
-            seq.num_computed_tokens = after = before + chunk.num_tokens
+            computed = chunk.num_tokens
+            if chunk.sample:
+                got = sampled[seq.request_id]
+                tokens = [got] if isinstance(got, int) else list(got)
+                if not 1 <= len(tokens) <= len(chunk.draft) + 1:
+                    raise StrataError(
+                        f"{len(tokens)} tokens for a chunk verifying {len(chunk.draft)} drafts "
+                        f"of {seq.request_id}; this is a bug in verification"
+                    )
+                computed -= len(chunk.draft) - (len(tokens) - 1)  # rejected drafts roll back
+                seq.output_ids.extend(tokens)
+            seq.num_computed_tokens = after = before + computed
             if caching and after // bs != before // bs:  # a block filled: offer it to the cache
                 self.pool.commit(seq.all_ids, seq.block_ids, after)
-            if chunk.sample:
-                seq.output_ids.append(sampled[seq.request_id])

@@ -63,7 +63,7 @@ from starlette.applications import Starlette
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response
 from starlette.routing import Route
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
@@ -329,12 +329,19 @@ def _is_type_name(part: object) -> bool:
 
 async def _parse(request: Request, schema: type[_Body]) -> Any:
     body = bytearray()
-    async for chunk in request.stream():
-        body += chunk
-        if len(body) > MAX_BODY_BYTES:
-            raise APIError(
-                413, f"the request body is over {MAX_BODY_BYTES // 2**20} MiB; send a shorter one"
-            )
+    try:
+        async for chunk in request.stream():
+            body += chunk
+            if len(body) > MAX_BODY_BYTES:
+                raise APIError(
+                    413,
+                    f"the request body is over {MAX_BODY_BYTES // 2**20} MiB; send a shorter one",
+                )
+    except ClientDisconnect:
+        # Gone before its body was read (uvicorn also reports this once a client hangs up
+        # before the handler reads a body it had received): 499, as in _collect, not a 500
+        # with a traceback.
+        raise APIError(499, "the client closed the request") from None
     try:
         return schema.model_validate_json(bytes(body))
     except ValidationError as e:

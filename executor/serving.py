@@ -31,10 +31,13 @@ import mlx.core as mx
 import numpy as np
 
 from executor.block_pool import BlockPool
+from executor.drafters import Drafter, DraftInput, DraftModelDrafter, PromptLookupDrafter
 from executor.engine import Engine
 from executor.paged_kv import ForwardBatch, SeqInput, slot_table
-from executor.sampling import Sampler, SamplingParams
+from executor.plan_loader import load_draft
+from executor.sampling import Sampler, SamplingParams, accept_greedy
 from executor.scheduler import Scheduler, SchedulerStep, Sequence
+from executor.self_drafter import SelfDrafter, streamed_units
 from planner.errors import StrataError
 
 THREAD_CHECK_S = 1.0
@@ -104,8 +107,19 @@ class ServingEngine:
         batch: the plan's batch limits, which the scheduler enforces.
     """
 
-    def __init__(self, engine: Engine):
+    def __init__(
+        self,
+        engine: Engine,
+        drafter: Drafter | None = None,
+        num_draft_tokens: int = 0,
+        speculative: bool = True,
+    ):
         self.engine = engine
+        self._draft_engine: Engine | None = None
+        if drafter is None and speculative:
+            drafter, num_draft_tokens = self._plan_drafter()
+        self.drafter = drafter
+        self.num_draft_tokens = num_draft_tokens if drafter is not None else 0
         plan = engine.loaded.plan
         self.batch = b = plan.batch
         self.tokenizer = engine.tokenizer
@@ -115,13 +129,40 @@ class ServingEngine:
         self.pool = BlockPool(b.kv_num_blocks, b.kv_block_size)
         self.kv = None  # made on the engine thread: MLX streams belong to the thread that made them
         self.scheduler = Scheduler(
-            self.pool, b.max_num_seqs, b.max_num_batched_tokens, b.prefill_chunk, self.context
+            self.pool,
+            b.max_num_seqs,
+            b.max_num_batched_tokens,
+            b.prefill_chunk,
+            self.context,
+            self.num_draft_tokens,
         )
         self._eog = set(self.tokenizer.eog_ids)
         self._inbox: queue.Queue = queue.Queue()
         self._live: dict[str, _Live] = {}
         self._thread: threading.Thread | None = None
         self.steps = self.batched_tokens = 0
+        # Speculative decoding: draft tokens proposed and accepted, verification chunks.
+        self.spec_proposed = self.spec_accepted = self.spec_verifications = 0
+
+    def _plan_drafter(self) -> tuple[Drafter | None, int]:
+        """The drafter and draft tokens of the plan's ``speculative`` section (none: off)."""
+        loaded = self.engine.loaded
+        spec = loaded.plan.speculative
+        if spec.method == "none" or spec.num_draft_tokens == 0:
+            return None, 0
+        if spec.method == "prompt_lookup":
+            return PromptLookupDrafter(), spec.num_draft_tokens
+        if spec.method == "self":
+            model = self.engine.model
+            skip = streamed_units(model.store, spec.draft_layers, model.arch.expert_count)
+            drafter = SelfDrafter(model, lambda: self.kv, spec.draft_layers, skip)
+            return drafter, spec.num_draft_tokens
+        self._draft_engine = Engine(load_draft(loaded))
+        b = loaded.plan.batch
+        drafter = DraftModelDrafter(
+            self._draft_engine, b.kv_num_blocks, b.kv_block_size, target=self.engine
+        )
+        return drafter, spec.num_draft_tokens
 
     # ------------------------------------------------------------------ any thread
 
@@ -198,6 +239,8 @@ class ServingEngine:
             self._inbox.put(("stop", None, None))
             self._thread.join()
         self.engine.close()
+        if self._draft_engine is not None:
+            self._draft_engine.close()
 
     def metrics(self) -> dict:
         """A snapshot of the serving counters (read without locking: each value is one int)."""
@@ -213,6 +256,21 @@ class ServingEngine:
             "preemptions": self.scheduler.num_preemptions,
             "steps": self.steps,
             "batched_tokens": self.batched_tokens,
+            "spec_proposed_tokens": self.spec_proposed,
+            "spec_accepted_tokens": self.spec_accepted,
+            "spec_verification_steps": self.spec_verifications,
+        }
+
+    def spec_stats(self) -> dict[str, float]:
+        """Speculative decoding's figures: draft tokens proposed and accepted, the acceptance
+        rate (accepted / proposed) and tokens per verification step (each verification of a
+        sequence yields its accepted drafts plus one token)."""
+        n, p, a = self.spec_verifications, self.spec_proposed, self.spec_accepted
+        return {
+            "proposed": p,
+            "accepted": a,
+            "acceptance_rate": round(a / p, 6) if p else 0.0,
+            "tokens_per_verification_step": round((a + n) / n, 6) if n else 0.0,
         }
 
     # ------------------------------------------------------------------ engine thread
@@ -243,6 +301,8 @@ class ServingEngine:
                     live = self._live.pop(arg, None)
                     if live is not None:
                         self.scheduler.abort(arg)
+                        if self.drafter is not None:
+                            self.drafter.release(arg)
                 elif kind == "reset":
                     cb.set_result(self._reset_if_idle())
             if self.scheduler.has_work():
@@ -268,11 +328,14 @@ class ServingEngine:
         self._live[req.request_id] = live
 
     def step(self) -> None:
-        """One scheduler step: a batched forward pass, sampling, events."""
+        """One scheduler step: drafts, a batched forward pass, sampling (or verification),
+        events."""
         step = self.scheduler.schedule()
         if not step.chunks:
             return
         try:
+            if self.drafter is not None:
+                self._draft(step)
             sampled = self._forward(step)
         except Exception as e:  # a failed step ends its sequences, never the thread
             print(f"error: serving step failed: {e}", file=sys.stderr)
@@ -283,46 +346,86 @@ class ServingEngine:
             return
         self.steps += 1
         self.batched_tokens += step.num_tokens
+        finished = {rid: self._cut(self._live[rid], toks) for rid, toks in sampled.items()}
         self.scheduler.update(step, sampled)
-        for rid, tok in sampled.items():
+        for rid, toks in sampled.items():
             live = self._live[rid]
-            seq = live.seq
-            reason = None
-            if tok in self._eog and not live.req.ignore_eos:
-                reason = "stop"
-            elif len(seq.output_ids) >= live.req.max_tokens or seq.num_tokens >= self.context:
-                reason = "length"
-            if reason is None:
-                self._emit(live, [tok], None)
+            if self.drafter is not None:
+                self.drafter.accepted(rid, live.seq.num_computed_tokens)
+            if finished[rid] is None:
+                self._emit(live, toks, None)
             else:
-                self._finish(live, reason, tokens=[tok])
+                self._finish(live, finished[rid], tokens=toks)
 
-    def _forward(self, step: SchedulerStep) -> dict[str, int]:
-        """Run the step's chunks as one forward pass; the sampled token of each sequence whose
-        chunk reached its last known token."""
+    def _cut(self, live: _Live, toks: list[int]) -> str | None:
+        """Cut ``toks`` (new tokens of one sequence, in place) at the first that ends it: an
+        end-of-generation token (kept), ``max_tokens``, the context; the finish reason or
+        None."""
+        seq, req = live.seq, live.req
+        have = len(seq.output_ids)
+        for i, tok in enumerate(toks):
+            if tok in self._eog and not req.ignore_eos:
+                del toks[i + 1 :]
+                return "stop"
+            if have + i + 1 >= req.max_tokens or seq.num_tokens + i + 1 >= self.context:
+                del toks[i + 1 :]
+                return "length"
+        return None
+
+    def _draft(self, step: SchedulerStep) -> None:
+        """Ask the drafter for the draft tokens of every decode with room to verify some."""
+        want = [c for c in step.chunks if c.draft_room > 0]
+        if not want:
+            return
+        bs = self.pool.block_size
+        inputs = [
+            DraftInput(
+                c.seq.request_id,
+                c.seq.all_ids,
+                c.draft_room,
+                start=c.start,
+                slots=slot_table(c.seq.block_ids, bs, c.start + 1 + c.draft_room),
+            )
+            for c in want
+        ]
+        for c, draft in zip(want, self.drafter.propose(inputs), strict=True):
+            c.set_draft(draft)
+            self.spec_proposed += len(draft)
+            self.spec_verifications += 1
+
+    def _forward(self, step: SchedulerStep) -> dict[str, list[int]]:
+        """Run the step's chunks as one forward pass; the new tokens of each sequence whose chunk
+        reached its last known token: one sampled token, or for a chunk with a draft the
+        accepted drafts and one more (``Sampler.verify``)."""
         bs = self.pool.block_size
         inputs = []
         for c in step.chunks:
             slots = slot_table(c.seq.block_ids, bs, c.start + c.num_tokens)
-            # Every input returns its last row's logits (the forward pass must produce
-            # something to evaluate); only sampling chunks use them.
-            inputs.append(SeqInput(c.ids, c.start, slots, "last"))
-        logits = self.engine.model.forward_batch(ForwardBatch.build(inputs), self.kv)
+            # Every input returns at least its last row's logits (the forward pass must produce
+            # something to evaluate); only sampling chunks use them; verification needs all.
+            inputs.append(SeqInput(c.ids, c.start, slots, "all" if c.draft else "last"))
+        batch = ForwardBatch.build(inputs)
+        logits = self.engine.model.forward_batch(batch, self.kv)
         want = [i for i, c in enumerate(step.chunks) if c.sample]
         if not want:
             mx.eval(logits)
             return {}
-        greedy = all(
-            self._live[step.chunks[i].seq.request_id].req.params.temperature == 0 for i in want
-        )
-        if greedy:
-            rows = np.array(mx.argmax(logits, axis=-1)).tolist()
-            return {step.chunks[i].seq.request_id: int(rows[i]) for i in want}
-        host = np.array(logits)
-        out = {}
+        first = np.cumsum([0, *batch.logit_counts])  # chunk i's rows: first[i]:first[i + 1]
+        lives = {i: self._live[step.chunks[i].seq.request_id] for i in want}
+        out: dict[str, list[int]] = {}
+        if all(lives[i].req.params.temperature == 0 for i in want):
+            targets = np.array(mx.argmax(logits, axis=-1)).tolist()  # one host transfer
+            for i in want:
+                rows = targets[first[i] : first[i + 1]]
+                out[lives[i].req.request_id] = accept_greedy(rows, step.chunks[i].draft)
+        else:
+            host = np.array(logits)
+            for i in want:
+                rows = host[first[i] : first[i + 1]]
+                out[lives[i].req.request_id] = lives[i].sampler.verify(rows, step.chunks[i].draft)
         for i in want:
-            live = self._live[step.chunks[i].seq.request_id]
-            out[live.req.request_id] = live.sampler(host[i])
+            if step.chunks[i].draft:
+                self.spec_accepted += len(out[lives[i].req.request_id]) - 1
         return out
 
     def _emit(
@@ -350,6 +453,8 @@ class ServingEngine:
         self, live: _Live, reason: str, error: str | None = None, tokens: list[int] | None = None
     ) -> None:
         self._live.pop(live.req.request_id, None)
+        if self.drafter is not None:
+            self.drafter.release(live.req.request_id)
         if reason in ("abort", "error"):
             self.scheduler.abort(live.req.request_id)  # running or waiting alike
         else:

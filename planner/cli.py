@@ -95,10 +95,28 @@ def request_from_args(args: argparse.Namespace) -> Request:
     )
 
 
+def speculative_from_args(args: argparse.Namespace):
+    """The ``--speculative`` options as a ``planner.speculative.SpeculativeRequest``.
+
+    Raises:
+        StrataError: options that do not go together or are out of range.
+    """
+    from planner.speculative import SpeculativeRequest
+
+    return SpeculativeRequest(
+        method=getattr(args, "speculative", None) or "none",
+        draft_model=getattr(args, "draft_model", None),
+        num_draft_tokens=getattr(args, "num_draft_tokens", None),
+        acceptance_rate=getattr(args, "acceptance_rate", None),
+    )
+
+
 def cmd_plan(args: argparse.Namespace) -> None:
     from planner.planning import build_plan
 
-    _check_output(args.output, args.model, args.profile, getattr(args, "arch", None))
+    draft = getattr(args, "draft_model", None)
+    _check_output(args.output, args.model, args.profile, getattr(args, "arch", None), draft)
+    speculative = speculative_from_args(args)  # before describing: option errors come first
     desc = _arch_description(args, "--model")
     request = request_from_args(args)
     routing = Path(args.routing_profile) if args.routing_profile else None
@@ -109,6 +127,7 @@ def cmd_plan(args: argparse.Namespace) -> None:
         Path(args.output),
         desc=desc,
         routing_profile=routing,
+        speculative=speculative,
     )
     write_yaml(plan, args.output)
     tiers: dict[str, int] = {}
@@ -116,6 +135,13 @@ def cmd_plan(args: argparse.Namespace) -> None:
         tiers[p.tier] = tiers.get(p.tier, 0) + p.bytes
     where = ", ".join(f"{t} {format_size(b)}" for t, b in sorted(tiers.items()))
     tok_s = plan.prediction.decode_tok_s if plan.prediction else 0
+    sp = plan.speculative
+    if sp.method != "none":
+        where += (
+            f"; speculative {sp.method}, K = {sp.num_draft_tokens}"
+            + (f", {sp.draft_layers} draft layers" if sp.draft_layers else "")
+            + f", {sp.predicted_decode_tok_s or 0:.1f} tok/s with it"
+        )
     print(f"wrote {args.output}: {where}; predicted {tok_s:.1f} tok/s", file=sys.stderr)
 
 

@@ -194,11 +194,13 @@ def _memory_lines(plan: Plan) -> list[str]:
         for t, w in weights_per_tier(plan).items():
             lines.append(f"  {t:<5} {format_size(w):>10}   (no memory section: capacities unknown)")
         return lines
+    draft = speculative_bytes(plan)
     for t in TIERS:
         m = plan.memory.get(t)  # type: ignore[call-overload]
         if m is None:
             continue
         total = m.weights + m.kv_cache + m.pool + m.expert_cache + m.activations
+        total += draft if t == "gpu" else 0
         cap = format_size(m.capacity) if m.capacity else "unbounded"
         used = f"{100 * total / m.capacity:.1f}%" if m.capacity else "-"
         cache = f"{format_size(m.expert_cache):>12} " if experts else ""
@@ -207,7 +209,29 @@ def _memory_lines(plan: Plan) -> list[str]:
             f"{format_size(m.pool):>10} {cache}{format_size(m.activations):>12} "
             f"{format_size(total):>10} {cap:>10}  {used}"
         )
+    sp = plan.speculative
+    d = sp.draft_model
+    if d is not None:
+        act = f" + activations {format_size(d.activation_bytes)}" if d.activation_bytes else ""
+        lines.append(
+            f"  (gpu total includes the draft model: weights {format_size(d.bytes_mlx)} + KV "
+            f"cache {format_size(d.kv_cache_bytes)}{act})"
+        )
+    if sp.activation_bytes:
+        lines.append(
+            f"  (gpu total includes {format_size(sp.activation_bytes)} of verification logits "
+            "beyond the activation reserve)"
+        )
     return lines
+
+
+def speculative_bytes(plan: Plan) -> int:
+    """Device bytes speculative decoding adds to the plan's memory section: the draft model's
+    weights, KV cache and extra activations, and the verification pass's extra logits."""
+    sp = plan.speculative
+    d = sp.draft_model
+    own = d.bytes_mlx + d.kv_cache_bytes + d.activation_bytes if d is not None else 0
+    return own + sp.activation_bytes
 
 
 def _placement_lines(plan: Plan, desc: ModelDescription | None) -> list[str]:
@@ -251,6 +275,7 @@ def _no_room(plan: Plan) -> str | None:
     if gpu is None or not gpu.capacity:
         return None
     gpu_total = gpu.weights + gpu.kv_cache + gpu.pool + gpu.expert_cache + gpu.activations
+    gpu_total += speculative_bytes(plan)
     free = gpu.capacity - gpu_total
     if plan.runtime.backend != "cuda" and ram is not None and ram.capacity:
         free = min(free, ram.capacity - gpu_total - ram.weights)  # unified: one memory
@@ -342,6 +367,80 @@ def _prediction_lines(plan: Plan) -> list[str]:
     ]
 
 
+METHOD_LABELS = {
+    "prompt_lookup": "prompt lookup (drafts: the n-gram continuations found earlier in the "
+    "sequence; no weights, no memory)",
+    "draft_model": "draft model",
+    "self": "self-drafting (the model's own first blocks, early exit)",
+}
+
+
+def _speculative_lines(plan: Plan, desc: ModelDescription | None) -> list[str]:
+    """The speculative section: drafter, K, acceptance and its source, the step it predicts."""
+    sp = plan.speculative
+    if sp.method == "none":
+        return ["Speculative decoding: none (plan.py plan --speculative METHOD to enable)"]
+    k = sp.num_draft_tokens
+    lines = [
+        f"Speculative decoding: {METHOD_LABELS[sp.method]}, K = {k} draft token"
+        + ("s" if k != 1 else "")
+        + " verified per sequence and step"
+    ]
+    if sp.draft_model is not None:
+        d = sp.draft_model
+        name = d.name or d.path or "(unnamed)"
+        lines.append(
+            f"  draft model {name} (sha256 {d.sha256[:12]}): weights "
+            f"{format_size(d.bytes_mlx)} + KV cache {format_size(d.kv_cache_bytes)} on the gpu "
+            "tier, reserved before the target was placed"
+        )
+    if sp.method == "self":
+        n = 1 + max((r.layer for r in unit_refs(plan, desc) if r.layer is not None), default=-1)
+        tiers = plan.tier_of()
+        skipped = [
+            r
+            for r in unit_refs(plan, desc)
+            if r.layer is not None and r.layer < sp.draft_layers and tiers[r.name] == "nvme"
+        ]
+        span = f"blk 0–{sp.draft_layers - 1}" if sp.draft_layers > 1 else "blk 0"
+        lines.append(f"  runs {span} ({sp.draft_layers} of {n} blocks), then the output head")
+        if skipped:
+            runs = group_runs(skipped, key=lambda u: "nvme")
+            what = ";  ".join(
+                f"{role} {r.span} ({len(r.units)} unit{'s' * (len(r.units) != 1)})"
+                for role, rs in runs.items()
+                for r in rs
+            )
+            lines.append(f"  skips the units it would read from NVMe: {what}")
+        else:
+            lines.append("  skips nothing: every unit it runs is in memory")
+    src = sp.acceptance_source or "given"
+    lines.append(f"  acceptance rate a = {sp.acceptance_rate:.3g} ({src})")
+    if sp.acceptance_how:
+        lines.append(f"    {sp.acceptance_how}")
+    lines.append(
+        f"  tokens per step E = (1 - a^(K+1)) / (1 - a) = {sp.predicted_tokens_per_step:.3f}"
+        " (Leviathan et al. 2023)"
+    )
+    if sp.predicted_step_s is not None and sp.predicted_verify_s is not None:
+        lines.append(
+            f"  step {format_time(sp.predicted_step_s)} = verification of {k + 1} tokens per "
+            f"sequence {format_time(sp.predicted_verify_s)} + {k} draft pass"
+            + ("es" if k != 1 else "")
+            + f" {format_time(sp.predicted_draft_s or 0.0)}"
+        )
+    if sp.predicted_decode_tok_s is not None:
+        text = (
+            f"  Predicted decode with speculation: {format_rate(sp.predicted_decode_tok_s)} tok/s"
+        )
+        base = plan.prediction.decode_tok_s if plan.prediction else 0.0
+        if base > 0:
+            ratio = sp.predicted_decode_tok_s / base
+            text += f" ({format_rate(base)} without, ×{ratio:.2f})"
+        lines.append(text)
+    return lines
+
+
 def explain(plan: Plan, desc: ModelDescription | None = None) -> str:
     """A readable summary of a plan.
 
@@ -355,7 +454,9 @@ def explain(plan: Plan, desc: ModelDescription | None = None) -> str:
         Text: the request; bytes per tier (weights, KV cache, pool, activations) against capacity;
         placement grouped by role and contiguous layer ranges; pool and prefetch; batch limits;
         the predicted step split into compute / host copy / disk with the bottleneck and binding
-        constraints; predicted tokens/s; the solver's result.
+        constraints; predicted tokens/s; speculative decoding (drafter, K, what the self-drafter
+        skips, the acceptance rate and its source, the speculative step and tokens/s); the
+        solver's result.
     """
     lines = [
         f"Plan for {model_label(plan)} on {profile_label(plan)}",
@@ -372,6 +473,8 @@ def explain(plan: Plan, desc: ModelDescription | None = None) -> str:
         f"Batch: {batch_label(plan)}",
         "",
         *_prediction_lines(plan),
+        "",
+        *_speculative_lines(plan, desc),
     ]
     if plan.solver:
         s = plan.solver

@@ -1,4 +1,5 @@
-"""Making a plan: describe the model, read the profile, solve the ILP, attach fingerprints."""
+"""Making a plan: describe the model, read the profile, solve the ILP, attach fingerprints, and
+choose speculative decoding for the placement (``planner.speculative``)."""
 
 from __future__ import annotations
 
@@ -7,7 +8,9 @@ import sys
 from pathlib import Path
 
 from planner import __version__
+from planner.costmodel import tier_memory
 from planner.describe import describe
+from planner.errors import PlanError
 from planner.ilp import solve, solver_description
 from planner.routing import apply_routing_profile, read_routing_profile
 from planner.schemas import (
@@ -17,6 +20,13 @@ from planner.schemas import (
     Plan,
     ProfileRef,
     Request,
+)
+from planner.sizes import format_size
+from planner.speculative import (
+    SpeculativeRequest,
+    load_draft_model,
+    plan_speculative,
+    target_request,
 )
 from planner.yamlio import canonical_sha256, read_yaml
 
@@ -29,6 +39,7 @@ def build_plan(
     *,
     desc: ModelDescription | None = None,
     routing_profile: Path | None = None,
+    speculative: SpeculativeRequest | None = None,
 ) -> Plan:
     """Solve the placement ILP and return the plan, fingerprinted for ``plan_path``.
 
@@ -37,14 +48,22 @@ def build_plan(
     ignored). ``routing_profile`` (a file of ``execute.py run --save-routing-profile``)
     replaces uniform expert access with the measured one (``planner.routing``).
 
+    ``speculative`` (default: none) chooses the drafter's K for the placement. A draft model is
+    planned together with the target: its weights, KV cache and extra activations come off the
+    gpu budget (and the RAM budget on unified memory) before the target is placed; the plan keeps
+    the request as given and its memory section the full capacities, with the draft's bytes in
+    ``speculative.draft_model``.
+
     The profile is referenced relative to the plan file's folder, so a plan and its profile
     checked in together keep working from any clone. Solve time goes to stderr only: the same
     inputs give a byte-identical plan.
 
     Raises:
         StrataError: bad model or profile, infeasible request (names the short tier), a solve
-            that is not optimal.
+            that is not optimal; a draft model that does not fit or has another vocabulary,
+            self-drafting with a streamed head (``planner.speculative``).
     """
+    spec = speculative or SpeculativeRequest()
     profile = read_yaml(profile_path, HardwareProfile)
     if desc is None:
         if model is None:
@@ -58,7 +77,21 @@ def build_plan(
             f"{desc.architecture.context_length}",
             file=sys.stderr,
         )
-    sol = solve(desc, profile, request)
+    draft = None
+    placed_request = request
+    if spec.method == "draft_model":
+        assert spec.draft_model is not None  # SpeculativeRequest checks it
+        draft = load_draft_model(spec.draft_model, desc, profile, request)
+        placed_request = target_request(draft, profile, request)
+        print(f"reserved {format_size(draft.reserve)} for the {draft.label()}", file=sys.stderr)
+    try:
+        sol = solve(desc, profile, placed_request)
+    except PlanError as e:
+        if draft is None:
+            raise
+        raise PlanError(
+            f"{e} (capacities after the {draft.label()}; a smaller draft model also helps)"
+        ) from None
     print(f"solved in {sol.solve_time_s:.3f} s ({sol.solver.name})", file=sys.stderr)
     fingerprints = Fingerprints(
         model=desc.model,
@@ -72,4 +105,28 @@ def build_plan(
         planner_version=__version__,
         solver=solver_description(),
     )
-    return sol.to_plan(fingerprints, request)
+    plan = sol.to_plan(fingerprints, request)
+    if draft is not None:
+        # The memory section shows the tiers' full capacities; the draft's bytes are listed in
+        # the speculative section (explain adds them to the gpu total).
+        plan.memory = tier_memory(  # type: ignore[assignment]
+            desc,
+            profile,
+            request,
+            plan.tier_of(),
+            plan.prefetch.depth,
+            pool=plan.pool,
+            batch=plan.batch,
+            experts=plan.expert_cache,
+        )
+    plan.speculative = plan_speculative(plan, desc, profile, spec, draft=draft, plan_path=plan_path)
+    sp = plan.speculative
+    base = plan.prediction.decode_tok_s if plan.prediction else 0.0
+    if sp.method != "none" and (sp.predicted_decode_tok_s or 0.0) < base:
+        print(
+            f"warning: --speculative {sp.method} is predicted slower than plain decoding "
+            f"({sp.predicted_decode_tok_s:.3g} vs {base:.3g} tok/s at its best K = "
+            f"{sp.num_draft_tokens}); consider --speculative none",
+            file=sys.stderr,
+        )
+    return plan

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 TIERS: tuple[str, ...] = ("gpu", "ram", "nvme")
 """Storage tiers, fastest first: the device working set, host RAM, NVMe (direct I/O)."""
@@ -22,7 +22,7 @@ Role = Literal["embedding", "attention", "norm", "ffn", "expert", "router", "out
 
 DESCRIPTION_VERSION = "1.1"
 PROFILE_VERSION = "1.1"
-PLAN_VERSION = "1.2"
+PLAN_VERSION = "1.3"
 ROUTING_VERSION = "1.0"
 
 
@@ -460,6 +460,119 @@ class Runtime(Strict):
     )
 
 
+SpeculativeMethod = Literal["none", "prompt_lookup", "draft_model", "self"]
+"""Where draft tokens come from: nowhere (plain decoding), n-grams of the sequence itself (prompt
+lookup), a second, smaller model of the same vocabulary, or the target's own resident layers."""
+
+
+class DraftModelRef(Strict):
+    """The draft model of ``speculative.method: draft_model``: which file, and what it holds.
+
+    The executor refuses a plan whose draft model file changed, as it does for the target. Its
+    weights, all on the gpu tier, and its paged KV cache (the target's ``kv_num_blocks`` blocks of
+    ``kv_block_size`` tokens) were taken off the gpu budget before the target was placed.
+    """
+
+    name: str | None = Field(description="catalog name (e.g. smollm2-135m), None for a path")
+    path: str | None = Field(
+        description="GGUF file, relative to the plan file's folder (None for a catalog model)"
+    )
+    size_bytes: int = Field(ge=0, description="file size")
+    sha256: str = Field(description="file sha256")
+    header_sha256: str = Field(description="sha256 of the metadata and tensor table (the header)")
+    bytes_mlx: int = Field(ge=0, description="bytes of its weights in MLX form, all on gpu")
+    kv_cache_bytes: int = Field(
+        ge=0, description="bytes of its paged KV cache (the target's batch limits), on gpu"
+    )
+    activation_bytes: int = Field(
+        default=0,
+        ge=0,
+        description="bytes its largest pass needs beyond the target's activation reserve (the "
+        "two models' passes never run at once, so they share it), on gpu",
+    )
+
+
+class Speculative(Strict):
+    """Speculative decoding: how many draft tokens each decode step verifies, from which drafter,
+    and what the cost model predicts for it (``planner.speculative``).
+
+    Each step verifies, per decoding sequence, the pending token plus up to ``num_draft_tokens``
+    drafts in one batched forward pass, and keeps the accepted drafts plus one token (Leviathan et
+    al. 2023; Chen et al. 2023): the output distribution is the target's exactly.
+    """
+
+    method: SpeculativeMethod = Field(default="none", description="the drafter (none: off)")
+    num_draft_tokens: int = Field(
+        default=0, ge=0, le=16, description="K: most draft tokens verified per sequence and step"
+    )
+    draft_layers: int = Field(
+        default=0,
+        ge=0,
+        description="self: the leading blocks the self-drafter runs (skipping those blocks' "
+        "units on nvme) before the output head; 0 for the other methods",
+    )
+    draft_model: DraftModelRef | None = Field(
+        default=None, description="the draft model (method draft_model only)"
+    )
+    activation_bytes: int = Field(
+        default=0,
+        ge=0,
+        description="device bytes a verification pass needs beyond the plan's activation "
+        "reserve (a float32 logits row for each of its B (K + 1) tokens), out of the memory the "
+        "placement leaves free",
+    )
+    acceptance_rate: float = Field(
+        default=0.0,
+        ge=0,
+        le=1,
+        description="a: the probability that a draft token is accepted, the figure the choice of "
+        "K used (i.i.d. per token, Leviathan et al. 2023 eq. 1)",
+    )
+    acceptance_source: Literal["assumed", "measured"] | None = Field(
+        default=None, description="where a came from (None when method is none)"
+    )
+    acceptance_how: str | None = Field(
+        default=None, description="the rule behind an assumed a, or where a measured one came from"
+    )
+    predicted_tokens_per_step: float = Field(
+        default=1.0,
+        ge=1,
+        description="E = (1 - a^(K+1)) / (1 - a): tokens one verification step yields per "
+        "sequence (1 without speculation)",
+    )
+    predicted_verify_s: float | None = Field(
+        default=None, ge=0, description="the verification pass of K + 1 tokens per sequence, s"
+    )
+    predicted_draft_s: float | None = Field(
+        default=None, ge=0, description="the K draft passes of one step together, seconds"
+    )
+    predicted_step_s: float | None = Field(
+        default=None, ge=0, description="verification + drafts: one speculative step, seconds"
+    )
+    predicted_decode_tok_s: float | None = Field(
+        default=None,
+        ge=0,
+        description="aggregate decode tokens/s with speculation, B E / step (prediction."
+        "decode_tok_s is the same placement without it)",
+    )
+
+    @model_validator(mode="after")
+    def _consistent(self) -> Speculative:
+        m = self.method
+        if m == "none" and (self.num_draft_tokens or self.draft_layers or self.draft_model):
+            raise ValueError(
+                "method none takes no num_draft_tokens, draft_layers or draft_model; set them to "
+                "0 / null or choose a method"
+            )
+        if m != "none" and self.num_draft_tokens < 1:
+            raise ValueError(f"method {m} needs num_draft_tokens of 1..16")
+        if (m == "draft_model") != (self.draft_model is not None):
+            raise ValueError("draft_model is given exactly when method is draft_model")
+        if (m == "self") != (self.draft_layers > 0):
+            raise ValueError("draft_layers is 1..block_count for method self and 0 otherwise")
+        return self
+
+
 class Plan(Strict):
     """A plan: where every unit lives and how the executor runs. Hand-writable."""
 
@@ -472,6 +585,7 @@ class Plan(Strict):
     prefetch: Prefetch = Field(default_factory=lambda: Prefetch(depth=0, io_threads=0))
     expert_cache: ExpertCache = Field(default_factory=ExpertCache)
     batch: BatchLimits
+    speculative: Speculative = Field(default_factory=Speculative)
     memory: dict[Tier, TierMemory] | None = None
     prediction: Prediction | None = None
     solver: SolverResult | None = None

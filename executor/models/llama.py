@@ -556,10 +556,24 @@ class LlamaModel:
         cache.advance(len(ids))
         return logits
 
-    def forward_batch(self, batch: ForwardBatch, kv: PagedKVCache) -> mx.array:
+    def forward_batch(
+        self,
+        batch: ForwardBatch,
+        kv: PagedKVCache,
+        layers: int | None = None,
+        skip: frozenset[str] = frozenset(),
+    ) -> mx.array:
         """One forward pass over the tokens of several sequences (``executor.paged_kv``): every
         unit is asked of the store once for the whole batch, so a streamed unit is read once
         per pass whatever the batch size.
+
+        Args:
+            batch: the tokens and their KV slots.
+            kv: the paged KV cache.
+            layers: run only the first ``layers`` blocks, then the output head (the
+                self-drafter's early exit; None: every block).
+            skip: block units (``blk.N.attn``/``blk.N.ffn``) left out, their residual passing
+                through (the self-drafter's layer skip of units that stream from disk).
 
         Returns:
             float32 logits [S, vocab] of the batch's ``logit_rows``, in their order.
@@ -572,11 +586,13 @@ class LlamaModel:
             # unit's slot is reused once released.
             factors = s.unit("globals")["rope_freqs.weight"]
             rope_freqs = s.release("globals", factors.astype(mx.float32) * 1.0)
-        for i in range(self.arch.block_count):
+        for i in range(self.arch.block_count if layers is None else layers):
             attn, ffn = f"blk.{i}.attn", f"blk.{i}.ffn"
-            x = s.release(attn, x + self.attention(s.unit(attn), i, x, batch, kv, rope_freqs))
-            ffn_out = (self.ffn if self.routing is None else self.moe_ffn)(s.unit(ffn), i, x)
-            x = s.release(ffn, x + ffn_out)
+            if attn not in skip:
+                x = s.release(attn, x + self.attention(s.unit(attn), i, x, batch, kv, rope_freqs))
+            if ffn not in skip:
+                ffn_out = (self.ffn if self.routing is None else self.moe_ffn)(s.unit(ffn), i, x)
+                x = s.release(ffn, x + ffn_out)
         out = s.unit("output")
         x = self._norm(x[:, batch.logit_rows], out["output_norm.weight"])
         head = out.get("output.weight")
