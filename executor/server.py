@@ -483,6 +483,14 @@ class ServerMetrics:
             ("batched_tokens_total", "counter",
              "Tokens run through the model (prefill chunks and decodes).",
              [("", e["batched_tokens"])]),
+            ("spec_draft_tokens_total", "counter",
+             "Speculative decoding: draft tokens proposed.", [("", e["spec_proposed_tokens"])]),
+            ("spec_accepted_tokens_total", "counter",
+             "Speculative decoding: draft tokens accepted by verification.",
+             [("", e["spec_accepted_tokens"])]),
+            ("spec_verification_steps_total", "counter",
+             "Speculative decoding: verifications of one sequence's drafts (each yields the "
+             "accepted drafts plus one token).", [("", e["spec_verification_steps"])]),
         ]  # fmt: skip
         out: list[str] = []
         for short, kind, help, samples in table:

@@ -403,6 +403,8 @@ def test_metrics(server):
     assert m["strata_num_requests_running"] == 0 and m["strata_num_requests_waiting"] == 0
     assert m["strata_prefix_cache_queries_total"] >= m["strata_prefix_cache_hits_total"] > 0
     assert 0 < m["strata_prefix_cache_hit_rate"] <= 1
+    # a plan without speculative decoding: its counters are there, at zero
+    assert m["strata_spec_draft_tokens_total"] == m["strata_spec_accepted_tokens_total"] == 0
     assert m['strata_bytes_read_total{tier="gpu"}'] > 0
     assert "strata_preemptions_total" in m
 

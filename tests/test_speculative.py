@@ -152,3 +152,74 @@ def test_a_drafter_that_agrees_is_always_accepted(kind, model, plans, baseline, 
     assert got == baseline
     assert stats["acceptance_rate"] == 1.0
     assert stats["tokens_per_verification_step"] > K
+
+
+CODE = """def total_price(items, tax):
+    total = 0
+    for item in items:
+        total = total + item.price * item.count
+    total = total * (1 + tax)
+    return round(total, 2)
+"""
+REPETITIVE = (
+    "Rename the variable `total` to `amount` in this function and return the whole function.\n"
+    f"```python\n{CODE}```\nHere is the function with `total` renamed to `amount`:\n```python\n"
+)
+"""The repetitive task: editing a given code block (the answer copies most of the prompt)."""
+
+
+@pytest.fixture(scope="module")
+def smollm2_spec(smollm2_gguf, tmp_path_factory):
+    """SmolLM2's plan, its cut to 16 blocks planned as a draft model, and the plain greedy ids of
+    the repetitive task and a free-text prompt run together."""
+    import importlib.util
+
+    from conftest import ROOT
+
+    d = tmp_path_factory.mktemp("smol-spec")
+    spec = importlib.util.spec_from_file_location("cut_gguf", ROOT / "scripts" / "cut_gguf.py")
+    cut_module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(cut_module)
+    cut = cut_module.cut_gguf(str(smollm2_gguf), 16, d / "draft.gguf")
+    plan = make_plan_file(str(smollm2_gguf), d / "target.yaml", context=512, concurrency=2)
+    draft = make_plan_file(str(cut), d / "draft.yaml", context=512, concurrency=2)
+    engine = Engine(load_plan(plan))
+    tok = engine.tokenizer
+    engine.close()
+    reqs = [
+        GenerationRequest("code", tok.encode(REPETITIVE), 24, SamplingParams(), True),
+        GenerationRequest(
+            "free", tok.encode("The old lighthouse keeper"), 12, SamplingParams(), True
+        ),
+    ]
+    return plan, draft, reqs, _run(plan, reqs)[0]
+
+
+@pytest.mark.parametrize("kind", ["prompt_lookup", "self", "draft_model"])
+def test_real_model_repetitive_task(kind, smollm2_spec):
+    """SmolLM2 on the repetitive task beside a free-text request: the same greedy ids as without
+    speculation, and every drafter has drafts accepted and more than one token per verification
+    step (measured here: prompt lookup about 0.48 acceptance and 2.2 tokens per step, the
+    self-drafter on 26 of 30 blocks about 0.24 and 1.7, the 16-block draft model about 0.04 and
+    1.1)."""
+    plan, draft, reqs, want = smollm2_spec
+    engine = Engine(load_plan(plan))
+    draft_engine = Engine(load_plan(draft)) if kind == "draft_model" else None
+    holder: list[ServingEngine] = []
+    if kind == "self":
+        drafter = SelfDrafter(engine.model, lambda: holder[0].kv, 26)
+    else:
+        drafter = _drafter(kind, engine, draft_engine, None)
+    se = ServingEngine(engine, drafter, K)
+    holder.append(se)
+    se.start()
+    try:
+        got = {rid: ev.token_ids for rid, ev in run_all(se, reqs).items()}
+        stats = se.spec_stats()
+    finally:
+        se.close()
+        if draft_engine is not None:
+            draft_engine.close()
+    assert got == want
+    assert stats["acceptance_rate"] > 0
+    assert stats["tokens_per_verification_step"] > 1.0
