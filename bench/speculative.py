@@ -34,7 +34,8 @@ prefix) over the same Engine, stopped without closing the Engine. Per run: TTFT 
 event - submit; decode tok/s = (tokens - 1) / (last event - first event), i.e. decode only (the
 serving engine has no per-request decode timer; a verification step's tokens arrive in one event).
 Speedup = decode tok/s / the same (task, placement)'s run without speculation, a ratio within one
-process minutes apart (the machine may be shared and noisy). Before measuring, each placement runs
+process minutes apart (the machine may be shared and noisy); with ``--repeats N`` every
+configuration runs N times round-robin and the medians are compared (every run's ids checked). Before measuring, each placement runs
 a short warm-up of every configuration (``--warmup`` tokens; MLX CUDA compiles kernels on first
 use). Also per run: acceptance rate and tokens per verification step (``spec_stats``), forward
 passes of the target (``steps``), NVMe bytes read per output token (``metrics()["bytes_read"]``
@@ -56,6 +57,7 @@ import importlib.util
 import json
 import platform
 import re
+import statistics
 import sys
 import threading
 import time
@@ -243,6 +245,48 @@ def _drafter_factories(engine, draft_engine, self_layers: int):
     }, sorted(skip)
 
 
+def _measure(engine, ids, tokens, factories, drafters, k, repeats, key) -> tuple:
+    """Every configuration (no speculation, then each drafter) ``repeats`` times, round-robin
+    (so slow drift of a shared machine hits all alike); rows with the median decode tok/s,
+    mismatches against the first run without speculation, and its ids (the reference)."""
+    names = ["none", *drafters]
+    runs: dict[str, list[dict]] = {d: [] for d in names}
+    tag = f"{key['task']}-{key['placement']}"
+    for rep in range(repeats):
+        for d in names:
+            f = None if d == "none" else factories[d]
+            runs[d].append(_run(engine, ids, tokens, f, k if f else 0, f"{tag}-{d}-{rep}"))
+    ref = runs["none"][0]["ids"]
+    base_tok_s = statistics.median(r["decode_tok_s"] or 0 for r in runs["none"])
+    rows, bad = [], []
+    for d in names:
+        first = runs[d][0]
+        row = {**key, "drafter": d}
+        row |= {name: v for name, v in first.items() if name != "ids"}
+        tok_s = [r["decode_tok_s"] or 0 for r in runs[d]]
+        row["decode_tok_s"] = round(statistics.median(tok_s), 3)
+        row["decode_tok_s_runs"] = tok_s
+        row["ttft_s"] = round(statistics.median(r["ttft_s"] for r in runs[d]), 4)
+        row["speedup"] = round(row["decode_tok_s"] / base_tok_s, 3) if base_tok_s else None
+        differ = [i for i, r in enumerate(runs[d]) if r["ids"] != ref]
+        row["ids_equal_reference"] = not differ
+        rows.append(row)
+        print(_table([row]).splitlines()[-1], file=sys.stderr, flush=True)
+        for i in differ:
+            ids_i = runs[d][i]["ids"]
+            bad.append(
+                {
+                    **key,
+                    "drafter": d,
+                    "repeat": i,
+                    "first_differing_token": _first_diff(ids_i, ref),
+                    "ids": ids_i,
+                    "reference_ids": ref,
+                }
+            )
+    return rows, bad, ref
+
+
 def _first_diff(a: list[int], b: list[int]) -> int:
     return next(
         (i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b))
@@ -304,6 +348,9 @@ def main(argv: list[str] | None = None) -> int:
         "--stream-from-block", type=int, default=None, help="S: FFNs of blocks >= S stream (n/2)"
     )
     p.add_argument("--warmup", type=int, default=4, help="tokens of each warm-up run (0: none)")
+    p.add_argument(
+        "--repeats", type=int, default=1, help="runs of each configuration, round-robin (1)"
+    )
     p.add_argument("--tasks", default="repetitive,free", help="comma-separated tasks")
     p.add_argument("--placements", default="resident,streamed", help="comma-separated")
     p.add_argument("--drafters", default=",".join(DRAFTERS), help="comma-separated")
@@ -325,8 +372,8 @@ def main(argv: list[str] | None = None) -> int:
         bad = [x for x in got if x not in known]
         if bad:
             p.error(f"unknown {name} {bad[0]!r}; choose from {', '.join(known)}")
-    if args.tokens < 2 or args.num_draft_tokens < 1:
-        p.error("give --tokens >= 2 and --num-draft-tokens >= 1")
+    if args.tokens < 2 or args.num_draft_tokens < 1 or args.repeats < 1:
+        p.error("give --tokens >= 2, --num-draft-tokens >= 1 and --repeats >= 1")
 
     out = Path(args.out).resolve()
     out.mkdir(parents=True, exist_ok=True)
@@ -389,36 +436,13 @@ def main(argv: list[str] | None = None) -> int:
                         f"{placement} / {task}: {len(ids)} prompt tokens", file=sys.stderr,
                         flush=True,
                     )  # fmt: skip
-                    base = _run(engine, ids, args.tokens, None, 0, f"{task}-{placement}-base")
-                    results = {"none": base}
-                    for d in drafters:
-                        results[d] = _run(
-                            engine, ids, args.tokens, factories[d], k, f"{task}-{placement}-{d}"
-                        )
-                    for d, r in results.items():
-                        equal = r["ids"] == base["ids"]
-                        row = {"task": task, "placement": placement, "drafter": d}
-                        row |= {key: v for key, v in r.items() if key != "ids"}
-                        row["speedup"] = (
-                            round(r["decode_tok_s"] / base["decode_tok_s"], 3)
-                            if r["decode_tok_s"] and base["decode_tok_s"]
-                            else None
-                        )
-                        row["ids_equal_reference"] = equal
-                        rows.append(row)
-                        print(_table([row]).splitlines()[-1], file=sys.stderr, flush=True)
-                        if not equal:
-                            mismatches.append(
-                                {
-                                    "task": task,
-                                    "placement": placement,
-                                    "drafter": d,
-                                    "first_differing_token": _first_diff(r["ids"], base["ids"]),
-                                    "ids": r["ids"],
-                                    "reference_ids": base["ids"],
-                                }
-                            )
-                    texts.setdefault(task, {})[placement] = engine.tokenizer.decode(base["ids"])
+                    key = {"task": task, "placement": placement}
+                    got, bad, ref = _measure(
+                        engine, ids, args.tokens, factories, drafters, k, args.repeats, key
+                    )
+                    rows += got
+                    mismatches += bad
+                    texts.setdefault(task, {})[placement] = engine.tokenizer.decode(ref)
             finally:
                 engine.close()
     finally:
@@ -437,6 +461,7 @@ def main(argv: list[str] | None = None) -> int:
             "tokens": args.tokens,
             "num_draft_tokens": k,
             "warmup_tokens": args.warmup,
+            "repeats": args.repeats,
             "greedy": True,
             "ignore_eos": True,
             "draft_blocks": args.draft_blocks,

@@ -252,3 +252,19 @@ def plot(result: dict, path: Path) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
+
+
+def write_result(result: dict, output: str | None, plot_path: str | None, plot_fn) -> None:
+    """Write a bench's JSON to ``output`` (stdout when None) and, with ``plot_path``, its plot
+    through ``plot_fn(result, path)``; says where on stderr."""
+    import sys
+
+    text = json.dumps(result, indent=1, ensure_ascii=False)
+    if output:
+        Path(output).write_text(text + "\n")
+        print(f"wrote {output}", file=sys.stderr)
+    else:
+        print(text)
+    if plot_path:
+        plot_fn(result, Path(plot_path))
+        print(f"wrote {plot_path}", file=sys.stderr)

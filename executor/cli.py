@@ -149,7 +149,7 @@ def _writable_parent(path: Path) -> None:
 
 
 def cmd_bench(args: argparse.Namespace) -> None:
-    from executor.bench import bench, plot
+    from executor.bench import bench, plot, write_result
     from executor.experts import CACHE_MODES
 
     if args.max_tokens < 2:
@@ -174,15 +174,7 @@ def cmd_bench(args: argparse.Namespace) -> None:
             "none,cache,prefetch"
         )
     result = bench(args.plan, args.prompt, args.max_tokens, args.check, modes)
-    text = json.dumps(result, indent=1, ensure_ascii=False)
-    if args.output:
-        Path(args.output).write_text(text + "\n")
-        print(f"wrote {args.output}", file=sys.stderr)
-    else:
-        print(text)
-    if args.plot:
-        plot(result, Path(args.plot))
-        print(f"wrote {args.plot}", file=sys.stderr)
+    write_result(result, args.output, args.plot, plot)
 
 
 def cmd_serve(args: argparse.Namespace) -> None:

@@ -1269,15 +1269,9 @@ def cmd_http_bench(args: argparse.Namespace) -> None:
         lengths = tuple(parse_positive_ints("--prompt-tokens", args.prompt_tokens, "64,256"))
     prefix = PREFIX_TOKENS if args.prefix_tokens is None else args.prefix_tokens
     result = http_bench(args.plan, levels, args.max_tokens, args.requests, prefix, lengths)
-    text = json.dumps(result, indent=1, ensure_ascii=False)
-    if args.output:
-        Path(args.output).write_text(text + "\n")
-        print(f"wrote {args.output}", file=sys.stderr)
-    else:
-        print(text)
-    if args.plot:
-        plot(result, Path(args.plot))
-        print(f"wrote {args.plot}", file=sys.stderr)
+    from executor.bench import write_result
+
+    write_result(result, args.output, args.plot, plot)
     if not result["check_passed"]:
         where = [f"c={m['concurrency']} prompt {m['prompt']}" for m in result["mismatches"][:5]]
         if result["prefix_cache"] and not result["prefix_cache"]["check_passed"]:

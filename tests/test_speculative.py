@@ -54,24 +54,36 @@ def _requests(tag: str) -> list[GenerationRequest]:
     ]
 
 
-def _drafter(kind: str, engine: Engine, draft_engine: Engine | None, kv):
-    """The drafter of ``kind`` for ``engine``; ``kv`` gives the serving engine's KV cache."""
+def _drafter(kind: str, engine: Engine, draft_engine: Engine | None, kv, layers: int = 0):
+    """The drafter of ``kind`` for ``engine``; ``kv`` gives the serving engine's KV cache;
+    ``layers``: the self-drafter's blocks (default all but the last)."""
     if kind == "prompt_lookup":
         return PromptLookupDrafter()
     b = engine.loaded.plan.batch
     if kind == "self":
         model = engine.model
-        layers = model.arch.block_count - 1
+        layers = layers or model.arch.block_count - 1
         return SelfDrafter(model, kv, layers, streamed_units(model.store, layers))
     return DraftModelDrafter(draft_engine, b.kv_num_blocks, b.kv_block_size, target=engine)
 
 
-def _run(plan: Path, reqs, kind: str | None = None, draft_plan: Path | None = None, alone=False):
+def _run(
+    plan: Path,
+    reqs,
+    kind: str | None = None,
+    draft_plan: Path | None = None,
+    alone: bool = False,
+    layers: int = 0,
+):
+    """Serve ``reqs`` on ``plan`` with the drafter of ``kind`` (None: no speculation): (ids per
+    request, metrics, speculative stats)."""
     engine = Engine(load_plan(plan))
     draft_engine = Engine(load_plan(draft_plan)) if draft_plan and kind == "draft_model" else None
     holder: list[ServingEngine] = []
-    drafter = None if kind is None else _drafter(kind, engine, draft_engine, lambda: holder[0].kv)
-    se = ServingEngine(engine, drafter, K)
+    drafter = None
+    if kind is not None:
+        drafter = _drafter(kind, engine, draft_engine, lambda: holder[0].kv, layers)
+    se = ServingEngine(engine, drafter, K, speculative=False)
     holder.append(se)
     se.start()
     try:
@@ -127,31 +139,17 @@ def test_a_drafter_that_agrees_is_always_accepted(kind, model, plans, baseline, 
     """A draft model that is the whole target, and a self-drafter running every block: every
     draft token is accepted, each verification yields K + 1 tokens (fewer only where max_tokens
     cuts the last step), and the ids are still plain greedy decoding's."""
-    full = None
-    if kind == "draft_model":
-        full = make_plan_file(str(model), tmp_path / "full.yaml", context=CONTEXT, concurrency=6)
-    reqs = _requests("r")
-    engine = Engine(load_plan(plans["resident"]))
-    draft_engine = Engine(load_plan(full)) if full else None
-    holder: list[ServingEngine] = []
-    if kind == "self":
-        drafter = SelfDrafter(engine.model, lambda: holder[0].kv, engine.model.arch.block_count)
-    else:
-        b = engine.loaded.plan.batch
-        drafter = DraftModelDrafter(draft_engine, b.kv_num_blocks, b.kv_block_size, target=engine)
-    se = ServingEngine(engine, drafter, K)
-    holder.append(se)
-    se.start()
-    try:
-        got = {rid: ev.token_ids for rid, ev in run_all(se, reqs).items()}
-        stats = se.spec_stats()
-    finally:
-        se.close()
-        if draft_engine is not None:
-            draft_engine.close()
+    full = make_plan_file(str(model), tmp_path / "full.yaml", context=CONTEXT, concurrency=6)
+    layers = 0 if kind == "draft_model" else plans_blocks(plans["resident"])
+    got, _, stats = _run(plans["resident"], _requests("r"), kind, full, layers=layers)
     assert got == baseline
     assert stats["acceptance_rate"] == 1.0
     assert stats["tokens_per_verification_step"] > K
+
+
+def plans_blocks(plan: Path) -> int:
+    """The model's block count, from its plan."""
+    return load_plan(plan).desc.architecture.block_count
 
 
 CODE = """def total_price(items, tax):
@@ -203,23 +201,7 @@ def test_real_model_repetitive_task(kind, smollm2_spec):
     self-drafter on 26 of 30 blocks about 0.24 and 1.7, the 16-block draft model about 0.04 and
     1.1)."""
     plan, draft, reqs, want = smollm2_spec
-    engine = Engine(load_plan(plan))
-    draft_engine = Engine(load_plan(draft)) if kind == "draft_model" else None
-    holder: list[ServingEngine] = []
-    if kind == "self":
-        drafter = SelfDrafter(engine.model, lambda: holder[0].kv, 26)
-    else:
-        drafter = _drafter(kind, engine, draft_engine, None)
-    se = ServingEngine(engine, drafter, K)
-    holder.append(se)
-    se.start()
-    try:
-        got = {rid: ev.token_ids for rid, ev in run_all(se, reqs).items()}
-        stats = se.spec_stats()
-    finally:
-        se.close()
-        if draft_engine is not None:
-            draft_engine.close()
+    got, _, stats = _run(plan, reqs, kind, draft, layers=26)
     assert got == want
     assert stats["acceptance_rate"] > 0
     assert stats["tokens_per_verification_step"] > 1.0
