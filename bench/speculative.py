@@ -6,7 +6,7 @@ Tasks (greedy, ``ignore_eos``, ``--tokens`` output tokens, raw text prompts, no 
 
 - ``repetitive``: a code edit — a ~10-line Python function and the request to give it back with
   one variable renamed, the code fence already opened, so the model copies (prompt lookup's case);
-- ``free``: free text, the opening of a short story.
+- ``free``: free text, the opening of a short story (a sentence to continue).
 
 Placements (plans made with ``plan.py plan``'s code, ``planner.planning.build_plan``, context
 1024, concurrency 1, on ``--profile``):
@@ -35,11 +35,12 @@ event - submit; decode tok/s = (tokens - 1) / (last event - first event), i.e. d
 serving engine has no per-request decode timer; a verification step's tokens arrive in one event).
 Speedup = decode tok/s / the same (task, placement)'s run without speculation, a ratio within one
 process minutes apart (the machine may be shared and noisy); with ``--repeats N`` every
-configuration runs N times round-robin and the medians are compared (every run's ids checked). Before measuring, each placement runs
-a short warm-up of every configuration (``--warmup`` tokens; MLX CUDA compiles kernels on first
-use). Also per run: acceptance rate and tokens per verification step (``spec_stats``), forward
-passes of the target (``steps``), NVMe bytes read per output token (``metrics()["bytes_read"]``
-delta over the run, prefill included) and per decode token (after the first token).
+configuration runs N times round-robin and the medians are compared (every run's ids checked).
+Before measuring, each placement runs a short warm-up of every configuration (``--warmup``
+tokens; MLX CUDA compiles kernels on first use). Also per run: acceptance rate and tokens per
+verification step (``spec_stats``), forward passes of the target (``steps``), NVMe bytes read per
+output token (``metrics()["bytes_read"]`` delta over the run, prefill included) and per decode
+token (after the first token).
 
 Writes ``DIR/summary.json`` (machine, model, plans, the table, checks) and prints a compact table.
 Exit status 1 when any drafter's ids differ from the reference (listed in ``mismatches``).
@@ -88,10 +89,7 @@ PROMPTS = {
         f"function.\n```python\n{CODE}```\n"
         "Here is the function with `total` renamed to `amount`:\n```python\n"
     ),
-    "free": (
-        "Write the opening of a short story.\n\n"
-        "The lighthouse keeper had not spoken to anyone in three weeks when the boat arrived."
-    ),
+    "free": "Once upon a time, in a small village by the sea, there lived",
 }
 
 

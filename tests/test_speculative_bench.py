@@ -34,13 +34,13 @@ def test_speculative_bench_runs_and_checks(tmp_path, smollm2_gguf, capsys):
     assert s["plans"]["streamed"]["bytes_by_tier"]["nvme"] > 0
     rows = {(r["task"], r["placement"], r["drafter"]): r for r in s["rows"]}
     assert len(rows) == 2 * 2 * 4
-    for (task, placement, drafter), r in rows.items():
+    for (_task, placement, drafter), r in rows.items():
         assert r["ids_equal_reference"]
         assert r["output_tokens"] == 5
         assert r["decode_tok_s"] > 0 and r["ttft_s"] > 0
         assert (r["nvme_bytes_per_output_token"] > 0) == (placement == "streamed")
         if drafter == "none":
             assert r["speedup"] == 1.0 and r["proposed"] == 0
-        else:
+        elif drafter != "prompt_lookup":  # random weights: the text need not repeat any n-gram
             assert r["proposed"] > 0 and 1.0 <= r["tokens_per_verification_step"] <= 3.0
     assert "check_passed: True" in capsys.readouterr().out
