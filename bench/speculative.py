@@ -1,6 +1,8 @@
 #!/usr/bin/env python3
-"""Speculative-decoding bench: decode tok/s without speculation and with each drafter, per task
-and placement, in one process, every drafter's ids checked against plain greedy decoding.
+"""Speculative-decoding bench: decode tok/s without speculation and with each drafter.
+
+Per task and placement, in one process, every drafter's ids checked against plain greedy
+decoding.
 
 Tasks (greedy, ``ignore_eos``, ``--tokens`` output tokens, raw text prompts, no chat template):
 

@@ -10,6 +10,15 @@ sequence whose chunk reached its last known token, and reports it through the re
 a queue and are applied between steps, so the scheduler and the KV block pool are only ever
 touched by the engine thread.
 
+Speculative decoding (the plan's ``speculative`` section, or a drafter given): the scheduler
+reserves budget and KV blocks for up to K draft tokens after each decode's pending token; before
+the forward pass the drafter (``executor.drafters``, ``executor.self_drafter``) proposes them, the
+chunk becomes the pending token plus its draft, the one batched pass gives logits for every
+position, and ``Sampler.verify`` keeps the accepted drafts plus one token (greedy: exactly greedy
+decoding's tokens; sampling: the target's distribution). ``Scheduler.update`` advances the
+sequence past the accepted tokens only, which rolls the rejected drafts' KV back. Counters:
+draft tokens proposed and accepted, verifications (``spec_stats``).
+
 Finishing: an end-of-generation token (kept, finish reason ``stop``) unless ``ignore_eos``;
 ``max_tokens`` or the plan's context (``length``); ``abort``; ``error`` when a step fails (every
 sequence of that step is finished with the message; the thread keeps serving the others).
@@ -264,7 +273,8 @@ class ServingEngine:
     def spec_stats(self) -> dict[str, float]:
         """Speculative decoding's figures: draft tokens proposed and accepted, the acceptance
         rate (accepted / proposed) and tokens per verification step (each verification of a
-        sequence yields its accepted drafts plus one token)."""
+        sequence's non-empty draft yields its accepted drafts plus one token; a decode whose
+        drafter proposed nothing is not a verification)."""
         n, p, a = self.spec_verifications, self.spec_proposed, self.spec_accepted
         return {
             "proposed": p,
@@ -391,7 +401,7 @@ class ServingEngine:
         for c, draft in zip(want, self.drafter.propose(inputs), strict=True):
             c.set_draft(draft)
             self.spec_proposed += len(draft)
-            self.spec_verifications += 1
+            self.spec_verifications += bool(draft)  # an empty draft is a plain decode
 
     def _forward(self, step: SchedulerStep) -> dict[str, list[int]]:
         """Run the step's chunks as one forward pass; the new tokens of each sequence whose chunk
