@@ -28,6 +28,13 @@ others run, and ``add`` refuses a sequence that could not run alone in the whole
 ``max_tokens``, capped by the context, where the engine finishes it), so it always gets its
 blocks. No sequence is admitted in a step that preempted (the pool is short).
 
+Speculative decoding (``num_draft_tokens`` K > 0): a decode also gets ``draft_room``, up to K
+draft tokens to verify after its pending token, capped by the budget, its ``max_tokens`` and the
+context, with their blocks allocated now but never by preempting (a draft is an optimisation).
+The engine fills the chunk's ``draft``; ``update`` advances the sequence past the pending token
+and the accepted drafts only, so the rejected drafts' KV slots are overwritten later (the
+rollback), and only computed full blocks are committed to the prefix cache.
+
 Order invariant: every running sequence arrived before every waiting one (admission takes the
 queue's head, a preempted sequence is the latest running one and goes back to the head), so
 ``running`` stays in arrival order by appending, and its last entry is the latest-arrived.
