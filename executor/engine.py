@@ -163,7 +163,7 @@ class Engine:
 
     def logits_for(self, ids: list[int]) -> np.ndarray:
         """Float32 logits after each position of ``ids`` ([T, vocab]), for teacher-forced checks."""
-        self._check_prompt(ids)
+        self.check_prompt(ids)
         cache = self.model.make_cache(self.context)
         rows = []
         for start in range(0, len(ids), self.prefill_chunk):
@@ -173,7 +173,12 @@ class Engine:
             rows.append(np.array(out))
         return np.concatenate(rows)
 
-    def _check_prompt(self, ids: list[int]) -> None:
+    def check_prompt(self, ids: list[int]) -> None:
+        """Refuse a prompt this plan can never run.
+
+        Raises:
+            StrataError: empty, ids outside the vocabulary, or no room left in the context.
+        """
         if not ids:
             raise StrataError("the prompt is empty; give at least one token")
         vocab = self.loaded.desc.architecture.vocab_size
@@ -212,7 +217,7 @@ class Engine:
         """
         if max_tokens < 0:
             raise StrataError(f"--max-tokens {max_tokens} is negative")
-        self._check_prompt(prompt_ids)
+        self.check_prompt(prompt_ids)
         sampler = Sampler(params)
         stream = StreamDecoder(self.tokenizer)
         eog = self.tokenizer.eog_ids

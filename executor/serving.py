@@ -111,7 +111,6 @@ class ServingEngine:
 
     Attributes:
         tokenizer: the model's tokenizer.
-        model_name: the GGUF file's stem.
         context: the plan's context (prompt + output tokens per sequence).
         batch: the plan's batch limits, which the scheduler enforces.
     """
@@ -133,7 +132,6 @@ class ServingEngine:
         self.batch = b = plan.batch
         self.tokenizer = engine.tokenizer
         self.context = engine.context
-        self.model_name = engine.loaded.gguf.path.stem
         self.vocab_size = engine.loaded.desc.architecture.vocab_size
         self.pool = BlockPool(b.kv_num_blocks, b.kv_block_size)
         self.kv = None  # made on the engine thread: MLX streams belong to the thread that made them
@@ -188,18 +186,7 @@ class ServingEngine:
             StrataError: empty prompt, ids outside the vocabulary, a prompt that leaves no room
                 for a generated token in the plan's context, or max_tokens < 1.
         """
-        if not req.prompt_ids:
-            raise StrataError("the prompt is empty; give at least one token")
-        bad = [i for i in req.prompt_ids if not 0 <= i < self.vocab_size]
-        if bad:
-            raise StrataError(
-                f"token id {bad[0]} is outside the vocabulary (0..{self.vocab_size - 1})"
-            )
-        if len(req.prompt_ids) >= self.context:
-            raise StrataError(
-                f"the prompt has {len(req.prompt_ids)} tokens but the plan's context is "
-                f"{self.context}; shorten it or re-plan with a larger --context"
-            )
+        self.engine.check_prompt(req.prompt_ids)
         if req.max_tokens < 1:
             raise StrataError(f"max_tokens is {req.max_tokens}; ask for at least 1 token")
 
