@@ -9,11 +9,15 @@ For each routing (``synth.py --routing skewed|uniform``, the same shape and weig
    (every expert use reads), (b) ``cache`` (the cache alone), (c) ``prefetch`` (cache +
    co-activation prefetch) — reporting hit rate, prefetch accuracy, tok/s, misses and bytes per
    token, each run's ids checked against the all-resident run;
-2. skewed model only: measure a routing profile on a *different* text (``execute.py run
-   --save-routing-profile``, 256 generated tokens), re-plan with ``plan.py plan
-   --routing-profile``, bench that plan (its own mode, and ``cache`` and ``prefetch``),
-   and set its predicted and measured per-token time beside the uniform plan's (and the uniform
-   plan scored under the measured routing, so both predictions use the same routing).
+2. skewed model only, twice: measure a routing profile (``execute.py run
+   --save-routing-profile``, ``--profile-tokens`` generated tokens) on (i) a *different* text and
+   (ii) the workload itself (the bench's prompt: profile-guided optimization's usual setting, a
+   recorded run of the traffic), re-plan with ``plan.py plan --routing-profile``, bench that plan
+   (its own mode, and ``cache`` and ``prefetch``), and set its predicted and measured per-token
+   time beside the uniform plan's (and the uniform plan scored under the measured routing, so
+   both predictions use the same routing). A synthetic model's routing is a function of the
+   token ids, and random weights decode into a loop over a few tokens, so (i) shares little
+   with the benched text; (ii) is the profile a user would record.
 
 Writes ``summary.json`` in ``--out``. Usage (from the project root):
 ``python bench/moe_streaming.py --profile profiles/dev-linux-cpu.yaml --out /tmp/moe-bench``.
@@ -27,6 +31,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import yaml
+
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 CONTEXT = "256"
@@ -36,6 +42,13 @@ PROFILE_TEXT = (
     "A router scores the experts, the top ones run, and their outputs are mixed by the "
     "router's weights. Which experts fire depends on the text, and it repeats across layers."
 )
+
+
+_MODE_KEYS = (
+    "decode_tok_s", "hit_rate", "prefetch_accuracy", "misses_per_token",
+    "prefetch_issued_per_token", "streamed_bytes_per_token", "io_wait_s_per_token",
+)  # fmt: skip
+"""Per expert-cache mode figures kept in the summary."""
 
 
 def _run(*args: str) -> None:
@@ -73,6 +86,56 @@ def _rescored(plan_path: Path, profile_path: Path, routing: Path) -> float:
     return score_plan(plan, desc, read_yaml(profile_path, HardwareProfile)).step_s
 
 
+def _replan(
+    out: Path,
+    plan: list[str],
+    budgets: list[str],
+    model: Path,
+    uniform_plan: Path,
+    r: dict,
+    profile: Path,
+    prompt: str,
+    tokens: int,
+    profile_tokens: int,
+    source: str,
+) -> dict:
+    """Measure a routing profile on ``prompt`` with the uniform plan, re-plan with it, bench the
+    re-planned plan (its own mode, then ``cache`` and ``prefetch``), and set its predicted and
+    measured per-token time beside the uniform plan's (``r``, benched in the same run)."""
+    rp = out / f"skewed.{source}.routing.json"
+    _run(
+        "execute.py", "run", str(uniform_plan), "--prompt", prompt,
+        "--max-tokens", str(profile_tokens), "--save-routing-profile", str(rp), "--json",
+    )  # fmt: skip
+    profiled = out / f"skewed-{source}-profiled-plan.yaml"
+    _run(*plan, "--model", str(model), *budgets, "--routing-profile", str(rp), "-o", str(profiled))
+    r2 = _bench(profiled, out, tokens, "cache,prefetch")
+    ec = yaml.safe_load(profiled.read_text())["expert_cache"]
+    keys = _MODE_KEYS
+    return {
+        "profile_prompt": prompt,
+        "profile_tokens": profile_tokens,
+        "uniform_plan_predicted_s_per_token": round(1 / r["predicted_decode_tok_s"], 6),
+        "uniform_plan_predicted_under_profile_s_per_token": round(
+            _rescored(uniform_plan, profile, rp), 6
+        ),
+        "profiled_plan_predicted_s_per_token": round(1 / r2["predicted_decode_tok_s"], 6),
+        "uniform_plan_measured_s_per_token": round(1 / r["decode_tok_s"], 6),
+        "profiled_plan_measured_s_per_token": round(1 / r2["decode_tok_s"], 6),
+        "measured_ratio": round(r["decode_tok_s"] and r2["decode_tok_s"] / r["decode_tok_s"], 4),
+        "profiled_plan_hit_rate": r2.get("experts", {}).get("hit_rate"),
+        "profiled_plan_pinned_use_share": _pinned_share(r2.get("experts", {})),
+        "uniform_plan_hit_rate": r.get("experts", {}).get("hit_rate"),
+        "profiled_plan_modes": {
+            m: {k: v[k] for k in keys} for m, v in r2["expert_cache_modes"].items()
+        },
+        "profiled_plan_pinned_experts": len(ec["pinned"]),
+        "profiled_plan_preloaded_experts": len(ec["preload"]),
+        "profiled_plan_cache_slots": ec["slots"],
+        "check_passed": r2["check_passed"],
+    }
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--profile", required=True, help="hardware profile YAML")
@@ -81,19 +144,20 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--tiers", default="gpu,ram,nvme", help="tiers of the streamed plans")
     p.add_argument("--shape", default="mixtral-bench", help="synth.py MoE preset")
     p.add_argument("--tokenizer", default=None, help="GGUF to copy the tokenizer from (offline)")
+    p.add_argument(
+        "--routings", default="skewed,uniform", help="models to bench: skewed, uniform or both"
+    )
+    p.add_argument(
+        "--profile-tokens", type=int, default=256, help="tokens of each routing-profile run (256)"
+    )
     args = p.parse_args(argv)
     out = Path(args.out).resolve()
     out.mkdir(parents=True, exist_ok=True)
     tok = ["--tokenizer", args.tokenizer] if args.tokenizer else []
     plan = ["plan.py", "plan", "--profile", args.profile, "--context", CONTEXT]
-    import yaml
-
     summary: dict = {"profile": args.profile, "shape": args.shape}
-    modes_keys = (
-        "decode_tok_s", "hit_rate", "prefetch_accuracy", "misses_per_token",
-        "prefetch_issued_per_token", "streamed_bytes_per_token", "io_wait_s_per_token",
-    )  # fmt: skip
-    for routing in ("skewed", "uniform"):
+    modes_keys = _MODE_KEYS
+    for routing in args.routings.split(","):
         model = out / f"moe-{routing}.gguf"
         if not model.exists():
             _run("synth.py", "--shape", args.shape, "--routing", routing, *tok, "-o", str(model))
@@ -120,37 +184,13 @@ def main(argv: list[str] | None = None) -> int:
             "modes": {m: {k: v[k] for k in modes_keys} for m, v in r["expert_cache_modes"].items()},
         }
         if routing == "skewed":
-            rp = out / "skewed.routing.json"
-            _run(
-                "execute.py", "run", str(uniform_plan), "--prompt", PROFILE_TEXT,
-                "--max-tokens", "256", "--save-routing-profile", str(rp), "--json",
-            )  # fmt: skip
-            profiled = out / "skewed-profiled-plan.yaml"
-            _run(
-                *plan, "--model", str(model), *budgets, "--routing-profile", str(rp),
-                "-o", str(profiled),
-            )  # fmt: skip
-            r2 = _bench(profiled, out, args.tokens, "cache,prefetch")
-            uniform_pred = 1 / r["predicted_decode_tok_s"]
             s["replanned"] = {
-                "uniform_plan_predicted_s_per_token": round(uniform_pred, 6),
-                "uniform_plan_predicted_under_profile_s_per_token": round(
-                    _rescored(uniform_plan, Path(args.profile), rp), 6
-                ),
-                "profiled_plan_predicted_s_per_token": round(1 / r2["predicted_decode_tok_s"], 6),
-                "uniform_plan_measured_s_per_token": round(1 / r["decode_tok_s"], 6),
-                "profiled_plan_measured_s_per_token": round(1 / r2["decode_tok_s"], 6),
-                "profiled_plan_hit_rate": r2.get("experts", {}).get("hit_rate"),
-                "profiled_plan_pinned_use_share": _pinned_share(r2.get("experts", {})),
-                "uniform_plan_hit_rate": r.get("experts", {}).get("hit_rate"),
-                "profiled_plan_modes": {
-                    m: {k: v[k] for k in modes_keys} for m, v in r2["expert_cache_modes"].items()
-                },
-                "profiled_plan_pinned_experts": len(
-                    yaml.safe_load(profiled.read_text())["expert_cache"]["pinned"]
-                ),
-                "check_passed": r2["check_passed"],
-            }
+                source: _replan(
+                    out, plan, budgets, model, uniform_plan, r, Path(args.profile), prompt,
+                    args.tokens, args.profile_tokens, source,
+                )
+                for source, prompt in (("other_text", PROFILE_TEXT), ("workload", BENCH_PROMPT))
+            }  # fmt: skip
         summary[routing] = s
     (out / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
     print(json.dumps(summary, indent=1))

@@ -145,7 +145,9 @@ class Engine:
         mode = expert_cache_mode or ("prefetch" if ec.prefetch else "cache")
         # Prefetch asked of a plan that chose none: guess a block's top-k, as the planner would.
         prefetch = ec.prefetch or (arch.expert_used_count if mode == "prefetch" else 0)
-        self.store.start_expert_cache(ec.slots, plan.prefetch.io_threads or 1, mode, prefetch)
+        self.store.start_expert_cache(
+            ec.slots, plan.prefetch.io_threads or 1, mode, prefetch, ec.preload, loaded.routing
+        )
         self.context = plan.request.context
         self.prefill_chunk = plan.batch.prefill_chunk
 

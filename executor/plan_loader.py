@@ -18,7 +18,7 @@ from planner.catalog import CATALOG, ResolvedModel, file_sha256, resolve_model
 from planner.describe import describe_gguf, source_for
 from planner.errors import PlanError
 from planner.gguf_file import GGUFFile, open_gguf
-from planner.schemas import DraftModelRef, HardwareProfile, ModelDescription, Plan
+from planner.schemas import DraftModelRef, HardwareProfile, ModelDescription, Plan, RoutingProfile
 from planner.yamlio import canonical_sha256, read_yaml
 
 
@@ -39,6 +39,9 @@ class LoadedPlan:
     gguf: GGUFFile
     desc: ModelDescription
     draft_path: Path | None = None
+    routing: RoutingProfile | None = None
+    """The routing profile the plan was made with (``fingerprints.routing_profile_path``), checked
+    against its sha256; the executor seeds its routing tracker from it."""
 
 
 def _draft_model_path(path: Path, ref: DraftModelRef) -> Path:
@@ -76,6 +79,28 @@ def _draft_model_path(path: Path, ref: DraftModelRef) -> Path:
     if open_gguf(draft).header_sha256 != ref.header_sha256:
         raise PlanError(f"{path}: draft model header changed since planning; {again}")
     return draft
+
+
+def _routing_profile(path: Path, plan: Plan) -> RoutingProfile | None:
+    """The plan's routing profile (None when it was planned without one), checked.
+
+    Raises:
+        PlanError: the plan names a profile that is missing or changed since planning.
+    """
+    fp = plan.fingerprints
+    if fp.routing_profile_sha256 is None or fp.routing_profile_path is None:
+        return None  # no profile, or a 1.3 plan that recorded only its hash
+    again = "re-run plan.py plan --routing-profile FILE (or plan without one)"
+    where = Path(os.path.normpath(path.parent / Path(fp.routing_profile_path).expanduser()))
+    if not where.is_file():
+        raise PlanError(
+            f"{path}: the plan's routing profile {fp.routing_profile_path} is not found "
+            f"(relative to the plan's folder: {where}); put it there, or {again}"
+        )
+    doc = read_yaml(where, RoutingProfile)
+    if canonical_sha256(doc) != fp.routing_profile_sha256:
+        raise PlanError(f"{path}: routing profile {where} changed since planning; {again}")
+    return doc
 
 
 def _check_self(path: Path, plan: Plan, desc: ModelDescription) -> None:
@@ -184,9 +209,16 @@ def load_plan(path: str | Path) -> LoadedPlan:
             f"placement keeps {len(on_gpu)} on gpu; make them agree (pinned = the expert units "
             "placed on gpu) or re-run plan.py plan"
         )
+    streamed = {u.name for u in desc.units if u.expert is not None and tiers[u.name] == "nvme"}
+    stray = [u for u in plan.expert_cache.preload if u not in streamed]
+    if stray:
+        raise PlanError(
+            f"{path}: expert_cache.preload lists {stray[0]}, which is not an expert the "
+            "placement streams from nvme; list streamed experts only or re-run plan.py plan"
+        )
     if plan.speculative.method == "self":
         _check_self(path, plan, desc)
-    return LoadedPlan(plan, path, g, desc, draft_path)
+    return LoadedPlan(plan, path, g, desc, draft_path, _routing_profile(path, plan))
 
 
 def load_draft(loaded: LoadedPlan) -> LoadedPlan:

@@ -29,7 +29,7 @@ from executor.quant import PackedWeight
 from executor.streaming import StreamPool
 from planner.errors import PlanError, StrataError
 from planner.gguf_file import GGUFFile
-from planner.schemas import ModelDescription
+from planner.schemas import ModelDescription, RoutingProfile
 
 Weight = QuantLinear | mx.array
 HostWeight = PackedWeight | np.ndarray
@@ -108,6 +108,7 @@ class WeightStore:
         ]
         mx.eval([w.weight if isinstance(w, QuantLinear) else w for w in resident])
         self.experts_cache: ExpertCache | None = None
+        self.routing_arch = desc.architecture
         self.routing = RoutingTracker(desc.architecture)
         self.expert_uses = {"gpu": 0, "ram": 0}
         self._group_needs_eval = False
@@ -124,7 +125,15 @@ class WeightStore:
         if streamed and self._pack is not None:
             self.pool = StreamPool(self._pack, streamed, max(slots, 1), io_threads, self.dtype)
 
-    def start_expert_cache(self, slots: int, io_threads: int, mode: str, prefetch: int) -> None:
+    def start_expert_cache(
+        self,
+        slots: int,
+        io_threads: int,
+        mode: str,
+        prefetch: int,
+        preload: list[str] | None = None,
+        prior: RoutingProfile | None = None,
+    ) -> None:
         """Start the expert cache for the experts the plan streams (none: nothing to do).
 
         Args:
@@ -132,7 +141,14 @@ class WeightStore:
             io_threads: I/O threads from the plan.
             mode: ``executor.experts.CACHE_MODES`` (``prefetch`` in normal runs).
             prefetch: experts prefetched per block in ``prefetch`` mode.
+            preload: the plan's ``expert_cache.preload``, read into the cache now.
+            prior: the plan's routing profile, which seeds the routing tracker.
+
+        Raises:
+            StrataError: a prior of another shape, or a failed preload read.
         """
+        if prior is not None:
+            self.routing = RoutingTracker(self.routing_arch, prior)
         streamed = [u for u in self._expert_units if self._tier_of_unit[u] == "nvme"]
         if streamed and self._pack is not None:
             self.experts_cache = ExpertCache(
@@ -143,8 +159,9 @@ class WeightStore:
                 self.dtype,
                 mode,
                 prefetch,
-                frequency=self.routing.counts,
+                frequency=self.routing.rank,
             )
+            self.experts_cache.preload(preload or [])
 
     def route(self, layer: int, chosen: np.ndarray) -> list[list[int]]:
         """Record block ``layer``'s routing and group its experts for loading.

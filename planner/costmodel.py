@@ -125,6 +125,7 @@ from planner.schemas import (
     Prediction,
     Request,
     TierMemory,
+    UnitInfo,
 )
 
 DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
@@ -466,19 +467,40 @@ def prediction_recall(desc: ModelDescription, prefetch: int) -> float:
     return min(1.0, prefetch / desc.architecture.expert_count)
 
 
+def hottest_streamed(desc: ModelDescription, tiers: Mapping[str, str]) -> list[UnitInfo]:
+    """The streamed (nvme) expert units, most read first: access per token times bytes (the
+    order of their read seconds), then name. The first ``slots - working_slots`` are the hot
+    set the cost model counts as cached."""
+    streamed = [u for u in desc.units if u.expert is not None and tiers.get(u.name) == "nvme"]
+    return sorted(streamed, key=_heat)
+
+
+def _heat(u: UnitInfo) -> tuple[float, str]:
+    """Sort key of streamed experts, most read first (``hottest_streamed``)."""
+    return (-u.access_per_token * u.bytes_mlx, u.name)
+
+
 def expert_cache_for(
     desc: ModelDescription, tiers: Mapping[str, str], slots: int | None = None, prefetch: int = 0
 ) -> ExpertCache:
     """The expert cache of a placement: ``slots`` (default the working slots alone) of the
-    largest expert when any expert streams, the pinned (gpu) experts listed; empty otherwise."""
+    largest expert when any expert streams, the pinned (gpu) experts listed; empty otherwise.
+
+    With a routing profile (``desc.routing``) the cache's hot set is known before the first
+    token: ``preload`` lists it (``hottest_streamed``, as many as the cache holds besides its
+    working slots) for the executor to read at start instead of learning it from misses."""
     pinned = [u.name for u in desc.units if u.expert is not None and tiers.get(u.name) == "gpu"]
     if not any(u.expert is not None and tiers.get(u.name) == "nvme" for u in desc.units):
         return ExpertCache(pinned=pinned)
+    slots = working_slots(desc, prefetch) if slots is None else slots
+    hold = max(0, slots - working_slots(desc, prefetch))
+    preload = [u.name for u in hottest_streamed(desc, tiers)[:hold]] if desc.routing else []
     return ExpertCache(
-        slots=working_slots(desc, prefetch) if slots is None else slots,
+        slots=slots,
         slot_bytes=expert_slot_bytes(desc),
         prefetch=prefetch,
         pinned=pinned,
+        preload=preload,
     )
 
 
@@ -523,7 +545,7 @@ def expert_streaming(
     k = max(1, desc.architecture.expert_used_count)
     m = cache.prefetch
     hold = max(0, cache.slots - working_slots(desc, m))
-    streamed.sort(key=lambda uc: (-uc[1].read_s, uc[0].name))  # hottest first: the cached ones
+    streamed.sort(key=lambda uc: _heat(uc[0]))  # hottest first: the cached ones
     missed = streamed[hold:]
     miss_s = sum(c.read_s for _, c in missed)
     copy = 0.0 if unified else sum(c.copy_s for _, c in missed)

@@ -443,18 +443,21 @@ def _expert_rows(
     model's static count does.
 
     Tie-break: pinning an expert and caching it cost the same in the model. When nothing needs
-    to stream, nothing does (``e`` costs more than any placement's bytes). Otherwise, without a
-    routing profile nothing says which experts are hot, so the cache (which learns them from
-    the routing counts) is preferred: pinned experts count their bytes. With a profile the
-    measured hot experts are pinned (a cache learns them only after misses): cache slots count
-    their bytes.
+    to stream, nothing does (``e`` costs more than any placement's bytes). Otherwise the cache
+    is preferred (pinned experts count their bytes): without a routing profile nothing says
+    which experts are hot and the cache learns them from the routing counts; with one, the
+    plan's ``preload`` puts the measured hot set in the cache at start and the executor seeds
+    its counts from the profile, so the cache starts where pinning would and still follows the
+    text, and its prefetch area serves the experts outside the hot set. (Pinning the profile's
+    hot set instead was measured slower on the skewed bench model, dev CPU: 0.785 against 0.723
+    s/token, its prefetches finding fewer experts to read.) Memory still decides where it
+    binds: on machines whose memory is not unified a cache slot costs host staging bytes too.
     """
     none = _ExpertRows(None, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0)
     if not JE:
         return none
     tiebreak: pulp.LpAffineExpression | float = pulp.lpSum(b[j] * n[j]["ram"] for j in JE)
-    pin_weight = 1.0 if desc.routing is None else 0.0
-    tiebreak += pulp.lpSum(pin_weight * b[j] * n[j]["gpu"] for j in JE)
+    tiebreak += pulp.lpSum(b[j] * n[j]["gpu"] for j in JE)
     if all(n[j]["nvme"].upBound == 0 for j in JE):
         return _ExpertRows(None, 0.0, 0.0, 0.0, 0.0, 0.0, tiebreak)
     k = max(1, desc.architecture.expert_used_count)
@@ -478,7 +481,6 @@ def _expert_rows(
     if not unified:
         copy = reads * pulp.lpSum(cc[j].copy_s / tau * (n[j]["nvme"] - h[j]) for j in JE)
     tiebreak += pulp.lpSum(2 * b[j] * (n[j]["nvme"] - h[j]) for j in JE)
-    tiebreak += (1.0 - pin_weight) * slot * K
     # Streaming any expert at all costs more than any way of keeping them (a model that fits
     # is never streamed, even when a cache would predict as fast).
     tiebreak += 4 * sum(b[j] * size[j] for j in JE) * e

@@ -102,6 +102,11 @@ def build_plan(
         ),
         request_sha256=canonical_sha256(request),
         routing_profile_sha256=desc.routing.sha256 if desc.routing else None,
+        routing_profile_path=(
+            os.path.relpath(routing_profile.resolve(), plan_path.resolve().parent)
+            if routing_profile is not None
+            else None
+        ),
         planner_version=__version__,
         solver=solver_description(),
     )

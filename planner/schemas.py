@@ -22,7 +22,7 @@ Role = Literal["embedding", "attention", "norm", "ffn", "expert", "router", "out
 
 DESCRIPTION_VERSION = "1.1"
 PROFILE_VERSION = "1.1"
-PLAN_VERSION = "1.3"
+PLAN_VERSION = "1.4"
 ROUTING_VERSION = "1.0"
 
 
@@ -329,6 +329,11 @@ class Fingerprints(Strict):
     routing_profile_sha256: str | None = Field(
         default=None, description="the routing profile the expert access came from (MoE)"
     )
+    routing_profile_path: str | None = Field(
+        default=None,
+        description="that routing profile's file, relative to the plan file's folder; the "
+        "executor seeds its routing tracker from it (LFU counts, prefetch predictions)",
+    )
     planner_version: str | None = None
     solver: str | None = Field(default=None, description="solver name, version and options")
 
@@ -390,6 +395,12 @@ class ExpertCache(Strict):
     pinned: list[str] = Field(
         default_factory=list,
         description="expert units kept on the gpu tier (the placement's, listed for review)",
+    )
+    preload: list[str] = Field(
+        default_factory=list,
+        description="streamed experts read into the cache when the executor starts, hottest "
+        "first: the routing profile's hot set the cost model counts as cached (empty without "
+        "a profile: the cache then learns it from misses)",
     )
 
 

@@ -167,7 +167,9 @@ def _skewed_profile(desc: ModelDescription, hot: int) -> RoutingProfile:
     )
 
 
-def test_routing_profile_pins_the_hot_experts_and_lowers_the_prediction():
+def test_routing_profile_preloads_the_hot_experts_and_lowers_the_prediction():
+    """With a profile the hot experts are known: the cache (preferred to pins, as without one)
+    lists them hottest first in ``preload``, and the prediction counts them as hits."""
     desc = moe_desc(4, 8, 2, 8)
     uniform = _plan(desc, 0.4)
     measured = apply_routing_profile(desc, _skewed_profile(desc, hot=2))
@@ -177,9 +179,14 @@ def test_routing_profile_pins_the_hot_experts_and_lowers_the_prediction():
         u.access_per_token for u in measured.units if u.layer == 0 and u.expert is not None
     ) == pytest.approx(2)
     sol = _plan(measured, 0.4)
-    pinned = set(sol.expert_cache.pinned)
-    assert {u.name for u in hot} <= pinned  # every hot expert is pinned
+    ec = sol.expert_cache
+    assert uniform.expert_cache.preload == [] and ec.pinned == []
+    assert len(ec.preload) == ec.slots - working_slots(desc, ec.prefetch) >= len(hot)
+    assert set(ec.preload[: len(hot)]) == {u.name for u in hot}  # hottest first
+    tiers = {p.unit: p.tier for p in sol.placement}
+    assert all(tiers[u] == "nvme" for u in ec.preload)
     assert sol.prediction.step_s < uniform.prediction.step_s
+    assert sol.prediction.expert_hit_rate > uniform.prediction.expert_hit_rate
 
 
 def test_routing_profile_of_another_model_is_refused():

@@ -15,6 +15,7 @@ from gguf_factory import write_arch_model
 from executor.engine import Engine
 from executor.plan_loader import load_plan
 from executor.sampling import SamplingParams
+from planner.errors import PlanError
 from planner.schemas import Plan
 from planner.yamlio import read_yaml, write_yaml
 
@@ -159,13 +160,50 @@ def test_routing_profile_round_trip_through_the_command_lines(moe_plans, tmp_pat
     plan_doc = read_yaml(resident, Plan)
     gguf = plan_doc.fingerprints.model.path
     out = tmp_path / "profiled.yaml"
+    # Room for everything but half the experts: experts stream through the cache.
+    g = plan_doc.memory["gpu"]
+    experts = sum(p.bytes for p in plan_doc.placement if ".expert." in p.unit)
+    budget = str(g.weights + g.kv_cache + g.activations - experts // 2)
     cli(
         "plan.py", "plan", "--model", gguf, "--profile", str(DEV_PROFILE), "--context", "64",
-        "--gpu-budget", "12MiB", "--ram-budget", "12MiB", "--routing-profile", str(profile),
+        "--gpu-budget", budget, "--ram-budget", budget, "--routing-profile", str(profile),
         "-o", str(out),
     )  # fmt: skip
     planned = read_yaml(out, Plan)
     assert planned.fingerprints.routing_profile_sha256 is not None
+    assert planned.fingerprints.routing_profile_path == "routing.json"
+    # The profiled plan's cache starts with the profile's hot set, and its tracker with the
+    # profile's counts: same ids as the resident run, the preload counted apart from misses.
+    ec = planned.expert_cache
+    k = sum(doc["counts"][0]) // doc["tokens"][0]
+    assert ec.preload and len(ec.preload) == ec.slots - k - ec.prefetch
+    loaded = load_plan(out)
+    assert loaded.routing is not None and loaded.routing.counts == doc["counts"]
+    engine = Engine(loaded)
+    try:
+        assert engine.store.experts_cache.preloaded == len(ec.preload)
+        from executor.experts import PRIOR_TOKENS
+
+        tokens = np.asarray(doc["tokens"], float)[:, None]
+        want = np.asarray(doc["counts"]) * PRIOR_TOKENS / tokens
+        assert np.allclose(engine.store.routing.rank, want)
+        assert engine.store.routing.counts.sum() == 0  # this run's own counts start empty
+        gen = engine.generate(PROMPT, SamplingParams(), DECODE, stop_at_eog=False)
+        first = engine.store.experts_cache.counters()
+    finally:
+        engine.close()
+    assert gen.output_ids == _run(resident)[1].output_ids
+    assert first["hits"] > 0 and first["preloaded"] == len(ec.preload)
+    # The plan names its profile: a moved or edited profile is refused with the fix.
+    text = profile.read_text()
+    profile.rename(tmp_path / "moved.json")
+    with pytest.raises(PlanError, match="routing profile routing.json is not found"):
+        load_plan(out)
+    doc["counts"][0][0] += 1
+    profile.write_text(json.dumps(doc))
+    with pytest.raises(PlanError, match="changed since planning"):
+        load_plan(out)
+    profile.write_text(text)
     from gguf_factory import write_tiny_llama
 
     dense = make_plan_file(str(write_tiny_llama(tmp_path / "d.gguf")), tmp_path / "d.yaml")

@@ -333,11 +333,11 @@ def test_loader_checks_the_draft_model_file(smollm2_desc, draft_gguf, tmp_path) 
 
 def test_default_section_and_version(budget) -> None:
     plan = budget["resident"]
-    assert PLAN_VERSION == "1.3" and plan.format_version == "1.3"
+    assert PLAN_VERSION == "1.4" and plan.format_version == "1.4"
     assert plan.speculative == Speculative()
     assert plan.speculative.method == "none" and plan.speculative.predicted_tokens_per_step == 1
     # A 1.2 plan (no speculative section) still reads, as none.
-    text = to_yaml(plan).replace("format_version: '1.3'", "format_version: '1.2'")
+    text = to_yaml(plan).replace("format_version: '1.4'", "format_version: '1.2'")
     text = text[: text.index("speculative:")] + text[text.index("memory:") :]
     old = Plan.model_validate(__import__("yaml").safe_load(text))
     assert old.speculative.method == "none"
