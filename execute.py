@@ -74,6 +74,11 @@ def main(argv: list[str] | None = None) -> int:
         help="serving bench: prompt lengths in tokens, cycled over the requests "
         "(default 48,96,160,256,64,128,200,32)",
     )
+    b.add_argument(
+        "--batch-invariant",
+        action="store_true",
+        help="serving bench: start `serve --batch-invariant`",
+    )
 
     s = sub.add_parser("serve", help="serve a plan over an OpenAI-compatible HTTP API")
     s.add_argument("plan", help="plan file written by plan.py plan (or by hand)")
@@ -90,6 +95,13 @@ def main(argv: list[str] | None = None) -> int:
         metavar="NAME",
         help="the model's name in requests and /v1/models (default: the catalog name, else the "
         "GGUF file's stem)",
+    )
+    s.add_argument(
+        "--batch-invariant",
+        action="store_true",
+        help="greedy outputs identical alone and in any batch, with or without a prefix-cache "
+        "hit, on every backend (prefill and decodes in 16-row tiles, attention per KV block); "
+        "no speculative decoding",
     )
 
     return run(p.parse_args(argv))

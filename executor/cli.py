@@ -184,7 +184,7 @@ def cmd_serve(args: argparse.Namespace) -> None:
         raise StrataError(f"--port {args.port}: give a port in 0..65535 (0 = any free port)")
     if args.api_key is not None and not args.api_key.strip():
         raise StrataError("--api-key is empty; give a key, or leave the option out")
-    serve(args.plan, args.host, args.port, args.api_key, args.model_name)
+    serve(args.plan, args.host, args.port, args.api_key, args.model_name, args.batch_invariant)
 
 
 COMMANDS = {"run": cmd_run, "bench": cmd_bench, "serve": cmd_serve}

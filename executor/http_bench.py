@@ -4,7 +4,9 @@ The bench starts ``execute.py serve PLAN`` as a subprocess on a free loopback po
 API key, so nothing else on the machine can send it requests), waits for ``/health``, and drives
 ``POST /v1/completions`` with streamed (server-sent events) requests from an ``httpx`` asyncio
 client, exactly as an OpenAI client would. The server is always stopped (SIGTERM, then SIGKILL
-after ``SERVER_STOP_TIMEOUT_S``), on success, errors and Ctrl-C alike.
+after ``SERVER_STOP_TIMEOUT_S``), on success, errors and Ctrl-C alike. With ``--batch-invariant``
+the server is started with it (``ServingEngine``'s batch-invariant mode, meant to make the text
+check below hold on every backend), and the figures show what the mode costs.
 
 Workload. Every request is greedy (temperature 0) with ``ignore_eos`` (a server extension, as in
 vLLM), so it generates exactly ``--max-tokens`` tokens. Request ``i`` of a level sends prompt
@@ -63,7 +65,8 @@ fails) and the warm response's ``usage.prompt_tokens_details.cached_tokens``.
 
 JSON (``-o``; every time in seconds, every rate in tokens/s):
 
-- ``kind``: ``"serving"``; ``plan``, ``model``; ``measured_at`` (local time, ISO 8601).
+- ``kind``: ``"serving"``; ``plan``, ``model``; ``batch_invariant`` (the server ran
+  ``--batch-invariant``); ``measured_at`` (local time, ISO 8601).
 - ``machine``: ``platform``, ``machine``, ``python``, ``cpu_count``, ``ram_bytes``,
   ``mlx_version``, ``mlx_device`` and ``mlx_device_info``.
 - ``plan_limits``: ``context``, ``objective`` and ``concurrency`` the plan was made for,
@@ -320,8 +323,9 @@ class ServerProcess:
         self._log = Path(name)
 
     @staticmethod
-    def serve_command(plan: Path, api_key: str) -> list[str]:
-        """``execute.py serve PLAN`` on 127.0.0.1, any free port, with ``api_key``."""
+    def serve_command(plan: Path, api_key: str, batch_invariant: bool = False) -> list[str]:
+        """``execute.py serve PLAN`` on 127.0.0.1, any free port, with ``api_key`` (and
+        ``--batch-invariant``)."""
         return [sys.executable, str(EXECUTE), "serve", str(plan.resolve())] + [
             "--host",
             "127.0.0.1",
@@ -329,6 +333,7 @@ class ServerProcess:
             "0",  # the server binds a free port itself and prints it: no race for the port
             "--api-key",
             api_key,
+            *(["--batch-invariant"] if batch_invariant else []),
         ]
 
     def stderr_tail(self) -> str:
@@ -925,6 +930,7 @@ def http_bench(
     prefix_tokens: int = PREFIX_TOKENS,
     prompt_tokens: Sequence[int] = PROMPT_TOKENS,
     log: TextIO | None = None,
+    batch_invariant: bool = False,
 ) -> dict[str, Any]:
     """Run the serving bench and return its JSON-ready result (schema: the module docstring).
 
@@ -936,6 +942,7 @@ def http_bench(
         prefix_tokens: tokens of the shared document of the prefix-cache test; 0 skips it.
         prompt_tokens: prompt lengths (tokens), cycled over the requests.
         log: where progress lines go (default stderr).
+        batch_invariant: serve with ``--batch-invariant``.
 
     Raises:
         StrataError: a bad plan; prompts or a prefix that do not fit the plan's context; a
@@ -973,6 +980,7 @@ def http_bench(
         "kind": "serving",
         "plan": str(plan_path),
         "model": None,
+        "batch_invariant": batch_invariant,
         "machine": machine_info(),
         "plan_limits": {
             "context": plan.request.context,
@@ -1004,7 +1012,9 @@ def http_bench(
     key = secrets.token_hex(16)
     with (
         _sigterm_as_interrupt(),
-        ServerProcess(ServerProcess.serve_command(Path(plan_path), key), key) as srv,
+        ServerProcess(
+            ServerProcess.serve_command(Path(plan_path), key, batch_invariant), key
+        ) as srv,
     ):
         result["model"] = srv.model
         assert srv.proc is not None
@@ -1234,10 +1244,11 @@ def refuse_serving_options(args: argparse.Namespace) -> None:
     """Refuse the serving bench's options in a single-stream bench (no ``--concurrency``).
 
     Raises:
-        StrataError: ``--requests``, ``--prefix-tokens`` or ``--prompt-tokens`` was given.
+        StrataError: ``--requests``, ``--prefix-tokens``, ``--prompt-tokens`` or
+            ``--batch-invariant`` was given.
     """
-    for option in ("requests", "prefix_tokens", "prompt_tokens"):
-        if getattr(args, option, None) is not None:
+    for option in ("requests", "prefix_tokens", "prompt_tokens", "batch_invariant"):
+        if getattr(args, option, None) not in (None, False):
             name = "--" + option.replace("_", "-")
             raise StrataError(
                 f"{name} applies to the serving bench; add --concurrency (e.g. 1,2,4), or drop it"
@@ -1268,7 +1279,15 @@ def cmd_http_bench(args: argparse.Namespace) -> None:
     if args.prompt_tokens is not None:
         lengths = tuple(parse_positive_ints("--prompt-tokens", args.prompt_tokens, "64,256"))
     prefix = PREFIX_TOKENS if args.prefix_tokens is None else args.prefix_tokens
-    result = http_bench(args.plan, levels, args.max_tokens, args.requests, prefix, lengths)
+    result = http_bench(
+        args.plan,
+        levels,
+        args.max_tokens,
+        args.requests,
+        prefix,
+        lengths,
+        batch_invariant=args.batch_invariant,
+    )
     from executor.bench import write_result
 
     write_result(result, args.output, args.plot, plot)

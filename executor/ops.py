@@ -15,10 +15,18 @@ bit-identical to passing float32 scales), costing ~5-8 % at batch 1 on CPU. So
 cast. ``mx.dequantize`` with float16 scales computes in float16 even when asked for a
 float32 result, so :func:`embedding` widens the gathered rows' scales before
 dequantizing. Note: bfloat16 activations with float16 scales promote to a float32 result.
+
+Row tiles (batch-invariant serving, ``set_row_tile``): MLX's CUDA kernels round a row of a
+matmul differently with the call's row count M (measured on an H200: a row's result depends on M,
+not on the other rows' contents), so a token's projections would depend on what else is in the
+batch. With a row tile T, :func:`linear` computes every product in calls of exactly T rows, so a
+row's result is the same whatever the batch. The setting is per thread: the serving engine's
+thread turns it on for itself, and any other thread (``Engine.generate``) is unaffected.
 """
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass
 
 import mlx.core as mx
@@ -26,7 +34,7 @@ import numpy as np
 
 from executor.quant import PackedWeight
 
-__all__ = ["QuantLinear", "embedding", "linear", "set_dequant_min_rows", "to_mlx"]
+__all__ = ["QuantLinear", "embedding", "linear", "set_dequant_min_rows", "set_row_tile", "to_mlx"]
 
 _dequant_min_rows = 0
 """Kernel path of quantized projections (the plan's ``runtime.dequant_matmul_min_rows``): from
@@ -38,6 +46,28 @@ def set_dequant_min_rows(rows: int) -> None:
     ``runtime.dequant_matmul_min_rows``; 0 keeps the quantized matmul at every batch size)."""
     global _dequant_min_rows
     _dequant_min_rows = max(0, int(rows))
+
+
+_tiling = threading.local()
+"""``rows``: this thread's row tile of :func:`linear` (absent or 0: off)."""
+
+
+def set_row_tile(rows: int) -> None:
+    """Compute every :func:`linear` of the calling thread in calls of exactly ``rows`` rows
+    (zero rows pad the last tile; 0, the default, turns tiling off). Per thread, so that only
+    the thread that asks for it (the batch-invariant serving engine's) is affected.
+
+    Raises:
+        ValueError: ``rows`` is negative.
+    """
+    if rows < 0:
+        raise ValueError(f"set_row_tile: rows is {rows}; give a tile of >= 1 rows, or 0 for off")
+    _tiling.rows = int(rows)
+
+
+def row_tile() -> int:
+    """The calling thread's row tile (0: off)."""
+    return getattr(_tiling, "rows", 0)
 
 
 @dataclass(frozen=True)
@@ -132,9 +162,31 @@ def linear(x: mx.array, w: QuantLinear | mx.array) -> mx.array:
     for this call and a dense matmul. The result dtype is MLX's promotion of ``x`` and the weight's
     (scales') dtype: float32 activations give float32.
 
+    With a row tile T (:func:`set_row_tile`, this thread): ``x`` is flattened to ``[R, in]``, R
+    padded with zero rows to a multiple of T, each T-row tile computed by its own call (the
+    kernel path chosen for T rows), and the padding dropped; R == T is one call. Every weight
+    product of the models goes through here, attention and FFN projections, routers, experts
+    (each expert's rows are tiled like any other rows) and the output head, so tiling covers
+    them all; there is no fused gather path (``mx.gather_qmm``) that would escape it.
+
     Raises:
         ValueError: ``x.shape[-1]`` differs from the weight's in_features.
     """
+    tile = row_tile()
+    rows = x.size // x.shape[-1] if x.ndim and x.shape[-1] else 0
+    if not tile or not rows:
+        return _linear(x, w)
+    flat = x.reshape(rows, x.shape[-1])
+    pad = -rows % tile
+    if pad:
+        flat = mx.concatenate([flat, mx.zeros((pad, flat.shape[1]), dtype=flat.dtype)])
+    parts = [_linear(flat[i : i + tile], w) for i in range(0, rows + pad, tile)]
+    out = parts[0] if len(parts) == 1 else mx.concatenate(parts)
+    return out[:rows].reshape(*x.shape[:-1], out.shape[-1])
+
+
+def _linear(x: mx.array, w: QuantLinear | mx.array) -> mx.array:
+    """:func:`linear` as one call, whatever the row count."""
     if isinstance(w, QuantLinear):
         cols = w.shape[1]
         if x.shape[-1] != cols:

@@ -21,6 +21,13 @@ sees its own tokens. A single sequence is the same path with one entry (:class:`
 gives it a private pool), so a request computes the same numbers alone or in a batch wherever
 the kernels are batch-invariant (measured on MLX CPU: quantized and dense matmul rows and padded
 attention are bit-identical to one row at a time).
+
+Where they are not (MLX CUDA: the padded decode attention depends on the padded key length),
+``ForwardBatch.build(..., tile=T)`` lays every input out as chunks cut at absolute positions that
+are multiples of T, decodes included (one-token chunks): a token's attention call then has the
+same queries and keys (its tile of its own sequence, keys up to the tile's end) whatever else is
+in the batch and however the scheduler cut the prompt, provided chunks end on multiples of T
+(``Scheduler(chunk_align=T)``) and prefix-cache hits are whole blocks of T tokens.
 """
 
 from __future__ import annotations
@@ -120,7 +127,8 @@ class SeqInput:
 
 @dataclass
 class Chunk:
-    """A prefill chunk inside a batch: rows ``row .. row + len - 1`` of the activation."""
+    """Tokens ``start .. start + length - 1`` of one sequence attending together: rows ``row ..
+    row + length - 1`` of the activation (a prefill chunk, or with tiles a piece of any input)."""
 
     row: int
     length: int
@@ -139,7 +147,8 @@ class ForwardBatch:
         decode_offsets: int32 [B], each decode token's position (its RoPE offset).
         decode_table: int32 [B, L], each decode sequence's slots, padded to the longest (L).
         decode_lengths: int [B], each decode sequence's length including its new token.
-        chunks: the prefill chunks, in row order after the decodes.
+        chunks: the prefill chunks (with a tile: every input's pieces), in row order after the
+            decodes.
         logit_rows: int32 [S], the rows whose logits are returned, in the order of the inputs.
         logit_counts: rows of ``logit_rows`` per input (0, 1 or its token count).
     """
@@ -156,16 +165,27 @@ class ForwardBatch:
     _masks: dict[int, mx.array | None] = field(default_factory=dict)
 
     @classmethod
-    def build(cls, seqs: list[SeqInput]) -> ForwardBatch:
+    def build(cls, seqs: list[SeqInput], tile: int = 0) -> ForwardBatch:
         """Lay ``seqs`` out: one-token inputs form the decode group, the others are chunks.
 
+        Args:
+            seqs: the inputs; their rows are contiguous, in the decode group or as chunks.
+            tile: 0: as above. T > 0 (batch-invariant serving, module docstring): no decode
+                group; every input becomes chunks cut at absolute positions that are multiples
+                of T (start 40, 30 tokens, T 16: [40, 48), [48, 64), [64, 70)), each attending
+                to the slots of its sequence up to its own end. ``write_slots`` and
+                ``logit_rows`` are the same as without tiles.
+
         Raises:
-            StrataError: an input without tokens.
+            StrataError: an input without tokens; a negative ``tile``.
         """
         if not seqs or any(not s.ids for s in seqs):
             raise StrataError("a forward pass needs at least one token per sequence")
-        decodes = [i for i, s in enumerate(seqs) if len(s.ids) == 1]
-        prefills = [i for i, s in enumerate(seqs) if len(s.ids) > 1]
+        if tile < 0:
+            raise StrataError(f"attention tile {tile} is negative; give 0 (none) or a block size")
+        grouped = [len(s.ids) == 1 and not tile for s in seqs]  # in the decode group
+        decodes = [i for i, g in enumerate(grouped) if g]
+        prefills = [i for i, g in enumerate(grouped) if not g]
         ids: list[int] = []
         writes: list[np.ndarray] = []
         row_of: dict[int, int] = {}
@@ -188,7 +208,9 @@ class ForwardBatch:
             s = seqs[i]
             row_of[i] = len(ids)
             end = s.start + len(s.ids)
-            chunks.append(Chunk(len(ids), len(s.ids), s.start, mx.array(s.slots[None, :end])))
+            for lo, hi in _pieces(s.start, end, tile):
+                sees = mx.array(s.slots[None, :hi])
+                chunks.append(Chunk(row_of[i] + lo - s.start, hi - lo, lo, sees))
             ids.extend(s.ids)
             writes.append(s.slots[s.start : end])
         rows: list[int] = []
@@ -222,6 +244,15 @@ class ForwardBatch:
                 keep &= (lengths[:, None] - 1 - kpos) < window
             self._masks[window] = None if keep.all() else mx.array(keep[:, None, None, :])
         return self._masks[window]
+
+
+def _pieces(start: int, end: int, tile: int) -> list[tuple[int, int]]:
+    """``[start, end)`` cut at the multiples of ``tile`` inside it (0: not cut)."""
+    if not tile:
+        return [(start, end)]
+    cuts = range((start // tile + 1) * tile, end, tile)
+    bounds = [start, *cuts, end]
+    return list(zip(bounds, bounds[1:], strict=False))
 
 
 class SequenceCache:

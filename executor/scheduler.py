@@ -35,6 +35,16 @@ The engine fills the chunk's ``draft``; ``update`` advances the sequence past th
 and the accepted drafts only, so the rejected drafts' KV slots are overwritten later (the
 rollback), and only computed full blocks are committed to the prefix cache.
 
+Chunk alignment (``chunk_align`` A > 0, batch-invariant serving): a chunk that stops short of the
+sequence's known tokens (``num_tokens``) ends on a multiple of A (absolute position), its length
+rounded down; one rounded to nothing is not scheduled this step (a running sequence is skipped
+and the next one tried; an admission stops admitting, FCFS). A chunk that reaches ``num_tokens``
+(a prompt's last chunk, a decode) is not rounded. So every prompt is cut at the same positions
+(multiples of A) whatever the budget left by the others, and with A the KV block size a
+prefix-cache hit (whole blocks) ends on such a position too. Progress: a chunk of A or more
+tokens always contains an aligned end, and the first sequence of a step has the whole budget, so
+with ``prefill_chunk`` and ``max_num_batched_tokens`` at least A (checked) it always advances.
+
 Order invariant: every running sequence arrived before every waiting one (admission takes the
 queue's head, a preempted sequence is the latest running one and goes back to the head), so
 ``running`` stays in arrival order by appending, and its last entry is the latest-arrived.
@@ -194,9 +204,12 @@ class Scheduler:
         num_draft_tokens: speculative decoding: each decode gets room to verify this many draft
             tokens after its pending one (capped by the budget, its ``max_tokens`` and the
             context); 0 turns speculation off.
+        chunk_align: a chunk that does not reach its sequence's last known token ends on a
+            multiple of this many tokens (module docstring); 0 (the default) turns it off.
 
     Raises:
-        StrataError: a limit is below 1.
+        StrataError: a limit is below 1; ``chunk_align`` is negative, or above
+            ``prefill_chunk`` or ``max_num_batched_tokens`` (no chunk could ever be cut).
     """
 
     def __init__(
@@ -207,6 +220,7 @@ class Scheduler:
         prefill_chunk: int,
         max_model_len: int,
         num_draft_tokens: int = 0,
+        chunk_align: int = 0,
     ):
         limits = {
             "max_num_seqs": max_num_seqs,
@@ -217,12 +231,26 @@ class Scheduler:
         for name, value in limits.items():
             if value < 1:
                 raise StrataError(f"{name} is {value}; the scheduler needs it >= 1: fix the plan")
+        if chunk_align < 0:
+            raise StrataError(f"chunk_align is {chunk_align}; give 0 (off) or a block size")
+        for name, value in (
+            ("prefill_chunk", prefill_chunk),
+            ("max_num_batched_tokens", max_num_batched_tokens),
+        ):
+            if chunk_align > value:
+                raise StrataError(
+                    f"chunks aligned to {chunk_align} tokens (batch-invariant serving: the KV "
+                    f"block size) need {name} >= {chunk_align}, but the plan has {value}; "
+                    f"set batch.{name} to at least {chunk_align} (plan.py plan, or edit the plan), "
+                    "or serve without batch invariance"
+                )
         self.pool = pool
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.prefill_chunk = prefill_chunk
         self.max_model_len = max_model_len
         self.num_draft_tokens = max(0, num_draft_tokens)
+        self.chunk_align = chunk_align
         self.running: list[Sequence] = []
         self.waiting: deque[Sequence] = deque()
         self.num_preemptions = 0
@@ -231,6 +259,14 @@ class Scheduler:
 
     def _blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.pool.block_size)
+
+    def _aligned(self, seq: Sequence, start: int, n: int) -> int:
+        """``n`` tokens from ``start``, cut to end on a multiple of ``chunk_align`` unless they
+        reach ``seq``'s last known token (module docstring); may be 0."""
+        a, end = self.chunk_align, start + n
+        if not a or end >= seq.num_tokens:
+            return n
+        return end // a * a - start
 
     def add(self, seq: Sequence) -> None:
         """Queue a new sequence (status WAITING, ``arrival`` set); it runs when admitted.
@@ -377,7 +413,8 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
             n = min(seq.num_tokens - seq.num_computed_tokens, chunk_cap, budget)
-            if n <= 0:  # nothing to compute (no token sampled for it yet)
+            n = self._aligned(seq, seq.num_computed_tokens, n)
+            if n <= 0:  # nothing to compute (no token sampled yet), or no aligned end in budget
                 i += 1
                 continue
             need = self._blocks_for(seq.num_computed_tokens + n) - len(seq.block_ids)
@@ -410,11 +447,12 @@ class Scheduler:
             counters = pool.prefix_query_tokens, pool.prefix_hit_tokens
             matched = pool.match_prefix(ids, len(ids) - 1)  # the last token always runs
             computed = len(matched) * pool.block_size
-            n = min(len(ids) - computed, chunk_cap, budget)
-            new = pool.allocate(self._blocks_for(computed + n) - len(matched))
+            n = self._aligned(seq, computed, min(len(ids) - computed, chunk_cap, budget))
+            new = pool.allocate(self._blocks_for(computed + n) - len(matched)) if n > 0 else None
             if new is None:
-                # FCFS: wait for blocks rather than let a later sequence skip ahead. The lookup
-                # is repeated next step, so it is not counted now.
+                # FCFS: wait for blocks (or for budget to reach an aligned end) rather than let a
+                # later sequence skip ahead. The lookup is repeated next step, so it is not
+                # counted now.
                 pool.free(matched)
                 pool.prefix_query_tokens, pool.prefix_hit_tokens = counters
                 break

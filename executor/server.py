@@ -491,6 +491,9 @@ class ServerMetrics:
             ("spec_verification_steps_total", "counter",
              "Speculative decoding: verifications of one sequence's drafts (each yields the "
              "accepted drafts plus one token).", [("", e["spec_verification_steps"])]),
+            ("batch_invariant", "gauge",
+             "1 when serving batch-invariant (--batch-invariant), else 0.",
+             [("", e["batch_invariant"])]),
         ]  # fmt: skip
         out: list[str] = []
         for short, kind, help, samples in table:
@@ -1241,13 +1244,16 @@ def serve(
     port: int = 8000,
     api_key: str | None = None,
     model_name: str | None = None,
+    batch_invariant: bool = False,
 ) -> None:
     """Load a plan and serve it until Ctrl-C or SIGTERM (``execute.py serve``).
 
     Prints ``serving MODEL on http://HOST:PORT`` to stderr once requests are accepted.
+    ``batch_invariant``: ``ServingEngine``'s mode of that name (``--batch-invariant``).
 
     Raises:
-        StrataError: the address cannot be used, or the plan cannot be loaded.
+        StrataError: the address cannot be used, the plan cannot be loaded, or
+            ``batch_invariant`` with a plan that decodes speculatively.
     """
     from executor.engine import Engine
     from executor.plan_loader import load_plan
@@ -1258,7 +1264,7 @@ def serve(
         loaded = load_plan(plan_path)
         engine = Engine(loaded)
         try:
-            serving = ServingEngine(engine)
+            serving = ServingEngine(engine, batch_invariant=batch_invariant)
             serving.start()
             try:
                 name = model_name or default_model_name(loaded)

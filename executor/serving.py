@@ -19,6 +19,25 @@ decoding's tokens; sampling: the target's distribution). ``Scheduler.update`` ad
 sequence past the accepted tokens only, which rolls the rejected drafts' KV back. Counters:
 draft tokens proposed and accepted, verifications (``spec_stats``).
 
+Batch invariance (``batch_invariant=True``, ``execute.py serve --batch-invariant``): greedy outputs
+are meant to be identical for a request run alone or in any batch, and with or without a
+prefix-cache hit, also where MLX's kernels round a row differently with the shape of the call
+(its CUDA backend; tested bit for bit on the CPU only, whose kernels are batch-invariant
+anyway). Every kernel call that computes a token has the same shape whatever else the step
+holds: the engine thread computes every weight product in tiles of ``BATCH_INVARIANT_ROWS`` rows
+(``executor.ops.set_row_tile``, padding with zero rows); each sequence's tokens attend in pieces
+cut at multiples of the KV block size, decodes included, each piece on its own
+(``ForwardBatch.build(..., tile=block_size)``, no padded decode group); and the scheduler ends
+every chunk that is not a prompt's last on a multiple of the block size
+(``Scheduler(chunk_align=block_size)``), where prefix-cache hits end too. Costs: a step of fewer
+than 16 rows (a lone decode) computes 16, and attention runs one call per piece instead of one
+for all decodes. Limits: a preempted sequence's tokens that are recomputed (outputs included) are
+computed as prefill pieces, not as the decodes that first computed them, so a preempted request
+may differ (as may a prefix hit on blocks holding another request's generated tokens);
+speculative decoding is refused (a verification computes a decode's token in a multi-token
+piece). The single-request path (``Engine.generate``), on any other thread, is unaffected (the
+row tile is per thread).
+
 Finishing: an end-of-generation token (kept, finish reason ``stop``) unless ``ignore_eos``;
 ``max_tokens`` or the plan's context (``length``); ``abort``; ``error`` when a step fails (every
 sequence of that step is finished with the message; the thread keeps serving the others).
@@ -42,6 +61,7 @@ import numpy as np
 from executor.block_pool import BlockPool
 from executor.drafters import Drafter, DraftInput, DraftModelDrafter, PromptLookupDrafter
 from executor.engine import Engine
+from executor.ops import set_row_tile
 from executor.paged_kv import ForwardBatch, SeqInput, slot_table
 from executor.plan_loader import load_draft
 from executor.sampling import Sampler, SamplingParams, accept_greedy
@@ -51,6 +71,13 @@ from planner.errors import StrataError
 
 THREAD_CHECK_S = 1.0
 """Seconds between checks that the engine thread is alive while a caller waits on it."""
+
+BATCH_INVARIANT_ROWS = 16
+"""Row tile of every weight product in batch-invariant serving (``executor.ops.set_row_tile``):
+a step's rows are computed 16 at a time, the last tile padded. 16 rows cost about one row on the
+H200's 4-bit kernel (110 against 88 us for a 14336x4096 weight) and cover a decode batch of the
+plans' usual 16 sequences in one call. On the CPU a row costs in proportion: a lone SmolLM2-135M
+decode step took 1,451 ms instead of 110 (measured on the 2-core dev machine)."""
 
 
 @dataclass
@@ -108,6 +135,16 @@ class ServingEngine:
     Args:
         engine: a loaded plan made runnable (``executor.engine.Engine``); its weights, streaming
             pool and expert cache serve every request.
+        drafter: speculative decoding's drafter (None: the plan's, when ``speculative``).
+        num_draft_tokens: draft tokens per decode with ``drafter``.
+        speculative: take the plan's ``speculative`` section when no drafter is given.
+        batch_invariant: greedy outputs identical alone and in any batch, with or without a
+            prefix hit (module docstring: how, what it costs, its limits).
+
+    Raises:
+        StrataError: ``batch_invariant`` with speculative decoding (a drafter given, or the
+            plan's); the plan's ``prefill_chunk`` or ``max_num_batched_tokens`` below its KV
+            block size with ``batch_invariant``.
 
     Attributes:
         tokenizer: the model's tokenizer.
@@ -121,9 +158,22 @@ class ServingEngine:
         drafter: Drafter | None = None,
         num_draft_tokens: int = 0,
         speculative: bool = True,
+        batch_invariant: bool = False,
     ):
         self.engine = engine
+        self.batch_invariant = batch_invariant
         self._draft_engine: Engine | None = None
+        spec = engine.loaded.plan.speculative
+        if batch_invariant and (
+            drafter is not None
+            or (speculative and spec.method != "none" and spec.num_draft_tokens > 0)
+        ):
+            raise StrataError(
+                "batch-invariant serving cannot run speculative decoding (a verification "
+                "computes a decode's token among several, so outputs would differ from plain "
+                "decoding); serve without --batch-invariant, or with a plan made without "
+                "--speculative"
+            )
         if drafter is None and speculative:
             drafter, num_draft_tokens = self._plan_drafter()
         self.drafter = drafter
@@ -134,6 +184,9 @@ class ServingEngine:
         self.context = engine.context
         self.vocab_size = engine.loaded.desc.architecture.vocab_size
         self.pool = BlockPool(b.kv_num_blocks, b.kv_block_size)
+        # Batch invariance: attention pieces and chunk ends on KV block boundaries, where
+        # prefix-cache hits end too.
+        self._tile = b.kv_block_size if batch_invariant else 0
         self.kv = None  # made on the engine thread: MLX streams belong to the thread that made them
         self.scheduler = Scheduler(
             self.pool,
@@ -142,6 +195,7 @@ class ServingEngine:
             b.prefill_chunk,
             self.context,
             self.num_draft_tokens,
+            chunk_align=self._tile,
         )
         self._eog = set(self.tokenizer.eog_ids)
         self._inbox: queue.Queue = queue.Queue()
@@ -255,6 +309,7 @@ class ServingEngine:
             "spec_proposed_tokens": self.spec_proposed,
             "spec_accepted_tokens": self.spec_accepted,
             "spec_verification_steps": self.spec_verifications,
+            "batch_invariant": int(self.batch_invariant),
         }
 
     def spec_stats(self) -> dict[str, float]:
@@ -276,6 +331,8 @@ class ServingEngine:
         # MLX streams are thread-local (MLX >= 0.31.2): this thread computes on its own stream,
         # and the KV pool is made here so that its lazy arrays belong to it.
         mx.set_default_stream(mx.new_stream(mx.default_device()))
+        # Per thread, like the stream: only this thread's products are tiled.
+        set_row_tile(BATCH_INVARIANT_ROWS if self.batch_invariant else 0)
         b = self.batch
         self.kv = self.engine.model.make_paged_cache(b.kv_num_blocks, b.kv_block_size)
         while True:
@@ -401,7 +458,7 @@ class ServingEngine:
             # Every input returns at least its last row's logits (the forward pass must produce
             # something to evaluate); only sampling chunks use them; verification needs all.
             inputs.append(SeqInput(c.ids, c.start, slots, "all" if c.draft else "last"))
-        batch = ForwardBatch.build(inputs)
+        batch = ForwardBatch.build(inputs, tile=self._tile)
         logits = self.engine.model.forward_batch(batch, self.kv)
         want = [i for i, c in enumerate(step.chunks) if c.sample]
         if not want:

@@ -58,6 +58,7 @@ def test_serving_bench_end_to_end(serving_plan, tmp_path):
     assert "Traceback" not in done.stderr
     r = json.loads(out.read_text())
     assert r["kind"] == "serving" and r["model"] == "smollm2-135m"
+    assert r["batch_invariant"] is False
     assert r["check_passed"] is True and r["mismatches"] == []
     m = r["machine"]
     assert m["cpu_count"] >= 1 and m["mlx_device"] and m["platform"] and m["mlx_version"]
@@ -170,6 +171,7 @@ def _run(capsys, *args: str) -> str:
         (["--concurrency", "1", "--plot", "x.txt"], ["--plot", ".png"]),
         (["--requests", "3"], ["--requests applies to the serving bench", "--concurrency"]),
         (["--prefix-tokens", "10"], ["--prefix-tokens applies to the serving bench"]),
+        (["--batch-invariant"], ["--batch-invariant applies to the serving bench"]),
     ],
 )
 def test_argument_errors(capsys, tmp_path, extra, words):
@@ -299,3 +301,19 @@ def test_failed_check_writes_the_json_then_fails(capsys, monkeypatch, tmp_path):
     line = _run(capsys, "bench", "p.yaml", "--concurrency", "1,2", "-o", str(out))
     assert "bench check failed" in line and "c=2 prompt 1" in line
     assert json.loads(out.read_text())["mismatches"] == [mismatch]
+
+
+def test_batch_invariant_reaches_the_server(monkeypatch, tmp_path):
+    """``bench --concurrency ... --batch-invariant`` asks ``http_bench`` for it, which starts
+    ``serve --batch-invariant``."""
+    import executor.http_bench as hb
+
+    seen = {}
+    result = {"check_passed": True, "mismatches": [], "prefix_cache": None}
+    monkeypatch.setattr(hb, "http_bench", lambda *a, **k: seen.update(k) or result)
+    argv = ["bench", "p.yaml", "--concurrency", "1", "--batch-invariant"]
+    assert execute.main([*argv, "-o", str(tmp_path / "r.json")]) == 0
+    assert seen["batch_invariant"] is True
+    cmd = ServerProcess.serve_command(Path("p.yaml"), "k", batch_invariant=True)
+    assert cmd[-1] == "--batch-invariant"
+    assert "--batch-invariant" not in ServerProcess.serve_command(Path("p.yaml"), "k")

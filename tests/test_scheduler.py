@@ -319,3 +319,73 @@ def test_chunk_ids_and_sample_across_prompt_and_outputs():
     seq.output_ids.append(6)  # what update() does: the chunk still says it sampled
     assert done.sample is True
     assert SchedulerStep([done, partial]).num_tokens == 3
+
+
+def test_chunk_align_ends_chunks_on_multiples():
+    """Blocks of 4, chunks aligned to 4, a budget of 10: prompts are cut at multiples of 4; the
+    last chunk of a prompt is not rounded; an admission rounded to nothing stops admitting."""
+    sched = Scheduler(BlockPool(64, 4), 8, 10, 100, 128, chunk_align=4)
+    add(sched, "a", [1, 2, 3], max_tokens=5)
+    assert chunks_of(engine_step(sched)) == [("a", 0, 3, True)]  # final chunk: 3, not rounded
+    add(sched, "b", list(range(20, 41)), max_tokens=2)  # 21 tokens
+    add(sched, "c", list(range(50, 60)), max_tokens=2)
+    # 9 left after a's decode: b's 9 round down to 8; the 1 left would give c nothing.
+    assert chunks_of(engine_step(sched)) == [("a", 3, 1, True), ("b", 0, 8, False)]
+    assert [s.request_id for s in sched.waiting] == ["c"]
+    assert chunks_of(engine_step(sched)) == [("a", 4, 1, True), ("b", 8, 8, False)]
+    # b's last 5 tokens are its final chunk; c gets the 4 left, a multiple.
+    assert chunks_of(engine_step(sched)) == [
+        ("a", 5, 1, True),
+        ("b", 16, 5, True),
+        ("c", 0, 4, False),
+    ]
+    steps = run_all(sched)
+    assert all(done or (start + n) % 4 == 0 for s in steps for _, start, n, done in chunks_of(s))
+    assert not sched.has_work() and sched.pool.num_used_blocks() == 0
+
+
+def test_chunk_align_skips_a_running_sequence_and_serves_the_next():
+    """a's final chunk (7 tokens) leaves 3 of the budget: b's aligned end does not fit, so b is
+    skipped this step and c, after it, still decodes."""
+    sched = Scheduler(BlockPool(64, 4), 8, 10, 7, 128, chunk_align=4)
+    a = add(sched, "a", list(range(11)), max_tokens=3)
+    b = add(sched, "b", list(range(20, 40)), max_tokens=2)
+    c = add(sched, "c", [5], max_tokens=3)
+    assert chunks_of(engine_step(sched)) == [
+        ("a", 0, 4, False),  # prefill_chunk 7 -> 4
+        ("b", 0, 4, False),  # 6 left -> 4
+        ("c", 0, 1, True),  # a whole 1-token prompt: not rounded
+    ]
+    assert chunks_of(engine_step(sched)) == [("a", 4, 7, True), ("c", 1, 1, True)]
+    assert chunks_of(engine_step(sched)) == [
+        ("a", 11, 1, True),
+        ("b", 4, 4, False),
+        ("c", 2, 1, True),
+    ]
+    run_all(sched)
+    for seq in (a, b, c):
+        assert seq.output_ids == expected_outputs(seq)
+
+
+def test_chunk_align_prefix_hit_starts_on_a_multiple():
+    sched = Scheduler(BlockPool(64, 4), 8, 100, 6, 128, chunk_align=4)
+    shared = list(range(100, 112))  # 3 full blocks
+    add(sched, "a", shared + [1, 2, 3], max_tokens=1)
+    steps = run_all(sched)
+    assert [chunks_of(s) for s in steps] == [
+        [("a", 0, 4, False)],  # prefill_chunk 6 -> 4
+        [("a", 4, 4, False)],
+        [("a", 8, 4, False)],
+        [("a", 12, 3, True)],
+    ]
+    add(sched, "b", shared + [7, 8, 9, 10, 11, 12, 13], max_tokens=1)
+    assert chunks_of(engine_step(sched)) == [("b", 12, 4, False)]  # from the hit, to 16
+
+
+def test_chunk_align_larger_than_a_limit_names_the_fix():
+    with pytest.raises(StrataError, match="need prefill_chunk >= 16, but the plan has 8; set"):
+        Scheduler(BlockPool(4, 16), 1, 64, 8, 64, chunk_align=16)
+    with pytest.raises(StrataError, match="need max_num_batched_tokens >= 16, but the plan has 12"):
+        Scheduler(BlockPool(4, 16), 1, 12, 16, 64, chunk_align=16)
+    with pytest.raises(StrataError, match="chunk_align is -1"):
+        Scheduler(BlockPool(4, 16), 1, 16, 16, 64, chunk_align=-1)

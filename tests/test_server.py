@@ -19,6 +19,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -82,14 +83,14 @@ def parse_prometheus(text: str) -> dict[str, float]:
     return samples
 
 
-@pytest.fixture(scope="module")
-def server(smollm2_plan, tmp_path_factory) -> Server:
-    """``execute.py serve`` on a free loopback port (port 0: the server reports the one it got)."""
-    log = tmp_path_factory.mktemp("serve") / "stderr.txt"
+@contextlib.contextmanager
+def serve_process(plan: Path, log: Path, *options: str) -> Iterator[Server]:
+    """``execute.py serve PLAN --port 0 --api-key KEY *options`` (port 0: the server reports
+    the one it got), stopped with SIGINT after use; its stderr goes to ``log``."""
     with open(log, "w") as err:
         proc = subprocess.Popen(
-            [sys.executable, "execute.py", "serve", str(smollm2_plan), "--port", "0"]
-            + ["--api-key", KEY],
+            [sys.executable, "execute.py", "serve", str(plan), "--port", "0"]
+            + ["--api-key", KEY, *options],
             cwd=ROOT,
             stdout=subprocess.DEVNULL,
             stderr=err,
@@ -115,6 +116,13 @@ def server(smollm2_plan, tmp_path_factory) -> Server:
         if proc.poll() is None:
             proc.kill()
     assert "Traceback" not in log.read_text(), log.read_text()
+
+
+@pytest.fixture(scope="module")
+def server(smollm2_plan, tmp_path_factory) -> Iterator[Server]:
+    """The module's server: ``execute.py serve`` on the SmolLM2 plan."""
+    with serve_process(smollm2_plan, tmp_path_factory.mktemp("serve") / "stderr.txt") as srv:
+        yield srv
 
 
 @pytest.fixture(scope="module")
@@ -407,6 +415,16 @@ def test_metrics(server):
     assert m["strata_spec_draft_tokens_total"] == m["strata_spec_accepted_tokens_total"] == 0
     assert m['strata_bytes_read_total{tier="gpu"}'] > 0
     assert "strata_preemptions_total" in m
+
+
+def test_batch_invariant_server(server, smollm2_plan, tmp_path):
+    """``serve --batch-invariant``: the gauge says so (the module's server says 0), and a
+    completion gives the module's server's text."""
+    assert server.metrics()["strata_batch_invariant"] == 0
+    with serve_process(smollm2_plan, tmp_path / "stderr.txt", "--batch-invariant") as inv:
+        assert inv.metrics()["strata_batch_invariant"] == 1
+        text = complete(inv, max_tokens=3).choices[0].text
+    assert text == complete(server, max_tokens=3).choices[0].text
 
 
 # ------------------------------------------------------------------------------------ disconnects

@@ -7,6 +7,7 @@ leaks; the plan's batch limits hold.
 from __future__ import annotations
 
 import threading
+from collections import defaultdict
 from pathlib import Path
 
 import numpy as np
@@ -17,6 +18,7 @@ from gguf_factory import ARCH_MODELS, MOE_MODELS, write_arch_model
 from test_tiers import _moved, _nvme_bytes
 
 from executor.engine import Engine
+from executor.paged_kv import _pieces
 from executor.plan_loader import load_plan
 from executor.sampling import SamplingParams
 from executor.serving import GenerationRequest, ServingEngine, TokenEvent
@@ -26,8 +28,8 @@ CONTEXT = 256
 BATCH = 16
 
 
-def _serve(plan: Path) -> ServingEngine:
-    se = ServingEngine(Engine(load_plan(plan)))
+def _serve(plan: Path, **options) -> ServingEngine:
+    se = ServingEngine(Engine(load_plan(plan)), **options)
     se.start()
     return se
 
@@ -79,15 +81,34 @@ def models(tmp_path_factory, smollm2_gguf) -> dict[str, Path]:
     return {n: write_arch_model(folder / f"{n}.gguf", n, smollm2_gguf) for n in NAMES}
 
 
-@pytest.mark.parametrize("name", NAMES)
-def test_batch_equals_alone(name, models, tmp_path):
+@pytest.mark.parametrize(
+    "name, invariant",
+    [(n, False) for n in NAMES] + [("llama3", True), ("gemma3", True)],
+    ids=NAMES + ["llama3-batch-invariant", "gemma3-batch-invariant"],
+)
+def test_batch_equals_alone(name, invariant, models, tmp_path):
     """Every architecture: 16 mixed requests (prefill chunks and decodes in the same steps, a
     sliding window on gemma3, experts on the MoE ones) give the ids each gives alone, and alone
-    equals the single-request path (``Engine.generate``)."""
+    equals the single-request path (``Engine.generate``). The batch's prompts are the ones run
+    alone, so the prefix cache serves their full blocks: the same ids with and without a hit.
+    Batch-invariant mode (llama3, and gemma3 for its 8-token window inside 16-token pieces):
+    the same, a cold batch after a prefix-cache reset too, and what makes it hold on backends
+    whose kernels are not batch-invariant (this CPU's are): each request attends in the same
+    pieces alone and in any batch, cold or with a hit (which leaves out the cached pieces)."""
     plan = make_plan_file(
         str(models[name]), tmp_path / "p.yaml", context=CONTEXT, concurrency=BATCH
     )
-    se = _serve(plan)
+    se = _serve(plan, batch_invariant=invariant)
+    pieces: dict[str, set[tuple[int, int]]] = defaultdict(set)  # request -> attention pieces
+    schedule = se.scheduler.schedule
+
+    def recording_schedule():
+        step = schedule()
+        for c in step.chunks:
+            pieces[c.seq.request_id] |= set(_pieces(c.start, c.start + c.num_tokens, se._tile))
+        return step
+
+    se.scheduler.schedule = recording_schedule
     try:
         vocab = se.vocab_size
         alone = {
@@ -95,6 +116,15 @@ def test_batch_equals_alone(name, models, tmp_path):
             for r in _requests("a", vocab, BATCH)
         }
         batch = run_all(se, _requests("b", vocab, BATCH))
+        hits = se.metrics()["prefix_hit_tokens"]
+        if invariant:
+            assert se.reset_prefix_cache()
+            cold = run_all(se, _requests("c", vocab, BATCH))
+            assert se.metrics()["prefix_hit_tokens"] == hits  # no hit after the reset
+            for i in range(BATCH):
+                assert cold[f"c-{i}"].token_ids == alone[f"a-{i}"], f"request {i} differs cold"
+                assert pieces[f"c-{i}"] == pieces[f"a-{i}"] >= pieces[f"b-{i}"]
+                assert all(lo // 16 == (hi - 1) // 16 for lo, hi in pieces[f"c-{i}"])
         r0 = _requests("x", vocab, 1)[0]
         single = se.engine.generate(
             r0.prompt_ids, SamplingParams(), r0.max_tokens, stop_at_eog=False
@@ -107,6 +137,7 @@ def test_batch_equals_alone(name, models, tmp_path):
         assert batch[f"b-{i}"].finish_reason == "length"
         assert len(alone[f"a-{i}"]) == 4 + i % 5
     assert single.output_ids == alone["a-0"]
+    assert hits > 0 and m["batch_invariant"] == int(invariant)
     assert m["kv_blocks_in_use"] == 0 and m["running"] == 0 and m["waiting"] == 0
     # the batch ran as batches: fewer steps than tokens
     assert m["batched_tokens"] > m["steps"]
@@ -315,3 +346,27 @@ def test_smollm2_batch_of_mixed_requests(smollm2_gguf, tmp_path):
         se.close()
     assert [batch[f"b{i}"].token_ids for i in range(4)] == alone
     assert se.batch == plan_batch and se.scheduler.max_num_seqs == plan_batch.max_num_seqs == 4
+
+
+def test_batch_invariant_refuses_speculative_decoding(models, tmp_path):
+    """A drafter given, or the plan's speculative section: refused before anything runs (a
+    verification computes a decode's token among several); speculative=False serves the plan."""
+    from executor.drafters import PromptLookupDrafter
+    from planner.errors import StrataError
+
+    plan = make_plan_file(str(models["llama3"]), tmp_path / "p.yaml", context=64)
+    data = yaml.safe_load(plan.read_text())
+    data["speculative"] = {"method": "prompt_lookup", "num_draft_tokens": 3}
+    spec_plan = tmp_path / "spec.yaml"
+    spec_plan.write_text(yaml.safe_dump(data, sort_keys=False))
+    words = "batch-invariant serving cannot run speculative decoding.*without --batch-invariant"
+    engine = Engine(load_plan(spec_plan))
+    try:
+        with pytest.raises(StrataError, match=words):
+            ServingEngine(engine, PromptLookupDrafter(), 3, batch_invariant=True)
+        with pytest.raises(StrataError, match=words):
+            ServingEngine(engine, batch_invariant=True)
+        se = ServingEngine(engine, speculative=False, batch_invariant=True)
+        assert se.drafter is None and se.scheduler.chunk_align == se.pool.block_size
+    finally:
+        engine.close()
