@@ -34,7 +34,15 @@ import numpy as np
 
 from executor.quant import PackedWeight
 
-__all__ = ["QuantLinear", "embedding", "linear", "set_dequant_min_rows", "set_row_tile", "to_mlx"]
+__all__ = [
+    "QuantLinear",
+    "bucket_rows",
+    "embedding",
+    "linear",
+    "set_dequant_min_rows",
+    "set_row_tile",
+    "to_mlx",
+]
 
 _dequant_min_rows = 0
 """Kernel path of quantized projections (the plan's ``runtime.dequant_matmul_min_rows``): from
@@ -46,6 +54,23 @@ def set_dequant_min_rows(rows: int) -> None:
     ``runtime.dequant_matmul_min_rows``; 0 keeps the quantized matmul at every batch size)."""
     global _dequant_min_rows
     _dequant_min_rows = max(0, int(rows))
+
+
+PAD_ROWS = mx.cuda.is_available()
+"""Pad a product's row count up to ``bucket_rows`` on MLX's CUDA backend, which prepares its
+matmul kernels per distinct shape (the expert matmuls of a first MoE prefill took 79 s on the
+H200 before their rows were padded: ``executor.models.llama.PAD_EXPERT_ROWS``). A serving step's
+row count is its batch's token count, which changes with every mix of decodes and prefill
+chunks; bucketed, the shapes are a few dozen. The padded zero rows cost compute only, and a
+decode step's products are bound by reading the weights, not by rows. Elsewhere: off."""
+
+
+def bucket_rows(rows: int) -> int:
+    """The padded row count of a product of ``rows`` rows: the next power of two up to 256,
+    then the next multiple of 256 (at most 2x the rows, at most 256 extra rows)."""
+    if rows <= 256:
+        return 1 << (rows - 1).bit_length()
+    return -(-rows // 256) * 256
 
 
 _tiling = threading.local()
@@ -167,15 +192,22 @@ def linear(x: mx.array, w: QuantLinear | mx.array) -> mx.array:
     kernel path chosen for T rows), and the padding dropped; R == T is one call. Every weight
     product of the models goes through here, attention and FFN projections, routers, experts
     (each expert's rows are tiled like any other rows) and the output head, so tiling covers
-    them all; there is no fused gather path (``mx.gather_qmm``) that would escape it.
+    them all; there is no fused gather path (``mx.gather_qmm``) that would escape it. Without a
+    tile, on MLX's CUDA backend (``PAD_ROWS``) R is padded to ``bucket_rows(R)`` and computed in
+    one call.
 
     Raises:
         ValueError: ``x.shape[-1]`` differs from the weight's in_features.
     """
     tile = row_tile()
     rows = x.size // x.shape[-1] if x.ndim and x.shape[-1] else 0
-    if not tile or not rows:
+    if not rows:
         return _linear(x, w)
+    if not tile:
+        pad = bucket_rows(rows) - rows if PAD_ROWS else 0
+        if not pad:
+            return _linear(x, w)
+        tile = rows + pad  # one call of the bucket's rows
     flat = x.reshape(rows, x.shape[-1])
     pad = -rows % tile
     if pad:

@@ -114,3 +114,25 @@ def test_build_tile_edges():
     assert [(c.start, c.length) for c in b.chunks] == [(16, 16), (32, 16)]
     with pytest.raises(StrataError, match="negative"):
         ForwardBatch.build([_input(0, 3)], tile=-1)
+
+
+def test_cuda_row_buckets(monkeypatch) -> None:
+    """On CUDA a product's rows are padded to a bucket (few kernel shapes); the result is the
+    unpadded one's, sliced (checked here on the CPU with the padding forced on)."""
+    from executor import ops
+
+    assert [ops.bucket_rows(r) for r in (1, 2, 3, 5, 16, 17, 256, 257, 600)] == [
+        1, 2, 4, 8, 16, 32, 256, 512, 768,
+    ]  # fmt: skip
+    rng = np.random.default_rng(7)
+    w = mx.array(rng.standard_normal((48, 64)).astype(np.float32))
+    wq = ops.QuantLinear(*mx.quantize(w, group_size=32, bits=4), bits=4, group_size=32)
+    for rows in (1, 3, 17, 300):
+        x = mx.array(rng.standard_normal((1, rows, 64)).astype(np.float32))
+        for weight in (w, wq):
+            want = ops.linear(x, weight)
+            monkeypatch.setattr(ops, "PAD_ROWS", True)
+            got = ops.linear(x, weight)
+            monkeypatch.setattr(ops, "PAD_ROWS", False)
+            assert got.shape == want.shape == (1, rows, 48)
+            assert mx.array_equal(got, want).item()
