@@ -15,6 +15,7 @@ O_DIRECT by an offset into a slightly larger array. A short or failed read raise
 
 from __future__ import annotations
 
+import mmap
 import os
 import threading
 import time
@@ -33,6 +34,15 @@ CHUNK = 4 << 20
 """Read size per preadv call, bytes: 4 MiB, the profile's direct-I/O test block."""
 
 _DTYPES = {"uint32": mx.uint32, "float16": mx.float16, "float32": mx.float32}
+
+STAGE_DIRECT_READS = mx.cuda.is_available()
+"""On MLX's CUDA backend, direct-I/O reads land in a host buffer and are copied into the slot,
+rather than being read straight into it. A DMA from the disk into the memory behind an MLX CUDA
+array is not coherent with what the GPU then reads: measured on the H200, greedy decoding of an
+FFN-streamed SmolLM2-shaped model gave different tokens from run to run (2 of 4 runs) when
+O_DIRECT read into the slots, and the resident model's tokens in 4 of 4 runs when the same bytes
+came in through the CPU (buffered reads, or this copy). The copy costs a memcpy of the streamed
+bytes; on unified-memory Apple silicon and the CPU the reads still land in place."""
 
 
 class SlotArena:
@@ -64,6 +74,8 @@ class SlotArena:
             self._views.append(mv[base : base + slot_bytes])
             self._base.append(base)
         self._fd, self.direct, self.method = open_uncached(path)
+        self._staged = self.direct and STAGE_DIRECT_READS
+        self._stage = threading.local()  # per I/O thread: an aligned CHUNK-byte host buffer
         self.io = ThreadPoolExecutor(max(1, io_threads), thread_name_prefix="strata-io")
 
     def __len__(self) -> int:
@@ -81,7 +93,14 @@ class SlotArena:
 
         def one(chunk: tuple[int, int]) -> int:
             off, n = chunk
-            got = pread_into(self._fd, view[off : off + n], unit.offset + off)
+            if self._staged:
+                buf = getattr(self._stage, "buf", None)
+                if buf is None:
+                    buf = self._stage.buf = memoryview(mmap.mmap(-1, CHUNK))  # page-aligned
+                got = pread_into(self._fd, buf[:n], unit.offset + off)
+                view[off : off + got] = buf[:got]  # a CPU write: coherent with the GPU's reads
+            else:
+                got = pread_into(self._fd, view[off : off + n], unit.offset + off)
             if got != n:
                 raise StrataError(
                     f"short read from {unit.name} in the packed store: {got} of {n} bytes at "

@@ -87,3 +87,39 @@ def test_ctrl_c_in_execute_run_exits_cleanly(budget_plans):
     out, err = proc.communicate(timeout=60)
     assert proc.returncode == 130, err
     assert "interrupted" in err and "Traceback" not in err
+
+
+def test_staged_reads_give_the_same_weights(budget_plans, monkeypatch):
+    """The CUDA read path (``STAGE_DIRECT_READS``: direct I/O into a host buffer, then a copy
+    into the slot) gives the same greedy ids as reads straight into the slots, through the
+    chunking of units larger than one buffer (a CHUNK shrunk to force several per unit)."""
+
+    def ids():
+        engine = Engine(load_plan(budget_plans["ffn-nvme"]))
+        try:
+            assert engine.store.pool is not None
+            return engine.generate([504, 3575, 28], SamplingParams(), 6).output_ids
+        finally:
+            engine.close()
+
+    want = ids()
+    monkeypatch.setattr(streaming, "CHUNK", 64 << 10)
+    monkeypatch.setattr(streaming, "STAGE_DIRECT_READS", True)
+    real_init = streaming.SlotArena.__init__
+
+    def staged_init(self, *a, **k):
+        real_init(self, *a, **k)
+        self._staged = True  # also where the test's filesystem refuses O_DIRECT
+
+    monkeypatch.setattr(streaming.SlotArena, "__init__", staged_init)
+    staged = []
+    real_pread = streaming.pread_into
+
+    def pread(fd, mv, off):
+        staged.append((type(mv.obj).__name__, len(mv)))
+        return real_pread(fd, mv, off)
+
+    monkeypatch.setattr(streaming, "pread_into", pread)
+    assert ids() == want
+    assert staged and {kind for kind, _ in staged} == {"mmap"}  # into the host buffer
+    assert max(n for _, n in staged) <= 64 << 10
