@@ -7,11 +7,12 @@ one token per verification step.
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import make_plan_file
+from conftest import ROOT, make_plan_file
 from gguf_factory import write_arch_model
 from test_serving import run_all
 from test_tiers import _moved
@@ -108,8 +109,6 @@ def draft_plan(model, tmp_path_factory) -> Path:
     """The target cut to its first block (scripts/cut_gguf.py), planned resident."""
     import importlib.util
 
-    from conftest import ROOT
-
     spec = importlib.util.spec_from_file_location("cut_gguf", ROOT / "scripts" / "cut_gguf.py")
     cut_module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(cut_module)
@@ -172,8 +171,6 @@ def smollm2_spec(smollm2_gguf, tmp_path_factory):
     the repetitive task and a free-text prompt run together."""
     import importlib.util
 
-    from conftest import ROOT
-
     d = tmp_path_factory.mktemp("smol-spec")
     spec = importlib.util.spec_from_file_location("cut_gguf", ROOT / "scripts" / "cut_gguf.py")
     cut_module = importlib.util.module_from_spec(spec)
@@ -190,13 +187,22 @@ def smollm2_spec(smollm2_gguf, tmp_path_factory):
             "free", tok.encode("The old lighthouse keeper"), 12, SamplingParams(), True
         ),
     ]
+    # The reference cases (llama.cpp's prompt ids for this model, ``tests/data``) in the batch.
+    refs = json.loads((ROOT / "tests" / "data" / "llamacpp_visible.json").read_text())
+    for ref in refs:
+        if ref["model_file"].startswith("SmolLM2"):
+            ids = ref["prompt_ids"]
+            reqs.append(GenerationRequest(ref["case"], ids, 8, SamplingParams(), True))
+    assert len(reqs) >= 4
     return plan, draft, reqs, _run(plan, reqs)[0]
 
 
 @pytest.mark.parametrize("kind", ["prompt_lookup", "self", "draft_model"])
 def test_real_model_repetitive_task(kind, smollm2_spec):
-    """SmolLM2 on the repetitive task beside a free-text request: the same greedy ids as without
-    speculation, and every drafter has drafts accepted and more than one token per verification
+    """SmolLM2 on the repetitive task beside a free-text request and the reference cases
+    (``capital``, ``chat-arith``), all in one batch: the same greedy ids as without speculation
+    (and so as alone: the CPU's serving engine is batch-invariant, ``tests/test_serving.py``),
+    and every drafter has drafts accepted and more than one token per verification
     step (measured here: prompt lookup about 0.48 acceptance and 2.2 tokens per step, the
     self-drafter on 26 of 30 blocks about 0.24 and 1.7, the 16-block draft model about 0.04 and
     1.1)."""
