@@ -30,7 +30,9 @@ are loaded, and only after they are known:
   are read while block l computes, so block l+1 finds them cached.
 - **Routing profile**: the tracker's counts, saved as JSON (``RoutingProfile``), let
   ``plan.py plan --routing-profile FILE`` replace uniform top-k/n access with measured
-  frequencies and the measured prediction recall.
+  frequencies and the measured prediction recall. A plan made with one names it, and the
+  executor seeds the tracker with it (``PRIOR_TOKENS`` tokens' worth) and reads the plan's
+  ``expert_cache.preload`` (the profile's hot streamed experts) into the cache at start.
 
 Counters are per use and honest: ``hits + misses`` = streamed-expert uses; a prefetched expert is
 ``used`` when a later use hits it, ``wasted`` when it is evicted unused, ``pending`` while it sits
@@ -234,8 +236,8 @@ class ExpertCache:
         dtype: compute dtype.
         mode: one of ``CACHE_MODES``.
         prefetch: experts prefetched per block in ``prefetch`` mode.
-        frequency: int [layers, n_expert], how often each expert is known to be chosen (the
-            routing tracker's live ``rank``), for eviction.
+        frequency: float64 [layers, n_expert], how often each expert is known to be chosen
+            (the routing tracker's live ``rank``), for eviction.
 
     Raises:
         StrataError: no slots, or an unknown mode.
