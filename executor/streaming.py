@@ -9,7 +9,9 @@ it has been evaluated — a slot is never overwritten while a lazy MLX computati
 
 Slots are MLX uint8 arrays allocated once (reused, never reallocated); reads land in them in place
 (``memoryview`` of an evaluated MLX array is writable on CPU and unified memory), aligned for
-O_DIRECT by an offset into a slightly larger array. A short or failed read raises a
+O_DIRECT by an offset into a slightly larger array. On MLX's CUDA backend direct-I/O reads go
+through a host buffer instead (``STAGE_DIRECT_READS``: a DMA into the array's memory is not
+coherent with the GPU's reads there). A short or failed read raises a
 ``StrataError`` in the compute thread, never silently wrong weights.
 """
 
