@@ -122,7 +122,7 @@ def _replan(
         "profiled_plan_predicted_s_per_token": round(1 / r2["predicted_decode_tok_s"], 6),
         "uniform_plan_measured_s_per_token": round(1 / r["decode_tok_s"], 6),
         "profiled_plan_measured_s_per_token": round(1 / r2["decode_tok_s"], 6),
-        "measured_ratio": round(r["decode_tok_s"] and r2["decode_tok_s"] / r["decode_tok_s"], 4),
+        "measured_speedup": round(r2["decode_tok_s"] / r["decode_tok_s"], 4),
         "profiled_plan_hit_rate": r2.get("experts", {}).get("hit_rate"),
         "profiled_plan_pinned_use_share": _pinned_share(r2.get("experts", {})),
         "uniform_plan_hit_rate": r.get("experts", {}).get("hit_rate"),

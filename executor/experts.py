@@ -118,15 +118,12 @@ class RoutingTracker:
 
     Args:
         arch: the model's hyperparameters (``block_count``, ``expert_count``).
-        prior: the routing profile the plan was made with, if any. Its counts and successor
-            counts, scaled to ``PRIOR_TOKENS`` tokens' worth, are added to this run's for
-            ranking (LFU eviction) and prediction: the cache and the prefetch start from what
-            the profile measured instead of from nothing, and this run's own routing takes over
-            after a few dozen tokens when the text routes differently. The run's own counts
-            (``counts``, ``profile``) stay separate.
 
-    Raises:
-        StrataError: a prior with another block or expert count.
+    A prior (``seed``: the routing profile the plan was made with) adds the profile's counts and
+    successor counts, scaled to ``PRIOR_TOKENS`` tokens' worth, to this run's for ranking (LFU
+    eviction) and prediction: the cache and the prefetch start from what the profile measured
+    instead of from nothing, and this run's own routing takes over after a few dozen tokens when
+    the text routes differently. The run's own counts (``counts``, ``profile``) stay separate.
 
     Attributes:
         counts: int64 [layers, n_expert], selections of each expert in this run.
@@ -142,7 +139,7 @@ class RoutingTracker:
             the share of a block's choices that were predicted, the recall).
     """
 
-    def __init__(self, arch: Architecture, prior: RoutingProfile | None = None):
+    def __init__(self, arch: Architecture):
         layers, n = arch.block_count, max(arch.expert_count, 1)
         self.layers, self.n = layers, n
         self.counts = np.zeros((layers, n), np.int64)
@@ -150,23 +147,30 @@ class RoutingTracker:
         self.successor = np.zeros((max(layers - 1, 0), n, n), np.int64)
         self.rank = np.zeros((layers, n), np.float64)
         self._prior_successor = np.zeros(self.successor.shape, np.float64)
-        if prior is not None:
-            if (prior.layers, prior.expert_count) != (layers, n):
-                raise StrataError(
-                    f"the routing profile has {prior.layers} blocks of {prior.expert_count} "
-                    f"experts but the model has {layers} of {n}; re-plan with a profile of "
-                    "this model"
-                )
-            scale = PRIOR_TOKENS / np.maximum(np.asarray(prior.tokens, np.float64), 1.0)
-            self.rank += np.asarray(prior.counts, np.float64) * scale[:, None]
-            if layers > 1:
-                succ = np.asarray(prior.successor, np.float64)
-                self._prior_successor += succ * scale[:-1, None, None]
         self.coactivation = np.zeros((layers, n, n), np.int64)
         self.predicted = 0
         self.predicted_hits = 0
         self._prev: tuple[int, np.ndarray] | None = None
         self._pending: dict[int, np.ndarray] = {}
+
+    def seed(self, prior: RoutingProfile) -> None:
+        """Add ``prior``'s counts and successor counts, scaled to ``PRIOR_TOKENS`` tokens'
+        worth, to the ranking and the prediction (class docstring).
+
+        Raises:
+            StrataError: a prior with another block or expert count.
+        """
+        if (prior.layers, prior.expert_count) != (self.layers, self.n):
+            raise StrataError(
+                f"the routing profile has {prior.layers} blocks of {prior.expert_count} "
+                f"experts but the model has {self.layers} of {self.n}; re-plan with a profile "
+                "of this model"
+            )
+        scale = PRIOR_TOKENS / np.maximum(np.asarray(prior.tokens, np.float64), 1.0)
+        self.rank += np.asarray(prior.counts, np.float64) * scale[:, None]
+        if self.layers > 1:
+            succ = np.asarray(prior.successor, np.float64)
+            self._prior_successor += succ * scale[:-1, None, None]
 
     def observe(self, layer: int, chosen: np.ndarray) -> None:
         """Record block ``layer``'s choice: ``chosen`` int [T, k], each token's experts."""
@@ -200,8 +204,9 @@ class RoutingTracker:
         first ``m`` it does not already hold."""
         if m <= 0 or not 0 < layer < self.layers:
             return []
-        follows = self.successor[layer - 1] + self._prior_successor[layer - 1]
-        score = follows[chosen.ravel()].sum(axis=0).astype(np.float64)
+        rows = chosen.ravel()
+        score = self.successor[layer - 1][rows].sum(axis=0).astype(np.float64)
+        score += self._prior_successor[layer - 1][rows].sum(axis=0)
         # Ties (and a tracker with no history yet): the more often chosen expert, then the lower.
         score += self.rank[layer] / (1.0 + self.rank[layer].max())
         order = np.lexsort((np.arange(self.n), -score))

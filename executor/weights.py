@@ -108,7 +108,6 @@ class WeightStore:
         ]
         mx.eval([w.weight if isinstance(w, QuantLinear) else w for w in resident])
         self.experts_cache: ExpertCache | None = None
-        self.routing_arch = desc.architecture
         self.routing = RoutingTracker(desc.architecture)
         self.expert_uses = {"gpu": 0, "ram": 0}
         self._group_needs_eval = False
@@ -148,7 +147,7 @@ class WeightStore:
             StrataError: a prior of another shape, or a failed preload read.
         """
         if prior is not None:
-            self.routing = RoutingTracker(self.routing_arch, prior)
+            self.routing.seed(prior)
         streamed = [u for u in self._expert_units if self._tier_of_unit[u] == "nvme"]
         if streamed and self._pack is not None:
             self.experts_cache = ExpertCache(

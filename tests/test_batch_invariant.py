@@ -127,12 +127,17 @@ def test_cuda_row_buckets(monkeypatch) -> None:
     rng = np.random.default_rng(7)
     w = mx.array(rng.standard_normal((48, 64)).astype(np.float32))
     wq = ops.QuantLinear(*mx.quantize(w, group_size=32, bits=4), bits=4, group_size=32)
+    calls = []
+    real = ops._linear
+    monkeypatch.setattr(ops, "_linear", lambda x, w: calls.append(x.shape[0]) or real(x, w))
     for rows in (1, 3, 17, 300):
         x = mx.array(rng.standard_normal((1, rows, 64)).astype(np.float32))
         for weight in (w, wq):
             want = ops.linear(x, weight)
             monkeypatch.setattr(ops, "PAD_ROWS", True)
+            calls.clear()
             got = ops.linear(x, weight)
+            assert calls == [ops.bucket_rows(rows)]  # one call of the bucket's rows
             monkeypatch.setattr(ops, "PAD_ROWS", False)
             assert got.shape == want.shape == (1, rows, 48)
             assert mx.array_equal(got, want).item()
