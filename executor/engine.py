@@ -163,12 +163,24 @@ class Engine:
             mx.eval(logits)
         return logits
 
-    def logits_for(self, ids: list[int]) -> np.ndarray:
-        """Float32 logits after each position of ``ids`` ([T, vocab]), for teacher-forced checks."""
+    def logits_for(self, ids: list[int], first: int = 0) -> np.ndarray:
+        """Float32 logits after each position ``first..T-1`` of ``ids`` ([T - first, vocab]), for
+        teacher-forced checks. Positions before ``first`` are computed into the KV cache without
+        the output head (which dominates a small model's cost with a large vocabulary: Gemma's
+        262,144 rows), in chunks ending at ``first``.
+
+        Raises:
+            StrataError: ``ids`` does not fit the plan's context.
+            ValueError: ``first`` is not a position of ``ids``.
+        """
         self.check_prompt(ids)
+        if not 0 <= first < len(ids):
+            raise ValueError(f"logits_for: first {first} is not a position of {len(ids)} ids")
         cache = self.model.make_cache(self.context)
+        for start in range(0, first, self.prefill_chunk):
+            self.model.forward(ids[start : min(start + self.prefill_chunk, first)], cache)
         rows = []
-        for start in range(0, len(ids), self.prefill_chunk):
+        for start in range(first, len(ids), self.prefill_chunk):
             out = self.model.forward(
                 ids[start : start + self.prefill_chunk], cache, all_logits=True
             )

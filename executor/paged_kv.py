@@ -117,12 +117,16 @@ class SeqInput:
         start: position of ``ids[0]`` (tokens already in the KV cache).
         slots: int32 [start + len(ids)], the KV slot of every position (:func:`slot_table`).
         logits: ``"last"`` (the last token's logits), ``"all"`` (every token's) or ``"none"``.
+        one_per_piece: with a tile (``ForwardBatch.build``), attend one token per piece, as a
+            decode does: a speculative verification's tokens then compute exactly what decoding
+            them one at a time would. Ignored without a tile.
     """
 
     ids: list[int]
     start: int
     slots: np.ndarray
     logits: str = "last"
+    one_per_piece: bool = False
 
 
 @dataclass
@@ -173,8 +177,9 @@ class ForwardBatch:
             tile: 0: as above. T > 0 (batch-invariant serving, module docstring): no decode
                 group; every input becomes chunks cut at absolute positions that are multiples
                 of T (start 40, 30 tokens, T 16: [40, 48), [48, 64), [64, 70)), each attending
-                to the slots of its sequence up to its own end. ``write_slots`` and
-                ``logit_rows`` are the same as without tiles.
+                to the slots of its sequence up to its own end; an input with
+                ``one_per_piece`` is cut at every token. ``write_slots`` and ``logit_rows`` are
+                the same as without tiles.
 
         Raises:
             StrataError: an input without tokens; a negative ``tile``.
@@ -208,7 +213,7 @@ class ForwardBatch:
             s = seqs[i]
             row_of[i] = len(ids)
             end = s.start + len(s.ids)
-            for lo, hi in _pieces(s.start, end, tile):
+            for lo, hi in _pieces(s.start, end, 1 if tile and s.one_per_piece else tile):
                 sees = mx.array(s.slots[None, :hi])
                 chunks.append(Chunk(row_of[i] + lo - s.start, hi - lo, lo, sees))
             ids.extend(s.ids)

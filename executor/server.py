@@ -11,8 +11,8 @@ Threads. Uvicorn runs one asyncio event loop that parses requests, tokenizes pro
 responses; all model work happens on the engine thread of ``executor.serving.ServingEngine``,
 which batches every running request into each step (continuous batching). A request is submitted
 with a callback that the engine thread calls with each ``TokenEvent``; the callback only hands the
-event to the loop (``loop.call_soon_threadsafe``) into the request's own queue, so the engine never
-touches asyncio objects and never waits on a client.
+event to the loop (``_Mailbox``: one ``loop.call_soon_threadsafe`` per batch of events) into the
+request's own queue, so the engine never touches asyncio objects and never waits on a client.
 
 Back-pressure. The engine thread never blocks on HTTP: a slow reader only makes its own queue
 grow, and that queue is bounded by the request's ``max_tokens``. When several events are queued
@@ -585,14 +585,11 @@ class Generation:
         if self.state.closing:
             self.finished = True
             raise APIError(503, "the server is shutting down; retry elsewhere", "server_error")
-        loop = asyncio.get_running_loop()
+        mailbox = self.state.mailbox(asyncio.get_running_loop())
         put = self._queue.put_nowait
 
         def on_event(event: TokenEvent) -> None:  # on the engine thread
-            try:
-                loop.call_soon_threadsafe(put, (time.perf_counter(), event))
-            except RuntimeError:  # the loop is closed: the server is shutting down
-                pass
+            mailbox.post(put, (time.perf_counter(), event))
 
         self._t_submit = time.perf_counter()
         try:
@@ -777,6 +774,39 @@ async def _collect(generation: Generation, request: Request) -> tuple[str, str]:
 # --------------------------------------------------------------------------------------------
 
 
+class _Mailbox:
+    """Token events from the engine thread to the event loop, one wake-up per batch of them.
+
+    ``loop.call_soon_threadsafe`` writes to the loop's self-pipe to wake it; called per event,
+    a step of 16 sequences costs 16 wake-ups and 16 loop iterations. Here the first event of a
+    batch schedules one delivery and the events that follow it before the loop runs ride along,
+    in order (measured need: on the H200 a 16-sequence step of the small model took 18 ms behind
+    HTTP against 9-11 ms in-process).
+    """
+
+    def __init__(self, loop: asyncio.AbstractEventLoop):
+        self._loop = loop
+        self._lock = threading.Lock()
+        self._items: list[tuple[Callable[[Any], None], Any]] = []
+
+    def post(self, put: Callable[[Any], None], item: Any) -> None:
+        """Have the loop call ``put(item)`` (from any thread; a closed loop drops it)."""
+        with self._lock:
+            self._items.append((put, item))
+            wake = len(self._items) == 1
+        if wake:
+            try:
+                self._loop.call_soon_threadsafe(self._deliver)
+            except RuntimeError:  # the loop is closed: the server is shutting down
+                pass
+
+    def _deliver(self) -> None:
+        with self._lock:
+            items, self._items = self._items, []
+        for put, item in items:
+            put(item)
+
+
 @dataclass
 class ServerState:
     """What the handlers share.
@@ -796,6 +826,13 @@ class ServerState:
     created: int
     live: set[Generation] = field(default_factory=set)
     closing: bool = False
+    _mailbox: _Mailbox | None = None
+
+    def mailbox(self, loop: asyncio.AbstractEventLoop) -> _Mailbox:
+        """The hand-off of engine events to ``loop`` (made on first use, one per server)."""
+        if self._mailbox is None:
+            self._mailbox = _Mailbox(loop)
+        return self._mailbox
 
     async def drain(self, timeout: float, forced: Callable[[], bool]) -> None:
         """Stop taking requests, give running ones ``timeout`` seconds to finish, then end the
@@ -1252,8 +1289,7 @@ def serve(
     ``batch_invariant``: ``ServingEngine``'s mode of that name (``--batch-invariant``).
 
     Raises:
-        StrataError: the address cannot be used, the plan cannot be loaded, or
-            ``batch_invariant`` with a plan that decodes speculatively.
+        StrataError: the address cannot be used, or the plan cannot be loaded.
     """
     from executor.engine import Engine
     from executor.plan_loader import load_plan

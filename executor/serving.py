@@ -33,9 +33,11 @@ every chunk that is not a prompt's last on a multiple of the block size
 than 16 rows (a lone decode) computes 16, and attention runs one call per piece instead of one
 for all decodes. Limits: a preempted sequence's tokens that are recomputed (outputs included) are
 computed as prefill pieces, not as the decodes that first computed them, so a preempted request
-may differ (as may a prefix hit on blocks holding another request's generated tokens);
-speculative decoding is refused (a verification computes a decode's token in a multi-token
-piece). The single-request path (``Engine.generate``), on any other thread, is unaffected (the
+may differ (as may a prefix hit on blocks holding another request's generated tokens).
+Speculative decoding works in this mode: a verification's tokens attend one per piece
+(``SeqInput.one_per_piece``), each as the decode of that token would, and their weight products
+are rows of the same tiles, so every accepted token is the one plain decoding computes. The
+single-request path (``Engine.generate``), on any other thread, is unaffected (the
 row tile is per thread).
 
 Finishing: an end-of-generation token (kept, finish reason ``stop``) unless ``ignore_eos``;
@@ -142,8 +144,7 @@ class ServingEngine:
             prefix hit (module docstring: how, what it costs, its limits).
 
     Raises:
-        StrataError: ``batch_invariant`` with speculative decoding (a drafter given, or the
-            plan's); the plan's ``prefill_chunk`` or ``max_num_batched_tokens`` below its KV
+        StrataError: the plan's ``prefill_chunk`` or ``max_num_batched_tokens`` below its KV
             block size with ``batch_invariant``.
 
     Attributes:
@@ -163,17 +164,6 @@ class ServingEngine:
         self.engine = engine
         self.batch_invariant = batch_invariant
         self._draft_engine: Engine | None = None
-        spec = engine.loaded.plan.speculative
-        if batch_invariant and (
-            drafter is not None
-            or (speculative and spec.method != "none" and spec.num_draft_tokens > 0)
-        ):
-            raise StrataError(
-                "batch-invariant serving cannot run speculative decoding (a verification "
-                "computes a decode's token among several, so outputs would differ from plain "
-                "decoding); serve without --batch-invariant, or with a plan made without "
-                "--speculative"
-            )
         if drafter is None and speculative:
             drafter, num_draft_tokens = self._plan_drafter()
         self.drafter = drafter
@@ -457,7 +447,8 @@ class ServingEngine:
             slots = slot_table(c.seq.block_ids, bs, c.start + c.num_tokens)
             # Every input returns at least its last row's logits (the forward pass must produce
             # something to evaluate); only sampling chunks use them; verification needs all.
-            inputs.append(SeqInput(c.ids, c.start, slots, "all" if c.draft else "last"))
+            logits = "all" if c.draft else "last"
+            inputs.append(SeqInput(c.ids, c.start, slots, logits, one_per_piece=bool(c.draft)))
         batch = ForwardBatch.build(inputs, tile=self._tile)
         logits = self.engine.model.forward_batch(batch, self.kv)
         want = [i for i, c in enumerate(step.chunks) if c.sample]

@@ -12,6 +12,8 @@ from __future__ import annotations
 import hashlib
 import mmap
 import struct
+import threading
+from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -216,6 +218,36 @@ def _walk_header(path: Path, size: int) -> tuple[int, dict[str, tuple[int, int, 
         buf.close()
 
 
+READER_CACHE_SIZE = 4
+"""``gguf.GGUFReader`` objects kept per process, most recently used first. The reader parses every
+metadata field into numpy views when it is made: 14.6 s for Gemma-3-270M's 262,144-token
+vocabulary on the 2-core dev machine (2.1 million views), while planning a model and then
+loading its plan open the same file twice in one process."""
+
+_readers: OrderedDict[tuple, gguf.GGUFReader] = OrderedDict()
+_readers_lock = threading.Lock()
+
+
+def _reader(p: Path) -> gguf.GGUFReader:
+    """The (cached) ``gguf.GGUFReader`` of ``p``, keyed by its resolved path, inode, size and
+    modification time, so a rewritten file is read anew."""
+    st = p.stat()
+    key = (str(p.resolve()), st.st_ino, st.st_size, st.st_mtime_ns)
+    with _readers_lock:
+        if key in _readers:
+            _readers.move_to_end(key)
+            return _readers[key]
+    try:
+        reader = gguf.GGUFReader(p, "r")
+    except Exception as e:  # the header passed our checks; anything left is still the file's fault
+        raise GGUFError(f"{p}: the gguf package cannot read this file: {e}") from None
+    with _readers_lock:
+        _readers[key] = reader
+        while len(_readers) > READER_CACHE_SIZE:
+            _readers.popitem(last=False)
+    return reader
+
+
 def open_gguf(path: str | Path) -> GGUFFile:
     """Validate and open a GGUF file.
 
@@ -228,10 +260,7 @@ def open_gguf(path: str | Path) -> GGUFFile:
         raise GGUFError(f"{p}: no such file")
     size = p.stat().st_size
     data_offset, infos = _walk_header(p, size)
-    try:
-        reader = gguf.GGUFReader(p, "r")
-    except Exception as e:  # the header passed our checks; anything left is still the file's fault
-        raise GGUFError(f"{p}: the gguf package cannot read this file: {e}") from None
+    reader = _reader(p)
     if not infos:
         raise GGUFError(f"{p}: the GGUF holds no tensors; it is not a model file")
     if reader.data_offset != data_offset or len(reader.tensors) != len(infos):

@@ -112,15 +112,15 @@ def check_case(engine, ref: dict, gap: float, result: RuleResult | None = None) 
     """
     result = RuleResult() if result is None else result
     ids = ref["prompt_ids"] + ref["greedy_ids"][:-1]
-    logits = engine.logits_for(ids)
     n = len(ref["prompt_ids"])
+    logits = engine.logits_for(ids, first=n - 1)  # row i: after position n - 1 + i
     for tok, value in ref["top10_after_prompt"]:
-        result.top10_diff = max(result.top10_diff, abs(float(logits[n - 1, tok]) - value))
+        result.top10_diff = max(result.top10_diff, abs(float(logits[0, tok]) - value))
     for step, (want, top5) in enumerate(
         zip(ref["greedy_ids"], ref["greedy_step_top5"], strict=True)
     ):
         top2_gap = top5[0][1] - top5[1][1]
-        got = int(np.argmax(logits[n - 1 + step]))
+        got = int(np.argmax(logits[step]))
         result.steps += 1
         if top2_gap >= gap:
             result.checked += 1

@@ -118,6 +118,11 @@ def test_chunked_prefill_matches_one_pass(arch, arch_references):
     finally:
         engine.prefill_chunk = chunk
     np.testing.assert_allclose(chunked, whole, atol=2e-3, rtol=0)
+    # Logits from a position on (what teacher-forced checks ask for): the same rows.
+    n = len(ref["prompt_ids"])
+    np.testing.assert_allclose(engine.logits_for(ids, first=n - 1), whole[n - 1 :], atol=2e-3)
+    with pytest.raises(ValueError, match="not a position"):
+        engine.logits_for(ids, first=len(ids))
 
 
 PLACEMENTS = ("ram", "nvme", "mixed")

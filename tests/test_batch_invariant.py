@@ -108,6 +108,19 @@ def test_build_with_a_tile_cuts_at_multiples():
     assert np.array(tiled.logit_rows).tolist() == [0, *range(1, 31), 35]
 
 
+def test_one_per_piece_cuts_every_token():
+    """A verification (``one_per_piece``) attends token by token, each as a decode would; without
+    a tile the flag changes nothing."""
+    v = SeqInput([1, 2, 3], 30, np.arange(33, dtype=np.int32), "all", one_per_piece=True)
+    b = ForwardBatch.build([v], tile=16)
+    assert [(c.start, c.length, c.table.shape[1]) for c in b.chunks] == [
+        (30, 1, 31),
+        (31, 1, 32),
+        (32, 1, 33),
+    ]
+    assert [(c.start, c.length) for c in ForwardBatch.build([v]).chunks] == [(30, 3)]
+
+
 def test_build_tile_edges():
     # A chunk that starts and ends on tile boundaries is cut only inside.
     b = ForwardBatch.build([_input(16, 32)], tile=16)

@@ -348,25 +348,32 @@ def test_smollm2_batch_of_mixed_requests(smollm2_gguf, tmp_path):
     assert se.batch == plan_batch and se.scheduler.max_num_seqs == plan_batch.max_num_seqs == 4
 
 
-def test_batch_invariant_refuses_speculative_decoding(models, tmp_path):
-    """A drafter given, or the plan's speculative section: refused before anything runs (a
-    verification computes a decode's token among several); speculative=False serves the plan."""
+def test_batch_invariant_speculative_decoding(models, tmp_path):
+    """Batch-invariant serving with prompt lookup: verifications attend one token per piece, so
+    greedy ids equal the mode's plain decoding, alone and as a batch, with drafts accepted."""
     from executor.drafters import PromptLookupDrafter
-    from planner.errors import StrataError
 
     plan = make_plan_file(str(models["llama3"]), tmp_path / "p.yaml", context=64)
-    data = yaml.safe_load(plan.read_text())
-    data["speculative"] = {"method": "prompt_lookup", "num_draft_tokens": 3}
-    spec_plan = tmp_path / "spec.yaml"
-    spec_plan.write_text(yaml.safe_dump(data, sort_keys=False))
-    words = "batch-invariant serving cannot run speculative decoding.*without --batch-invariant"
-    engine = Engine(load_plan(spec_plan))
+    engine = Engine(load_plan(plan))
+    mk = lambda tag: [  # noqa: E731  (random weights repeat themselves: lookup finds drafts)
+        GenerationRequest(f"{tag}{i}", [5 + i, 9, 5 + i, 9, 5 + i], 24, SamplingParams(), True)
+        for i in range(3)
+    ]
     try:
-        with pytest.raises(StrataError, match=words):
-            ServingEngine(engine, PromptLookupDrafter(), 3, batch_invariant=True)
-        with pytest.raises(StrataError, match=words):
-            ServingEngine(engine, batch_invariant=True)
-        se = ServingEngine(engine, speculative=False, batch_invariant=True)
-        assert se.drafter is None and se.scheduler.chunk_align == se.pool.block_size
+        runs = {}
+        for name, options in (
+            ("plain", {"speculative": False}),
+            ("spec", {"drafter": PromptLookupDrafter(), "num_draft_tokens": 3}),
+        ):
+            se = ServingEngine(engine, batch_invariant=True, **options)
+            se.start()
+            try:
+                alone = [run_all(se, [r])[r.request_id].token_ids for r in mk("a")]
+                batch = run_all(se, mk("b"))
+                runs[name] = (alone, [batch[f"b{i}"].token_ids for i in range(3)], se.spec_stats())
+            finally:
+                se.close()
     finally:
         engine.close()
+    assert runs["spec"][0] == runs["plain"][0] == runs["plain"][1] == runs["spec"][1]
+    assert runs["spec"][2]["accepted"] > 0
