@@ -149,7 +149,8 @@ def load_plan(path: str | Path) -> LoadedPlan:
 
     Raises:
         SchemaError: not a plan, a typo, or an unknown major format version.
-        PlanError: the model or profile changed since planning, or units do not match.
+        PlanError: the model or profile changed since planning, the request section was edited,
+            or units do not match.
         GGUFError: the model file is malformed.
     """
     path = Path(path)
@@ -169,6 +170,15 @@ def load_plan(path: str | Path) -> LoadedPlan:
                 f"{path}: model file {model_path} has sha256 {digest[:12]}… but the plan was made "
                 f"for {src.sha256[:12]}…; the model changed — re-run plan.py plan"
             )
+    want = plan.fingerprints.request_sha256
+    if want is not None and canonical_sha256(plan.request) != want:
+        # The placement, KV cache and batch limits were solved for the request as it was: a
+        # hand-raised context would size a KV cache the budgets never allowed for.
+        raise PlanError(
+            f"{path}: its request section (context, concurrency, objective, budgets) was edited "
+            "after planning, so its placement and KV cache no longer follow from it; re-run "
+            "plan.py plan with the new request"
+        )
     ref = plan.fingerprints.profile
     if ref is not None:
         prof_path = path.parent / ref.path

@@ -283,7 +283,7 @@ class Scheduler:
                 run even alone, its prompt and ``max_tokens`` (capped by the context) needing
                 more blocks than the whole pool has; the id is taken.
         """
-        rid, n, bs = seq.request_id, len(seq.prompt_ids), self.pool.block_size
+        rid, n = seq.request_id, len(seq.prompt_ids)
         if n == 0:
             raise StrataError(f"request {rid!r} has an empty prompt; send at least one token")
         if n >= self.max_model_len:
@@ -296,17 +296,8 @@ class Scheduler:
             raise StrataError(
                 f"request {rid!r} asks for max_tokens {seq.max_tokens}; ask for at least 1"
             )
-        # The most tokens it can hold (the engine finishes it at max_tokens or the context).
         # Refusing what cannot fit alone is what makes preemption always end.
-        peak = min(n + seq.max_tokens, self.max_model_len)
-        need = self._blocks_for(peak)
-        if need > self.pool.num_blocks:
-            raise StrataError(
-                f"request {rid!r} needs up to {need} KV blocks ({peak} tokens: a prompt of {n} "
-                f"+ max_tokens {seq.max_tokens}, within the {self.max_model_len}-token context) "
-                f"but the KV cache has {self.pool.num_blocks} blocks of {bs} tokens in all; "
-                "lower max_tokens, shorten the prompt or plan more KV blocks (kv_num_blocks)"
-            )
+        self.check_fits(rid, n, seq.max_tokens)
         if rid in self._live:
             raise StrataError(
                 f"request id {rid!r} is already waiting or running; give each request its own id"
@@ -318,6 +309,25 @@ class Scheduler:
         seq.block_ids = []
         self._live[rid] = seq
         self.waiting.append(seq)
+
+    def check_fits(self, request_id: str, prompt_tokens: int, max_tokens: int) -> None:
+        """Refuse a request whose prompt and ``max_tokens`` (capped by the context: the engine
+        finishes it there) need more KV blocks than the whole pool has, so it could not run even
+        alone. Reads only fixed settings: safe from any thread.
+
+        Raises:
+            StrataError: the request cannot fit; the message says what to lower or re-plan.
+        """
+        peak = min(prompt_tokens + max_tokens, self.max_model_len)
+        need = self._blocks_for(peak)
+        if need > self.pool.num_blocks:
+            raise StrataError(
+                f"request {request_id!r} needs up to {need} KV blocks ({peak} tokens: a prompt "
+                f"of {prompt_tokens} + max_tokens {max_tokens}, within the "
+                f"{self.max_model_len}-token context) but the KV cache has {self.pool.num_blocks} "
+                f"blocks of {self.pool.block_size} tokens in all; lower max_tokens, shorten the "
+                "prompt or plan more KV blocks (kv_num_blocks)"
+            )
 
     def abort(self, request_id: str) -> Sequence | None:
         """Finish a waiting or running sequence with reason ``"abort"``, freeing its blocks.

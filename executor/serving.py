@@ -228,11 +228,13 @@ class ServingEngine:
 
         Raises:
             StrataError: empty prompt, ids outside the vocabulary, a prompt that leaves no room
-                for a generated token in the plan's context, or max_tokens < 1.
+                for a generated token in the plan's context, max_tokens < 1, or a request that
+                needs more KV blocks than the whole cache has.
         """
         self.engine.check_prompt(req.prompt_ids)
         if req.max_tokens < 1:
             raise StrataError(f"max_tokens is {req.max_tokens}; ask for at least 1 token")
+        self.scheduler.check_fits(req.request_id, len(req.prompt_ids), req.max_tokens)
 
     def submit(self, req: GenerationRequest, on_event: Callable[[TokenEvent], None]) -> None:
         """Queue a request; ``on_event`` is called on the engine thread with its tokens.

@@ -22,7 +22,8 @@ Time of one decode step (seconds):
   + k_u * op_s]`` — a roofline per unit: the kernels cannot finish before the weights are read
   from device memory once, nor before one token's matrix-vector products run at the measured
   matvec rate (on MLX's CPU backend that rate, not the bandwidth, binds: dequantizing is the
-  work), nor before B tokens' FLOPs run at the matrix-product rate; plus a fixed cost per graph
+  work), nor before B tokens' FLOPs run at the matrix-product rate (on the CPU backend at the
+  matvec rate: its quantized kernel dequantizes again for every row, so B rows cost B matvecs); plus a fixed cost per graph
   operation (building it in Python, dispatching and launching it), which is what bounds small
   models on fast GPUs. Every unit is read from device memory by the
   kernels wherever it is stored, so compute does not depend on placement.
@@ -246,8 +247,8 @@ class UnitCost:
     name: str
     bytes: int
     compute_s: float
-    """``max(a_u(B) b_u / gpu_bw, f_u / mv_flops, B f_u / mm_flops) + k_u op_s``: the same on
-    every tier."""
+    """``max(a_u(B) b_u / gpu_bw, f_u / mv_flops, B f_u / mm_flops) + k_u op_s`` (``mv_flops`` in
+    place of ``mm_flops`` on the CPU backend): the same on every tier."""
     copy_s: float
     """``a_u(B) * b_u / h2d_bw``: one host -> device copy of what a step reads."""
     read_s: float
@@ -296,13 +297,16 @@ def unit_costs(
     h2d_bw = _rate(profile.ram.host_to_device_bytes_s.value, "ram.host_to_device_bytes_s")
     nvme_bw = _rate(profile.nvme.read_bytes_s.value, "nvme.read_bytes_s")
     b = batch_size(request, batch)
+    # MLX's CPU quantized matmul costs in proportion to its rows (a 16-row 4-bit product took
+    # 16x one row on the dev machine, 2026-11-30): there B tokens run at the matvec rate.
+    batch_flops = mv_flops if profile.backend == "cpu" else mm_flops
     out = []
     for u in desc.units:
         # P(at least one of B sequences reads the unit) under independent routing.
         access = 1.0 - (1.0 - u.access_per_token) ** b
         moved = access * u.bytes_mlx
         f = u.flops_per_token
-        roofline = max(moved / gpu_bw, f / mv_flops, b * f / mm_flops)
+        roofline = max(moved / gpu_bw, f / mv_flops, b * f / batch_flops)
         ops = OPS_PER_UNIT[u.role] * (access if u.role == "expert" else 1.0)
         out.append(
             UnitCost(

@@ -84,6 +84,21 @@ def test_changed_profile_refused(tmp_path):
     )
 
 
+def test_edited_request_refused(tmp_path):
+    """A plan whose request was raised by hand (a context the budgets never sized a KV cache
+    for) is refused before anything is allocated, not run out of memory."""
+    from executor.plan_loader import load_plan
+    from planner.errors import PlanError
+
+    model = write_tiny_llama(tmp_path / "tiny.gguf")
+    plan = make_plan_file(str(model), tmp_path / "p.yaml", context=256)
+    data = yaml.safe_load(plan.read_text())
+    data["request"]["context"] = 999999
+    plan.write_text(yaml.safe_dump(data, sort_keys=False))
+    with pytest.raises(PlanError, match="request section .* was edited after planning"):
+        load_plan(plan)
+
+
 def test_unknown_architecture(tmp_path):
     model = write_tiny_llama(tmp_path / "odd.gguf", arch="odd")
     plan = make_plan_file(str(model), tmp_path / "p.yaml", context=256)  # planning works

@@ -325,6 +325,18 @@ def test_submit_refuses_requests_that_cannot_run(models, tmp_path):
                 se.submit(GenerationRequest("x", ids, 4, SamplingParams()), lambda ev: None)
     finally:
         se.close()
+    # A KV cache cut by hand below one request's need: refused at submit (the server's 400),
+    # not as an error event after it was accepted.
+    data = yaml.safe_load(plan.read_text())
+    data["batch"]["kv_num_blocks"] = 2
+    small = tmp_path / "small-kv.yaml"
+    small.write_text(yaml.safe_dump(data, sort_keys=False))
+    se = _serve(small)
+    try:
+        with pytest.raises(StrataError, match="needs up to 3 KV blocks"):
+            se.submit(GenerationRequest("y", [1] * 20, 20, SamplingParams()), lambda ev: None)
+    finally:
+        se.close()
 
 
 def test_smollm2_batch_of_mixed_requests(smollm2_gguf, tmp_path):

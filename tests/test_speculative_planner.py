@@ -113,17 +113,24 @@ def _k(plan, desc, profile, a: float, method: str = "prompt_lookup") -> int:
 def test_k_is_monotone_in_the_acceptance_rate(budget, smollm2_desc, dev_profile, llama70b) -> None:
     desc70, streamed, resident = llama70b
     rates = [0.0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 1.0]
+    # (plan, ..., profile, method, the first rate at which K > 1 pays, or None). On the CPU a
+    # verification of K + 1 tokens costs about K + 1 decode steps (its quantized matmul costs in
+    # proportion to its rows; measured there: prompt lookup 0.69x at 45% acceptance), so only
+    # perfect acceptance pays, by the per-step overhead it shares, and a self-drafter, whose
+    # drafts cost compute too, never does. Where weights are read once per step, K pays early.
     cases = [
-        (budget["resident"], smollm2_desc, dev_profile, "prompt_lookup"),
-        (budget["ffn-nvme"], smollm2_desc, dev_profile, "self"),
-        (*resident, "prompt_lookup"),
-        (*streamed, "prompt_lookup"),
+        (budget["resident"], smollm2_desc, dev_profile, "prompt_lookup", 1.0),
+        (budget["ffn-nvme"], smollm2_desc, dev_profile, "self", None),
+        (*resident, "prompt_lookup", 0.1),
+        (*streamed, "prompt_lookup", 0.1),
     ]
-    for plan, profile, method in [(c[0], c[-2], c[-1]) for c in cases]:
+    for plan, profile, method, pays in [(c[0], c[-3], c[-2], c[-1]) for c in cases]:
         desc = smollm2_desc if profile is dev_profile else desc70
         ks = [_k(plan, desc, profile, a, method) for a in rates]
         assert ks == sorted(ks), (method, ks)
-        assert ks[0] == 1 and ks[-1] > 1  # a = 0: one draft is as good as any; a = 1: more
+        assert ks[0] == 1  # a = 0: one draft is as good as any
+        first = next((a for a, k in zip(rates, ks, strict=True) if k > 1), None)
+        assert first == pays, (method, ks)
 
 
 def test_streamed_plan_takes_more_draft_tokens(llama70b) -> None:
