@@ -23,10 +23,10 @@ Time of one decode step (seconds):
   from device memory once, nor before one token's matrix-vector products run at the measured
   matvec rate (on MLX's CPU backend that rate, not the bandwidth, binds: dequantizing is the
   work), nor before B tokens' FLOPs run at the matrix-product rate (on the CPU backend at the
-  matvec rate: its quantized kernel dequantizes again for every row, so B rows cost B matvecs); plus a fixed cost per graph
-  operation (building it in Python, dispatching and launching it), which is what bounds small
-  models on fast GPUs. Every unit is read from device memory by the
-  kernels wherever it is stored, so compute does not depend on placement.
+  matvec rate: its quantized matmul was measured to cost in proportion to its rows); plus a
+  fixed cost per graph operation (building it in Python, dispatching and launching it), which
+  is what bounds small models on fast GPUs. Every unit is read from device memory by the kernels
+  wherever it is stored, so compute does not depend on placement.
 - ``host_copy_s = sum_{u on ram} a_u(B) * b_u / h2d_bw``
   ``          [+ sum_{u on nvme} a_u(B) * b_u / h2d_bw  when memory is not unified]`` — a direct-I/O
   read lands in host memory and must then be copied to the device; on unified memory the pool slot
