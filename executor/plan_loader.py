@@ -175,9 +175,10 @@ def load_plan(path: str | Path) -> LoadedPlan:
         # The placement, KV cache and batch limits were solved for the request as it was: a
         # hand-raised context would size a KV cache the budgets never allowed for.
         raise PlanError(
-            f"{path}: its request section (context, concurrency, objective, budgets) was edited "
-            "after planning, so its placement and KV cache no longer follow from it; re-run "
-            "plan.py plan with the new request"
+            f"{path}: its request section (context, concurrency, objective, budgets) is not the "
+            "request it was planned for: edited after planning (or planned by a Strata with "
+            f"another request format; this plan is format {plan.format_version}), so its "
+            "placement and KV cache no longer follow from it; re-run plan.py plan"
         )
     ref = plan.fingerprints.profile
     if ref is not None:

@@ -95,7 +95,7 @@ def test_edited_request_refused(tmp_path):
     data = yaml.safe_load(plan.read_text())
     data["request"]["context"] = 999999
     plan.write_text(yaml.safe_dump(data, sort_keys=False))
-    with pytest.raises(PlanError, match="request section .* was edited after planning"):
+    with pytest.raises(PlanError, match="request section .* edited after planning"):
         load_plan(plan)
 
 
