@@ -228,11 +228,14 @@ _readers: OrderedDict[tuple, gguf.GGUFReader] = OrderedDict()
 _readers_lock = threading.Lock()
 
 
-def _reader(p: Path) -> gguf.GGUFReader:
+def _reader(p: Path, header_sha256: str) -> gguf.GGUFReader:
     """The (cached) ``gguf.GGUFReader`` of ``p``, keyed by its resolved path, inode, size and
-    modification time, so a rewritten file is read anew."""
+    header bytes (``header_sha256``). What the reader parses is the header; tensor data it reads
+    through a shared memory map of the inode, which shows the file's current bytes. So a file
+    rewritten in place with another header, or replaced by another file, is read anew, without
+    relying on modification times (coarser than two quick writes)."""
     st = p.stat()
-    key = (str(p.resolve()), st.st_ino, st.st_size, st.st_mtime_ns)
+    key = (str(p.resolve()), st.st_ino, st.st_size, header_sha256)
     with _readers_lock:
         if key in _readers:
             _readers.move_to_end(key)
@@ -260,11 +263,11 @@ def open_gguf(path: str | Path) -> GGUFFile:
         raise GGUFError(f"{p}: no such file")
     size = p.stat().st_size
     data_offset, infos = _walk_header(p, size)
-    reader = _reader(p)
+    with open(p, "rb") as f:
+        header_sha = hashlib.sha256(f.read(data_offset)).hexdigest()
+    reader = _reader(p, header_sha)
     if not infos:
         raise GGUFError(f"{p}: the GGUF holds no tensors; it is not a model file")
     if reader.data_offset != data_offset or len(reader.tensors) != len(infos):
         raise GGUFError(f"{p}: inconsistent GGUF header (tensor table does not add up)")
-    with open(p, "rb") as f:
-        header_sha = hashlib.sha256(f.read(data_offset)).hexdigest()
     return GGUFFile(p, reader, size, data_offset, header_sha)
