@@ -32,6 +32,7 @@ from dataclasses import dataclass
 import mlx.core as mx
 import numpy as np
 
+from executor import cuda_dequant
 from executor.quant import PackedWeight
 
 __all__ = [
@@ -225,27 +226,44 @@ def _linear(x: mx.array, w: QuantLinear | mx.array) -> mx.array:
             raise ValueError(
                 f"linear: input has {x.shape[-1]} features, weight {w.shape} expects {cols}"
             )
-        if _dequant_min_rows and x.size // cols >= _dequant_min_rows:
-            # Many rows: one dequantizing pass over the weight, then a dense matmul (faster than
-            # the quantized kernel there, where the profile measured so).
-            full = mx.dequantize(
-                w.weight, w.scales, w.biases, group_size=w.group_size, bits=w.bits, dtype=x.dtype
-            )
-            return x @ full.T
-        return mx.quantized_matmul(
-            x,
-            w.weight,
-            w.scales,
-            w.biases,
-            transpose=True,
-            group_size=w.group_size,
-            bits=w.bits,
+        return quantized_product(
+            x, w, bool(_dequant_min_rows) and x.size // cols >= _dequant_min_rows
         )
     if w.ndim != 2 or x.shape[-1] != w.shape[1]:
         raise ValueError(
             f"linear: input has {x.shape[-1]} features, weight {tuple(w.shape)} is not [out, in]"
         )
     return x @ w.T
+
+
+def quantized_product(x: mx.array, w: QuantLinear, dense: bool) -> mx.array:
+    """``x @ w.T`` for a quantized ``w`` by one of the two kernel paths: ``dense`` dequantizes the
+    whole weight for this call (``executor.cuda_dequant`` on MLX's CUDA backend, else
+    ``mx.dequantize``) and multiplies densely; otherwise ``mx.quantized_matmul``. Which is faster
+    depends on the row count and the machine (``planner.profile.measure_dequant_crossover`` times
+    exactly this function).
+
+    Args:
+        x: ``[..., in]`` activations of the compute dtype.
+        w: the quantized ``[out, in]`` weight.
+        dense: take the dequantize + matmul path.
+
+    Returns:
+        ``[..., out]``, MLX's promotion of ``x``'s and the scales' dtypes.
+    """
+    if dense:
+        if cuda_dequant.supported(w.bits, w.group_size, x.dtype):
+            full = cuda_dequant.dequantize(
+                w.weight, w.scales, w.biases, w.group_size, w.bits, x.dtype
+            )
+        else:
+            full = mx.dequantize(
+                w.weight, w.scales, w.biases, group_size=w.group_size, bits=w.bits, dtype=x.dtype
+            )
+        return x @ full.T
+    return mx.quantized_matmul(
+        x, w.weight, w.scales, w.biases, transpose=True, group_size=w.group_size, bits=w.bits
+    )
 
 
 def embedding(

@@ -512,14 +512,22 @@ def measure_dequant_crossover(
     shape: tuple[int, int], dtype_name: str, repeats: int = 5
 ) -> tuple[Figure, dict[int, tuple[float, float]]]:
     """The kernel path of batched quantized projections: from how many rows dequantize + dense
-    matmul beats ``mx.quantized_matmul``.
+    matmul (``executor.ops.quantized_product``'s dense path) beats ``mx.quantized_matmul``.
 
-    Times both on a [rows, k] activation by an [n, k] 4-bit weight (groups of 32) for each of
-    ``DEQUANT_ROWS``. The figure is the smallest row count from which the dense path is faster
-    at every larger count measured (0 when it never is). Why it is measured: on NVIDIA, MLX's
-    quantized matmul is slow for a few rows (a batch of 16 decoded tokens took 10x one token on
-    a Llama-3-8B shape, ``../shared/models.md``), while dequantizing costs a fixed pass over the
-    weights; where the quantized kernel scales well (Apple, the CPU) the dense path never wins.
+    Times both, one call at a time (each evaluated and synchronized), on a [rows, k] activation
+    by an [n, k] 4-bit weight (groups of 32) for each of ``DEQUANT_ROWS``. The figure is the
+    smallest row count from which the dense path is faster at every larger count measured (0
+    when it never is). Why it is measured: on NVIDIA, MLX's quantized matmul is slow for a few
+    rows (a batch of 16 decoded tokens took 10x one token on a Llama-3-8B shape,
+    ``../shared/models.md``), while dequantizing costs a fixed pass over the weights; where the
+    quantized kernel scales well (Apple, the CPU) the dense path never wins.
+
+    One call at a time, not a chain of dependent calls: on the H200 (2026-11-30) a chain of
+    dependent 8B FFN products favoured the dense path from 4 rows (16 rows: 158 against 116 us
+    per product), but plans with that crossover were no faster end to end on the Llama-3-8B
+    shape (HTTP bench, 16 sequences: 364 tok/s either way) and 45% slower on SmolLM2's (953 ->
+    522 tok/s): the dense path adds a kernel per product, which small weights pay for and do not
+    win back. Timed call by call, that launch cost is in the figure.
 
     Args:
         shape: (n, k) of the weight.
@@ -531,31 +539,23 @@ def measure_dequant_crossover(
     """
     import mlx.core as mx
 
+    from executor.ops import QuantLinear, quantized_product
+
     n, k = shape
     dtype = getattr(mx, dtype_name)
     w = mx.random.normal((n, k)).astype(dtype)
     wq, scales, biases = mx.quantize(w, group_size=MATVEC_GROUP, bits=MATVEC_BITS)
     mx.eval(wq, scales, biases)
     del w
+    weight = QuantLinear(wq, scales, biases, MATVEC_BITS, MATVEC_GROUP)
     times: dict[int, tuple[float, float]] = {}
     for rows in DEQUANT_ROWS:
         x = mx.random.normal((rows, k)).astype(dtype)
         mx.eval(x)
-
-        def quantized(x=x) -> None:
-            mx.eval(
-                mx.quantized_matmul(
-                    x, wq, scales, biases, transpose=True, group_size=MATVEC_GROUP, bits=MATVEC_BITS
-                )
-            )
-
-        def dense(x=x) -> None:
-            full = mx.dequantize(
-                wq, scales, biases, group_size=MATVEC_GROUP, bits=MATVEC_BITS, dtype=dtype
-            )
-            mx.eval(x @ full.T)
-
-        times[rows] = (_best_seconds(quantized, repeats), _best_seconds(dense, repeats))
+        times[rows] = (
+            _best_seconds(lambda x=x: mx.eval(quantized_product(x, weight, False)), repeats),
+            _best_seconds(lambda x=x: mx.eval(quantized_product(x, weight, True)), repeats),
+        )
     wins = [r for r in DEQUANT_ROWS if times[r][1] < times[r][0]]
     crossover = 0
     for r in reversed(DEQUANT_ROWS):
@@ -568,13 +568,22 @@ def measure_dequant_crossover(
         Figure(
             value=crossover,
             source="measured",
-            how=f"MLX quantized_matmul vs dequantize + matmul of [rows, {k}] {dtype_name} by a "
-            f"[{n}, {k}] 4-bit weight on {mx.default_device()}, best of {repeats} (rows: "
-            f"quantized/dense): {table}; the dense path from the smallest row count after which "
-            f"it always wins (0: never), {_today()}",
+            how=f"MLX quantized_matmul vs {_dequantizer(dtype)} + matmul of [rows, {k}] "
+            f"{dtype_name} by a [{n}, {k}] 4-bit weight on {mx.default_device()}, best of "
+            f"{repeats} (rows: quantized/dense): {table}; the dense path from the smallest row "
+            f"count after which it always wins (0: never), {_today()}",
         ),
         times,
     )
+
+
+def _dequantizer(dtype) -> str:
+    """The dequantize kernel the dense path uses for ``dtype`` on this backend (for the record)."""
+    from executor import cuda_dequant
+
+    if cuda_dequant.supported(MATVEC_BITS, MATVEC_GROUP, dtype):
+        return "Strata's CUDA dequantize (executor.cuda_dequant)"
+    return "mx.dequantize"
 
 
 OP_BLOCK_OPS = OPS_PER_UNIT["attention"] + OPS_PER_UNIT["ffn"]

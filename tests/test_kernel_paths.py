@@ -1,0 +1,98 @@
+"""The two kernel paths of quantized projections (``executor.ops.quantized_product``) and
+Strata's CUDA dequantize kernel (``executor.cuda_dequant``; its own tests need MLX's CUDA
+backend and skip elsewhere)."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from executor import cuda_dequant
+from executor.ops import QuantLinear, linear, quantized_product, set_dequant_min_rows
+from planner.profile import DEQUANT_ROWS, measure_dequant_crossover
+
+CUDA = mx.cuda.is_available()
+
+
+def _weight(n: int, k: int, bits: int = 4, group: int = 32, dtype=mx.float32) -> QuantLinear:
+    w = mx.array(np.random.default_rng(0).standard_normal((n, k)).astype(np.float32)).astype(dtype)
+    wq, scales, biases = mx.quantize(w, group_size=group, bits=bits)
+    return QuantLinear(wq, scales, biases, bits, group)
+
+
+def _dense_reference(w: QuantLinear, dtype) -> mx.array:
+    return mx.dequantize(
+        w.weight,
+        w.scales.astype(mx.float32),
+        w.biases.astype(mx.float32),
+        group_size=w.group_size,
+        bits=w.bits,
+        dtype=mx.float32,
+    ).astype(dtype)
+
+
+def test_linear_takes_the_dense_path_from_the_plans_row_count():
+    w = _weight(64, 128)
+    x = mx.array(np.random.default_rng(1).standard_normal((8, 128)).astype(np.float32))
+    dense = x @ mx.dequantize(w.weight, w.scales, w.biases, group_size=32, bits=4).T
+    quantized = mx.quantized_matmul(
+        x, w.weight, w.scales, w.biases, transpose=True, group_size=32, bits=4
+    )
+    try:
+        set_dequant_min_rows(8)
+        assert mx.array_equal(linear(x, w), dense)
+        # 4 rows (a power of two: on CUDA rows are padded to one, ``executor.ops.bucket_rows``;
+        # and there a row's result depends on the call's row count, so the same 4-row call)
+        assert mx.array_equal(
+            linear(x[:4], w),
+            mx.quantized_matmul(
+                x[:4], w.weight, w.scales, w.biases, transpose=True, group_size=32, bits=4
+            ),
+        )
+        set_dequant_min_rows(0)
+        assert mx.array_equal(linear(x, w), quantized)
+    finally:
+        set_dequant_min_rows(0)
+    # The two paths compute the same product up to float rounding (CUDA's float32 matmuls may
+    # round through TF32).
+    tol = 1e-2 if CUDA else 1e-4
+    np.testing.assert_allclose(np.array(dense), np.array(quantized), rtol=tol, atol=tol)
+    assert mx.array_equal(quantized_product(x, w, dense=True), dense)
+
+
+def test_crossover_measurement_reports_every_row_count():
+    figure, times = measure_dequant_crossover((64, 32), "float32", repeats=1)
+    assert set(times) == set(DEQUANT_ROWS)
+    assert all(q > 0 and d > 0 for q, d in times.values())
+    assert figure.value in (0, *DEQUANT_ROWS)
+    assert figure.source == "measured" and "mx.dequantize" in figure.how
+
+
+@pytest.mark.skipif(CUDA, reason="checks the refusal off CUDA")
+def test_cuda_dequantize_refuses_off_cuda():
+    w = _weight(8, 64, dtype=mx.float16)
+    assert not cuda_dequant.supported(4, 32, mx.float16)
+    with pytest.raises(ValueError, match="mx.dequantize"):
+        cuda_dequant.dequantize(w.weight, w.scales, w.biases, 32, 4, mx.float16)
+
+
+@pytest.mark.skipif(not CUDA, reason="needs MLX's CUDA backend")
+@pytest.mark.parametrize(
+    "bits, group, dtype",
+    [(4, 32, mx.float16), (8, 32, mx.float16), (4, 64, mx.bfloat16), (4, 128, mx.float16)],
+)
+def test_cuda_dequantize_is_the_correctly_rounded_weight(bits, group, dtype):
+    w = _weight(96, 512, bits, group, dtype)
+    got = cuda_dequant.dequantize(w.weight, w.scales, w.biases, group, bits, dtype)
+    assert got.dtype == dtype and got.shape == (96, 512)
+    assert mx.array_equal(got, _dense_reference(w, dtype))
+
+
+@pytest.mark.skipif(not CUDA, reason="needs MLX's CUDA backend")
+def test_cuda_dequantize_refuses_what_it_cannot_unpack():
+    w = _weight(8, 64, dtype=mx.float16)
+    assert not cuda_dequant.supported(3, 32, mx.float16)
+    assert not cuda_dequant.supported(4, 32, mx.float32)
+    with pytest.raises(ValueError, match="do not form"):
+        cuda_dequant.dequantize(w.weight, w.scales[:, :1], w.biases[:, :1], 32, 4, mx.float16)
