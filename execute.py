@@ -79,6 +79,13 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="serving bench: start `serve --batch-invariant`",
     )
+    b.add_argument(
+        "--near-tie-gap",
+        type=float,
+        help="serving bench: a text that leaves its concurrency-1 text by taking the runner-up "
+        "where the top-2 logit gap is below this passes as a near-tie flip (0.5; 1.0 for "
+        "random-weight synthetic models; 0 makes every difference an error)",
+    )
 
     s = sub.add_parser("serve", help="serve a plan over an OpenAI-compatible HTTP API")
     s.add_argument("plan", help="plan file written by plan.py plan (or by hand)")

@@ -70,7 +70,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from executor.chat import messages_to_ids
 from executor.sampling import SamplingParams
-from executor.serving import GenerationRequest, TokenEvent
+from executor.serving import MAX_LOGPROBS, GenerationRequest, TokenEvent, TokenLogprob
 from planner.errors import StrataError
 
 if TYPE_CHECKING:
@@ -181,6 +181,10 @@ class _Sampling(_Body):
     stream_options: StreamOptions | None = None
     n: int | None = 1
     ignore_eos: bool = False
+    return_tokens_as_token_ids: bool = Field(
+        default=False,
+        description="extension (vLLM's): logprobs name tokens as 'token_id:N', not as text",
+    )
 
     def params(self) -> SamplingParams:
         """Sampling parameters with OpenAI's defaults (temperature 1; a random seed if none)."""
@@ -199,6 +203,11 @@ class _Sampling(_Body):
 
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
+
+    def logprobs_count(self) -> int | None:
+        """Alternatives per token whose log-probabilities the response carries (None: no
+        logprobs)."""
+        return None
 
     def check_unsupported(self) -> None:
         """Raises APIError for options this server does not implement."""
@@ -236,12 +245,15 @@ class ChatCompletionRequest(_Sampling):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(default=None, ge=1)
     logprobs: bool | None = None
-    top_logprobs: int | None = None
+    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
 
     def check_unsupported(self) -> None:
         super().check_unsupported()
-        if self.logprobs or self.top_logprobs:
-            raise APIError(400, "logprobs are not supported by this server", param="logprobs")
+        if self.top_logprobs is not None and not self.logprobs:
+            raise APIError(400, "top_logprobs needs logprobs: true; set both", param="top_logprobs")
+
+    def logprobs_count(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
 
     def max_new_tokens(self) -> int | None:
         if self.max_completion_tokens is not None:
@@ -253,18 +265,19 @@ class CompletionRequest(_Sampling):
     """``POST /v1/completions``."""
 
     prompt: str | list[int] | list[str] | list[list[int]]
-    logprobs: int | bool | None = None
+    logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
     echo: bool | None = False
     best_of: int | None = None
 
     def check_unsupported(self) -> None:
         super().check_unsupported()
-        if self.logprobs is not None and self.logprobs is not False:
-            raise APIError(400, "logprobs are not supported by this server", param="logprobs")
         if self.echo:
             raise APIError(400, "echo is not supported by this server", param="echo")
         if self.best_of not in (None, 1):
             raise APIError(400, "best_of is not supported; only 1", param="best_of")
+
+    def logprobs_count(self) -> int | None:
+        return self.logprobs
 
     def single_prompt(self) -> str | list[int]:
         """The one prompt: a string or token ids (a batch of several prompts is refused)."""
@@ -525,10 +538,16 @@ _SHUTDOWN = object()  # queue sentinel put when the server stops with the reques
 
 @dataclass
 class Piece:
-    """Text that is ready to send, and the finish reason once the request is done."""
+    """Text that is ready to send, and the finish reason once the request is done.
+
+    ``logprobs``: for a request that asked for them, ``(token id, TokenLogprob)`` of each token
+    read since the last piece (its text may still be held back by the UTF-8 decoder or a
+    possible stop string); an end-of-generation token left out of the text is left out here too.
+    """
 
     text: str
     finish_reason: str | None = None
+    logprobs: list[tuple[int, TokenLogprob]] | None = None
 
 
 class Generation:
@@ -542,6 +561,7 @@ class Generation:
         params: sampling parameters.
         stop: stop strings.
         ignore_eos: keep generating past end-of-generation tokens.
+        logprobs: None, or the alternatives per token whose log-probabilities to report.
     """
 
     def __init__(
@@ -553,6 +573,7 @@ class Generation:
         params: SamplingParams,
         stop: list[str],
         ignore_eos: bool,
+        logprobs: int | None = None,
     ):
         self.state = state
         self.request_id = request_id
@@ -562,6 +583,7 @@ class Generation:
             max_tokens=max_tokens,
             params=params,
             ignore_eos=ignore_eos,
+            logprobs=logprobs,
         )
         self.prompt_tokens = len(prompt_ids)
         self.completion_tokens = 0
@@ -638,13 +660,14 @@ class Generation:
             while not self._queue.empty():  # a slow reader gets what piled up as one chunk
                 batch.append(self._queue.get_nowait())
             piece = self._consume(batch)
-            if piece.text or piece.finish_reason:
+            if piece.text or piece.finish_reason or piece.logprobs:
                 yield piece
             if piece.finish_reason:
                 return
 
     def _consume(self, batch: list) -> Piece:
         text: list[str] = []
+        lps: list[tuple[int, TokenLogprob]] | None = None if self.request.logprobs is None else []
         eog = self.state.engine.tokenizer.eog_ids
         for item in batch:
             if item is _DISCONNECTED:
@@ -654,16 +677,18 @@ class Generation:
             t, event = item
             self.prompt_tokens = event.prompt_tokens
             self.cached_tokens = event.cached_tokens
-            for tok in event.token_ids:
+            for k, tok in enumerate(event.token_ids):
                 self._count_token(t)
                 if tok in eog and not self._ignore_eos:
                     continue  # the end-of-generation token ends the reply, it is not in its text
+                if lps is not None and event.logprobs is not None:
+                    lps.append((tok, event.logprobs[k]))
                 emit, hit = self._stop.push(self._decoder.push(tok))
                 text.append(emit)
                 if hit:
                     self._finish()
                     self.close()  # frees the blocks now; later events are not read
-                    return Piece("".join(text), "stop")
+                    return Piece("".join(text), "stop", lps)
             if event.finish_reason == "error":
                 self.finished = True
                 raise _engine_error(f"the engine failed on this request: {event.error}")
@@ -678,8 +703,8 @@ class Generation:
                 text.append(emit if hit else emit + self._stop.flush())
                 self._finish()
                 reason = "stop" if hit or event.finish_reason == "stop" else "length"
-                return Piece("".join(text), reason)
-        return Piece("".join(text))
+                return Piece("".join(text), reason, lps)
+        return Piece("".join(text), None, lps)
 
     def _count_token(self, t: float) -> None:
         self.completion_tokens += 1
@@ -750,16 +775,23 @@ def _sse(obj: dict) -> bytes:
     return b"data: " + json.dumps(obj, ensure_ascii=False, separators=(",", ":")).encode() + b"\n\n"
 
 
-async def _collect(generation: Generation, request: Request) -> tuple[str, str]:
-    """The whole text and finish reason of a non-streamed generation; aborts it if the client
-    disconnects while it runs."""
+async def _collect(
+    generation: Generation, request: Request
+) -> tuple[str, str, list[tuple[int, TokenLogprob]] | None]:
+    """The whole text, finish reason and logprob entries (None unless asked for) of a
+    non-streamed generation; aborts it if the client disconnects while it runs."""
     watcher = asyncio.create_task(generation.watch(request.receive))
     text: list[str] = []
+    lps: list[tuple[int, TokenLogprob]] | None = None
     try:
         async for piece in generation.pieces():
             text.append(piece.text)
+            if piece.logprobs is not None:
+                lps = (lps or []) + piece.logprobs
             if piece.finish_reason:
-                return "".join(text), piece.finish_reason
+                if generation.request.logprobs is not None and lps is None:
+                    lps = []
+                return "".join(text), piece.finish_reason, lps
         raise AssertionError("pieces() ended without a finish reason")
     except _Disconnected:
         # Nobody reads the answer; 499 (nginx's "client closed request") shows in /metrics.
@@ -767,6 +799,72 @@ async def _collect(generation: Generation, request: Request) -> tuple[str, str]:
     finally:
         watcher.cancel()
         generation.close()
+
+
+LOGPROB_FLOOR = -9999.0
+"""Reported in place of a log-probability of minus infinity (a token the logits rule out), which
+JSON cannot carry; vLLM reports the same value."""
+
+
+def _logprob(value: float) -> float:
+    return value if math.isfinite(value) else LOGPROB_FLOOR
+
+
+def _token_label(tok, token_id: int, as_ids: bool) -> str:
+    """How logprobs name a token: its text (special tokens' too), or ``token_id:N``."""
+    return f"token_id:{token_id}" if as_ids else tok.token_text(token_id)
+
+
+def _token_entry(tok, token_id: int, logprob: float, as_ids: bool) -> dict:
+    """OpenAI's chat ``logprobs`` entry of one token: its name, log-probability and bytes."""
+    return {
+        "token": _token_label(tok, token_id, as_ids),
+        "logprob": _logprob(logprob),
+        "bytes": list(tok.token_bytes(token_id, skip_special=False)),
+    }
+
+
+def chat_logprobs(
+    tok, entries: list[tuple[int, TokenLogprob]] | None, as_ids: bool = False
+) -> dict | None:
+    """A chat choice's ``logprobs`` object (``{"content": [...]}``) for ``entries``; None
+    when the request did not ask for logprobs. ``as_ids``: name tokens ``token_id:N``."""
+    if entries is None:
+        return None
+    return {
+        "content": [
+            {
+                **_token_entry(tok, tid, lp.logprob, as_ids),
+                "top_logprobs": [_token_entry(tok, a, v, as_ids) for a, v in lp.top],
+            }
+            for tid, lp in entries
+        ]
+    }
+
+
+def completion_logprobs(
+    tok, entries: list[tuple[int, TokenLogprob]] | None, offset: int, as_ids: bool = False
+) -> tuple[dict | None, int]:
+    """A completion choice's legacy ``logprobs`` object (``tokens``, ``token_logprobs``,
+    ``top_logprobs`` as ``{token: logprob}``, ``text_offset``: characters from the start of the
+    completion, counted from ``offset``, by each token's own text, so approximate where a token
+    holds part of a UTF-8 character) and the offset after its tokens; None when the request did
+    not ask for logprobs. ``as_ids``: name tokens ``token_id:N``."""
+    if entries is None:
+        return None, offset
+    out: dict[str, list] = {
+        "tokens": [],
+        "token_logprobs": [],
+        "top_logprobs": [],
+        "text_offset": [],
+    }
+    for tid, lp in entries:
+        out["tokens"].append(_token_label(tok, tid, as_ids))
+        out["token_logprobs"].append(_logprob(lp.logprob))
+        out["top_logprobs"].append({_token_label(tok, a, as_ids): _logprob(v) for a, v in lp.top})
+        out["text_offset"].append(offset)
+        offset += len(tok.token_text(tid))
+    return out, offset
 
 
 # --------------------------------------------------------------------------------------------
@@ -913,6 +1011,7 @@ async def _start(
         body.params(),
         body.stop_strings(),
         body.ignore_eos,
+        body.logprobs_count(),
     )
     gen.submit()
     return gen
@@ -948,8 +1047,9 @@ async def chat_completions(request: Request) -> Response:
         "system_fingerprint": None,
     }
     if body.stream:
-        return EventStream(gen, _chat_chunks(gen, head, body.include_usage()))
-    text, finish = await _collect(gen, request)
+        chunks = _chat_chunks(gen, head, body.include_usage(), tok, body.return_tokens_as_token_ids)
+        return EventStream(gen, chunks)
+    text, finish, lps = await _collect(gen, request)
     return JSONResponse(
         {
             **head,
@@ -958,7 +1058,7 @@ async def chat_completions(request: Request) -> Response:
                 {
                     "index": 0,
                     "message": {"role": "assistant", "content": text},
-                    "logprobs": None,
+                    "logprobs": chat_logprobs(tok, lps, body.return_tokens_as_token_ids),
                     "finish_reason": finish,
                 }
             ],
@@ -967,17 +1067,21 @@ async def chat_completions(request: Request) -> Response:
     )
 
 
-async def _chat_chunks(gen: Generation, head: dict, include_usage: bool) -> AsyncIterator[dict]:
+async def _chat_chunks(
+    gen: Generation, head: dict, include_usage: bool, tok, as_ids: bool
+) -> AsyncIterator[dict]:
     usage = {"usage": None} if include_usage else {}
 
-    def chunk(delta: dict, finish: str | None = None) -> dict:
-        choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
+    def chunk(delta: dict, finish: str | None = None, logprobs: dict | None = None) -> dict:
+        choice = {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
         return {**head, "choices": [choice], **usage}
 
     yield chunk({"role": "assistant", "content": ""})
     async for piece in gen.pieces():
-        if piece.text:
-            yield chunk({"content": piece.text})
+        if piece.text or piece.logprobs:
+            yield chunk(
+                {"content": piece.text}, logprobs=chat_logprobs(tok, piece.logprobs, as_ids)
+            )
         if piece.finish_reason:
             yield chunk({}, piece.finish_reason)
     if include_usage:
@@ -1015,26 +1119,32 @@ async def completions(request: Request) -> Response:
         "system_fingerprint": None,
     }
     if body.stream:
-        return EventStream(gen, _completion_chunks(gen, head, body.include_usage()))
-    text, finish = await _collect(gen, request)
+        chunks = _completion_chunks(
+            gen, head, body.include_usage(), tok, body.return_tokens_as_token_ids
+        )
+        return EventStream(gen, chunks)
+    text, finish, lps = await _collect(gen, request)
+    logprobs, _ = completion_logprobs(tok, lps, 0, body.return_tokens_as_token_ids)
     return JSONResponse(
         {
             **head,
-            "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish}],
+            "choices": [{"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish}],
             "usage": gen.usage(),
         }
     )
 
 
 async def _completion_chunks(
-    gen: Generation, head: dict, include_usage: bool
+    gen: Generation, head: dict, include_usage: bool, tok, as_ids: bool
 ) -> AsyncIterator[dict]:
     usage = {"usage": None} if include_usage else {}
+    offset = 0
     async for piece in gen.pieces():
+        logprobs, offset = completion_logprobs(tok, piece.logprobs, offset, as_ids)
         choice = {
             "index": 0,
             "text": piece.text,
-            "logprobs": None,
+            "logprobs": logprobs,
             "finish_reason": piece.finish_reason,
         }
         yield {**head, "choices": [choice], **usage}

@@ -82,6 +82,11 @@ plans' usual 16 sequences in one call. On the CPU a row costs in proportion: a l
 decode step took 1,451 ms instead of 110 (measured on the 2-core dev machine)."""
 
 
+MAX_LOGPROBS = 20
+"""Most alternatives per generated token a request may ask log-probabilities of (vLLM's default
+``max_logprobs``; OpenAI's chat API allows 20)."""
+
+
 @dataclass
 class GenerationRequest:
     """One request to the serving engine.
@@ -92,6 +97,8 @@ class GenerationRequest:
         max_tokens: most tokens to generate (>= 1).
         params: sampling parameters (temperature 0 = greedy; a seeded generator per request).
         ignore_eos: keep generating past end-of-generation tokens (benchmarks).
+        logprobs: None, or the log-probability of each generated token and of its ``logprobs``
+            most likely alternatives (``0..MAX_LOGPROBS``) in the events.
     """
 
     request_id: str
@@ -99,6 +106,21 @@ class GenerationRequest:
     max_tokens: int
     params: SamplingParams
     ignore_eos: bool = False
+    logprobs: int | None = None
+
+
+@dataclass
+class TokenLogprob:
+    """The model's log-probabilities at one generated token: natural log, float, of the
+    distribution of the raw logits (before temperature, top-k or top-p: what vLLM reports).
+
+    Attributes:
+        logprob: of the generated token.
+        top: the most likely tokens, ``(token id, logprob)``, most likely first (ties by id).
+    """
+
+    logprob: float
+    top: list[tuple[int, float]]
 
 
 @dataclass
@@ -112,6 +134,7 @@ class TokenEvent:
         prompt_tokens, completion_tokens: token counts so far.
         cached_tokens: prompt tokens served by the prefix cache.
         error: the message, for ``error``.
+        logprobs: one per token of ``token_ids`` when the request asked for them, else None.
     """
 
     request_id: str
@@ -121,6 +144,7 @@ class TokenEvent:
     completion_tokens: int
     cached_tokens: int
     error: str | None = None
+    logprobs: list[TokenLogprob] | None = None
 
 
 @dataclass
@@ -234,6 +258,10 @@ class ServingEngine:
         self.engine.check_prompt(req.prompt_ids)
         if req.max_tokens < 1:
             raise StrataError(f"max_tokens is {req.max_tokens}; ask for at least 1 token")
+        if req.logprobs is not None and not 0 <= req.logprobs <= MAX_LOGPROBS:
+            raise StrataError(
+                f"logprobs is {req.logprobs}; ask for 0 to {MAX_LOGPROBS} alternatives per token"
+            )
         self.scheduler.check_fits(req.request_id, len(req.prompt_ids), req.max_tokens)
 
     def submit(self, req: GenerationRequest, on_event: Callable[[TokenEvent], None]) -> None:
@@ -382,7 +410,7 @@ class ServingEngine:
         try:
             if self.drafter is not None:
                 self._draft(step)
-            sampled = self._forward(step)
+            sampled, logprobs = self._forward(step)
         except Exception as e:  # a failed step ends its sequences, never the thread
             print(f"error: serving step failed: {e}", file=sys.stderr)
             for c in step.chunks:
@@ -398,10 +426,13 @@ class ServingEngine:
             live = self._live[rid]
             if self.drafter is not None:
                 self.drafter.accepted(rid, live.seq.num_computed_tokens)
+            lps = logprobs.get(rid)
+            if lps is not None:
+                del lps[len(toks) :]  # the tokens _cut dropped
             if finished[rid] is None:
-                self._emit(live, toks, None)
+                self._emit(live, toks, None, logprobs=lps)
             else:
-                self._finish(live, finished[rid], tokens=toks)
+                self._finish(live, finished[rid], tokens=toks, logprobs=lps)
 
     def _cut(self, live: _Live, toks: list[int]) -> str | None:
         """Cut ``toks`` (new tokens of one sequence, in place) at the first that ends it: an
@@ -439,10 +470,13 @@ class ServingEngine:
             self.spec_proposed += len(draft)
             self.spec_verifications += bool(draft)  # an empty draft is a plain decode
 
-    def _forward(self, step: SchedulerStep) -> dict[str, list[int]]:
+    def _forward(
+        self, step: SchedulerStep
+    ) -> tuple[dict[str, list[int]], dict[str, list[TokenLogprob]]]:
         """Run the step's chunks as one forward pass; the new tokens of each sequence whose chunk
         reached its last known token: one sampled token, or for a chunk with a draft the
-        accepted drafts and one more (``Sampler.verify``)."""
+        accepted drafts and one more (``Sampler.verify``); and the log-probabilities of those
+        tokens for the requests that asked for them."""
         bs = self.pool.block_size
         inputs = []
         for c in step.chunks:
@@ -456,7 +490,7 @@ class ServingEngine:
         want = [i for i, c in enumerate(step.chunks) if c.sample]
         if not want:
             mx.eval(logits)
-            return {}
+            return {}, {}
         first = np.cumsum([0, *batch.logit_counts])  # chunk i's rows: first[i]:first[i + 1]
         lives = {i: self._live[step.chunks[i].seq.request_id] for i in want}
         out: dict[str, list[int]] = {}
@@ -470,13 +504,24 @@ class ServingEngine:
             for i in want:
                 rows = host[first[i] : first[i + 1]]
                 out[lives[i].req.request_id] = lives[i].sampler.verify(rows, step.chunks[i].draft)
+        logprobs: dict[str, list[TokenLogprob]] = {}
         for i in want:
+            req = lives[i].req
             if step.chunks[i].draft:
-                self.spec_accepted += len(out[lives[i].req.request_id]) - 1
-        return out
+                self.spec_accepted += len(out[req.request_id]) - 1
+            if req.logprobs is not None:
+                toks = out[req.request_id]  # token j was chosen from row j of the chunk's rows
+                rows = np.array(logits[int(first[i]) : int(first[i]) + len(toks)])
+                logprobs[req.request_id] = token_logprobs(rows, toks, req.logprobs)
+        return out, logprobs
 
     def _emit(
-        self, live: _Live, tokens: list[int], reason: str | None, error: str | None = None
+        self,
+        live: _Live,
+        tokens: list[int],
+        reason: str | None,
+        error: str | None = None,
+        logprobs: list[TokenLogprob] | None = None,
     ) -> None:
         seq = live.seq
         ev = TokenEvent(
@@ -487,6 +532,7 @@ class ServingEngine:
             len(seq.output_ids),
             seq.num_cached_tokens,
             error,
+            logprobs,
         )
         try:
             live.on_event(ev)
@@ -497,7 +543,12 @@ class ServingEngine:
             )
 
     def _finish(
-        self, live: _Live, reason: str, error: str | None = None, tokens: list[int] | None = None
+        self,
+        live: _Live,
+        reason: str,
+        error: str | None = None,
+        tokens: list[int] | None = None,
+        logprobs: list[TokenLogprob] | None = None,
     ) -> None:
         self._live.pop(live.req.request_id, None)
         if self.drafter is not None:
@@ -506,4 +557,30 @@ class ServingEngine:
             self.scheduler.abort(live.req.request_id)  # running or waiting alike
         else:
             self.scheduler.finish(live.seq, reason)
-        self._emit(live, tokens or [], reason, error)
+        self._emit(live, tokens or [], reason, error, logprobs)
+
+
+def token_logprobs(rows: np.ndarray, tokens: list[int], top: int) -> list[TokenLogprob]:
+    """Log-probabilities of ``tokens[j]`` under logits ``rows[j]`` and the ``top`` most likely
+    tokens of each row.
+
+    Args:
+        rows: float logits ``[len(tokens), vocab]``.
+        tokens: the token chosen from each row.
+        top: alternatives per row (0 for none).
+
+    Returns:
+        one :class:`TokenLogprob` per token: log-softmax computed in float64.
+    """
+    x = rows.astype(np.float64)
+    x -= x.max(axis=-1, keepdims=True)
+    lp = x - np.log(np.exp(x).sum(axis=-1, keepdims=True))
+    out = []
+    for j, tok in enumerate(tokens):
+        best: list[tuple[int, float]] = []
+        if top:
+            ids = np.argpartition(-lp[j], top - 1)[:top]
+            ids = sorted(ids.tolist(), key=lambda t: (-lp[j, t], t))
+            best = [(int(t), float(lp[j, t])) for t in ids]
+        out.append(TokenLogprob(float(lp[j, tok]), best))
+    return out

@@ -294,7 +294,14 @@ def test_failed_check_writes_the_json_then_fails(capsys, monkeypatch, tmp_path):
     """A text mismatch is never silent: the JSON is written, then one error line names it."""
     import executor.http_bench as hb
 
-    mismatch = {"concurrency": 2, "prompt": 1, "first_difference": 3, "expected": "a", "got": "b"}
+    mismatch = {
+        "concurrency": 2,
+        "prompt": 1,
+        "first_difference": 3,
+        "expected": "a",
+        "got": "b",
+        "near_tie": False,
+    }
     result = {"check_passed": False, "mismatches": [mismatch], "prefix_cache": None}
     monkeypatch.setattr(hb, "http_bench", lambda *a, **k: result)
     out = tmp_path / "r.json"
@@ -317,3 +324,41 @@ def test_batch_invariant_reaches_the_server(monkeypatch, tmp_path):
     cmd = ServerProcess.serve_command(Path("p.yaml"), "k", batch_invariant=True)
     assert cmd[-1] == "--batch-invariant"
     assert "--batch-invariant" not in ServerProcess.serve_command(Path("p.yaml"), "k")
+
+
+class _Bytes:
+    """A tokenizer stand-in: token id -> bytes."""
+
+    def __init__(self, table: dict[int, bytes]):
+        self.table = table
+
+    def token_bytes(self, token_id: int, skip_special: bool = True) -> bytes:
+        return self.table[token_id]
+
+
+def test_near_tie_classification():
+    from executor.http_bench import classify_divergence
+
+    tok = _Bytes(
+        {1: b"a", 2: b" b", 3: b" c", 4: b" d", 5: b" x", 6: b"\xc3", 7: b"\xa9", 8: b"\xa8"}
+    )
+    ids = [1, 2, 3, 4]
+    tops = [{1: -0.1, 2: -3.0}, {2: -0.2, 5: -2.5}, {3: -0.6, 5: -0.8}, {4: -0.1, 1: -4.0}]
+    # The c=16 text took the runner-up (5) at token 2, where the gap was 0.2: a near-tie flip.
+    flip = classify_divergence(tok, ids, tops, "a b x d", 0.5)
+    assert flip == {
+        "token_index": 2,
+        "reference_token": 3,
+        "runner_up": 5,
+        "gap": 0.2,
+        "runner_up_taken": True,
+        "near_tie": True,
+    }
+    assert classify_divergence(tok, ids, tops, "a b x d", 0.1)["near_tie"] is False  # gap too big
+    other = classify_divergence(tok, ids, tops, "a b q", 0.5)  # not the runner-up: an error
+    assert other["runner_up_taken"] is False and other["near_tie"] is False
+    assert classify_divergence(tok, ids, tops, "a b c d", 0.5)["token_index"] is None
+    # A character split over two tokens ("é" = c3 a9) left for "è" (c3 a8) at its second token.
+    ids, tops = [1, 6, 7], [{1: -0.1, 2: -5.0}, {6: -0.1, 2: -4.0}, {7: -0.5, 8: -0.6}]
+    split = classify_divergence(tok, ids, tops, "aè", 0.5)
+    assert split["token_index"] == 2 and split["runner_up"] == 8 and split["near_tie"] is True

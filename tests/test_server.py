@@ -234,6 +234,84 @@ def test_seeded_sampling_repeats(server):
     assert a == b
 
 
+def _log_softmax(row):
+    import numpy as np
+
+    x = row.astype(np.float64)
+    x = x - x.max()
+    return x - np.log(np.exp(x).sum())
+
+
+def test_chat_logprobs_are_the_models(server, tokenizer, smollm2_engine):
+    from executor.chat import messages_to_ids
+
+    r = chat(server, max_tokens=6, logprobs=True, top_logprobs=3)
+    content = r.choices[0].logprobs.content
+    assert len(content) == r.usage.completion_tokens == 6
+    assert b"".join(bytes(e.bytes) for e in content).decode() == r.choices[0].message.content
+    by_bytes: dict[bytes, int] = {}
+    for i in range(tokenizer.vocab_size):
+        by_bytes.setdefault(tokenizer.token_bytes(i, skip_special=False), i)
+    ids = [by_bytes[bytes(e.bytes)] for e in content]
+    prompt = messages_to_ids(tokenizer, CHAT)
+    # Teacher-forced through the engine: the same log-probabilities (the CPU's kernels are
+    # batch-invariant, so only summation order could differ).
+    rows = smollm2_engine.logits_for(prompt + ids, first=len(prompt) - 1)
+    for j, e in enumerate(content):
+        lp = _log_softmax(rows[j])
+        assert abs(e.logprob - lp[ids[j]]) < 1e-4
+        assert [t.logprob for t in e.top_logprobs] == sorted(
+            (t.logprob for t in e.top_logprobs), reverse=True
+        )
+        assert len(e.top_logprobs) == 3 and e.top_logprobs[0].token == e.token  # greedy
+        assert abs(e.top_logprobs[1].logprob - sorted(lp)[-2]) < 1e-4
+    # Streamed: the same entries, spread over the chunks.
+    stream = chat(server, max_tokens=6, logprobs=True, top_logprobs=3, stream=True)
+    streamed = [
+        e
+        for c in stream
+        if c.choices and c.choices[0].logprobs
+        for e in c.choices[0].logprobs.content
+    ]
+    assert [(e.token, e.logprob) for e in streamed] == [(e.token, e.logprob) for e in content]
+    assert chat(server, max_tokens=2).choices[0].logprobs is None  # not asked for
+
+
+def test_completion_logprobs(server):
+    r = complete(server, max_tokens=5, logprobs=2)
+    lp = r.choices[0].logprobs
+    assert "".join(lp.tokens) == r.choices[0].text and len(lp.tokens) == 5
+    assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(5)]
+    for tok, value, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs, strict=True):
+        assert len(top) <= 2 and max(top.values()) == value and top[tok] == value  # greedy
+        assert value <= 0
+    texts, tops = [], []
+    for chunk in complete(server, max_tokens=5, logprobs=2, stream=True):
+        if chunk.choices and chunk.choices[0].logprobs:
+            texts += chunk.choices[0].logprobs.tokens
+            tops += chunk.choices[0].logprobs.token_logprobs
+    assert texts == lp.tokens and tops == lp.token_logprobs
+
+
+def test_reference_logprobs_name_token_ids(server, tokenizer):
+    """The serving bench's near-tie check: token ids (``return_tokens_as_token_ids``) and top-2
+    log-probs of a greedy completion, which decode back to its text."""
+    import asyncio
+
+    from executor.http_bench import reference_logprobs
+
+    async def ask():
+        headers = {"Authorization": f"Bearer {KEY}"}
+        async with httpx.AsyncClient(base_url=server.url, headers=headers, timeout=60) as c:
+            return await reference_logprobs(c, MODEL, PROMPT, 6)
+
+    text, ids, tops = asyncio.run(ask())
+    assert len(ids) == 6 and tokenizer.decode(ids) == text
+    assert text == complete(server, max_tokens=6, extra_body={"ignore_eos": True}).choices[0].text
+    for tid, top in zip(ids, tops, strict=True):
+        assert len(top) == 2 and max(top, key=top.get) == tid  # greedy: the top token
+
+
 def test_ignore_eos_runs_to_max_tokens(server):
     r = chat(server, max_tokens=12, extra_body={"ignore_eos": True})
     assert r.usage.completion_tokens == 12 and r.choices[0].finish_reason == "length"
@@ -314,7 +392,11 @@ def test_bad_requests(server):
     err = error_of(server.post(chat_path, {**ok, "messages": [{"content": "x"}]}), 400, "role")
     assert err["param"] == "messages.0.role"
     error_of(server.post(chat_path, {**ok, "n": 2}), 400, "n=2")
-    error_of(server.post(chat_path, {**ok, "logprobs": True}), 400, "logprobs")
+    error_of(server.post(chat_path, {**ok, "top_logprobs": 2}), 400, "logprobs: true")
+    err = error_of(server.post(chat_path, {**ok, "logprobs": True, "top_logprobs": 21}), 400)
+    assert err["param"] == "top_logprobs"
+    err = error_of(server.post("/v1/completions", {**ok, "prompt": "x", "logprobs": 21}), 400)
+    assert err["param"] == "logprobs"
     # Fields this server ignores (clients send many) do not fail the request.
     assert server.post(chat_path, {**ok, "user": "u", "presence_penalty": 0}).status_code == 200
     long = {"model": MODEL, "prompt": list(range(10, 10 + CONTEXT)), "max_tokens": 1}
