@@ -32,6 +32,7 @@ usage: python bench/cuda_qmm.py [--rows 1,2,4,8,16] [-o FILE.json]   (needs MLX'
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import sys
 import time
@@ -106,19 +107,16 @@ _SOURCE = r"""
         }
 """
 
-_kernel = None
 
-
+@functools.cache
 def _get_kernel():
-    global _kernel
-    if _kernel is None:
-        _kernel = mx.fast.cuda_kernel(
-            name="strata_qmm",
-            input_names=["x", "w", "scales", "biases"],
-            output_names=["out"],
-            source=_SOURCE,
-        )
-    return _kernel
+    """The kernel, built on first use (MLX compiles it per template instantiation)."""
+    return mx.fast.cuda_kernel(
+        name="strata_qmm",
+        input_names=["x", "w", "scales", "biases"],
+        output_names=["out"],
+        source=_SOURCE,
+    )
 
 
 def _cols_per_warp(rows: int) -> int:

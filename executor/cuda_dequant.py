@@ -20,6 +20,8 @@ from it in the last bit).
 
 from __future__ import annotations
 
+import functools
+
 import mlx.core as mx
 
 __all__ = ["dequantize", "supported"]
@@ -59,19 +61,16 @@ _SOURCE = r"""
     }
 """
 
-_kernel = None
 
-
+@functools.cache
 def _get_kernel():
-    global _kernel
-    if _kernel is None:
-        _kernel = mx.fast.cuda_kernel(
-            name="strata_dequantize",
-            input_names=["w", "scales", "biases"],
-            output_names=["out"],
-            source=_SOURCE,
-        )
-    return _kernel
+    """The kernel, built on first use (MLX compiles it per template instantiation)."""
+    return mx.fast.cuda_kernel(
+        name="strata_dequantize",
+        input_names=["w", "scales", "biases"],
+        output_names=["out"],
+        source=_SOURCE,
+    )
 
 
 def supported(bits: int, group_size: int, dtype: mx.Dtype) -> bool:

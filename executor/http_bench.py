@@ -484,6 +484,17 @@ class RequestResult:
         return 1 / tpot if tpot else None
 
 
+def _greedy_body(model: str, prompt: str, max_tokens: int) -> dict[str, Any]:
+    """A ``/v1/completions`` body for exactly ``max_tokens`` greedy tokens."""
+    return {
+        "model": model,
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "ignore_eos": True,
+    }
+
+
 async def stream_completion(
     client: httpx.AsyncClient, model: str, prompt: str, max_tokens: int, index: int = -1
 ) -> RequestResult:
@@ -495,11 +506,7 @@ async def stream_completion(
             without a finish reason.
     """
     body = {
-        "model": model,
-        "prompt": prompt,
-        "max_tokens": max_tokens,
-        "temperature": 0,
-        "ignore_eos": True,
+        **_greedy_body(model, prompt, max_tokens),
         "stream": True,
         "stream_options": {"include_usage": True},
     }
@@ -944,15 +951,8 @@ async def reference_logprobs(
     Raises:
         StrataError: an HTTP error, or a reply without logprobs.
     """
-    body = {
-        "model": model,
-        "prompt": prompt,
-        "max_tokens": max_tokens,
-        "temperature": 0,
-        "ignore_eos": True,
-        "logprobs": 2,
-        "return_tokens_as_token_ids": True,
-    }
+    body = {**_greedy_body(model, prompt, max_tokens), "logprobs": 2}
+    body["return_tokens_as_token_ids"] = True
     r = await client.post("/v1/completions", json=body)
     if r.status_code != 200:
         raise StrataError(f"logprobs request: HTTP {r.status_code}: {_error_message(r.content)}")
