@@ -41,6 +41,7 @@ text.
 from __future__ import annotations
 
 import asyncio
+import codecs
 import contextlib
 import hmac
 import json
@@ -811,8 +812,16 @@ def _logprob(value: float) -> float:
 
 
 def _token_label(tok, token_id: int, as_ids: bool) -> str:
-    """How logprobs name a token: its text (special tokens' too), or ``token_id:N``."""
-    return f"token_id:{token_id}" if as_ids else tok.token_text(token_id)
+    """How logprobs name a token: ``token_id:N``; else its text (special tokens' too), or, for a
+    token holding part of a UTF-8 character, ``bytes:\\xNN...`` as OpenAI names such tokens (as
+    text they would all read U+FFFD, and collide as keys of a completion's ``top_logprobs``)."""
+    if as_ids:
+        return f"token_id:{token_id}"
+    data = tok.token_bytes(token_id, skip_special=False)
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError:
+        return "bytes:" + "".join(f"\\x{b:02x}" for b in data)
 
 
 def _token_entry(tok, token_id: int, logprob: float, as_ids: bool) -> dict:
@@ -842,16 +851,39 @@ def chat_logprobs(
     }
 
 
+class TextOffsets:
+    """Where each generated token's text starts in a completion's text (characters), for the
+    legacy ``text_offset``: the text holds a token's characters once its UTF-8 character is
+    complete, and nothing of a special token (as ``Generation`` decodes it).
+
+    Args:
+        tok: the tokenizer.
+    """
+
+    def __init__(self, tok):
+        self._tok = tok
+        self._utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        self.chars = 0
+
+    def next(self, token_id: int) -> int:
+        """The offset of ``token_id``'s text, then advance past it."""
+        at = self.chars
+        self.chars += len(self._utf8.decode(self._tok.token_bytes(token_id)))
+        return at
+
+
 def completion_logprobs(
-    tok, entries: list[tuple[int, TokenLogprob]] | None, offset: int, as_ids: bool = False
-) -> tuple[dict | None, int]:
+    tok,
+    entries: list[tuple[int, TokenLogprob]] | None,
+    offsets: TextOffsets,
+    as_ids: bool = False,
+) -> dict | None:
     """A completion choice's legacy ``logprobs`` object (``tokens``, ``token_logprobs``,
-    ``top_logprobs`` as ``{token: logprob}``, ``text_offset``: characters from the start of the
-    completion, counted from ``offset``, by each token's own text, so approximate where a token
-    holds part of a UTF-8 character) and the offset after its tokens; None when the request did
-    not ask for logprobs. ``as_ids``: name tokens ``token_id:N``."""
+    ``top_logprobs`` as ``{token: logprob}``, ``text_offset`` from ``offsets``, which carries on
+    across a stream's chunks); None when the request did not ask for logprobs. ``as_ids``: name
+    tokens ``token_id:N``."""
     if entries is None:
-        return None, offset
+        return None
     out: dict[str, list] = {
         "tokens": [],
         "token_logprobs": [],
@@ -862,9 +894,8 @@ def completion_logprobs(
         out["tokens"].append(_token_label(tok, tid, as_ids))
         out["token_logprobs"].append(_logprob(lp.logprob))
         out["top_logprobs"].append({_token_label(tok, a, as_ids): _logprob(v) for a, v in lp.top})
-        out["text_offset"].append(offset)
-        offset += len(tok.token_text(tid))
-    return out, offset
+        out["text_offset"].append(offsets.next(tid))
+    return out
 
 
 # --------------------------------------------------------------------------------------------
@@ -1124,7 +1155,7 @@ async def completions(request: Request) -> Response:
         )
         return EventStream(gen, chunks)
     text, finish, lps = await _collect(gen, request)
-    logprobs, _ = completion_logprobs(tok, lps, 0, body.return_tokens_as_token_ids)
+    logprobs = completion_logprobs(tok, lps, TextOffsets(tok), body.return_tokens_as_token_ids)
     return JSONResponse(
         {
             **head,
@@ -1138,9 +1169,9 @@ async def _completion_chunks(
     gen: Generation, head: dict, include_usage: bool, tok, as_ids: bool
 ) -> AsyncIterator[dict]:
     usage = {"usage": None} if include_usage else {}
-    offset = 0
+    offsets = TextOffsets(tok)
     async for piece in gen.pieces():
-        logprobs, offset = completion_logprobs(tok, piece.logprobs, offset, as_ids)
+        logprobs = completion_logprobs(tok, piece.logprobs, offsets, as_ids)
         choice = {
             "index": 0,
             "text": piece.text,

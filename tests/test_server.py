@@ -27,7 +27,7 @@ import httpx
 import openai
 import pytest
 
-from executor.server import StopMatcher
+from executor.server import StopMatcher, TextOffsets, completion_logprobs
 
 ROOT = Path(__file__).resolve().parent.parent
 KEY = "test-key-123"
@@ -291,6 +291,28 @@ def test_completion_logprobs(server):
             texts += chunk.choices[0].logprobs.tokens
             tops += chunk.choices[0].logprobs.token_logprobs
     assert texts == lp.tokens and tops == lp.token_logprobs
+
+
+def test_logprob_token_names_and_text_offsets():
+    """Tokens holding part of a UTF-8 character are named by their bytes (as OpenAI does), so
+    they do not collide as ``top_logprobs`` keys; ``text_offset`` counts the text's characters:
+    a character once complete, nothing for a special token."""
+    from executor.serving import TokenLogprob
+
+    class Tok:
+        table = {1: b"a", 2: b"\xf0\x9f", 3: b"\x98\x80", 4: b"\xf0", 5: b"<|im_end|>"}
+
+        def token_bytes(self, i, skip_special=True):
+            return b"" if skip_special and i == 5 else self.table[i]
+
+        def token_text(self, i):
+            return self.table[i].decode(errors="replace")
+
+    entries = [(t, TokenLogprob(-0.5, [(t, -0.5), (4, -1.0)])) for t in (1, 2, 3, 5, 1)]
+    out = completion_logprobs(Tok(), entries, TextOffsets(Tok()))
+    assert out["tokens"] == ["a", "bytes:\\xf0\\x9f", "bytes:\\x98\\x80", "<|im_end|>", "a"]
+    assert out["top_logprobs"][1] == {"bytes:\\xf0\\x9f": -0.5, "bytes:\\xf0": -1.0}
+    assert out["text_offset"] == [0, 1, 1, 2, 2]  # the text: "a😀a"
 
 
 def test_reference_logprobs_name_token_ids(server, tokenizer):
