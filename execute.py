@@ -83,8 +83,8 @@ def main(argv: list[str] | None = None) -> int:
         "--near-tie-gap",
         type=float,
         help="serving bench: a text that leaves its concurrency-1 text by taking the runner-up "
-        "where the top-2 logit gap is below this passes as a near-tie flip (0.5; 1.0 for "
-        "random-weight synthetic models; 0 makes every difference an error)",
+        "where the top-2 logit gap is below this passes as a near-tie flip (default 0.5, or 1.0 "
+        "for a random-weight synthetic model; 0 makes every difference an error)",
     )
 
     s = sub.add_parser("serve", help="serve a plan over an OpenAI-compatible HTTP API")

@@ -54,7 +54,8 @@ rounding depends on the step's row count (not with ``--batch-invariant``), which
 whose top-2 logits nearly tie, and every later token with it. For each text that differs the
 bench asks the idle server for the prompt's concurrency-1 completion again with ``logprobs: 2``
 and token ids, finds the first token the text did not continue, and passes it only if the text
-took the runner-up there and the top-2 gap is below ``--near-tie-gap`` (``NEAR_TIE_GAP``; 0 with
+took the runner-up there and the top-2 gap is below ``--near-tie-gap`` (``NEAR_TIE_GAP``, 1.0 for
+random-weight synthetic models: ``default_near_tie_gap``; 0 with
 ``--batch-invariant``, where any difference is an error). Any other mismatch sets the level's
 and the result's ``check_passed`` to false. The command writes the JSON and plot, then exits
 with an error that names the failed mismatches.
@@ -936,10 +937,21 @@ def _on_server(srv: ServerProcess, what: str, coro: Coroutine[Any, Any, T]) -> T
 
 
 NEAR_TIE_GAP = 0.5
-"""Default largest top-2 logit gap (the correctness rule's, for real models; 1.0 for random-weight
-synthetic ones) at which a text that left its concurrency-1 text counts as a near-tie flip, not
-an error: outside ``--batch-invariant`` a row's rounding on MLX's CUDA backend depends on the
-step's row count, which may flip a near-tie and so every later token (measured on the H200)."""
+"""Default largest top-2 logit gap at which a text that left its concurrency-1 text counts as a
+near-tie flip, not an error (the correctness rule's, for real models): outside
+``--batch-invariant`` a row's rounding on MLX's CUDA backend depends on the step's row count,
+which may flip a near-tie and so every later token (measured on the H200)."""
+
+NEAR_TIE_GAP_RANDOM = 1.0
+"""The default for a random-weight synthetic model (the correctness rule's, for them): their
+logits are near-ties almost everywhere."""
+
+
+def default_near_tie_gap(gguf) -> float:
+    """``NEAR_TIE_GAP_RANDOM`` for a random-weight synthetic GGUF (``general.name`` says "random
+    weights", as ``synth.py`` and the tests' factory write it), else ``NEAR_TIE_GAP``."""
+    name = gguf.field("general.name") or ""
+    return NEAR_TIE_GAP_RANDOM if "random weights" in str(name) else NEAR_TIE_GAP
 
 
 async def reference_logprobs(
@@ -1067,7 +1079,7 @@ def http_bench(
     prompt_tokens: Sequence[int] = PROMPT_TOKENS,
     log: TextIO | None = None,
     batch_invariant: bool = False,
-    near_tie_gap: float = NEAR_TIE_GAP,
+    near_tie_gap: float | None = None,
 ) -> dict[str, Any]:
     """Run the serving bench and return its JSON-ready result (schema: the module docstring).
 
@@ -1081,7 +1093,8 @@ def http_bench(
         log: where progress lines go (default stderr).
         batch_invariant: serve with ``--batch-invariant``.
         near_tie_gap: a text that leaves its concurrency-1 text by a near-tie flip with a top-2
-            gap below this passes (``classify_divergence``); 0: every difference fails.
+            gap below this passes (``classify_divergence``); 0: every difference fails; None:
+            ``default_near_tie_gap`` of the plan's model.
 
     Raises:
         StrataError: a bad plan; prompts or a prefix that do not fit the plan's context; a
@@ -1102,11 +1115,13 @@ def http_bench(
         raise StrataError(f"--prefix-tokens {prefix_tokens}: give a token count, or 0 to skip")
     levels = sorted({1, *concurrency})
     per_level = requests_per_level(levels, requests)
-    if near_tie_gap < 0:
+    if near_tie_gap is not None and near_tie_gap < 0:
         raise StrataError(f"--near-tie-gap {near_tie_gap}: give a logit gap >= 0")
+    loaded = load_plan(plan_path)  # a stale or broken plan fails here, before any server starts
     if batch_invariant:
         near_tie_gap = 0.0  # the mode's promise is equal texts: no flip passes
-    loaded = load_plan(plan_path)  # a stale or broken plan fails here, before any server starts
+    elif near_tie_gap is None:
+        near_tie_gap = default_near_tie_gap(loaded.gguf)
     plan = loaded.plan
     batch = plan.batch
     tok = GGUFTokenizer.from_reader(loaded.gguf.reader)
@@ -1461,7 +1476,7 @@ def cmd_http_bench(args: argparse.Namespace) -> None:
         prefix,
         lengths,
         batch_invariant=args.batch_invariant,
-        near_tie_gap=NEAR_TIE_GAP if args.near_tie_gap is None else args.near_tie_gap,
+        near_tie_gap=args.near_tie_gap,
     )
     from executor.bench import write_result
 

@@ -362,3 +362,15 @@ def test_near_tie_classification():
     ids, tops = [1, 6, 7], [{1: -0.1, 2: -5.0}, {6: -0.1, 2: -4.0}, {7: -0.5, 8: -0.6}]
     split = classify_divergence(tok, ids, tops, "aè", 0.5)
     assert split["token_index"] == 2 and split["runner_up"] == 8 and split["near_tie"] is True
+
+
+def test_near_tie_gap_defaults_by_model(smollm2_gguf):
+    from executor.http_bench import NEAR_TIE_GAP, NEAR_TIE_GAP_RANDOM, default_near_tie_gap
+    from planner.gguf_file import open_gguf
+
+    class Synthetic:
+        def field(self, key, default=None):
+            return "Synthetic llama3-8b Q4_0 (random weights, seed 0)"
+
+    assert default_near_tie_gap(open_gguf(smollm2_gguf)) == NEAR_TIE_GAP == 0.5
+    assert default_near_tie_gap(Synthetic()) == NEAR_TIE_GAP_RANDOM == 1.0

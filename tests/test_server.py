@@ -320,7 +320,7 @@ def test_reference_logprobs_name_token_ids(server, tokenizer):
     log-probs of a greedy completion, which decode back to its text."""
     import asyncio
 
-    from executor.http_bench import reference_logprobs
+    from executor.http_bench import classify_divergence, reference_logprobs
 
     async def ask():
         headers = {"Authorization": f"Bearer {KEY}"}
@@ -332,6 +332,14 @@ def test_reference_logprobs_name_token_ids(server, tokenizer):
     assert text == complete(server, max_tokens=6, extra_body={"ignore_eos": True}).choices[0].text
     for tid, top in zip(ids, tops, strict=True):
         assert len(top) == 2 and max(top, key=top.get) == tid  # greedy: the top token
+    # A text that took the runner-up at token 3 (then anything): classified there, by its gap.
+    runner = min(tops[3], key=tops[3].get)
+    gap = tops[3][ids[3]] - tops[3][runner]
+    got = tokenizer.decode([*ids[:3], runner]) + " and so on"
+    flip = classify_divergence(tokenizer, ids, tops, got, gap + 0.01)
+    assert flip["token_index"] == 3 and flip["runner_up"] == runner and flip["near_tie"]
+    assert flip["gap"] == pytest.approx(gap, abs=1e-4)
+    assert not classify_divergence(tokenizer, ids, tops, got, gap - 0.01)["near_tie"]
 
 
 def test_ignore_eos_runs_to_max_tokens(server):
