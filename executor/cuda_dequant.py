@@ -8,8 +8,9 @@ vector store (16 bytes for 4-bit float16), so reads and writes are coalesced. Me
 H200 (MLX 0.32.4, 2026-11-30, 4-bit groups of 32 to float16, best of 7 calls, each synchronized):
 a Llama-3-8B FFN weight [14336, 4096] in 119 us against ``mx.dequantize``'s 180 (1.3 TB/s of
 reads and writes), [4096, 14336] in 149 against 277, [4096, 4096] in 110 against 116; on small
-weights the launch dominates and it is a few us slower (SmolLM2's [1536, 576]: 51 against 44). On
-the Llama-3-8B shape the cold 1,000-token TTFT over HTTP went from 167 to 93 ms with it.
+weights the launch dominates and it is a few us slower (SmolLM2's [1536, 576]: 51 against 44)
+(``bench/dequant_kernel.py``, ``bench/results/2026-11-30.dequant-kernel.h200.json``). On the
+Llama-3-8B shape the cold 1,000-token TTFT over HTTP went from 167 to 93 ms with it.
 
 Layout (``executor.quant``): element ``j`` of a word sits at bits ``bits * j``; ``w = scale * q +
 bias`` per group of ``group_size`` elements along a row. The product is computed in float32 and

@@ -1,0 +1,120 @@
+#!/usr/bin/env python3
+"""Strata's CUDA dequantize kernel (``executor.cuda_dequant``) against ``mx.dequantize``, and
+the two kernel paths of a quantized projection (``executor.ops.quantized_product``) by rows.
+
+For each weight shape (a Llama-3-8B block's FFN and attention projections, SmolLM2's FFN), 4-bit
+in groups of 32, float16: the dequantizing pass of each kernel, then for 1 to 512 rows the
+quantized matmul, the dense path (our dequantize + matmul) and the matmul alone, each the best of
+7 calls timed one at a time (evaluated and synchronized), as ``planner.profile``'s crossover test
+times them. First it checks that the kernel is exact for 4 and 8 bits, groups of 32 to 128,
+float16 and bfloat16. Output: JSON ``{"NxK": {"dequant_mlx_us", "dequant_ours_us",
+"ours_GBps", "rows": {rows: [quantized us, dense us, matmul-only us]}}}``.
+
+Measured on the lent H200 on 2026-11-30 with this code (then run as a scratch script; this file
+has not run there since): ``bench/results/2026-11-30.dequant-kernel.h200.json``
+(the H200 profile's ``dequant_matmul_min_rows`` of 128 is the crossover of its 14336x4096 row).
+
+usage: python bench/dequant_kernel.py OUT.json   (needs MLX's CUDA backend)
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+
+import mlx.core as mx
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from executor import cuda_dequant  # noqa: E402
+from executor.ops import QuantLinear, quantized_product  # noqa: E402
+
+ROWS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
+SHAPES = ((14336, 4096), (4096, 14336), (4096, 4096), (1024, 4096), (1536, 576), (576, 1536))
+
+
+def best(fn, repeats: int = 7) -> float:
+    """Best seconds of ``fn`` over ``repeats`` synchronized calls, after one untimed call."""
+    fn()
+    mx.synchronize()
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        mx.synchronize()
+        times.append(time.perf_counter() - t0)
+    return min(times)
+
+
+def check_exact() -> bool:
+    """The kernel against the float32 dequantization rounded once, for each supported case."""
+    ok = True
+    for bits, group, dtype in ((4, 32, mx.float16), (8, 32, mx.float16), (4, 64, mx.bfloat16)):
+        w = mx.random.normal((512, 1024)).astype(dtype)
+        wq, s, b = mx.quantize(w, group_size=group, bits=bits)
+        f32 = mx.float32
+        ref = mx.dequantize(wq, s.astype(f32), b.astype(f32), group_size=group, bits=bits)
+        got = cuda_dequant.dequantize(wq, s, b, group, bits, dtype)
+        exact = mx.array_equal(ref.astype(dtype), got).item()
+        print(f"{bits}-bit, groups of {group}, {dtype}: exact {exact}", flush=True)
+        ok &= exact
+    return ok
+
+
+def _time_shape(w: QuantLinear) -> tuple[float, float, mx.array, dict[int, list[int]]]:
+    """Seconds of MLX's and our dequantize of ``w``, the dense weight, and per row count the
+    quantized, dense and matmul-only times (us)."""
+    f16 = mx.float16
+    theirs = best(
+        lambda: mx.eval(mx.dequantize(w.weight, w.scales, w.biases, group_size=32, bits=4))
+    )
+    ours = best(lambda: mx.eval(cuda_dequant.dequantize(w.weight, w.scales, w.biases, 32, 4, f16)))
+    full = cuda_dequant.dequantize(w.weight, w.scales, w.biases, 32, 4, f16)
+    mx.eval(full)
+    rows = {}
+    for r in ROWS:
+        x = mx.random.normal((r, w.shape[1])).astype(f16)
+        mx.eval(x)
+        rows[r] = [
+            round(best(lambda x=x: mx.eval(quantized_product(x, w, False))) * 1e6),
+            round(best(lambda x=x: mx.eval(quantized_product(x, w, True))) * 1e6),
+            round(best(lambda x=x: mx.eval(x @ full.T)) * 1e6),
+        ]
+    return theirs, ours, full, rows
+
+
+def main() -> int:
+    if len(sys.argv) != 2:
+        print(__doc__.strip().splitlines()[-1], file=sys.stderr)
+        return 2
+    if not mx.cuda.is_available():
+        print("error: this bench needs MLX's CUDA backend", file=sys.stderr)
+        return 2
+    ok = check_exact()
+    out = {}
+    f16 = mx.float16
+    for n, k in SHAPES:
+        wq, s, b = mx.quantize(mx.random.normal((n, k)).astype(f16), group_size=32, bits=4)
+        mx.eval(wq, s, b)
+        theirs, ours, full, rows = _time_shape(QuantLinear(wq, s, b, 4, 32))
+        moved = wq.nbytes + s.nbytes + b.nbytes + full.nbytes  # read packed, write float16
+        out[f"{n}x{k}"] = {
+            "dequant_mlx_us": theirs * 1e6,
+            "dequant_ours_us": ours * 1e6,
+            "ours_GBps": moved / ours / 1e9,
+            "rows": rows,
+        }
+        table = " ".join(f"{r}:{q}/{d}/{m}" for r, (q, d, m) in rows.items())
+        print(
+            f"[{n}, {k}] dequantize: MLX {theirs * 1e6:.0f} us, ours {ours * 1e6:.0f} us; "
+            f"rows quantized/dense/matmul-only us: {table}",
+            flush=True,
+        )
+    Path(sys.argv[1]).write_text(json.dumps(out, indent=1) + "\n")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
