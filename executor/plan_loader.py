@@ -188,7 +188,8 @@ def load_plan(path: str | Path) -> LoadedPlan:
         profile = read_yaml(prof_path, HardwareProfile)
         if canonical_sha256(profile) != ref.sha256:
             raise PlanError(
-                f"{path}: profile {prof_path} changed since this plan was made; re-run plan.py plan"
+                f"{path}: profile {prof_path} changed since this plan was made (its figures, or "
+                "the fields this version of Strata reads from profiles); re-run plan.py plan"
             )
     draft_ref = plan.speculative.draft_model
     draft_path = _draft_model_path(path, draft_ref) if draft_ref is not None else None

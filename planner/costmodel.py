@@ -12,18 +12,19 @@ least one of its B sequences needs it; with independent routing (the same assump
 description's uniform top-k/n) that happens with probability ``a_u(B) = 1 - (1 - a_u)^B``, which is
 ``a_u`` at B = 1 and 1 for dense units. Rates come from the hardware profile: ``gpu_bw``
 (gpu.memory_bandwidth_bytes_s), ``mv_flops`` (gpu.decode_matvec_flops_s: a 4-bit quantized
-matrix-vector product, the kernel of a decoded token), ``mm_flops`` (gpu.compute_flops_s: a
-prefill-sized matrix product), ``op_s`` (gpu.op_overhead_s), ``h2d_bw``
+matrix-vector product, the kernel of a decoded token), ``bt_flops`` (gpu.decode_batch_flops_s:
+the same kernel on 16 decoded tokens; gpu.compute_flops_s, a prefill-sized matrix product, where
+the profile lacks it), ``op_s`` (gpu.op_overhead_s), ``h2d_bw``
 (ram.host_to_device_bytes_s), ``nvme_bw`` (nvme.read_bytes_s).
 
 Time of one decode step (seconds):
 
-- ``compute_s   = sum_u [max(a_u(B) * b_u / gpu_bw, f_u / mv_flops, B * f_u / mm_flops)
+- ``compute_s   = sum_u [max(a_u(B) * b_u / gpu_bw, f_u / mv_flops, B * f_u / bt_flops)
   + k_u * op_s]`` — a roofline per unit: the kernels cannot finish before the weights are read
   from device memory once, nor before one token's matrix-vector products run at the measured
   matvec rate (on MLX's CPU backend that rate, not the bandwidth, binds: dequantizing is the
-  work), nor before B tokens' FLOPs run at the matrix-product rate (on the CPU backend at the
-  matvec rate: its quantized matmul was measured to cost in proportion to its rows); plus a
+  work), nor before B tokens' FLOPs run at the measured decode-batch rate (on the CPU backend
+  about the matvec rate: its quantized matmul costs in proportion to its rows); plus a
   fixed cost per graph operation (building it in Python, dispatching and launching it), which
   is what bounds small models on fast GPUs. Every unit is read from device memory by the kernels
   wherever it is stored, so compute does not depend on placement.
@@ -247,8 +248,8 @@ class UnitCost:
     name: str
     bytes: int
     compute_s: float
-    """``max(a_u(B) b_u / gpu_bw, f_u / mv_flops, B f_u / mm_flops) + k_u op_s`` (``mv_flops`` in
-    place of ``mm_flops`` on the CPU backend): the same on every tier."""
+    """``max(a_u(B) b_u / gpu_bw, f_u / mv_flops, B f_u / bt_flops) + k_u op_s``: the same on
+    every tier."""
     copy_s: float
     """``a_u(B) * b_u / h2d_bw``: one host -> device copy of what a step reads."""
     read_s: float
@@ -291,22 +292,26 @@ def unit_costs(
         PlanError: a bandwidth or the compute throughput in the profile is zero.
     """
     gpu_bw = _rate(profile.gpu.memory_bandwidth_bytes_s.value, "gpu.memory_bandwidth_bytes_s")
-    mm_flops = _rate(profile.gpu.compute_flops_s.value, "gpu.compute_flops_s")
     mv_flops = _rate(profile.gpu.decode_matvec_flops_s.value, "gpu.decode_matvec_flops_s")
     op_s = profile.gpu.op_overhead_s.value
     h2d_bw = _rate(profile.ram.host_to_device_bytes_s.value, "ram.host_to_device_bytes_s")
     nvme_bw = _rate(profile.nvme.read_bytes_s.value, "nvme.read_bytes_s")
     b = batch_size(request, batch)
-    # MLX's CPU quantized matmul costs in proportion to its rows (a 16-row 4-bit product took
-    # 16x one row on the dev machine, 2026-11-30): there B tokens run at the matvec rate.
-    batch_flops = mv_flops if profile.backend == "cpu" else mm_flops
+    # B tokens' products run at the measured decode-batch rate (on MLX's CPU backend that is the
+    # matvec rate: a 16-row 4-bit product took 16x one row on the dev machine, 2026-11-30).
+    measured = profile.gpu.decode_batch_flops_s
+    bt_flops = (
+        _rate(profile.gpu.compute_flops_s.value, "gpu.compute_flops_s")
+        if measured is None
+        else _rate(measured.value, "gpu.decode_batch_flops_s")
+    )
     out = []
     for u in desc.units:
         # P(at least one of B sequences reads the unit) under independent routing.
         access = 1.0 - (1.0 - u.access_per_token) ** b
         moved = access * u.bytes_mlx
         f = u.flops_per_token
-        roofline = max(moved / gpu_bw, f / mv_flops, b * f / batch_flops)
+        roofline = max(moved / gpu_bw, f / mv_flops, b * f / bt_flops)
         ops = OPS_PER_UNIT[u.role] * (access if u.role == "expert" else 1.0)
         out.append(
             UnitCost(

@@ -456,6 +456,10 @@ MATVEC_GROUP = 32
 """Group size of the decode matvec test: GGUF's 32-weight blocks, as the executor repacks them."""
 
 
+DECODE_BATCH_ROWS = 16
+"""Rows (decoded tokens) of :func:`measure_decode_batch`: the plans' usual 16 sequences."""
+
+
 def measure_decode_matvec(shape: tuple[int, int], dtype_name: str, repeats: int = 5) -> Figure:
     """Quantized matrix-vector throughput, FLOP/s: one decoded token through a 4-bit weight.
 
@@ -471,13 +475,39 @@ def measure_decode_matvec(shape: tuple[int, int], dtype_name: str, repeats: int 
         dtype_name: activation dtype, e.g. ``float16``.
         repeats: timed runs; the best is the figure.
     """
+    return _quantized_matmul_rate(shape, dtype_name, repeats, 1, "decode matvec")
+
+
+def measure_decode_batch(shape: tuple[int, int], dtype_name: str, repeats: int = 5) -> Figure:
+    """Quantized matrix product throughput for a decode batch, FLOP/s: ``DECODE_BATCH_ROWS``
+    decoded tokens through a 4-bit weight in one ``mx.quantized_matmul``, as a batched decode
+    step runs every projection (``2 rows n k / seconds``).
+
+    Why it is measured: how the quantized kernel scales with rows decides what batching buys.
+    On MLX's CPU backend a 16-row product took 16x one row (the dev machine, 2026-11-30), so
+    there batched decode runs at the matvec rate; on the H200 16 rows took about 1.2x one row.
+    Neither the matvec rate nor the prefill-sized matmul rate (``compute_flops_s``) says which.
+
+    Args:
+        shape: (n, k) of the weight.
+        dtype_name: activation dtype, e.g. ``float16``.
+        repeats: timed runs; the best is the figure.
+    """
+    return _quantized_matmul_rate(shape, dtype_name, repeats, DECODE_BATCH_ROWS, "decode batch")
+
+
+def _quantized_matmul_rate(
+    shape: tuple[int, int], dtype_name: str, repeats: int, rows: int, what: str
+) -> Figure:
+    """``2 rows n k / seconds`` of ``mx.quantized_matmul`` of a [rows, k] activation by an
+    [n, k] 4-bit weight (groups of 32), the best of ``repeats`` evaluated calls."""
     import mlx.core as mx
 
     n, k = shape
     dtype = getattr(mx, dtype_name)
     w = mx.random.normal((n, k)).astype(dtype)
     wq, scales, biases = mx.quantize(w, group_size=MATVEC_GROUP, bits=MATVEC_BITS)
-    x = mx.random.normal((1, k)).astype(dtype)
+    x = mx.random.normal((rows, k)).astype(dtype)
     mx.eval(wq, scales, biases, x)
     del w
 
@@ -489,13 +519,13 @@ def measure_decode_matvec(shape: tuple[int, int], dtype_name: str, repeats: int 
         )
 
     secs = _best_seconds(run, repeats)
-    flops = 2.0 * n * k / secs
+    flops = 2.0 * rows * n * k / secs
     wbytes = wq.nbytes + scales.nbytes + biases.nbytes
-    _say(f"decode matvec: {flops / 1e9:.2f} GFLOP/s ({_gbs(wbytes / secs)} of weights)")
+    _say(f"{what}: {flops / 1e9:.2f} GFLOP/s ({_gbs(wbytes / secs)} of weights)")
     return Figure(
         value=flops,
         source="measured",
-        how=f"MLX quantized_matmul of [1, {k}] {dtype_name} by a [{n}, {k}] weight "
+        how=f"MLX quantized_matmul of [{rows}, {k}] {dtype_name} by a [{n}, {k}] weight "
         f"({MATVEC_BITS}-bit, groups of {MATVEC_GROUP}, {format_size(wbytes)}) on "
         f"{mx.default_device()}, best of {repeats}: {secs * 1e3:.3f} ms, "
         f"{_gbs(wbytes / secs)} of weights, {_today()}",
@@ -799,6 +829,7 @@ def measure_profile(
         memory_bandwidth_bytes_s=measure_memory_bandwidth(sz.mem_bytes, sz.repeats + 2),
         compute_flops_s=measure_matmul_flops(sz.prefill, sz.decode, compute_dtype, sz.repeats),
         decode_matvec_flops_s=measure_decode_matvec(sz.matvec, compute_dtype, sz.repeats + 2),
+        decode_batch_flops_s=measure_decode_batch(sz.matvec, compute_dtype, sz.repeats + 2),
         op_overhead_s=measure_op_overhead(4 if quick else 32, sz.repeats),
         # The CPU keeps the quantized kernel: its results are batch-invariant there (measured).
         dequant_matmul_min_rows=None

@@ -259,6 +259,12 @@ class GPUTier(Strict):
     decode_matvec_flops_s: Figure = Field(
         description="quantized matrix-vector throughput (one decoded token), FLOP/s"
     )
+    decode_batch_flops_s: Figure | None = Field(
+        default=None,
+        description="quantized matrix product throughput for a batch of 16 decoded tokens, "
+        "FLOP/s; None where not measured (the cost model then charges batched decode at "
+        "compute_flops_s)",
+    )
     op_overhead_s: Figure = Field(
         description="seconds per operation of a lazily built MLX graph (build + dispatch + launch)"
     )

@@ -11,7 +11,7 @@ Step time, from the cost model's own functions (``planner.costmodel``), at the p
 
 - verification: ``costmodel.score`` of the plan's placement, pool and expert cache at a batch of
   ``B (K + 1)`` tokens: every unit is read once per pass (streamed bytes too), while the per-token
-  terms (the roofline's ``B f / mm_flops``, expert access ``1 - (1 - a_u)^(B (K + 1))``) grow with
+  terms (the roofline's ``B f / bt_flops``, expert access ``1 - (1 - a_u)^(B (K + 1))``) grow with
   the tokens. At ``K = 0`` this is exactly ``plan.prediction.step_s``.
 - K draft passes of B tokens each, after one another on the compute thread:
   prompt lookup: 0 (an n-gram search over the sequence on the host; Saxena 2023, vLLM "ngram");

@@ -394,3 +394,25 @@ def test_streamed_attention_goes_to_blocks_whose_ffn_stays() -> None:
     assert sum(u.endswith(".ffn") for u in streamed) == 2
     assert interleaved_blocks(desc, tiers) == []
     assert sol.prediction.io_stall_s == 0
+
+
+def test_batched_decode_is_charged_at_the_measured_decode_batch_rate() -> None:
+    """``gpu.decode_batch_flops_s`` prices B tokens' products: where the quantized kernel costs in
+    proportion to its rows (MLX's CPU backend: the rate equals the matvec rate), a 16-sequence
+    step's compute is 16 single steps'; without the figure the matrix-product rate applies."""
+    from planner.schemas import Figure
+
+    desc = llama70b_desc()
+    slow = 1e9  # FLOP/s: compute-bound, far below what the bandwidth allows
+    base = make_profile(gpu_bytes=144 * GIB, ram_bytes=192 * GIB, flops=1e15, matvec_flops=slow)
+    measured = Figure(value=slow, source="measured", how="a test")
+    rows_bound = base.model_copy(
+        update={"gpu": base.gpu.model_copy(update={"decode_batch_flops_s": measured})}
+    )
+
+    def ffn_compute(profile, b: int) -> float:
+        request = Request(context=4096, concurrency=b, objective="throughput")
+        return {c.name: c for c in unit_costs(desc, profile, request)}["blk.0.ffn"].compute_s
+
+    assert ffn_compute(rows_bound, 16) == pytest.approx(16 * ffn_compute(rows_bound, 1))
+    assert ffn_compute(base, 16) == pytest.approx(ffn_compute(base, 1))  # the matvec bound
