@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import json
 import sys
-import time
 from pathlib import Path
 
 import mlx.core as mx
@@ -30,22 +29,16 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from executor import cuda_dequant  # noqa: E402
 from executor.ops import QuantLinear, quantized_product  # noqa: E402
+from planner.profile import _best_seconds  # noqa: E402
 
 ROWS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
 SHAPES = ((14336, 4096), (4096, 14336), (4096, 4096), (1024, 4096), (1536, 576), (576, 1536))
 
 
 def best(fn, repeats: int = 7) -> float:
-    """Best seconds of ``fn`` over ``repeats`` synchronized calls, after one untimed call."""
-    fn()
-    mx.synchronize()
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        mx.synchronize()
-        times.append(time.perf_counter() - t0)
-    return min(times)
+    """Best seconds of ``fn`` (which evaluates, so each call waits for the GPU) over ``repeats``
+    calls after one untimed call: the profile's timing (``planner.profile``)."""
+    return _best_seconds(fn, repeats)
 
 
 def check_exact() -> bool:
