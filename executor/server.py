@@ -43,6 +43,7 @@ from __future__ import annotations
 import asyncio
 import codecs
 import contextlib
+import functools
 import hmac
 import json
 import math
@@ -1129,7 +1130,9 @@ async def completions(request: Request) -> Response:
     tok = state.engine.tokenizer
     if isinstance(prompt, str):
         try:
-            ids = await run_in_threadpool(tok.encode, prompt)
+            # Control tokens written in the text (a hand-rendered chat prompt's <|im_start|>)
+            # are those tokens, as llama.cpp's server and vLLM read a completion prompt.
+            ids = await run_in_threadpool(functools.partial(tok.encode, parse_special=True), prompt)
         except StrataError as e:
             raise APIError(400, str(e), param="prompt") from None
     else:

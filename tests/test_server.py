@@ -222,6 +222,17 @@ def test_completions_stream_equals_non_stream(server, tokenizer):
     assert complete(server).usage.completion_tokens == 16
 
 
+def test_completion_prompt_reads_control_tokens(server, tokenizer):
+    """A text prompt's control tokens are those tokens (llama.cpp's server and vLLM agree), so a
+    chat prompt rendered by hand equals the chat endpoint's."""
+    text = "<|im_start|>user\nWhat is the capital of France?<|im_end|>\n<|im_start|>assistant\n"
+    ids = tokenizer.encode(text, parse_special=True)
+    assert len(ids) < len(tokenizer.encode(text))
+    r = complete(server, text, max_tokens=8)
+    assert r.usage.prompt_tokens == len(ids)
+    assert r.choices[0].text == complete(server, ids, max_tokens=8).choices[0].text
+
+
 def test_seeded_sampling_repeats(server):
     a, b = (
         complete(
