@@ -789,7 +789,8 @@ async def _collect(
         async for piece in generation.pieces():
             text.append(piece.text)
             if piece.logprobs is not None:
-                lps = (lps or []) + piece.logprobs
+                lps = lps if lps is not None else []
+                lps.extend(piece.logprobs)
             if piece.finish_reason:
                 if generation.request.logprobs is not None and lps is None:
                     lps = []

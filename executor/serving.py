@@ -483,8 +483,8 @@ class ServingEngine:
             slots = slot_table(c.seq.block_ids, bs, c.start + c.num_tokens)
             # Every input returns at least its last row's logits (the forward pass must produce
             # something to evaluate); only sampling chunks use them; verification needs all.
-            logits = "all" if c.draft else "last"
-            inputs.append(SeqInput(c.ids, c.start, slots, logits, one_per_piece=bool(c.draft)))
+            wanted = "all" if c.draft else "last"
+            inputs.append(SeqInput(c.ids, c.start, slots, wanted, one_per_piece=bool(c.draft)))
         batch = ForwardBatch.build(inputs, tile=self._tile)
         logits = self.engine.model.forward_batch(batch, self.kv)
         want = [i for i, c in enumerate(step.chunks) if c.sample]
@@ -494,6 +494,7 @@ class ServingEngine:
         first = np.cumsum([0, *batch.logit_counts])  # chunk i's rows: first[i]:first[i + 1]
         lives = {i: self._live[step.chunks[i].seq.request_id] for i in want}
         out: dict[str, list[int]] = {}
+        host: np.ndarray | None = None  # all logits on the host, when sampling needed them
         if all(lives[i].req.params.temperature == 0 for i in want):
             targets = np.array(mx.argmax(logits, axis=-1)).tolist()  # one host transfer
             for i in want:
@@ -511,8 +512,13 @@ class ServingEngine:
                 self.spec_accepted += len(out[req.request_id]) - 1
             if req.logprobs is not None:
                 toks = out[req.request_id]  # token j was chosen from row j of the chunk's rows
-                rows = np.array(logits[int(first[i]) : int(first[i]) + len(toks)])
-                logprobs[req.request_id] = token_logprobs(rows, toks, req.logprobs)
+                lo = int(first[i])
+                chosen_from = (
+                    host[lo : lo + len(toks)]
+                    if host is not None
+                    else np.array(logits[lo : lo + len(toks)])
+                )
+                logprobs[req.request_id] = token_logprobs(chosen_from, toks, req.logprobs)
         return out, logprobs
 
     def _emit(

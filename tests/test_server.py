@@ -302,6 +302,13 @@ def test_completion_logprobs(server):
             texts += chunk.choices[0].logprobs.tokens
             tops += chunk.choices[0].logprobs.token_logprobs
     assert texts == lp.tokens and tops == lp.token_logprobs
+    # Sampled (the logits come to the host for sampling, and the logprobs are read there): the
+    # same seed gives the same entries, each no likelier than the most likely token.
+    kw = {"max_tokens": 5, "logprobs": 2, "temperature": 0.9, "seed": 11}
+    a, b = (complete(server, **kw).choices[0].logprobs for _ in range(2))
+    assert a.tokens == b.tokens and a.token_logprobs == b.token_logprobs and len(a.tokens) >= 1
+    for value, top in zip(a.token_logprobs, a.top_logprobs, strict=True):
+        assert value <= max(top.values()) <= 0
 
 
 def test_logprob_token_names_and_text_offsets():
