@@ -71,8 +71,8 @@ def _time_shape(w: QuantLinear) -> tuple[float, float, mx.array, dict[int, list[
         x = mx.random.normal((r, w.shape[1])).astype(f16)
         mx.eval(x)
         rows[r] = [
-            round(best(lambda x=x: mx.eval(quantized_product(x, w, False))) * 1e6),
-            round(best(lambda x=x: mx.eval(quantized_product(x, w, True))) * 1e6),
+            round(best(lambda x=x: mx.eval(quantized_product(x, w, "quantized"))) * 1e6),
+            round(best(lambda x=x: mx.eval(quantized_product(x, w, "dense"))) * 1e6),
             round(best(lambda x=x: mx.eval(x @ full.T)) * 1e6),
         ]
     return theirs, ours, full, rows

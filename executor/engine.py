@@ -16,7 +16,7 @@ import mlx.core as mx
 import numpy as np
 
 from executor.models import model_class
-from executor.ops import set_dequant_min_rows
+from executor.ops import set_dequant_min_rows, set_mma_rows
 from executor.plan_loader import LoadedPlan
 from executor.sampling import Sampler, SamplingParams
 from executor.tokenizer import GGUFTokenizer, StreamDecoder
@@ -127,6 +127,7 @@ class Engine:
         plan = loaded.plan
         self.dtype = DTYPES[plan.runtime.compute_dtype]
         set_dequant_min_rows(plan.runtime.dequant_matmul_min_rows)
+        set_mma_rows(plan.runtime.mma_matmul_min_rows, plan.runtime.mma_matmul_max_rows)
         here = mx.default_device()
         if plan.runtime.backend != "cpu" and here == mx.cpu:
             print(

@@ -1040,12 +1040,16 @@ async def classify_mismatches(
     gap_limit: float,
 ) -> None:
     """Add ``classify_divergence``'s fields to each mismatch of ``bad`` (in place), asking the
-    idle server for each prompt's reference logprobs once (cached in ``refs``). A reference whose
-    text is not the concurrency-1 text (``reference_reproduced`` false) is no near-tie."""
+    idle server for each prompt's reference logprobs once (cached in ``refs``), each after a
+    prefix-cache reset, so that its prompt is prefilled as at concurrency 1 (a cached prefix
+    would leave a shorter prefill, whose products can take another kernel path and round
+    differently on a GPU). A reference whose text is not the concurrency-1 text
+    (``reference_reproduced`` false) is no near-tie."""
     async with _client(server, 1) as client:
         for m in bad:
             p = m["prompt"]
             if p not in refs:
+                await reset_prefix_cache(client)
                 refs[p] = await reference_logprobs(client, server.model, prompts[p], max_tokens)
             text, ids, tops = refs[p]
             if text != m["expected"]:

@@ -32,15 +32,19 @@ from dataclasses import dataclass
 import mlx.core as mx
 import numpy as np
 
-from executor import cuda_dequant
+from executor import cuda_dequant, cuda_mma
 from executor.quant import PackedWeight
 
 __all__ = [
+    "KERNEL_PATHS",
     "QuantLinear",
     "bucket_rows",
     "embedding",
+    "kernel_path",
     "linear",
+    "quantized_product",
     "set_dequant_min_rows",
+    "set_mma_rows",
     "set_row_tile",
     "to_mlx",
 ]
@@ -48,6 +52,19 @@ __all__ = [
 _dequant_min_rows = 0
 """Kernel path of quantized projections (the plan's ``runtime.dequant_matmul_min_rows``): from
 this many rows, dequantize + dense matmul; 0: always ``mx.quantized_matmul``."""
+
+
+_mma_rows = (0, 0)
+"""Kernel path of quantized projections (the plan's ``runtime.mma_matmul_min_rows`` and
+``mma_matmul_max_rows``): products of this many rows take Strata's tensor-core kernel
+(``executor.cuda_mma``) where it applies; (0, 0): never."""
+
+
+def set_mma_rows(lo: int, hi: int) -> None:
+    """Choose the tensor-core kernel path for this process: products of ``lo`` to ``hi`` rows
+    (the plan's measured range; 0, 0 keeps it off)."""
+    global _mma_rows
+    _mma_rows = (max(0, int(lo)), max(0, int(hi)))
 
 
 def set_dequant_min_rows(rows: int) -> None:
@@ -183,9 +200,11 @@ def to_mlx(w: PackedWeight | np.ndarray, dtype: mx.Dtype | None = None) -> Quant
 def linear(x: mx.array, w: QuantLinear | mx.array) -> mx.array:
     """``x @ w.T``: ``x`` ``[..., in]`` times ``w`` ``[out, in]`` gives ``[..., out]``.
 
-    Quantized weights go through ``mx.quantized_matmul(..., transpose=True)`` (no
-    dequantized copy), or, for at least ``set_dequant_min_rows`` rows, a dequantized copy made
-    for this call and a dense matmul. The result dtype is MLX's promotion of ``x`` and the weight's
+    Quantized weights go through the kernel path :func:`kernel_path` picks for the row count:
+    ``mx.quantized_matmul(..., transpose=True)`` (no dequantized copy); Strata's tensor-core
+    kernel for the row counts of ``set_mma_rows`` on MLX's CUDA backend; or, for at least
+    ``set_dequant_min_rows`` rows, a dequantized copy made for this call and a dense matmul. The
+    result dtype is MLX's promotion of ``x`` and the weight's
     (scales') dtype: float32 activations give float32.
 
     With a row tile T (:func:`set_row_tile`, this thread): ``x`` is flattened to ``[R, in]``, R
@@ -226,9 +245,7 @@ def _linear(x: mx.array, w: QuantLinear | mx.array) -> mx.array:
             raise ValueError(
                 f"linear: input has {x.shape[-1]} features, weight {w.shape} expects {cols}"
             )
-        return quantized_product(
-            x, w, bool(_dequant_min_rows) and x.size // cols >= _dequant_min_rows
-        )
+        return quantized_product(x, w, kernel_path(x.size // cols, w, x.dtype))
     if w.ndim != 2 or x.shape[-1] != w.shape[1]:
         raise ValueError(
             f"linear: input has {x.shape[-1]} features, weight {tuple(w.shape)} is not [out, in]"
@@ -236,22 +253,49 @@ def _linear(x: mx.array, w: QuantLinear | mx.array) -> mx.array:
     return x @ w.T
 
 
-def quantized_product(x: mx.array, w: QuantLinear, dense: bool) -> mx.array:
-    """``x @ w.T`` for a quantized ``w`` by one of the two kernel paths: ``dense`` dequantizes the
-    whole weight for this call (``executor.cuda_dequant`` on MLX's CUDA backend, else
-    ``mx.dequantize``) and multiplies densely; otherwise ``mx.quantized_matmul``. Which is faster
-    depends on the row count and the machine (``planner.profile.measure_dequant_crossover`` times
-    exactly this function).
+KERNEL_PATHS = ("quantized", "mma", "dense")
+"""Kernel paths of a quantized projection (:func:`quantized_product`)."""
+
+
+def kernel_path(rows: int, w: QuantLinear, dtype: mx.Dtype) -> str:
+    """The kernel path this process takes for a product of ``rows`` rows of ``dtype`` by ``w``:
+    ``dense`` from the plan's ``dequant_matmul_min_rows``; ``mma`` for the plan's
+    ``mma_matmul_min_rows`` to ``mma_matmul_max_rows`` rows where
+    :func:`executor.cuda_mma.supported` (4-bit, 16-bit activations and scales of that dtype,
+    MLX's CUDA backend); else ``quantized``."""
+    if _dequant_min_rows and rows >= _dequant_min_rows:
+        return "dense"
+    if (
+        _mma_rows[0]
+        and _mma_rows[0] <= rows <= _mma_rows[1]
+        and w.scales.dtype == dtype
+        and cuda_mma.supported(rows, w.shape[0], w.shape[1], w.bits, w.group_size, dtype)
+    ):
+        return "mma"
+    return "quantized"
+
+
+def quantized_product(x: mx.array, w: QuantLinear, path: str) -> mx.array:
+    """``x @ w.T`` for a quantized ``w`` by one of the kernel paths (:func:`kernel_path` picks
+    one per call; ``planner.profile`` times exactly this function):
+
+    - ``quantized``: ``mx.quantized_matmul``;
+    - ``mma``: Strata's tensor-core kernel (``executor.cuda_mma``), MLX's CUDA backend;
+    - ``dense``: dequantize the whole weight for this call (``executor.cuda_dequant`` on MLX's
+      CUDA backend, else ``mx.dequantize``) and multiply densely.
 
     Args:
         x: ``[..., in]`` activations of the compute dtype.
         w: the quantized ``[out, in]`` weight.
-        dense: take the dequantize + matmul path.
+        path: one of ``KERNEL_PATHS``.
 
     Returns:
         ``[..., out]``, MLX's promotion of ``x``'s and the scales' dtypes.
+
+    Raises:
+        ValueError: an unknown path, or ``mma`` where ``executor.cuda_mma`` does not apply.
     """
-    if dense:
+    if path == "dense":
         if cuda_dequant.supported(w.bits, w.group_size, x.dtype):
             full = cuda_dequant.dequantize(
                 w.weight, w.scales, w.biases, w.group_size, w.bits, x.dtype
@@ -261,6 +305,12 @@ def quantized_product(x: mx.array, w: QuantLinear, dense: bool) -> mx.array:
                 w.weight, w.scales, w.biases, group_size=w.group_size, bits=w.bits, dtype=x.dtype
             )
         return x @ full.T
+    if path == "mma":
+        flat = x.reshape(-1, x.shape[-1])
+        out = cuda_mma.matmul(flat, w.weight, w.scales, w.biases, w.group_size)
+        return out.reshape(*x.shape[:-1], out.shape[-1])
+    if path != "quantized":
+        raise ValueError(f"quantized_product: unknown kernel path {path!r}; use {KERNEL_PATHS}")
     return mx.quantized_matmul(
         x, w.weight, w.scales, w.biases, transpose=True, group_size=w.group_size, bits=w.bits
     )

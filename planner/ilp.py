@@ -942,7 +942,6 @@ def solve(
     pool = pool_for(desc, tiers, depth)
     cache = _expert_cache(desc, m, tiers)
     prediction = score(desc, profile, request, tiers, depth, experts=cache)
-    crossover = profile.gpu.dequant_matmul_min_rows
     streams = bool(pool.slots or cache.slots)
     return Solution(
         placement=[
@@ -965,7 +964,14 @@ def solve(
         runtime=Runtime(
             backend=profile.backend,
             compute_dtype=profile.compute_dtype,
-            dequant_matmul_min_rows=int(crossover.value) if crossover is not None else 0,
+            dequant_matmul_min_rows=_rows(profile.gpu.dequant_matmul_min_rows),
+            mma_matmul_min_rows=_rows(profile.gpu.mma_matmul_min_rows),
+            mma_matmul_max_rows=_rows(profile.gpu.mma_matmul_max_rows),
         ),
         solve_time_s=solve_time,
     )
+
+
+def _rows(figure) -> int:
+    """A row-count figure of the profile as the plan's int (0 where the profile has none)."""
+    return int(figure.value) if figure is not None else 0

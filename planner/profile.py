@@ -584,8 +584,8 @@ def measure_dequant_crossover(
         x = mx.random.normal((rows, k)).astype(dtype)
         mx.eval(x)
         times[rows] = (
-            _best_seconds(lambda x=x: mx.eval(quantized_product(x, weight, False)), repeats),
-            _best_seconds(lambda x=x: mx.eval(quantized_product(x, weight, True)), repeats),
+            _best_seconds(lambda x=x: mx.eval(quantized_product(x, weight, "quantized")), repeats),
+            _best_seconds(lambda x=x: mx.eval(quantized_product(x, weight, "dense")), repeats),
         )
     wins = [r for r in DEQUANT_ROWS if times[r][1] < times[r][0]]
     crossover = 0
@@ -606,6 +606,96 @@ def measure_dequant_crossover(
         ),
         times,
     )
+
+
+def _mma_figures(backend: str, shape, dtype_name: str, repeats: int) -> dict:
+    """The profile's tensor-core kernel range: measured on CUDA, absent elsewhere."""
+    if backend != "cuda":
+        return {}
+    lo, hi, _ = measure_mma_rows(shape, dtype_name, repeats)
+    return {"mma_matmul_min_rows": lo, "mma_matmul_max_rows": hi}
+
+
+MMA_ROWS = (2, 4, 8, 16, 32, 64)
+"""Row counts :func:`measure_mma_rows` times: the bucketed row counts (``executor.ops.bucket_rows``)
+of decode batches and short chunks that Strata's tensor-core kernel takes (at most
+``executor.cuda_mma.MAX_ROWS``)."""
+
+
+def measure_mma_rows(
+    shape: tuple[int, int], dtype_name: str, repeats: int = 5
+) -> tuple[Figure, Figure, dict[int, tuple[float, float]]]:
+    """The row counts for which Strata's tensor-core 4-bit matmul (``executor.cuda_mma``)
+    beats MLX's quantized matmul, timed call by call like :func:`measure_dequant_crossover`
+    (each call evaluated and synchronized) through ``executor.ops.quantized_product``.
+
+    The range is the run of consecutive winning counts of ``MMA_ROWS`` that ends at the
+    largest win (0, 0 when the kernel never wins or does not apply here). Measured on the H200
+    (2026-11-30, a Llama-3-8B FFN weight [14336, 4096], float16): 16 rows 105 against 123 us,
+    32 rows 132 against 179, 64 rows 236 against 169; in a Llama-3-8B-shaped model the kernel
+    for 2-64 rows took a step of 16 decoded tokens from 33 to 26 ms.
+
+    Args:
+        shape: (n, k) of the weight.
+        dtype_name: activation dtype, e.g. ``float16``.
+        repeats: timed runs per point; the best counts.
+
+    Returns:
+        (smallest rows figure, largest rows figure, {rows: (quantized s, tensor-core s)}).
+    """
+    import mlx.core as mx
+
+    from executor import cuda_mma
+    from executor.ops import QuantLinear, quantized_product
+
+    n, k = shape
+    dtype = getattr(mx, dtype_name)
+    where = f"on {mx.default_device()}, {_today()}"
+    if not cuda_mma.supported(MMA_ROWS[0], n, k, MATVEC_BITS, MATVEC_GROUP, dtype):
+        how = f"Strata's tensor-core kernel does not apply to [{n}, {k}] {dtype_name} {where}"
+        off = Figure(value=0, source="measured", how=how)
+        return off, off, {}
+    w = mx.random.normal((n, k)).astype(dtype)
+    wq, scales, biases = mx.quantize(w, group_size=MATVEC_GROUP, bits=MATVEC_BITS)
+    mx.eval(wq, scales, biases)
+    del w
+    weight = QuantLinear(wq, scales, biases, MATVEC_BITS, MATVEC_GROUP)
+    times: dict[int, tuple[float, float]] = {}
+    for rows in MMA_ROWS:
+        x = mx.random.normal((rows, k)).astype(dtype)
+        mx.eval(x)
+        times[rows] = (
+            _best_seconds(lambda x=x: mx.eval(quantized_product(x, weight, "quantized")), repeats),
+            _best_seconds(lambda x=x: mx.eval(quantized_product(x, weight, "mma")), repeats),
+        )
+    lo, hi = mma_range(times)
+    table = ", ".join(f"{r}: {q * 1e6:.0f}/{t * 1e6:.0f} us" for r, (q, t) in times.items())
+    _say(f"tensor-core 4-bit matmul for {lo}-{hi} rows ({table})")
+    how = (
+        f"MLX quantized_matmul vs Strata's tensor-core kernel (executor.cuda_mma) on [rows, {k}] "
+        f"{dtype_name} by a [{n}, {k}] 4-bit weight {where}, best of {repeats} (rows: "
+        f"quantized/tensor-core): {table}; the run of winning row counts that ends at the largest"
+    )
+    return (
+        Figure(value=lo, source="measured", how=how),
+        Figure(value=hi, source="measured", how=how),
+        times,
+    )
+
+
+def mma_range(times: dict[int, tuple[float, float]]) -> tuple[int, int]:
+    """``(lo, hi)``: the run of consecutive row counts of ``times`` (``{rows: (quantized s,
+    tensor-core s)}``) where the tensor-core kernel is faster, ending at the largest such count;
+    (0, 0) when it never is."""
+    rows = sorted(times)
+    wins = [r for r in rows if times[r][1] < times[r][0]]
+    if not wins:
+        return 0, 0
+    hi = wins[-1]
+    i = rows.index(hi)
+    while i > 0 and rows[i - 1] in wins:
+        i -= 1
+    return rows[i], hi
 
 
 def _dequantizer(dtype) -> str:
@@ -835,6 +925,7 @@ def measure_profile(
         dequant_matmul_min_rows=None
         if backend == "cpu"
         else measure_dequant_crossover(sz.matvec, compute_dtype, sz.repeats)[0],
+        **_mma_figures(backend, sz.matvec, compute_dtype, sz.repeats),
     )
     ram = RAMTier(
         capacity_bytes=Figure(

@@ -274,6 +274,16 @@ class GPUTier(Strict):
         "quantized matmul (0: never); None where not measured (the CPU, where the quantized "
         "kernel keeps results batch-invariant)",
     )
+    mma_matmul_min_rows: Figure | None = Field(
+        default=None,
+        description="smallest row count of the range where Strata's tensor-core 4-bit matmul "
+        "(executor.cuda_mma) beats MLX's quantized matmul (0: nowhere); None where not measured "
+        "(backends other than CUDA)",
+    )
+    mma_matmul_max_rows: Figure | None = Field(
+        default=None,
+        description="largest row count of that range (0: nowhere); None where not measured",
+    )
 
 
 class RAMTier(Strict):
@@ -475,6 +485,14 @@ class Runtime(Strict):
         "tokens dequantize each weight and run a dense matmul (0: always the quantized matmul); "
         "the profile's measured crossover",
     )
+    mma_matmul_min_rows: int = Field(
+        default=0,
+        ge=0,
+        description="kernel path of quantized projections: forward passes of mma_matmul_min_rows "
+        "to mma_matmul_max_rows tokens use Strata's tensor-core 4-bit matmul where it applies "
+        "(0: never); the profile's measured range",
+    )
+    mma_matmul_max_rows: int = Field(default=0, ge=0, description="see mma_matmul_min_rows")
 
 
 SpeculativeMethod = Literal["none", "prompt_lookup", "draft_model", "self"]

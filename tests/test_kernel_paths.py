@@ -1,6 +1,6 @@
-"""The two kernel paths of quantized projections (``executor.ops.quantized_product``) and
-Strata's CUDA dequantize kernel (``executor.cuda_dequant``; its own tests need MLX's CUDA
-backend and skip elsewhere)."""
+"""The kernel paths of quantized projections (``executor.ops.quantized_product``), Strata's CUDA
+dequantize kernel (``executor.cuda_dequant``) and its tensor-core matmul (``executor.cuda_mma``);
+the kernels' own tests need MLX's CUDA backend and skip elsewhere."""
 
 from __future__ import annotations
 
@@ -8,9 +8,16 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from executor import cuda_dequant
-from executor.ops import QuantLinear, linear, quantized_product, set_dequant_min_rows
-from planner.profile import DEQUANT_ROWS, measure_dequant_crossover
+from executor import cuda_dequant, cuda_mma
+from executor.ops import (
+    QuantLinear,
+    kernel_path,
+    linear,
+    quantized_product,
+    set_dequant_min_rows,
+    set_mma_rows,
+)
+from planner.profile import DEQUANT_ROWS, measure_dequant_crossover, measure_mma_rows, mma_range
 
 CUDA = mx.cuda.is_available()
 
@@ -58,7 +65,7 @@ def test_linear_takes_the_dense_path_from_the_plans_row_count():
     # round through TF32).
     tol = 1e-2 if CUDA else 1e-4
     np.testing.assert_allclose(np.array(dense), np.array(quantized), rtol=tol, atol=tol)
-    assert mx.array_equal(quantized_product(x, w, dense=True), dense)
+    assert mx.array_equal(quantized_product(x, w, "dense"), dense)
 
 
 def test_crossover_measurement_reports_every_row_count():
@@ -96,3 +103,65 @@ def test_cuda_dequantize_refuses_what_it_cannot_unpack():
     assert not cuda_dequant.supported(4, 32, mx.float32)
     with pytest.raises(ValueError, match="do not form"):
         cuda_dequant.dequantize(w.weight, w.scales[:, :1], w.biases[:, :1], 32, 4, mx.float16)
+
+
+def test_mma_range_is_the_winning_run_that_ends_at_the_largest_win():
+    # {rows: (quantized s, tensor-core s)}: wins at 2, 8, 16, 32; loses at 4 and 64
+    times = {2: (2, 1), 4: (1, 2), 8: (2, 1), 16: (2, 1), 32: (2, 1), 64: (1, 2)}
+    assert mma_range(times) == (8, 32)
+    assert mma_range({2: (1, 2), 4: (1, 2)}) == (0, 0)
+    assert mma_range({2: (2, 1), 4: (2, 1)}) == (2, 4)
+
+
+def test_kernel_path_follows_the_plans_row_ranges():
+    w16 = _weight(64, 128, dtype=mx.float16)
+    try:
+        set_dequant_min_rows(128)
+        set_mma_rows(2, 32)
+        assert kernel_path(1, w16, mx.float16) == "quantized"
+        assert kernel_path(16, w16, mx.float16) == ("mma" if CUDA else "quantized")
+        assert kernel_path(64, w16, mx.float16) == "quantized"
+        assert kernel_path(128, w16, mx.float16) == "dense"
+        # activations of another dtype than the scales: never the tensor-core kernel
+        assert kernel_path(16, w16, mx.float32) == "quantized"
+        set_mma_rows(0, 0)
+        assert kernel_path(16, w16, mx.float16) == "quantized"
+    finally:
+        set_dequant_min_rows(0)
+        set_mma_rows(0, 0)
+    with pytest.raises(ValueError, match="unknown kernel path"):
+        quantized_product(mx.zeros((2, 128), mx.float16), w16, "fast")
+
+
+@pytest.mark.skipif(CUDA, reason="checks the refusal off CUDA")
+def test_tensor_core_kernel_refuses_off_cuda():
+    w = _weight(64, 128, dtype=mx.float16)
+    assert not cuda_mma.supported(16, 64, 128, 4, 32, mx.float16)
+    with pytest.raises(ValueError, match="quantized_matmul"):
+        cuda_mma.matmul(mx.zeros((16, 128), mx.float16), w.weight, w.scales, w.biases, 32)
+    lo, hi, times = measure_mma_rows((64, 128), "float16", repeats=1)
+    assert (lo.value, hi.value, times) == (0, 0, {}) and "does not apply" in lo.how
+
+
+@pytest.mark.skipif(not CUDA, reason="needs MLX's CUDA backend")
+@pytest.mark.parametrize("rows", [1, 2, 5, 16, 24, 33, 64])
+@pytest.mark.parametrize("group, dtype", [(32, mx.float16), (64, mx.bfloat16), (128, mx.float16)])
+def test_tensor_core_kernel_matches_the_dequantized_product(rows, group, dtype):
+    n, k = 96, 576  # SmolLM2's width: 9 slabs of 64, an uneven split over the warps
+    w = _weight(n, k, 4, group, dtype)
+    x = mx.array(np.random.default_rng(2).standard_normal((rows, k)).astype(np.float32))
+    x = x.astype(dtype)
+    got = cuda_mma.matmul(x, w.weight, w.scales, w.biases, group)
+    assert got.dtype == dtype and got.shape == (rows, n)
+    ref = x.astype(mx.float32) @ _dense_reference(w, dtype).astype(mx.float32).T
+    err = mx.abs(got.astype(mx.float32) - ref).max() / mx.abs(ref).max()
+    assert err.item() < (4e-3 if dtype == mx.bfloat16 else 1e-3)
+    # a row's result does not depend on the other rows or their number
+    assert mx.array_equal(cuda_mma.matmul(x[:1], w.weight, w.scales, w.biases, group)[0], got[0])
+
+
+@pytest.mark.skipif(not CUDA, reason="needs MLX's CUDA backend")
+def test_tensor_core_range_measurement_reports_every_row_count():
+    lo, hi, times = measure_mma_rows((256, 512), "float16", repeats=1)
+    assert set(times) == {2, 4, 8, 16, 32, 64}
+    assert (lo.value, hi.value) == mma_range(times)
