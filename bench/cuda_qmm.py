@@ -5,7 +5,8 @@ Issue 6 asked, where MLX's 4-bit kernels cap batched decode on NVIDIA, for the k
 chosen per batch size by measurement: dequantize + matmul (``executor.ops``, the plan's
 ``runtime.dequant_matmul_min_rows``) or a batched quantized kernel of ours through
 ``mx.fast.cuda_kernel``. This script holds the kernel that was tried and measures it; it is
-not in the executor, because it did not pay where the cap is.
+not in the executor, because it did not pay where the cap is; the tensor-core kernel that
+followed it is (``executor.cuda_mma``).
 
 The kernel (:func:`quantized_matmul`): ``x @ dequantize(w).T`` for ``x`` [M, K] (M a power of
 two up to ``MAX_ROWS``) and an MLX affine-quantized ``w`` [N, K] of 4 or 8 bits (the layout of

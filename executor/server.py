@@ -60,7 +60,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 from starlette.applications import Starlette
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException
@@ -230,6 +230,17 @@ class ChatMessage(_Body):
     model_config = ConfigDict(extra="allow", strict=True)
     role: str
     content: str | list[TextPart] | None = None
+
+    @model_validator(mode="after")
+    def _content_needed(self) -> ChatMessage:
+        # OpenAI's API lets only an assistant message (one that carries tool calls) go without
+        # content; any other message without text has nothing for the template to render.
+        if self.content is None and self.role != "assistant":
+            raise ValueError(
+                f"a {self.role!r} message needs its content (a string or a list of text parts); "
+                "only an assistant message may give null"
+            )
+        return self
 
     def for_template(self) -> dict:
         """The message as the chat template expects it: ``content`` as one string."""

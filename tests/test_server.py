@@ -439,6 +439,9 @@ def test_bad_requests(server):
         assert err["param"] == field and err["type"] == "invalid_request_error"
     err = error_of(server.post(chat_path, {**ok, "messages": [{"content": "x"}]}), 400, "role")
     assert err["param"] == "messages.0.role"
+    null_user = {**ok, "messages": [{"role": "user", "content": None}]}
+    err = error_of(server.post(chat_path, null_user), 400, "'user' message needs its content")
+    assert err["param"] == "messages.0"
     error_of(server.post(chat_path, {**ok, "n": 2}), 400, "n=2")
     error_of(server.post(chat_path, {**ok, "top_logprobs": 2}), 400, "logprobs: true")
     err = error_of(server.post(chat_path, {**ok, "logprobs": True, "top_logprobs": 21}), 400)
