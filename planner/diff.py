@@ -15,6 +15,7 @@ from planner.explain import (
     pool_label,
     profile_label,
     request_label,
+    runtime_label,
     unit_refs,
     weights_per_tier,
 )
@@ -139,12 +140,7 @@ def diff(a: Plan, b: Plan, desc: ModelDescription | None = None) -> str:
     lines += _change("planner version", str(fa.planner_version), str(fb.planner_version))
     lines += _change("solver", str(fa.solver), str(fb.solver))
     lines += _change("request", request_label(a), request_label(b))
-    ra, rb = a.runtime, b.runtime
-    lines += _change(
-        "runtime",
-        f"{ra.backend}, {ra.compute_dtype}",
-        f"{rb.backend}, {rb.compute_dtype}",
-    )
+    lines += _change("runtime", runtime_label(a), runtime_label(b))
     lines += _moves(a, b, desc)
     lines += _memory(a, b)
     lines += _change("pool", pool_label(a), pool_label(b))

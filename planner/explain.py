@@ -162,6 +162,19 @@ def pool_label(plan: Plan) -> str:
     return f"{pool}; prefetch depth {f.depth}, {threads}"
 
 
+def runtime_label(plan: Plan) -> str:
+    """``backend cuda, compute dtype float16; 4-bit products: tensor-core kernel for 2-32 rows,
+    dequantize + matmul from 128 rows, MLX's quantized matmul otherwise``."""
+    r = plan.runtime
+    paths = []
+    if r.mma_matmul_min_rows:
+        paths.append(f"tensor-core kernel for {r.mma_matmul_min_rows}-{r.mma_matmul_max_rows} rows")
+    if r.dequant_matmul_min_rows:
+        paths.append(f"dequantize + matmul from {r.dequant_matmul_min_rows} rows")
+    kernels = ", ".join([*paths, "MLX's quantized matmul otherwise"]) if paths else "MLX's"
+    return f"backend {r.backend}, compute dtype {r.compute_dtype}; quantized products: {kernels}"
+
+
 def batch_label(plan: Plan) -> str:
     """The batch limits in one line."""
     b = plan.batch
@@ -461,7 +474,7 @@ def explain(plan: Plan, desc: ModelDescription | None = None) -> str:
     lines = [
         f"Plan for {model_label(plan)} on {profile_label(plan)}",
         f"Request: {request_label(plan)}",
-        f"Runtime: backend {plan.runtime.backend}, compute dtype {plan.runtime.compute_dtype}",
+        f"Runtime: {runtime_label(plan)}",
         "",
         *_memory_lines(plan),
         "",

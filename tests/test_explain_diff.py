@@ -123,6 +123,18 @@ def test_diff_two_machines(two_machines) -> None:
     assert "  bottleneck: disk → compute" in text
 
 
+def test_explain_and_diff_name_the_kernel_paths(two_machines) -> None:
+    a, _, desc = two_machines
+    assert "quantized products: MLX's" in explain(a, desc)
+    runtime = a.runtime.model_copy(
+        update={"dequant_matmul_min_rows": 128, "mma_matmul_min_rows": 2, "mma_matmul_max_rows": 32}
+    )
+    b = a.model_copy(update={"runtime": runtime})
+    text = diff(a, b, desc)
+    assert "tensor-core kernel for 2-32 rows, dequantize + matmul from 128 rows" in text
+    assert text.startswith("runtime: ")
+
+
 def test_diff_tier_moves_by_layer_range() -> None:
     a, desc = _hand_plan(["gpu"] * 30)
     b, _ = _hand_plan(["gpu"] * 10 + ["nvme"] * 20)
