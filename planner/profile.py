@@ -631,9 +631,11 @@ def measure_mma_rows(
 
     The range is the run of consecutive winning counts of ``MMA_ROWS`` that ends at the
     largest win (0, 0 when the kernel never wins or does not apply here). Measured on the H200
-    (2026-11-30, a Llama-3-8B FFN weight [14336, 4096], float16): 16 rows 105 against 123 us,
-    32 rows 132 against 179, 64 rows 236 against 169; in a Llama-3-8B-shaped model the kernel
-    for 2-64 rows took a step of 16 decoded tokens from 33 to 26 ms.
+    (2026-11-30, float16, MLX / Strata): on the profile's [16384, 16384] weight 2-32 rows (2: 378
+    / 290 us, 32: 456 / 360, 64: 464 / 820); on a Llama-3-8B FFN weight [14336, 4096] the
+    small counts were noisy (2: 123 / 134, 4: 187 / 134, 8: 119 / 163, 16: 120 / 131, 32: 167 /
+    154, 64: 165 / 264), so the figure comes from the larger weight. In a Llama-3-8B-shaped model
+    the kernel for 2-64 rows took a step of 16 decoded tokens from 33-34 to 26 ms.
 
     Args:
         shape: (n, k) of the weight.
