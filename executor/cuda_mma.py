@@ -1,11 +1,11 @@
 """A batched 4-bit matmul on NVIDIA tensor cores, for products of a few dozen rows.
 
 On MLX's CUDA backend a product of a few rows by a 4-bit weight is slow: ``mx.quantized_matmul``
-took 133-471 us for 16-32 rows by Llama-3-8B FFN weights on the H200 (``bench/cuda_qmm.py``,
-call by call), where reading such a weight (29 MB) at the H200's 4.8 TB/s takes 6 us, and the
-dense path pays a full dequantized copy per call. A pass of a few dozen rows (a prompt's suffix after a prefix-cache hit, a step
-of 16 decoded tokens) then costs a third of a 1,000-token prefill. This kernel reads each
-packed weight once per call and multiplies on tensor cores (WMMA, 16x16x16 tiles, float32
+took 133-471 us for 16-32 rows by Llama-3-8B FFN weights on the H200 (``bench/cuda_qmm.py``, call by
+call), where reading such a weight (29 MB) at the H200's 4.8 TB/s takes 6 us, and the dense path
+pays a full dequantized copy per call. A pass of a few dozen rows (a prompt's suffix after a prefix-
+cache hit, a step of 16 decoded tokens) then costs a third of a 1,000-token prefill. This kernel
+reads each packed weight once per call and multiplies on tensor cores (WMMA, 16x16x16 tiles, float32
 accumulators):
 
 - a block of ``WARPS`` warps owns 16 (or, for at most two 16-row tiles of ``x``, 32) output
@@ -28,17 +28,16 @@ A row's result does not depend on the other rows or on how many there are (each 
 computed alike), so products through this kernel are batch invariant across its row counts.
 
 Measured on the lent H200 (MLX 0.32.4, 2026-11-30): results within 3.5e-4 (float16) and 2.3e-3
-(bfloat16) of the float32 product of the dequantized weight, relative to its largest element;
-each row equal alone and in the batch. Speed is what ``planner.profile.measure_mma_rows`` records: call by call on a
-[16384, 16384] weight it beat MLX's quantized matmul from 2 to 32 rows (32 rows: 360 against
-456 us) and lost at 64 (820 against 464), so the H200 profile's range is 2-32. In a
-Llama-3-8B-shaped model it took a 16-sequence decode step from 33-34 to 26 ms and a 24-token
-prompt from 38-44 to 25 ms. It reads the weights at about 0.4-0.5 TB/s, a tenth of the H200's
-bandwidth: there is room left in it.
+(bfloat16) of the float32 product of the dequantized weight, relative to its largest element; each
+row equal alone and in the batch. Speed is what ``planner.profile.measure_mma_rows`` records: call
+by call on a [16384, 16384] weight it beat MLX's quantized matmul from 2 to 32 rows (32 rows: 360
+against 456 us) and lost at 64 (820 against 464), so the H200 profile's range is 2-32. In a
+Llama-3-8B-shaped model it took a 16-sequence decode step from 33-34 to 26 ms and a 24-token prompt
+from 38-44 to 25 ms. It reads the weights at about 0.4-0.5 TB/s, a tenth of the H200's bandwidth:
+there is room left in it.
 
-Layout (``executor.quant``): element ``j`` of a uint32 word sits at bits ``4 * j``; ``w = scale *
-q + bias`` per group of ``group_size`` (32, 64 or 128) elements along a row.
-"""
+Layout (``executor.quant``): element ``j`` of a uint32 word sits at bits ``4 * j``; ``w = scale * q
++ bias`` per group of ``group_size`` (32, 64 or 128) elements along a row."""
 
 from __future__ import annotations
 
