@@ -1,12 +1,12 @@
 """A batched 4-bit matmul on NVIDIA tensor cores, for products of a few dozen rows.
 
 On MLX's CUDA backend a product of a few rows by a 4-bit weight is slow: ``mx.quantized_matmul``
-took 133-471 us for 16-32 rows by Llama-3-8B FFN weights on the H200 (``bench/cuda_qmm.py``, call by
-call), where reading such a weight (29 MB) at the H200's 4.8 TB/s takes 6 us, and the dense path
-pays a full dequantized copy per call. A pass of a few dozen rows (a prompt's suffix after a prefix-
-cache hit, a step of 16 decoded tokens) then costs a third of a 1,000-token prefill. This kernel
-reads each packed weight once per call and multiplies on tensor cores (WMMA, 16x16x16 tiles, float32
-accumulators):
+took 133-471 us for 16-32 rows by Llama-3-8B FFN weights on the H200 (``bench/cuda_qmm.py``, call
+by call), where reading such a weight (29 MB) at the H200's 4.8 TB/s takes 6 us, and the dense path
+pays a full dequantized copy per call. A pass of a few dozen rows (a prompt's suffix after a
+prefix-cache hit, a step of 16 decoded tokens) then costs a third of a 1,000-token prefill. This
+kernel reads each packed weight once per call and multiplies on tensor cores (WMMA, 16x16x16 tiles,
+float32 accumulators):
 
 - a block of ``WARPS`` warps owns 16 (or, for at most two 16-row tiles of ``x``, 32) output
   columns, i.e. weight rows; its warps split the K dimension into slabs of 64 elements;
