@@ -539,6 +539,35 @@ Llama-3-8B FFN weight from 128 rows with ``executor.cuda_dequant``, from 256 wit
 ``mx.dequantize``, 2026-11-30)."""
 
 
+def _time_kernel_paths(
+    shape: tuple[int, int], dtype_name: str, row_counts, path: str, repeats: int
+) -> dict[int, tuple[float, float]]:
+    """Seconds of ``executor.ops.quantized_product`` on [rows, k] ``dtype_name`` activations by a
+    random [n, k] 4-bit weight (groups of 32), MLX's quantized path against ``path``, one call at
+    a time (each evaluated and synchronized), best of ``repeats``: ``{rows: (quantized s, path
+    s)}`` for each of ``row_counts``."""
+    import mlx.core as mx
+
+    from executor.ops import QuantLinear, quantized_product
+
+    n, k = shape
+    dtype = getattr(mx, dtype_name)
+    w = mx.random.normal((n, k)).astype(dtype)
+    wq, scales, biases = mx.quantize(w, group_size=MATVEC_GROUP, bits=MATVEC_BITS)
+    mx.eval(wq, scales, biases)
+    del w
+    weight = QuantLinear(wq, scales, biases, MATVEC_BITS, MATVEC_GROUP)
+    times: dict[int, tuple[float, float]] = {}
+    for rows in row_counts:
+        x = mx.random.normal((rows, k)).astype(dtype)
+        mx.eval(x)
+        times[rows] = (
+            _best_seconds(lambda x=x: mx.eval(quantized_product(x, weight, "quantized")), repeats),
+            _best_seconds(lambda x=x: mx.eval(quantized_product(x, weight, path)), repeats),
+        )
+    return times
+
+
 def measure_dequant_crossover(
     shape: tuple[int, int], dtype_name: str, repeats: int = 5
 ) -> tuple[Figure, dict[int, tuple[float, float]]]:
@@ -570,23 +599,9 @@ def measure_dequant_crossover(
     """
     import mlx.core as mx
 
-    from executor.ops import QuantLinear, quantized_product
-
     n, k = shape
     dtype = getattr(mx, dtype_name)
-    w = mx.random.normal((n, k)).astype(dtype)
-    wq, scales, biases = mx.quantize(w, group_size=MATVEC_GROUP, bits=MATVEC_BITS)
-    mx.eval(wq, scales, biases)
-    del w
-    weight = QuantLinear(wq, scales, biases, MATVEC_BITS, MATVEC_GROUP)
-    times: dict[int, tuple[float, float]] = {}
-    for rows in DEQUANT_ROWS:
-        x = mx.random.normal((rows, k)).astype(dtype)
-        mx.eval(x)
-        times[rows] = (
-            _best_seconds(lambda x=x: mx.eval(quantized_product(x, weight, "quantized")), repeats),
-            _best_seconds(lambda x=x: mx.eval(quantized_product(x, weight, "dense")), repeats),
-        )
+    times = _time_kernel_paths(shape, dtype_name, DEQUANT_ROWS, "dense", repeats)
     wins = [r for r in DEQUANT_ROWS if times[r][1] < times[r][0]]
     crossover = 0
     for r in reversed(DEQUANT_ROWS):
@@ -648,7 +663,6 @@ def measure_mma_rows(
     import mlx.core as mx
 
     from executor import cuda_mma
-    from executor.ops import QuantLinear, quantized_product
 
     n, k = shape
     dtype = getattr(mx, dtype_name)
@@ -657,19 +671,7 @@ def measure_mma_rows(
         how = f"Strata's tensor-core kernel does not apply to [{n}, {k}] {dtype_name} {where}"
         off = Figure(value=0, source="measured", how=how)
         return off, off, {}
-    w = mx.random.normal((n, k)).astype(dtype)
-    wq, scales, biases = mx.quantize(w, group_size=MATVEC_GROUP, bits=MATVEC_BITS)
-    mx.eval(wq, scales, biases)
-    del w
-    weight = QuantLinear(wq, scales, biases, MATVEC_BITS, MATVEC_GROUP)
-    times: dict[int, tuple[float, float]] = {}
-    for rows in MMA_ROWS:
-        x = mx.random.normal((rows, k)).astype(dtype)
-        mx.eval(x)
-        times[rows] = (
-            _best_seconds(lambda x=x: mx.eval(quantized_product(x, weight, "quantized")), repeats),
-            _best_seconds(lambda x=x: mx.eval(quantized_product(x, weight, "mma")), repeats),
-        )
+    times = _time_kernel_paths(shape, dtype_name, MMA_ROWS, "mma", repeats)
     lo, hi = mma_range(times)
     table = ", ".join(f"{r}: {q * 1e6:.0f}/{t * 1e6:.0f} us" for r, (q, t) in times.items())
     _say(f"tensor-core 4-bit matmul for {lo}-{hi} rows ({table})")
