@@ -1,18 +1,21 @@
 #!/usr/bin/env python3
 """Strata's CUDA dequantize kernel (``executor.cuda_dequant``) against ``mx.dequantize``, and
-the two kernel paths of a quantized projection (``executor.ops.quantized_product``) by rows.
+the three kernel paths of a quantized projection (``executor.ops.quantized_product``) by rows.
 
 For each weight shape (a Llama-3-8B block's FFN and attention projections, SmolLM2's FFN), 4-bit
 in groups of 32, float16: the dequantizing pass of each kernel, then for 1 to 512 rows the
-quantized matmul, the dense path (our dequantize + matmul) and the matmul alone, each the best of
-7 calls timed one at a time (evaluated and synchronized), as ``planner.profile``'s crossover test
-times them. First it checks that the kernel is exact for 4 and 8 bits, groups of 32 to 128,
-float16 and bfloat16. Output: JSON ``{"NxK": {"dequant_mlx_us", "dequant_ours_us",
-"ours_GBps", "rows": {rows: [quantized us, dense us, matmul-only us]}}}``.
+quantized matmul, the dense path (our dequantize + matmul), the matmul alone and, up to 64 rows,
+the tensor-core path (``executor.cuda_mma``), each the best of 7 calls timed one at a time
+(evaluated and synchronized), as ``planner.profile``'s kernel-path tests time them. First it
+checks that the dequantize kernel is exact for 4 and 8 bits, groups of 32 to 128, float16 and
+bfloat16, and that the tensor-core kernel is within 1e-3 (float16) of the float32 product, each row
+equal alone. Output: JSON ``{"NxK": {"dequant_mlx_us", "dequant_ours_us", "ours_GBps", "rows":
+{rows: [quantized us, dense us, matmul-only us, tensor-core us or null]}}}``.
 
-Measured on the lent H200 on 2026-11-30 with this code (then run as a scratch script; this file
-has not run there since): ``bench/results/2026-11-30.dequant-kernel.h200.json``
-(the H200 profile's ``dequant_matmul_min_rows`` of 128 is the crossover of its 14336x4096 row).
+Measured on the lent H200 on 2026-11-30 with this code before the tensor-core path was added
+(then run as a scratch script; this file has not run there since):
+``bench/results/2026-11-30.dequant-kernel.h200.json`` (the H200 profile's
+``dequant_matmul_min_rows`` of 128 is the crossover of its 14336x4096 row).
 
 usage: python bench/dequant_kernel.py OUT.json   (needs MLX's CUDA backend)
 """
@@ -27,7 +30,7 @@ import mlx.core as mx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from executor import cuda_dequant  # noqa: E402
+from executor import cuda_dequant, cuda_mma  # noqa: E402
 from executor.ops import QuantLinear, quantized_product  # noqa: E402
 from planner.profile import _best_seconds  # noqa: E402
 
@@ -53,6 +56,15 @@ def check_exact() -> bool:
         exact = mx.array_equal(ref.astype(dtype), got).item()
         print(f"{bits}-bit, groups of {group}, {dtype}: exact {exact}", flush=True)
         ok &= exact
+    for rows in (1, 5, 16, 33, 64):
+        x = mx.random.normal((rows, 4096)).astype(mx.float16)
+        wq, s, b = mx.quantize(mx.random.normal((1024, 4096)).astype(mx.float16), 32, 4)
+        got = cuda_mma.matmul(x, wq, s, b, 32)
+        ref = x.astype(mx.float32) @ mx.dequantize(wq, s, b, 32, 4).astype(mx.float32).T
+        err = (mx.abs(got.astype(mx.float32) - ref).max() / mx.abs(ref).max()).item()
+        alone = mx.array_equal(cuda_mma.matmul(x[:1], wq, s, b, 32)[0], got[0]).item()
+        print(f"tensor-core kernel, {rows} rows: error {err:.1e}, row alone equal {alone}")
+        ok &= err < 1e-3 and alone
     return ok
 
 
@@ -74,6 +86,9 @@ def _time_shape(w: QuantLinear) -> tuple[float, float, mx.array, dict[int, list[
             round(best(lambda x=x: mx.eval(quantized_product(x, w, "quantized"))) * 1e6),
             round(best(lambda x=x: mx.eval(quantized_product(x, w, "dense"))) * 1e6),
             round(best(lambda x=x: mx.eval(x @ full.T)) * 1e6),
+            round(best(lambda x=x: mx.eval(quantized_product(x, w, "mma"))) * 1e6)
+            if r <= cuda_mma.MAX_ROWS
+            else None,
         ]
     return theirs, ours, full, rows
 
@@ -99,10 +114,10 @@ def main() -> int:
             "ours_GBps": moved / ours / 1e9,
             "rows": rows,
         }
-        table = " ".join(f"{r}:{q}/{d}/{m}" for r, (q, d, m) in rows.items())
+        table = " ".join(f"{r}:{q}/{d}/{m}/{t}" for r, (q, d, m, t) in rows.items())
         print(
             f"[{n}, {k}] dequantize: MLX {theirs * 1e6:.0f} us, ours {ours * 1e6:.0f} us; "
-            f"rows quantized/dense/matmul-only us: {table}",
+            f"rows quantized/dense/matmul-only/tensor-core us: {table}",
             flush=True,
         )
     Path(sys.argv[1]).write_text(json.dumps(out, indent=1) + "\n")
