@@ -159,7 +159,9 @@ def _engine_error(message: str) -> APIError:
 
 class _Body(BaseModel):
     # strict: "5" is not a number and "true" not a boolean, as in OpenAI's API; unknown fields
-    # are ignored because clients send many (user, presence_penalty, ...).
+    # are ignored because clients send many (user, metadata, ...), as vLLM ignores them. Fields
+    # that would change the output and are not implemented are declared and refused
+    # (check_unsupported), never dropped.
     model_config = ConfigDict(extra="ignore", strict=True)
 
 
@@ -182,6 +184,9 @@ class _Sampling(_Body):
     stream: bool | None = False
     stream_options: StreamOptions | None = None
     n: int | None = 1
+    presence_penalty: float | None = Field(default=None, allow_inf_nan=False)
+    frequency_penalty: float | None = Field(default=None, allow_inf_nan=False)
+    logit_bias: dict[str, float] | None = None
     ignore_eos: bool = False
     return_tokens_as_token_ids: bool = Field(
         default=False,
@@ -212,9 +217,19 @@ class _Sampling(_Body):
         return None
 
     def check_unsupported(self) -> None:
-        """Raises APIError for options this server does not implement."""
+        """Raises APIError for options this server does not implement (the ones that would change
+        the output if they were silently dropped)."""
         if self.n not in (None, 1):
             raise APIError(400, f"n={self.n} is not supported; only n=1 (one choice)", param="n")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if getattr(self, name):
+                raise APIError(
+                    400, f"{name} is not supported by this server; leave it out or 0", param=name
+                )
+        if self.logit_bias:
+            raise APIError(
+                400, "logit_bias is not supported by this server; leave it out", param="logit_bias"
+            )
 
 
 class TextPart(_Body):
@@ -259,11 +274,26 @@ class ChatCompletionRequest(_Sampling):
     max_completion_tokens: int | None = Field(default=None, ge=1)
     logprobs: bool | None = None
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+    tools: list[Any] | None = None
+    tool_choice: Any = None
+    response_format: dict[str, Any] | None = None
 
     def check_unsupported(self) -> None:
         super().check_unsupported()
         if self.top_logprobs is not None and not self.logprobs:
             raise APIError(400, "top_logprobs needs logprobs: true; set both", param="top_logprobs")
+        if self.tools or self.tool_choice not in (None, "none", "auto"):
+            param = "tools" if self.tools else "tool_choice"
+            raise APIError(
+                400, "tools (function calling) are not supported by this server", param=param
+            )
+        if self.response_format and self.response_format.get("type") != "text":
+            raise APIError(
+                400,
+                'response_format other than {"type": "text"} (JSON mode, structured outputs) '
+                "is not supported by this server",
+                param="response_format",
+            )
 
     def logprobs_count(self) -> int | None:
         return (self.top_logprobs or 0) if self.logprobs else None
@@ -281,9 +311,14 @@ class CompletionRequest(_Sampling):
     logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
     echo: bool | None = False
     best_of: int | None = None
+    suffix: str | None = None
 
     def check_unsupported(self) -> None:
         super().check_unsupported()
+        if self.suffix:
+            raise APIError(
+                400, "suffix (insertion) is not supported by this server", param="suffix"
+            )
         if self.echo:
             raise APIError(400, "echo is not supported by this server", param="echo")
         if self.best_of not in (None, 1):

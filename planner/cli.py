@@ -11,7 +11,9 @@ import socket
 import sys
 from pathlib import Path
 
+from planner.costmodel import batch_size
 from planner.errors import StrataError, run_command
+from planner.explain import format_rate
 from planner.schemas import ModelDescription, Plan, Request
 from planner.sizes import format_size, parse_size
 from planner.yamlio import parse_doc, read_yaml, to_yaml, write_yaml
@@ -140,9 +142,11 @@ def cmd_plan(args: argparse.Namespace) -> None:
         where += (
             f"; speculative {sp.method}, K = {sp.num_draft_tokens}"
             + (f", {sp.draft_layers} draft layers" if sp.draft_layers else "")
-            + f", {sp.predicted_decode_tok_s or 0:.1f} tok/s with it"
+            + f", {format_rate(sp.predicted_decode_tok_s or 0)} tok/s with it"
         )
-    print(f"wrote {args.output}: {where}; predicted {tok_s:.1f} tok/s", file=sys.stderr)
+    b = batch_size(plan.request, plan.batch)
+    rate = f"{format_rate(tok_s)} tok/s" + (f" aggregate ({b} sequences)" if b > 1 else "")
+    print(f"wrote {args.output}: {where}; predicted {rate}", file=sys.stderr)
 
 
 def cmd_diff(args: argparse.Namespace) -> None:

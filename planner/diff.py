@@ -6,6 +6,7 @@ over contiguous layer ranges (``ffn blk 10–29: gpu → nvme, 20 units, 32.1 Mi
 
 from __future__ import annotations
 
+from planner.costmodel import batch_size
 from planner.explain import (
     batch_label,
     format_rate,
@@ -91,7 +92,8 @@ def _prediction(a: Plan, b: Plan) -> list[str]:
         return []
     if pa == pb:
         return []
-    lines = ["prediction:"]
+    ba, bb = batch_size(a.request, a.batch), batch_size(b.request, b.batch)
+    lines = ["prediction:" + (f" (a decode step of {ba} → {bb} sequences)" if ba != bb else "")]
     for label, va, vb in (
         ("step", pa.step_s, pb.step_s),
         ("compute", pa.compute_s, pb.compute_s),
@@ -106,7 +108,9 @@ def _prediction(a: Plan, b: Plan) -> list[str]:
     if pa.decode_tok_s != pb.decode_tok_s:
         d = pb.decode_tok_s - pa.decode_tok_s
         lines.append(
-            f"  decode {format_rate(pa.decode_tok_s)} → {format_rate(pb.decode_tok_s)} tok/s "
+            f"  decode {format_rate(pa.decode_tok_s)} → {format_rate(pb.decode_tok_s)} tok/s"
+            + (" aggregate" if max(ba, bb) > 1 else "")
+            + " "
             f"({'+' if d >= 0 else '−'}{format_rate(abs(d))})"
         )
     lines += [f"  {x}" for x in _change("bottleneck", pa.bottleneck, pb.bottleneck)]

@@ -439,6 +439,18 @@ def test_bad_requests(server):
         assert err["param"] == field and err["type"] == "invalid_request_error"
     err = error_of(server.post(chat_path, {**ok, "messages": [{"content": "x"}]}), 400, "role")
     assert err["param"] == "messages.0.role"
+    for field, value in (
+        ("presence_penalty", 0.5),
+        ("frequency_penalty", -1.0),
+        ("logit_bias", {"7042": -100}),
+        ("tools", [{"type": "function", "function": {"name": "f"}}]),
+        ("tool_choice", "required"),
+        ("response_format", {"type": "json_object"}),
+    ):
+        err = error_of(server.post(chat_path, {**ok, field: value}), 400, "not supported")
+        assert err["param"] == field
+    err = error_of(server.post("/v1/completions", {**ok, "prompt": "x", "suffix": "y"}), 400)
+    assert err["param"] == "suffix"
     null_user = {**ok, "messages": [{"role": "user", "content": None}]}
     err = error_of(server.post(chat_path, null_user), 400, "'user' message needs its content")
     assert err["param"] == "messages.0"
