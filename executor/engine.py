@@ -253,6 +253,7 @@ class Engine:
         decode_steps = 0
         while len(out) < max_tokens:
             tok = sampler(np.array(logits[0]))
+            sampler.observe([tok])
             out.append(tok)
             if on_text is not None:
                 piece = stream.push(tok)

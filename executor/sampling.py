@@ -1,4 +1,5 @@
-"""Greedy and seeded sampling (temperature, top-k, top-p), deterministic for a given seed.
+"""Greedy and seeded sampling (temperature, top-k, top-p, OpenAI's logit bias and presence and
+frequency penalties), deterministic for a given seed.
 
 Sampling runs in numpy float64 on the host with a PCG64 generator seeded once per request, so the
 same logits and seed give the same token on every backend (CPU, Metal, CUDA). ``Sampler.verify``
@@ -25,12 +26,23 @@ class SamplingParams:
         top_k: keep the k most likely tokens (0 = all).
         top_p: keep the smallest set of most likely tokens whose probability reaches p (1 = all).
         seed: seed of the request's random generator.
+        logit_bias: ``(token id, bias)`` pairs added to those tokens' logits (OpenAI's
+            ``logit_bias``, each bias in [-100, 100]).
+        presence_penalty: subtracted once from the logit of every token generated so far
+            (OpenAI's, in [-2, 2]).
+        frequency_penalty: subtracted from a token's logit once per time it was generated so far
+            (OpenAI's, in [-2, 2]). The adjusted logit of token t with count c[t] is ``logit[t] +
+            bias[t] - c[t] * frequency_penalty - (c[t] > 0) * presence_penalty`` (OpenAI's
+            formula, as vLLM applies it), before temperature, top-k and top-p.
     """
 
     temperature: float = 0.0
     top_k: int = 0
     top_p: float = 1.0
     seed: int = 0
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
 
     def __post_init__(self) -> None:
         if not math.isfinite(self.temperature) or self.temperature < 0:
@@ -43,6 +55,20 @@ class SamplingParams:
             raise StrataError(f"--top-k {self.top_k} is negative; use 0 to keep all tokens")
         if not 0 < self.top_p <= 1:  # also rejects NaN
             raise StrataError(f"--top-p {self.top_p} must be in (0, 1]")
+        for name in ("presence_penalty", "frequency_penalty"):
+            v = getattr(self, name)
+            if not -2 <= v <= 2:  # also rejects NaN
+                raise StrataError(f"{name} {v} must be in [-2, 2]")
+        for tok, bias in self.logit_bias:
+            if tok < 0 or not -100 <= bias <= 100:
+                raise StrataError(
+                    f"logit_bias {{{tok}: {bias}}}: give token ids >= 0 and biases in [-100, 100]"
+                )
+
+    @property
+    def adjusts_logits(self) -> bool:
+        """Whether a logit bias or a penalty changes the logits before a token is picked."""
+        return bool(self.logit_bias or self.presence_penalty or self.frequency_penalty)
 
 
 class Sampler:
@@ -56,6 +82,34 @@ class Sampler:
     def __init__(self, params: SamplingParams):
         self.params = params
         self.rng = np.random.Generator(np.random.PCG64(params.seed))
+        self.counts: dict[int, int] = {}  # generated token -> times (the penalties' counts)
+
+    def observe(self, tokens: list[int]) -> None:
+        """Count ``tokens`` as generated (the penalties apply to them from the next pick)."""
+        for t in tokens:
+            self.counts[int(t)] = self.counts.get(int(t), 0) + 1
+
+    def adjusted(self, logits: np.ndarray, also: list[int] = ()) -> np.ndarray:
+        """``logits`` ([vocab] float) with the logit bias and the penalties applied
+        (``SamplingParams``), counting the generated tokens and ``also`` (draft tokens assumed
+        accepted before this row); float64. Unchanged (no copy) when nothing adjusts them."""
+        p = self.params
+        if not p.adjusts_logits:
+            return logits
+        z = np.array(logits, dtype=np.float64)
+        vocab = z.shape[-1]
+        for tok, bias in p.logit_bias:
+            if tok < vocab:
+                z[tok] += bias
+        if p.presence_penalty or p.frequency_penalty:
+            counts = dict(self.counts)
+            for t in also:
+                counts[int(t)] = counts.get(int(t), 0) + 1
+            if counts:
+                ids = np.fromiter(counts, np.int64, len(counts))
+                c = np.fromiter(counts.values(), np.float64, len(counts))
+                z[ids] -= c * p.frequency_penalty + p.presence_penalty
+        return z
 
     def _filtered(self, logits: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Temperature, top-k and top-p applied to one row (sampling only, temperature > 0).
@@ -90,13 +144,15 @@ class Sampler:
             picked, most likely first, after temperature, top-k and top-p; greedy (temperature 0):
             ([argmax], [1.0]).
         """
+        logits = self.adjusted(logits)
         if self.params.temperature == 0:
             return np.array([np.argmax(logits)], np.int64), np.ones(1)
         order, probs = self._filtered(logits)
         return order.astype(np.int64, copy=False), probs
 
     def __call__(self, logits: np.ndarray) -> int:
-        """Next token id from ``logits`` ([vocab] float)."""
+        """Next token id from ``logits`` ([vocab] float); not counted until :meth:`observe`."""
+        logits = self.adjusted(logits)
         if self.params.temperature == 0:
             return int(np.argmax(logits))
         order, probs = self._filtered(logits)
@@ -133,12 +189,13 @@ class Sampler:
                 f"verify got logits of shape {logits.shape} for {len(draft)} draft tokens; "
                 f"pass one row per draft token plus one for the bonus ({len(draft) + 1} rows)"
             )
+        rows = [self.adjusted(logits[j], draft[:j]) for j in range(len(draft) + 1)]
         if self.params.temperature == 0:
-            return accept_greedy([int(np.argmax(row)) for row in logits], draft)
+            return accept_greedy([int(np.argmax(row)) for row in rows], draft)
         out: list[int] = []
         for j, d in enumerate(draft):
             d = int(d)
-            ids, probs = self._filtered(logits[j])
+            ids, probs = self._filtered(rows[j])
             at = np.flatnonzero(ids == d)
             p_d = float(probs[at[0]]) if at.size else 0.0
             # One uniform per draft token examined, drawn even when p_d is 0, so that the random
@@ -150,7 +207,8 @@ class Sampler:
                 ids, probs = np.delete(ids, at[0]), np.delete(probs, at[0])
                 probs /= probs.sum()
             return [*out, int(ids[self.rng.choice(len(ids), p=probs)])]
-        return [*out, self(logits[len(draft)])]
+        order, probs = self._filtered(rows[len(draft)])  # the bonus token, as __call__ picks it
+        return [*out, int(order[self.rng.choice(len(order), p=probs)])]
 
 
 def accept_greedy(targets: list[int], draft: list[int]) -> list[int]:

@@ -160,8 +160,8 @@ def _engine_error(message: str) -> APIError:
 class _Body(BaseModel):
     # strict: "5" is not a number and "true" not a boolean, as in OpenAI's API; unknown fields
     # are ignored because clients send many (user, metadata, ...), as vLLM ignores them. Fields
-    # that would change the output and are not implemented are declared and refused
-    # (check_unsupported), never dropped.
+    # that would change the output and are not implemented (tools, response_format, ...) are
+    # declared and refused (check_unsupported), never dropped.
     model_config = ConfigDict(extra="ignore", strict=True)
 
 
@@ -184,23 +184,44 @@ class _Sampling(_Body):
     stream: bool | None = False
     stream_options: StreamOptions | None = None
     n: int | None = 1
-    presence_penalty: float | None = Field(default=None, allow_inf_nan=False)
-    frequency_penalty: float | None = Field(default=None, allow_inf_nan=False)
-    logit_bias: dict[str, float] | None = None
+    presence_penalty: float | None = Field(default=None, ge=-2, le=2, allow_inf_nan=False)
+    frequency_penalty: float | None = Field(default=None, ge=-2, le=2, allow_inf_nan=False)
+    logit_bias: dict[str, float] | None = Field(
+        default=None, description="token id (as a string) -> bias in [-100, 100]"
+    )
     ignore_eos: bool = False
     return_tokens_as_token_ids: bool = Field(
         default=False,
         description="extension (vLLM's): logprobs name tokens as 'token_id:N', not as text",
     )
 
-    def params(self) -> SamplingParams:
-        """Sampling parameters with OpenAI's defaults (temperature 1; a random seed if none)."""
+    def params(self, vocab_size: int) -> SamplingParams:
+        """Sampling parameters with OpenAI's defaults (temperature 1; a random seed if none).
+
+        Raises:
+            APIError: a ``logit_bias`` key that is not a token id of the vocabulary, or a bias
+                outside [-100, 100] (400).
+        """
         seed = secrets.randbits(63) if self.seed is None else self.seed % 2**64
+        bias = []
+        for key, value in (self.logit_bias or {}).items():
+            tok = int(key) if key.strip().isdigit() else -1
+            if not 0 <= tok < vocab_size or not -100 <= value <= 100:
+                raise APIError(
+                    400,
+                    f"logit_bias {{{key!r}: {value}}}: keys are token ids 0..{vocab_size - 1} "
+                    "(as strings) and biases are in [-100, 100]",
+                    param="logit_bias",
+                )
+            bias.append((tok, float(value)))
         return SamplingParams(
             temperature=1.0 if self.temperature is None else self.temperature,
             top_k=max(self.top_k or 0, 0),
             top_p=1.0 if self.top_p is None else self.top_p,
             seed=seed,
+            logit_bias=tuple(sorted(bias)),
+            presence_penalty=self.presence_penalty or 0.0,
+            frequency_penalty=self.frequency_penalty or 0.0,
         )
 
     def stop_strings(self) -> list[str]:
@@ -221,15 +242,6 @@ class _Sampling(_Body):
         the output if they were silently dropped)."""
         if self.n not in (None, 1):
             raise APIError(400, f"n={self.n} is not supported; only n=1 (one choice)", param="n")
-        for name in ("presence_penalty", "frequency_penalty"):
-            if getattr(self, name):
-                raise APIError(
-                    400, f"{name} is not supported by this server; leave it out or 0", param=name
-                )
-        if self.logit_bias:
-            raise APIError(
-                400, "logit_bias is not supported by this server; leave it out", param="logit_bias"
-            )
 
 
 class TextPart(_Body):
@@ -1087,7 +1099,7 @@ async def _start(
         f"{prefix}-{uuid.uuid4().hex}",
         prompt_ids,
         max_tokens,
-        body.params(),
+        body.params(state.engine.tokenizer.vocab_size),
         body.stop_strings(),
         body.ignore_eos,
         body.logprobs_count(),

@@ -495,7 +495,8 @@ class ServingEngine:
         lives = {i: self._live[step.chunks[i].seq.request_id] for i in want}
         out: dict[str, list[int]] = {}
         host: np.ndarray | None = None  # all logits on the host, when sampling needed them
-        if all(lives[i].req.params.temperature == 0 for i in want):
+        plain = (lives[i].req.params for i in want)
+        if all(p.temperature == 0 and not p.adjusts_logits for p in plain):
             targets = np.array(mx.argmax(logits, axis=-1)).tolist()  # one host transfer
             for i in want:
                 rows = targets[first[i] : first[i + 1]]
@@ -505,6 +506,8 @@ class ServingEngine:
             for i in want:
                 rows = host[first[i] : first[i + 1]]
                 out[lives[i].req.request_id] = lives[i].sampler.verify(rows, step.chunks[i].draft)
+        for i in want:  # the penalties count what was generated
+            lives[i].sampler.observe(out[lives[i].req.request_id])
         logprobs: dict[str, list[TokenLogprob]] = {}
         for i in want:
             req = lives[i].req

@@ -360,6 +360,47 @@ def test_reference_logprobs_name_token_ids(server, tokenizer):
     assert not classify_divergence(tokenizer, ids, tops, got, gap - 0.01)["near_tie"]
 
 
+def test_logit_bias_and_penalties_pick_the_adjusted_argmax(server):
+    """Greedy with OpenAI's logit bias and penalties: each token is the argmax of the raw
+    log-probabilities (reported before any adjustment, as vLLM reports them) plus the bias, less
+    the penalties of the tokens generated before it; checked over the top-20 alternatives."""
+    first = complete(
+        server, max_tokens=1, logprobs=1, extra_body={"return_tokens_as_token_ids": True}
+    )
+    greedy = int(first.choices[0].logprobs.tokens[0].removeprefix("token_id:"))
+    forced = (greedy + 1) % 1000 + 100
+    r = complete(server, max_tokens=1, logit_bias={str(forced): 100}, logprobs=1)
+    assert r.choices[0].text != first.choices[0].text
+    r = complete(server, max_tokens=1, logit_bias={str(greedy): -100})
+    assert r.choices[0].text != first.choices[0].text
+    bias, presence, frequency = {greedy: 1.0}, 0.6, 0.9
+    r = complete(
+        server,
+        max_tokens=16,
+        logprobs=20,
+        presence_penalty=presence,
+        frequency_penalty=frequency,
+        logit_bias={str(k): v for k, v in bias.items()},
+        extra_body={"return_tokens_as_token_ids": True, "ignore_eos": True},
+    )
+    lp = r.choices[0].logprobs
+    ids = [int(t.removeprefix("token_id:")) for t in lp.tokens]
+    counts: dict[int, int] = {}
+    penalized = 0
+    for tid, top in zip(ids, lp.top_logprobs, strict=True):
+
+        def adjusted(t: int, v: float) -> float:
+            c = counts.get(t, 0)
+            return v + bias.get(t, 0.0) - c * frequency - (c > 0) * presence
+
+        alts = {int(k.removeprefix("token_id:")): v for k, v in top.items()}
+        best = max(adjusted(t, v) for t, v in alts.items())
+        assert adjusted(tid, alts[tid]) >= best - 1e-3
+        penalized += max(alts, key=alts.get) != tid  # the raw argmax was not taken
+        counts[tid] = counts.get(tid, 0) + 1
+    assert penalized > 0  # the adjustments changed some choice
+
+
 def test_ignore_eos_runs_to_max_tokens(server):
     r = chat(server, max_tokens=12, extra_body={"ignore_eos": True})
     assert r.usage.completion_tokens == 12 and r.choices[0].finish_reason == "length"
@@ -440,9 +481,6 @@ def test_bad_requests(server):
     err = error_of(server.post(chat_path, {**ok, "messages": [{"content": "x"}]}), 400, "role")
     assert err["param"] == "messages.0.role"
     for field, value in (
-        ("presence_penalty", 0.5),
-        ("frequency_penalty", -1.0),
-        ("logit_bias", {"7042": -100}),
         ("tools", [{"type": "function", "function": {"name": "f"}}]),
         ("tool_choice", "required"),
         ("response_format", {"type": "json_object"}),
@@ -451,6 +489,14 @@ def test_bad_requests(server):
         assert err["param"] == field
     err = error_of(server.post("/v1/completions", {**ok, "prompt": "x", "suffix": "y"}), 400)
     assert err["param"] == "suffix"
+    for field, value, what in (
+        ("presence_penalty", 2.5, "presence_penalty"),
+        ("logit_bias", {"x": 1}, "token ids"),
+        ("logit_bias", {"1": 101}, "[-100, 100]"),
+        ("logit_bias", {str(1 << 30): 1}, "token ids"),
+    ):
+        err = error_of(server.post(chat_path, {**ok, field: value}), 400, what)
+        assert err["param"] == field
     null_user = {**ok, "messages": [{"role": "user", "content": None}]}
     err = error_of(server.post(chat_path, null_user), 400, "'user' message needs its content")
     assert err["param"] == "messages.0"

@@ -332,3 +332,35 @@ def test_verify_first_token_on_a_tiny_model(tmp_path, smollm2_gguf):
     )
     assert impossible == 0 and stat < chi2_threshold(df), (stat, df)
     assert 0 < counts[draft[0]] < n
+
+
+def test_logit_bias_and_penalties_follow_openais_formula():
+    logits = np.array([1.0, 3.0, 2.0, 0.5], np.float32)
+    p = SamplingParams(logit_bias=((0, 5.0),), presence_penalty=0.5, frequency_penalty=0.25)
+    s = Sampler(p)
+    assert s(logits) == 0  # 1 + 5 beats 3
+    s.observe([0, 0, 2])
+    # token 0: 1 + 5 - 2 * 0.25 - 0.5 = 5.0; token 2: 2 - 0.25 - 0.5 = 1.25
+    np.testing.assert_allclose(s.adjusted(logits), [5.0, 3.0, 1.25, 0.5])
+    # a draft token counts for the rows after it
+    np.testing.assert_allclose(s.adjusted(logits, [1])[1], 3.0 - 0.75)
+    assert Sampler(SamplingParams()).adjusted(logits) is logits  # nothing to adjust: no copy
+    with pytest.raises(Exception, match="presence_penalty"):
+        SamplingParams(presence_penalty=3.0)
+    with pytest.raises(Exception, match="logit_bias"):
+        SamplingParams(logit_bias=((1, 101.0),))
+
+
+def test_greedy_verify_with_penalties_matches_one_token_at_a_time():
+    """Verification adjusts each row as if the drafts before it had been generated, so
+    speculation never changes what the penalties produce."""
+    rows = np.random.default_rng(3).standard_normal((5, 12)).astype(np.float32)
+    params = SamplingParams(frequency_penalty=1.5, presence_penalty=0.5, logit_bias=((7, 0.8),))
+    one = Sampler(params)
+    tokens = []
+    for row in rows:
+        t = one(row)
+        one.observe([t])
+        tokens.append(t)
+    assert Sampler(params).verify(rows, tokens[:4]) == tokens  # every draft kept, then the bonus
+    assert Sampler(SamplingParams()).verify(rows, tokens[:4]) != tokens  # the penalties matter
