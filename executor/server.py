@@ -1443,6 +1443,13 @@ def _uvicorn_server(app: Starlette, ready: Callable[[], None]):
                 ready()
 
         async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
+            running = len(state.live)
+            print(
+                f"shutting down: {running} running request{'s' if running != 1 else ''} get "
+                f"up to {GRACEFUL_SHUTDOWN_S:g} s to finish",
+                file=sys.stderr,
+                flush=True,
+            )
             # End running generations ourselves (a final error event, blocks freed) rather than
             # leaving them to uvicorn, which cancels their tasks after its own timeout.
             await state.drain(GRACEFUL_SHUTDOWN_S, lambda: self.force_exit)
@@ -1517,6 +1524,7 @@ def serve(
                 _uvicorn_server(app, ready).run(sockets=[sock])
             finally:
                 serving.close()
+                print("stopped", file=sys.stderr, flush=True)
         finally:
             engine.close()
     finally:
