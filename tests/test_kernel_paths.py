@@ -146,8 +146,9 @@ def test_tensor_core_kernel_refuses_off_cuda():
 @pytest.mark.skipif(not CUDA, reason="needs MLX's CUDA backend")
 @pytest.mark.parametrize("rows", [1, 2, 5, 16, 24, 33, 64])
 @pytest.mark.parametrize("group, dtype", [(32, mx.float16), (64, mx.bfloat16), (128, mx.float16)])
-def test_tensor_core_kernel_matches_the_dequantized_product(rows, group, dtype):
-    n, k = 96, 576  # SmolLM2's width: 9 slabs of 64, an uneven split over the warps
+@pytest.mark.parametrize("n", [96, 80])  # blocks of 32 columns where n allows, else of 16
+def test_tensor_core_kernel_matches_the_dequantized_product(rows, group, dtype, n):
+    k = 640  # 10 slabs of 64: an uneven split over the 8 warps; a multiple of every group size
     w = _weight(n, k, 4, group, dtype)
     x = mx.array(np.random.default_rng(2).standard_normal((rows, k)).astype(np.float32))
     x = x.astype(dtype)
