@@ -32,9 +32,10 @@ Measured on the lent H200 (MLX 0.32.4, 2026-11-30): results within 3.5e-4 (float
 row equal alone and in the batch. Speed is what ``planner.profile.measure_mma_rows`` records: call
 by call on a [16384, 16384] weight it beat MLX's quantized matmul from 2 to 32 rows (32 rows: 360
 against 456 us) and lost at 64 (820 against 464), so the H200 profile's range is 2-32. In a
-Llama-3-8B-shaped model it took a 16-sequence decode step from 33-34 to 26 ms and a 24-token prompt
-from 38-44 to 25 ms. It reads the weights at about 0.4-0.5 TB/s, a tenth of the H200's bandwidth:
-there is room left in it.
+Llama-3-8B-shaped model it took a 16-sequence decode step from 31-34 to 25-27 ms and a 24-token
+prompt from 38-45 to 25-26 ms. It reads the weights at 0.2-0.5 TB/s (16 rows by the [14336, 4096]
+weight, 29 MB: 60 us in a stream of calls, 105-131 call by call), a tenth or less of the H200's
+bandwidth: there is room left in it.
 
 Layout (``executor.quant``): element ``j`` of a uint32 word sits at bits ``4 * j``; ``w = scale * q
 + bias`` per group of ``group_size`` (32, 64 or 128) elements along a row."""

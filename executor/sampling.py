@@ -85,7 +85,10 @@ class Sampler:
         self.counts: dict[int, int] = {}  # generated token -> times (the penalties' counts)
 
     def observe(self, tokens: list[int]) -> None:
-        """Count ``tokens`` as generated (the penalties apply to them from the next pick)."""
+        """Count ``tokens`` as generated (the penalties apply to them from the next pick; without
+        penalties nothing needs the counts and nothing is kept)."""
+        if not (self.params.presence_penalty or self.params.frequency_penalty):
+            return
         for t in tokens:
             self.counts[int(t)] = self.counts.get(int(t), 0) + 1
 
@@ -102,9 +105,11 @@ class Sampler:
             if tok < vocab:
                 z[tok] += bias
         if p.presence_penalty or p.frequency_penalty:
-            counts = dict(self.counts)
-            for t in also:
-                counts[int(t)] = counts.get(int(t), 0) + 1
+            counts = self.counts
+            if len(also):
+                counts = dict(counts)
+                for t in also:
+                    counts[int(t)] = counts.get(int(t), 0) + 1
             if counts:
                 ids = np.fromiter(counts, np.int64, len(counts))
                 c = np.fromiter(counts.values(), np.float64, len(counts))

@@ -506,7 +506,7 @@ class ServingEngine:
             for i in want:
                 rows = host[first[i] : first[i + 1]]
                 out[lives[i].req.request_id] = lives[i].sampler.verify(rows, step.chunks[i].draft)
-        for i in want:  # the penalties count what was generated
+        for i in want:  # the penalties count what was generated (a no-op without them)
             lives[i].sampler.observe(out[lives[i].req.request_id])
         logprobs: dict[str, list[TokenLogprob]] = {}
         for i in want:
