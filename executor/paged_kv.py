@@ -132,12 +132,39 @@ class SeqInput:
 @dataclass
 class Chunk:
     """Tokens ``start .. start + length - 1`` of one sequence attending together: rows ``row ..
-    row + length - 1`` of the activation (a prefill chunk, or with tiles a piece of any input)."""
+    row + length - 1`` of the activation (a prefill chunk, or with tiles a piece of any input).
+    ``table``: int32 [1, start + length], the slots of its sequence's positions up to its end."""
 
     row: int
     length: int
     start: int
-    table: mx.array  # int32 [1, start + length]
+    table: mx.array
+    _masks: dict[int, tuple[int, mx.array | str | None]] = field(default_factory=dict)
+
+    def attention_mask(self, window: int) -> tuple[int, mx.array | str | None]:
+        """Which of ``table``'s keys the chunk's queries attend and how: ``(first, mask)`` for
+        ``mx.fast.scaled_dot_product_attention`` over keys ``first:`` of the gathered table.
+
+        Query i (position ``start + i``) sees key j iff ``j <= start + i`` and, with a sliding
+        ``window`` (llama.cpp's ``LLAMA_SWA_TYPE_STANDARD``), ``start + i - j < window``; keys
+        older than every query's window are sliced off (``first``): ``"causal"`` (bottom-right
+        aligned) without a window, None for one query, else a boolean [T, L - first] mask. Cached
+        per window: every layer with that window reuses it.
+        """
+        if window not in self._masks:
+            self._masks[window] = self._mask(window)
+        return self._masks[window]
+
+    def _mask(self, window: int) -> tuple[int, mx.array | str | None]:
+        t, start = self.length, self.start
+        if not window:
+            return 0, "causal" if t > 1 else None
+        first = max(0, start - window + 1)  # the oldest key the first query sees
+        if t == 1:
+            return first, None
+        qpos = mx.arange(start, start + t)[:, None]
+        kpos = mx.arange(first, start + t)[None, :]
+        return first, (kpos <= qpos) & (qpos - kpos < window)
 
 
 @dataclass

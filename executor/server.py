@@ -1503,7 +1503,7 @@ def serve(
     """
     from executor.engine import Engine
     from executor.plan_loader import load_plan
-    from executor.serving import ServingEngine
+    from executor.serving import WARM_UP_ROW_BUCKETS, ServingEngine
 
     sock = bind_socket(host, port)  # before loading: a busy port fails in a second, not after
     try:
@@ -1511,8 +1511,12 @@ def serve(
         engine = Engine(loaded)
         try:
             serving = ServingEngine(engine, batch_invariant=batch_invariant)
-            serving.start()
             try:
+                if WARM_UP_ROW_BUCKETS:
+                    print("building kernels for every batch size ...", file=sys.stderr, flush=True)
+                warm = serving.start()
+                if warm:
+                    print(f"kernels built in {warm:.1f} s", file=sys.stderr, flush=True)
                 name = model_name or default_model_name(loaded)
                 bound = sock.getsockname()[1]
                 shown = f"[{host}]" if ":" in host else host

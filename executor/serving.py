@@ -53,6 +53,7 @@ from __future__ import annotations
 import queue
 import sys
 import threading
+import time
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
@@ -60,10 +61,11 @@ from dataclasses import dataclass
 import mlx.core as mx
 import numpy as np
 
+from executor import cuda_attention
 from executor.block_pool import BlockPool
 from executor.drafters import Drafter, DraftInput, DraftModelDrafter, PromptLookupDrafter
 from executor.engine import Engine
-from executor.ops import set_row_tile
+from executor.ops import bucket_rows, set_row_tile
 from executor.paged_kv import ForwardBatch, SeqInput, slot_table
 from executor.plan_loader import load_draft
 from executor.sampling import Sampler, SamplingParams, accept_greedy
@@ -81,6 +83,18 @@ H200's 4-bit kernel (110 against 88 us for a 14336x4096 weight) and cover a deco
 plans' usual 16 sequences in one call. On the CPU a row costs in proportion: a lone SmolLM2-135M
 decode step took 1,451 ms instead of 110 (measured on the 2-core dev machine)."""
 
+
+WARM_UP_ROW_BUCKETS = mx.cuda.is_available()
+"""Before serving, run one forward pass per row bucket of the weight products
+(``executor.ops.bucket_rows``: 1, 2, 4, ... up to the plan's ``max_num_batched_tokens``), on MLX's
+CUDA backend. There the first product of a new row bucket builds its kernels, and with MLX's
+quantized matmul that took up to a minute (measured on the lent H200, 2026-12-01: a warm
+prefix-cache request whose 37-token suffix was the first 64-row product took 59 s, the next
+one 14 ms), during which the engine thread serves nobody. Built at start, the cost is paid
+before the server accepts requests (a first version, single chunks up to 512 tokens, took 51.8 s
+for the Llama-3-8B shape on a fresh H200; MLX keeps what it compiles on disk,
+``MLX_PTX_CACHE_DIR``, so later starts on one machine pay less). The CPU builds nothing per
+shape: off there."""
 
 MAX_LOGPROBS = 20
 """Most alternatives per generated token a request may ask log-probabilities of (vLLM's default
@@ -215,6 +229,8 @@ class ServingEngine:
         self._inbox: queue.Queue = queue.Queue()
         self._live: dict[str, _Live] = {}
         self._thread: threading.Thread | None = None
+        self._ready = threading.Event()  # set once the thread serves (after any warm-up)
+        self._warm, self._warm_s, self._start_error = False, 0.0, None
         self.steps = self.batched_tokens = 0
         # Speculative decoding: draft tokens proposed and accepted, verification chunks.
         self.spec_proposed = self.spec_accepted = self.spec_verifications = 0
@@ -241,11 +257,30 @@ class ServingEngine:
 
     # ------------------------------------------------------------------ any thread
 
-    def start(self) -> None:
-        """Start the engine thread (idempotent)."""
-        if self._thread is None:
-            self._thread = threading.Thread(target=self._run, name="strata-engine", daemon=True)
-            self._thread.start()
+    def start(self, warm_up: bool | None = None) -> float:
+        """Start the engine thread (idempotent). With ``warm_up`` (None: ``WARM_UP_ROW_BUCKETS``)
+        it first runs one forward pass per row bucket (:meth:`_warm_up`), and this call waits
+        for it.
+
+        Returns:
+            seconds the warm-up took (0.0 without one, or when already started).
+
+        Raises:
+            StrataError: the engine thread failed to set up or a warm-up forward pass failed
+                (the thread is stopped).
+        """
+        if self._thread is not None:
+            return 0.0
+        self._warm = WARM_UP_ROW_BUCKETS if warm_up is None else warm_up
+        self._thread = threading.Thread(target=self._run, name="strata-engine", daemon=True)
+        self._thread.start()
+        while not self._ready.wait(THREAD_CHECK_S):
+            if not self._thread.is_alive():
+                break
+        if self._start_error is not None or not self._ready.is_set():
+            self._thread.join()
+            raise StrataError(f"the serving engine could not start: {self._start_error}")
+        return self._warm_s
 
     def validate(self, req: GenerationRequest) -> None:
         """Refuse a request that could never run.
@@ -350,11 +385,21 @@ class ServingEngine:
     def _run(self) -> None:
         # MLX streams are thread-local (MLX >= 0.31.2): this thread computes on its own stream,
         # and the KV pool is made here so that its lazy arrays belong to it.
-        mx.set_default_stream(mx.new_stream(mx.default_device()))
-        # Per thread, like the stream: only this thread's products are tiled.
-        set_row_tile(BATCH_INVARIANT_ROWS if self.batch_invariant else 0)
-        b = self.batch
-        self.kv = self.engine.model.make_paged_cache(b.kv_num_blocks, b.kv_block_size)
+        try:
+            mx.set_default_stream(mx.new_stream(mx.default_device()))
+            # Per thread, like the stream: only this thread's products are tiled.
+            set_row_tile(BATCH_INVARIANT_ROWS if self.batch_invariant else 0)
+            b = self.batch
+            self.kv = self.engine.model.make_paged_cache(b.kv_num_blocks, b.kv_block_size)
+            if self._warm:
+                t0 = time.perf_counter()
+                self._warm_up()
+                self._warm_s = time.perf_counter() - t0
+        except Exception as e:  # reported by start()
+            self._start_error = f"{type(e).__name__}: {e}"
+            self._ready.set()
+            return
+        self._ready.set()
         while True:
             idle = not self.scheduler.has_work()
             msgs = []
@@ -381,6 +426,29 @@ class ServingEngine:
                     cb.set_result(self._reset_if_idle())
             if self.scheduler.has_work():
                 self.step()
+
+    def _warm_up(self) -> None:
+        """Forward passes in every row bucket (``WARM_UP_ROW_BUCKETS``), laid out as serving lays
+        them out (the batch-invariant tile included): passes of 1, 2, 4, ... tokens in every
+        bucket of ``executor.ops.bucket_rows`` up to the plan's ``max_num_batched_tokens`` (and
+        the KV pool), as prefill chunks of at most ``cuda_attention.MAX_QUERIES`` tokens (the
+        attention kernel's, which builds nothing per shape), then decode groups of 2, 4, ...
+        sequences of different lengths up to ``max_num_seqs`` (the output head at those row
+        counts). They write KV slots of free blocks only and touch neither the block pool nor
+        the prefix cache."""
+        limit = min(self.batch.max_num_batched_tokens, self.kv.num_slots, self.context)
+        slots = np.arange(limit, dtype=np.int32)
+        piece = cuda_attention.MAX_QUERIES
+
+        def run(inputs: list[SeqInput]) -> None:
+            batch = ForwardBatch.build(inputs, tile=self._tile)
+            mx.eval(self.engine.model.forward_batch(batch, self.kv))
+
+        for n in warm_up_sizes(limit):  # chunk j: positions 0.. in slots from j * piece on
+            run([SeqInput([0] * min(piece, n - j), 0, slots[j:n]) for j in range(0, n, piece)])
+        for b in warm_up_sizes(min(self.batch.max_num_seqs, limit - 1)):
+            if b > 1:  # sequence i: one token at position i
+                run([SeqInput([0], i, slots[: i + 1]) for i in range(b)])
 
     def _reset_if_idle(self) -> bool:
         if self.scheduler.has_work():
@@ -567,6 +635,18 @@ class ServingEngine:
         else:
             self.scheduler.finish(live.seq, reason)
         self._emit(live, tokens or [], reason, error, logprobs)
+
+
+def warm_up_sizes(limit: int) -> list[int]:
+    """Token counts whose passes meet every row bucket of ``executor.ops.bucket_rows`` up to
+    ``limit`` rows: each bucket's size, the last capped at ``limit`` (40: 1, 2, ..., 32, 40;
+    600: 1, ..., 256, 512, 600). Empty below 1."""
+    out = []
+    n = 1
+    while n < limit:
+        out.append(n)
+        n = bucket_rows(n + 1)
+    return out + [limit] if limit >= 1 else out
 
 
 def token_logprobs(rows: np.ndarray, tokens: list[int], top: int) -> list[TokenLogprob]:

@@ -1,8 +1,8 @@
-"""Chunk attention's two paths: MLX's fused SDPA, and the plain-operations path that short
-multi-query chunks (speculative verification, a prompt's suffix after a prefix hit) take on
-MLX's CUDA backend (``executor.models.llama.EXPLICIT_ATTENTION_MAX_QUERIES``). Both must give
-the same numbers for the masks ``_attention_span`` makes: causal, sliding window, grouped-query
-heads."""
+"""A chunk's attention (``executor.models.llama.chunk_attention``): on MLX's CUDA backend chunks of
+up to ``cuda_attention.MAX_QUERIES`` 16-bit queries take Strata's paged kernel
+(``executor.cuda_attention``), elsewhere the gathered keys go to MLX's SDPA with
+``Chunk.attention_mask``. Both must give softmax attention by its definition: causal, sliding
+window, grouped-query heads, a prefix in the cache, keys scattered over the pool."""
 
 from __future__ import annotations
 
@@ -10,40 +10,145 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-import executor.models.llama as llama
+from executor import cuda_attention
+from executor.models.llama import chunk_attention
+from executor.paged_kv import ForwardBatch, PagedKVCache, SeqInput
+
+CUDA = mx.cuda.is_available()
+
+
+def _reference(q, k, v, start, window, scale):
+    """Softmax attention by definition (float64): query i at position start + i sees key j iff
+    j <= start + i and (window) start + i - j < window."""
+    q, k, v = (np.array(a, dtype=np.float64)[0] for a in (q, k, v))
+    group = q.shape[0] // k.shape[0]
+    out = np.zeros_like(q)
+    for h in range(q.shape[0]):
+        s = q[h] @ k[h // group].T * scale
+        qpos = start + np.arange(q.shape[1])[:, None]
+        kpos = np.arange(k.shape[1])[None, :]
+        seen = kpos <= qpos
+        if window:
+            seen &= qpos - kpos < window
+        s = np.where(seen, s, -np.inf)
+        p = np.exp(s - s.max(axis=1, keepdims=True))
+        out[h] = (p / p.sum(axis=1, keepdims=True)) @ v[h // group]
+    return out
+
+
+CASES = [
+    (9, 3, 5, 40, 0, 64),
+    (4, 1, 7, 20, 0, 64),
+    (4, 2, 3, 300, 8, 64),  # a window: keys before it are sliced off (or skipped)
+    (8, 8, 2, 0, 0, 64),
+    (4, 2, 33, 250, 0, 128),
+    (32, 8, 24, 992, 0, 128),  # Llama-3-8B's heads: a suffix after a 992-token prefix hit
+    (4, 1, 24, 992, 600, 256),  # Gemma-3's head size with a window inside the prefix
+    (16, 2, 64, 130, 0, 96),
+    (2, 1, 1, 70, 16, 64),  # one query
+    (8, 1, 7, 40, 4, 256),  # a window shorter than the chunk; 4 warps (their sums fill smem)
+]
+
+
+def _chunk_case(heads, kv_heads, t, start, window, d, dtype, seed=0):
+    rng = np.random.default_rng(heads * 100 + t + seed)
+    length = start + t
+    slots_total = length + 1000
+    pool_k = rng.standard_normal((slots_total, kv_heads, d)).astype(np.float32)
+    pool_v = rng.standard_normal((slots_total, kv_heads, d)).astype(np.float32)
+    slots = rng.permutation(slots_total)[:length].astype(np.int32)
+    kv = PagedKVCache(1, kv_heads, d, slots_total, 1, dtype)
+    kv.keys[0], kv.values[0] = mx.array(pool_k).astype(dtype), mx.array(pool_v).astype(dtype)
+    # with a tile of 1 every input, a one-token one too, is a chunk
+    c = ForwardBatch.build([SeqInput(list(range(t)), start, slots)], tile=0 if t > 1 else 1)
+    chunk = c.chunks[0]
+    assert np.array_equal(np.array(chunk.table)[0], slots)
+    q = rng.standard_normal((1, heads, t, d)).astype(np.float32)
+    want = _reference(
+        q,
+        pool_k[slots].transpose(1, 0, 2)[None],
+        pool_v[slots].transpose(1, 0, 2)[None],
+        start,
+        window,
+        d**-0.5,
+    )
+    return kv, chunk, mx.array(q).astype(dtype), want
+
+
+@pytest.mark.parametrize("dtype", [mx.float32, mx.float16, mx.bfloat16])
+@pytest.mark.parametrize(("heads", "kv_heads", "t", "start", "window", "d"), CASES)
+def test_chunk_attention_matches_the_definition(dtype, heads, kv_heads, t, start, window, d):
+    """16-bit queries take the paged kernel on CUDA."""
+    kv, chunk, q, want = _chunk_case(heads, kv_heads, t, start, window, d, dtype)
+    got = chunk_attention(q, kv, 0, chunk, window, d**-0.5)
+    assert got.shape == (t, heads, d) and got.dtype == dtype
+    # float32 on CUDA is MLX's SDPA with TensorFloat-32 products (7e-4 measured on the H200)
+    tol = {mx.float32: 2e-3 if CUDA else 1e-4, mx.float16: 1e-2, mx.bfloat16: 3e-2}[dtype]
+    got = np.array(got.astype(mx.float32)).transpose(1, 0, 2)
+    np.testing.assert_allclose(got, want, rtol=tol, atol=tol)
+
+
+@pytest.mark.skipif(not CUDA, reason="the paged kernel runs on MLX's CUDA backend")
+@pytest.mark.parametrize("dtype", [mx.float16, mx.bfloat16])
+def test_paged_kernel_rows_do_not_depend_on_the_chunk(dtype):
+    """A query's output is the same, bit for bit, alone (a one-query chunk over its own keys)
+    and inside a chunk of 24."""
+    kv, chunk, q, _ = _chunk_case(32, 8, 24, 500, 0, 128, dtype, seed=3)
+    table = chunk.table[0]
+    whole = cuda_attention.attention(q[0], kv.keys[0], kv.values[0], table, 0.088)
+    for i in (0, 7, 23):
+        alone = cuda_attention.attention(
+            q[0][:, i : i + 1], kv.keys[0], kv.values[0], table[: 500 + i + 1], 0.088
+        )
+        same = alone[0].astype(mx.float32), whole[i].astype(mx.float32)  # exact widening
+        assert np.array_equal(np.array(same[0]), np.array(same[1]))
+
+
+def test_paged_kernel_scope_and_refusals():
+    """Where the kernel applies, and the error that names the problem elsewhere."""
+    assert cuda_attention.supported(24, 32, 8, 128, mx.float16) == CUDA
+    assert not cuda_attention.supported(65, 32, 8, 128, mx.float16)  # a prefill chunk
+    assert not cuda_attention.supported(24, 32, 8, 80, mx.float16)  # head size
+    assert not cuda_attention.supported(24, 32, 2, 128, mx.float16)  # 16 heads per kv head
+    assert not cuda_attention.supported(24, 32, 8, 128, mx.float32)
+    assert not cuda_attention.supported(24, 32, 0, 128, mx.float16)
+    assert cuda_attention._warps(8, 256) == 4 and cuda_attention._warps(4, 128) == 8
+    assert (
+        max(
+            cuda_attention._smem_bytes(cuda_attention._warps(g, d), g, d)
+            for g in range(1, cuda_attention.MAX_GROUP + 1)
+            for d in cuda_attention.HEAD_DIMS
+        )
+        <= cuda_attention.SMEM_BYTES
+    )
 
 
 @pytest.mark.parametrize(
-    ("heads", "kv_heads", "t", "start", "window"),
-    [(9, 3, 5, 40, 0), (4, 1, 7, 20, 0), (4, 2, 3, 30, 8), (8, 8, 2, 0, 0), (4, 2, 32, 16, 0)],
+    ("q_dtype", "pool_dtype", "table", "why"),
+    [
+        (mx.float32, mx.float32, mx.arange(5, dtype=mx.int32), "float32"),
+        (mx.float16, mx.float32, mx.arange(5, dtype=mx.int32), "pool dtype"),
+        (mx.float16, mx.float16, mx.arange(2, dtype=mx.int32), "table shorter than T"),
+        (mx.float16, mx.float16, mx.arange(5, dtype=mx.int64), "int64 table"),
+    ],
 )
-def test_explicit_path_equals_sdpa(monkeypatch, heads, kv_heads, t, start, window) -> None:
-    rng = np.random.default_rng(heads * 100 + t)
-    d, length = 64, start + t
-    q = mx.array(rng.standard_normal((1, heads, t, d)).astype(np.float32))
-    k = mx.array(rng.standard_normal((1, kv_heads, length, d)).astype(np.float32))
-    v = mx.array(rng.standard_normal((1, kv_heads, length, d)).astype(np.float32))
-    keys, values, mask = llama._attention_span(k, v, start, t, window)
-    monkeypatch.setattr(llama, "EXPLICIT_ATTENTION_MAX_QUERIES", 0)
-    fused = llama._chunk_attention(q, keys, values, 0.125, mask)
+def test_paged_kernel_refuses_what_it_cannot_take(q_dtype, pool_dtype, table, why):
+    q = mx.zeros((4, 3, 64), dtype=q_dtype)
+    pool = mx.zeros((10, 2, 64), dtype=pool_dtype)
+    with pytest.raises(ValueError, match="not handled here"):
+        cuda_attention.attention(q, pool, pool, table, 0.125)
+
+
+def test_explicit_fallback_matches_the_definition(monkeypatch):
+    """Where the kernel does not apply on CUDA (say, a head size it does not take), chunks of up
+    to ``EXPLICIT_ATTENTION_MAX_QUERIES`` queries attend with plain operations: forced here."""
+    import executor.models.llama as llama
+
     monkeypatch.setattr(llama, "EXPLICIT_ATTENTION_MAX_QUERIES", 32)
-    explicit = llama._chunk_attention(q, keys, values, 0.125, mask)
-    assert explicit.shape == fused.shape == (1, heads, t, d)
-    np.testing.assert_allclose(np.array(explicit), np.array(fused), rtol=1e-5, atol=1e-5)
-
-
-def test_one_query_and_long_chunks_keep_the_fused_kernel(monkeypatch) -> None:
-    """The explicit path is only for 2..max queries: a decode-like chunk and a prefill chunk
-    longer than the bound call SDPA."""
-    calls = []
-    real = mx.fast.scaled_dot_product_attention
-    monkeypatch.setattr(
-        mx.fast, "scaled_dot_product_attention", lambda *a, **k: calls.append(1) or real(*a, **k)
-    )
-    monkeypatch.setattr(llama, "EXPLICIT_ATTENTION_MAX_QUERIES", 4)
-    for t in (1, 2, 4, 5):
-        q = mx.zeros((1, 2, t, 16))
-        k = mx.zeros((1, 2, 10 + t, 16))
-        keys, values, mask = llama._attention_span(k, k, 10, t, 0)
-        llama._chunk_attention(q, keys, values, 1.0, mask)
-    assert len(calls) == 2  # t = 1 and t = 5
+    monkeypatch.setattr(cuda_attention, "supported", lambda *a: False)
+    for heads, kv_heads, t, start, window, d in CASES:
+        kv, chunk, q, want = _chunk_case(heads, kv_heads, t, start, window, d, mx.float32)
+        got = np.array(chunk_attention(q, kv, 0, chunk, window, d**-0.5)).transpose(1, 0, 2)
+        np.testing.assert_allclose(
+            got, want, rtol=2e-3 if CUDA else 1e-4, atol=2e-3 if CUDA else 1e-4
+        )

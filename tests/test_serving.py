@@ -21,7 +21,7 @@ from executor.engine import Engine
 from executor.paged_kv import _pieces
 from executor.plan_loader import load_plan
 from executor.sampling import SamplingParams
-from executor.serving import GenerationRequest, ServingEngine, TokenEvent
+from executor.serving import GenerationRequest, ServingEngine, TokenEvent, warm_up_sizes
 
 NAMES = list(ARCH_MODELS) + list(MOE_MODELS)
 CONTEXT = 256
@@ -389,3 +389,63 @@ def test_batch_invariant_speculative_decoding(models, tmp_path):
         engine.close()
     assert runs["spec"][0] == runs["plain"][0] == runs["plain"][1] == runs["spec"][1]
     assert runs["spec"][2]["accepted"] > 0
+
+
+def test_warm_up_runs_every_row_bucket_and_leaves_no_state(models, tmp_path):
+    """``start(warm_up=True)`` (on by default on MLX's CUDA backend) runs one forward pass per
+    row bucket up to the plan's token budget, waits for it, and leaves the block pool, the
+    prefix cache and every later output as they would be without it."""
+    plan = make_plan_file(str(models["llama3"]), tmp_path / "p.yaml", context=CONTEXT)
+    plan = _with_batch(
+        plan, tmp_path / "b.yaml", max_num_batched_tokens=40, prefill_chunk=40, max_num_seqs=8
+    )
+    reqs = _requests("w", 512, 3)
+    outs = []
+    for warm in (False, True):
+        se = ServingEngine(Engine(load_plan(plan)))
+        seen = []
+        forward = se.engine.model.forward_batch
+        se.engine.model.forward_batch = lambda b, kv, seen=seen, forward=forward, **k: (
+            seen.append(len(b.ids)) or forward(b, kv, **k)
+        )
+        try:
+            took = se.start(warm_up=warm)
+            assert (took > 0) == warm
+            # chunks of 1..40 tokens, then decode groups of 2..8 sequences (the plan's max)
+            buckets = [1, 2, 4, 8, 16, 32, 40, 2, 4, 8]
+            assert seen == (buckets if warm else [])
+            assert se.pool.num_used_blocks() == 0 and se.pool.prefix_query_tokens == 0
+            outs.append({r: ev.token_ids for r, ev in run_all(se, reqs).items()})
+        finally:
+            se.close()
+    assert outs[0] == outs[1]
+
+
+def test_warm_up_sizes_meet_every_row_bucket():
+    """One pass per bucket of ``bucket_rows``: powers of two to 256, then multiples of 256."""
+    from executor.ops import bucket_rows
+
+    assert warm_up_sizes(40) == [1, 2, 4, 8, 16, 32, 40]
+    assert warm_up_sizes(600) == [1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 600]
+    assert warm_up_sizes(1) == [1] and warm_up_sizes(0) == []
+    sizes = warm_up_sizes(2048)
+    assert sizes[-4:] == [1280, 1536, 1792, 2048]
+    assert {bucket_rows(n) for n in range(1, 2049)} == {bucket_rows(n) for n in sizes}
+
+
+def test_a_failed_warm_up_is_reported_and_stops_the_thread(models, tmp_path):
+    from planner.errors import StrataError
+
+    plan = make_plan_file(str(models["llama3"]), tmp_path / "p.yaml", context=CONTEXT)
+    se = ServingEngine(Engine(load_plan(plan)))
+
+    def broken(*a, **k):
+        raise RuntimeError("out of memory")
+
+    se.engine.model.forward_batch = broken
+    with pytest.raises(StrataError, match="could not start: RuntimeError: out of memory"):
+        se.start(warm_up=True)
+    assert not se._thread.is_alive()
+    with pytest.raises(StrataError, match="not running"):
+        se.submit(_requests("x", 512, 1)[0], lambda ev: None)
+    se.close()

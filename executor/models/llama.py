@@ -43,8 +43,9 @@ from dataclasses import dataclass, replace
 import mlx.core as mx
 import numpy as np
 
+from executor import cuda_attention
 from executor.ops import linear
-from executor.paged_kv import ForwardBatch, PagedKVCache, SequenceCache
+from executor.paged_kv import Chunk, ForwardBatch, PagedKVCache, SequenceCache
 from executor.weights import Weight, WeightStore
 from planner.errors import StrataError
 from planner.schemas import Architecture
@@ -464,10 +465,7 @@ class LlamaModel:
             )
             outs.append(o[:, :, 0])  # [B, heads, head_dim]
         for c, qc in zip(batch.chunks, qs[1 if b else 0 :], strict=True):
-            keys, values = kv.gather(layer, c.table)
-            keys, values, mask = _attention_span(keys, values, c.start, c.length, la.window)
-            o = _chunk_attention(qc, keys, values, self.scale, mask)
-            outs.append(o[0].transpose(1, 0, 2))  # [T, heads, head_dim]
+            outs.append(chunk_attention(qc, kv, layer, c, la.window, self.scale))
         o = _cat(outs).reshape(1, n, -1)
         o = self._proj(w, p + "attn_output", o)
         return self._norm(o, w[p + "post_attention_norm.weight"]) if self.post_norms else o
@@ -621,52 +619,44 @@ def _has_unit(store: WeightStore, unit: str) -> bool:
     return True
 
 
-def _attention_span(
-    keys: mx.array, values: mx.array, start: int, t: int, window: int
-) -> tuple[mx.array, mx.array, mx.array | str | None]:
-    """The keys/values the ``t`` queries at positions ``start..start+t-1`` may see, and the mask.
+def chunk_attention(
+    q: mx.array, kv: PagedKVCache, layer: int, c: Chunk, window: int, scale: float
+) -> mx.array:
+    """Attention of one chunk's queries q [1, heads, T, head_dim] over its sequence's keys in
+    block ``layer`` of the paged cache (the chunk's own tokens included, written already), causal
+    and within a sliding ``window`` (0: none); [T, heads, head_dim].
 
-    Without a window: all cached keys, causal. With one (llama.cpp's ``LLAMA_SWA_TYPE_STANDARD``):
-    query ``i`` sees key ``j`` iff ``j <= i`` and ``i - j < window``; keys older than every
-    query's window are sliced off, the rest masked.
-    """
-    if not window:
-        return keys, values, "causal" if t > 1 else None
-    first = max(0, start - window + 1)  # the oldest key the first query sees
-    keys, values = keys[:, :, first:], values[:, :, first:]
-    if t == 1:
-        return keys, values, None
-    qpos = mx.arange(start, start + t)[:, None]
-    kpos = mx.arange(first, start + t)[None, :]
-    return keys, values, (kpos <= qpos) & (qpos - kpos < window)
+    On MLX's CUDA backend a chunk of up to ``cuda_attention.MAX_QUERIES`` queries takes Strata's
+    paged kernel (``executor.cuda_attention``: one compiled kernel for every query count and key
+    length, where cuDNN builds a plan per shape); where that kernel does not apply (a head size
+    or grouping it does not take, float32), chunks of 2 to ``EXPLICIT_ATTENTION_MAX_QUERIES``
+    queries attend with plain operations, for the same reason. Otherwise the keys are gathered
+    and ``mx.fast.scaled_dot_product_attention`` runs with ``Chunk.attention_mask``."""
+    _, heads, t, d = q.shape
+    pool_k, pool_v = kv.keys[layer], kv.values[layer]
+    if pool_k.dtype == q.dtype and cuda_attention.supported(t, heads, pool_k.shape[1], d, q.dtype):
+        return cuda_attention.attention(q[0], pool_k, pool_v, c.table[0], scale, window)
+    keys, values = kv.gather(layer, c.table)
+    first, mask = c.attention_mask(window)
+    if first:
+        keys, values = keys[:, :, first:], values[:, :, first:]
+    if 1 < t <= EXPLICIT_ATTENTION_MAX_QUERIES:
+        if isinstance(mask, str):  # "causal", bottom-right aligned: query i sees keys <= L - T + i
+            length = keys.shape[2]
+            mask = mx.arange(length)[None, :] <= mx.arange(length - t, length)[:, None]
+        o = _explicit_attention(q, keys, values, scale, mask)
+    else:
+        o = mx.fast.scaled_dot_product_attention(q, keys, values, scale=scale, mask=mask)
+    return o[0].transpose(1, 0, 2)
 
 
 EXPLICIT_ATTENTION_MAX_QUERIES = 32 if mx.cuda.is_available() else 0
-"""Chunks of 2 to this many queries attend with plain operations (``_explicit_attention``)
-instead of ``mx.fast.scaled_dot_product_attention`` on MLX's CUDA backend. There a multi-query
-call goes to cuDNN, whose execution plan MLX builds and caches per exact (query length, key
-length) shape (``mlx/backend/cuda/scaled_dot_product_attention.cpp``): a speculative
-verification chunk of K + 1 queries meets a new key length every step, and so does a prompt's
-suffix after a prefix-cache hit, so each paid a plan build (measured on the H200: SmolLM2 with
-prompt lookup, 3.1 tokens per verification, decoded at 42 tok/s against 149 tok/s without
-speculation). Matmuls and a softmax need no per-shape build, and at a few queries they cost
-little. Longer chunks (prefill) keep cuDNN's flash kernel; one-query chunks keep MLX's vector
-kernel. 0 elsewhere: the CPU has no per-shape cost."""
-
-
-def _chunk_attention(
-    q: mx.array, keys: mx.array, values: mx.array, scale: float, mask: mx.array | str | None
-) -> mx.array:
-    """Attention of one chunk's queries: q [1, heads, T, head_dim] against keys/values
-    [1, kv_heads, L, head_dim] (the chunk's own tokens last), ``mask`` as ``_attention_span``
-    gives it; [1, heads, T, head_dim]. See ``EXPLICIT_ATTENTION_MAX_QUERIES`` for the path."""
-    t = q.shape[2]
-    if not 1 < t <= EXPLICIT_ATTENTION_MAX_QUERIES:
-        return mx.fast.scaled_dot_product_attention(q, keys, values, scale=scale, mask=mask)
-    if isinstance(mask, str):  # "causal", bottom-right aligned: query i sees keys <= L - T + i
-        length = keys.shape[2]
-        mask = mx.arange(length)[None, :] <= mx.arange(length - t, length)[:, None]
-    return _explicit_attention(q, keys, values, scale, mask)
+"""On MLX's CUDA backend, chunks of 2 to this many queries that ``executor.cuda_attention`` does
+not take attend with plain operations (``_explicit_attention``), not cuDNN, whose plan MLX builds
+per exact (query length, key length) shape: a verification chunk or a suffix after a
+prefix-cache hit meets a new one nearly every time (38-53 ms per build on the H200). Slower per
+call (175 us a block at 24 queries by 1,016 keys, 8B shape) but with no build. 0 elsewhere: the
+CPU has no per-shape cost."""
 
 
 def _explicit_attention(

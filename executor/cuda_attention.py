@@ -1,0 +1,303 @@
+"""Paged attention of a short chunk of queries on MLX's CUDA backend, one kernel for every shape.
+
+A chunk of a few queries (a prompt's suffix after a prefix-cache hit, a speculative verification
+of K + 1 tokens) attends over its sequence's cached keys. MLX sends a multi-query
+``mx.fast.scaled_dot_product_attention`` to cuDNN, whose execution plan MLX builds and caches per
+exact (query length, key length, mask) shape (``mlx/backend/cuda/scaled_dot_product_attention.cpp``,
+``sdpa_cache``). Such chunks meet a new shape nearly every time: measured on the lent H200
+(2026-12-01, ``.device/diag8.py``, Llama-3-8B shape), a warm request whose suffix length was new
+took 62-107 ms against 22 ms for a seen one, the difference being cuDNN's plan build; padded
+into buckets with an additive mask, the shapes were few but cuDNN took 0.2-1.7 s to build each
+bucket's plan. The plain-operations path that stood in for SDPA at 2-32 queries before cost 175 us
+per layer at 24 queries by 1,016 keys, against cuDNN's 51 us once built (``.device/micro9.py``).
+
+This kernel is compiled once per (dtype, query heads per key head, head dimension, sliding
+window) and takes any query count and key length at run time. It reads keys and values straight
+from the paged KV pool through the chunk's slot table (no gathered copy), and writes the output
+in the ``[T, heads, head_dim]`` layout the output projection reads. Measured there at 24 queries
+by 1,016 keys: 76 us (8B shape; cuDNN 51 us once built), at 5 queries 47 us (cuDNN 49), at 2
+queries by 300 keys 29 us (41); its first call at a new shape 0.2-0.7 ms, cuDNN's 38-53 ms:
+
+- a block of ``WARPS`` (8, or 4) warps owns one query and one key/value head, for all the query
+  heads that share it (grouped-query attention reads each key once for the group);
+- each warp takes tiles of 32 keys, one key per lane: the lane computes its key's scores for the
+  group's heads (float32, against the scaled queries in shared memory), the warp updates a running
+  max and sum per head (online softmax), then accumulates the values of the tile's keys, ``PV``
+  keys' loads issued together, each lane owning ``head_dim / 32`` output dimensions;
+- the warps' partial results meet in shared memory and are combined in warp order, so results are
+  deterministic and a query's output does not depend on the other queries of the chunk.
+
+Query i of a chunk of T queries over L keys sits at position ``L - T + i`` and sees keys ``j <=
+L - T + i`` (and ``L - T + i - j < window`` with a sliding window): MLX's bottom-right causal mask.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import mlx.core as mx
+
+__all__ = ["MAX_QUERIES", "attention", "supported"]
+
+MAX_QUERIES = 64
+"""Most queries of a chunk this kernel takes; longer chunks (prefill) keep cuDNN's flash kernel,
+whose tensor cores win there (64 queries by 2,000 keys, 8B shape: 210 us here, 76 us for cuDNN
+once its plan is built) and whose per-shape plan is paid once per prompt chunk."""
+
+WARPS = 8
+"""Warps per block, splitting the keys (32 per warp per step); 4 where the warps' partial sums
+(``WARPS * group * head_dim`` floats) would not fit ``SMEM_BYTES``."""
+
+SMEM_BYTES = 46 * 1024
+"""Shared memory a block may use (under the 48 KiB of a static allocation): the scaled queries,
+each warp's running max and sum, and each warp's partial output (:func:`_smem_bytes`)."""
+
+PV = 8
+"""Keys whose values a lane loads before using any (32 is the tile: a multiple of it)."""
+
+HEAD_DIMS = (64, 96, 128, 256)
+"""Head dimensions handled (multiples of 32: each lane owns ``head_dim / 32`` output dimensions;
+multiples of 8: keys are read in 16-byte vectors)."""
+
+MAX_GROUP = 8
+"""Most query heads per key/value head (their scores and sums live in registers)."""
+
+DTYPES = (mx.float16, mx.bfloat16)
+
+_SOURCE = r"""
+    constexpr int E = D / 32;                    // output dimensions per lane
+    const int HEADS = q_shape[0];
+    const int TQ = q_shape[1];
+    const int KVH = kp_shape[1];
+    const int L = table_shape[0];
+    const int g = blockIdx.x % KVH;
+    const int t = blockIdx.x / KVH;
+    const int warp = threadIdx.x / 32;
+    const int lane = threadIdx.x % 32;
+    const int last = L - TQ + t;                 // this query's position: it sees keys <= last
+    const int first = WINDOW > 0 ? max(0, last - WINDOW + 1) : 0;
+    const size_t stride = (size_t)KVH * D;       // elements per KV slot
+
+    __shared__ float qs[G][D];
+    __shared__ float ms[WARPS][G];
+    __shared__ float ls[WARPS][G];
+    __shared__ float accs[WARPS][G][D];
+    const float scale = scale_in[0];
+    for (int i = threadIdx.x; i < G * D; i += blockDim.x) {
+        const int h = i / D, d = i % D;
+        qs[h][d] = static_cast<float>(q[((size_t)(g * G + h) * TQ + t) * D + d]) * scale;
+    }
+    __syncthreads();
+
+    float m[G], l[G], acc[G][E];
+    #pragma unroll
+    for (int h = 0; h < G; ++h) {
+        m[h] = -INFINITY;
+        l[h] = 0.0f;
+        #pragma unroll
+        for (int e = 0; e < E; ++e) acc[h][e] = 0.0f;
+    }
+
+    for (int base = first + warp * 32; base <= last; base += WARPS * 32) {
+        const int j = base + lane;
+        const bool valid = j <= last;
+        const int slot = valid ? table[j] : 0;
+        float s[G];
+        #pragma unroll
+        for (int h = 0; h < G; ++h) s[h] = 0.0f;
+        if (valid) {
+            const uint4* kr = reinterpret_cast<const uint4*>(kp + slot * stride + g * D);
+            #pragma unroll 4
+            for (int c = 0; c < D / 8; ++c) {
+                const uint4 u = kr[c];
+                const T* kv8 = reinterpret_cast<const T*>(&u);
+                #pragma unroll
+                for (int e = 0; e < 8; ++e) {
+                    const float kf = static_cast<float>(kv8[e]);
+                    #pragma unroll
+                    for (int h = 0; h < G; ++h) s[h] += kf * qs[h][c * 8 + e];
+                }
+            }
+        }
+        float p[G];
+        #pragma unroll
+        for (int h = 0; h < G; ++h) {
+            const float x = valid ? s[h] : -INFINITY;
+            float mt = x;
+            #pragma unroll
+            for (int o = 16; o > 0; o >>= 1) mt = fmaxf(mt, __shfl_xor_sync(0xffffffffu, mt, o));
+            const float mn = fmaxf(m[h], mt);    // finite: lane 0's key is always valid
+            const float corr = expf(m[h] - mn);
+            p[h] = valid ? expf(x - mn) : 0.0f;
+            float ps = p[h];
+            #pragma unroll
+            for (int o = 16; o > 0; o >>= 1) ps += __shfl_xor_sync(0xffffffffu, ps, o);
+            l[h] = l[h] * corr + ps;
+            #pragma unroll
+            for (int e = 0; e < E; ++e) acc[h][e] *= corr;
+            m[h] = mn;
+        }
+        // Values of the tile's keys, PV keys at a time: their loads are issued together. A key
+        // past the last has p = 0 and is not read.
+        const int n = min(32, last - base + 1);
+        for (int k0 = 0; k0 < n; k0 += PV) {
+            float vf[PV][E];
+            #pragma unroll
+            for (int u = 0; u < PV; ++u) {
+                const int sl = __shfl_sync(0xffffffffu, slot, k0 + u);
+                const T* vr = vp + sl * stride + g * D + lane * E;
+                #pragma unroll
+                for (int e = 0; e < E; ++e)
+                    vf[u][e] = k0 + u < n ? static_cast<float>(vr[e]) : 0.0f;
+            }
+            #pragma unroll
+            for (int u = 0; u < PV; ++u) {
+                #pragma unroll
+                for (int h = 0; h < G; ++h) {
+                    const float ph = __shfl_sync(0xffffffffu, p[h], k0 + u);
+                    #pragma unroll
+                    for (int e = 0; e < E; ++e) acc[h][e] += ph * vf[u][e];
+                }
+            }
+        }
+    }
+
+    if (lane == 0) {
+        #pragma unroll
+        for (int h = 0; h < G; ++h) {
+            ms[warp][h] = m[h];
+            ls[warp][h] = l[h];
+        }
+    }
+    #pragma unroll
+    for (int h = 0; h < G; ++h)
+        #pragma unroll
+        for (int e = 0; e < E; ++e) accs[warp][h][lane * E + e] = acc[h][e];
+    __syncthreads();
+    for (int i = threadIdx.x; i < G * D; i += blockDim.x) {
+        const int h = i / D, d = i % D;
+        float mx_ = -INFINITY;
+        #pragma unroll
+        for (int w = 0; w < WARPS; ++w) mx_ = fmaxf(mx_, ms[w][h]);
+        float num = 0.0f, den = 0.0f;
+        #pragma unroll
+        for (int w = 0; w < WARPS; ++w) {
+            if (ms[w][h] > -INFINITY) {          // a warp that met no key adds nothing
+                const float f = expf(ms[w][h] - mx_);
+                num += accs[w][h][d] * f;
+                den += ls[w][h] * f;
+            }
+        }
+        out[((size_t)t * HEADS + g * G + h) * D + d] = static_cast<T>(num / den);
+    }
+"""
+
+
+@functools.cache
+def _kernel():
+    """The kernel, built on first use (MLX compiles it per template instantiation)."""
+    return mx.fast.cuda_kernel(
+        name="strata_chunk_attention",
+        input_names=["q", "kp", "vp", "table", "scale_in"],
+        output_names=["out"],
+        source=_SOURCE,
+        header="#include <cuda_fp16.h>\n#include <cuda_bf16.h>\n",
+    )
+
+
+@functools.cache
+def _scale(scale: float) -> mx.array:
+    return mx.array([scale], dtype=mx.float32)
+
+
+def _smem_bytes(warps: int, group: int, head_dim: int) -> int:
+    """Shared memory of a block (the kernel's ``qs``, ``ms``, ``ls`` and ``accs``), bytes."""
+    return 4 * (group * head_dim + 2 * warps * group + warps * group * head_dim)
+
+
+def _warps(group: int, head_dim: int) -> int:
+    """Warps per block: ``WARPS``, or 4 where ``WARPS`` warps' partial sums exceed
+    ``SMEM_BYTES``."""
+    return WARPS if _smem_bytes(WARPS, group, head_dim) <= SMEM_BYTES else 4
+
+
+def supported(queries: int, heads: int, kv_heads: int, head_dim: int, dtype: mx.Dtype) -> bool:
+    """Whether :func:`attention` takes a chunk of ``queries`` queries with these heads and
+    ``dtype`` on this process's backend (MLX CUDA, 1..``MAX_QUERIES`` queries, 16-bit floats,
+    ``HEAD_DIMS``, at most ``MAX_GROUP`` query heads per key/value head)."""
+    return (
+        mx.cuda.is_available()
+        and 1 <= queries <= MAX_QUERIES
+        and dtype in DTYPES
+        and head_dim in HEAD_DIMS
+        and kv_heads >= 1
+        and heads % kv_heads == 0
+        and heads // kv_heads <= MAX_GROUP
+    )
+
+
+def attention(
+    q: mx.array,
+    keys: mx.array,
+    values: mx.array,
+    table: mx.array,
+    scale: float,
+    window: int = 0,
+) -> mx.array:
+    """Causal attention of a chunk's T queries over its sequence's L cached keys (its own tokens
+    last), read from the paged pool.
+
+    Args:
+        q: ``[heads, T, head_dim]`` float16/bfloat16, the queries (RoPE applied) of positions
+            ``L - T .. L - 1``.
+        keys: ``[slots, kv_heads, head_dim]``, one layer's key pool (``PagedKVCache.keys``), same
+            dtype.
+        values: like ``keys``.
+        table: int32 ``[L]``, the slot of every position ``0 .. L - 1`` (L >= T).
+        scale: the score scale (1 / sqrt(head_dim), or the model's).
+        window: a sliding window in tokens (0: none): query at position p sees keys ``j`` with
+            ``p - window < j <= p``.
+
+    Returns:
+        ``[T, heads, head_dim]`` of ``q``'s dtype: softmax(scale * q k^T) v per head, float32
+        inside, rounded once.
+
+    Raises:
+        ValueError: a shape or dtype :func:`supported` refuses, or ``table`` shorter than T.
+    """
+    heads, t, d = q.shape
+    kv_heads = keys.shape[1]
+    if (
+        not supported(t, heads, kv_heads, d, q.dtype)
+        or keys.dtype != q.dtype
+        or values.shape != keys.shape
+        or values.dtype != q.dtype
+        or keys.shape[2] != d
+        or table.ndim != 1
+        or table.dtype != mx.int32
+        or table.shape[0] < t
+    ):
+        raise ValueError(
+            f"cuda_attention: queries {tuple(q.shape)} {q.dtype}, keys {tuple(keys.shape)} "
+            f"{keys.dtype}, table {tuple(table.shape)} {table.dtype} are not handled here (MLX "
+            f"CUDA, 1..{MAX_QUERIES} queries, head_dim in {HEAD_DIMS}, 16-bit floats, an int32 "
+            "table of at least T slots); use mx.fast.scaled_dot_product_attention"
+        )
+    group = heads // kv_heads
+    warps = _warps(group, d)
+    (out,) = _kernel()(
+        inputs=[q, keys, values, table, _scale(float(scale))],
+        template=[
+            ("T", q.dtype),
+            ("G", group),
+            ("D", d),
+            ("WINDOW", int(window)),
+            ("WARPS", warps),
+            ("PV", PV),
+        ],
+        grid=(t * kv_heads * warps * 32, 1, 1),
+        threadgroup=(warps * 32, 1, 1),
+        output_shapes=[(t, heads, d)],
+        output_dtypes=[q.dtype],
+    )
+    return out
