@@ -1074,7 +1074,8 @@ def _max_tokens(
     if asked is not None and n_prompt + asked > context:
         raise APIError(
             400,
-            f"the prompt ({n_prompt} tokens) plus max_tokens ({asked}) exceed this model's "
+            f"the prompt ({n_prompt} token{'s' if n_prompt != 1 else ''}) plus max_tokens "
+            f"({asked}) exceed this model's "
             f"context of {context} tokens; ask for at most {context - n_prompt} tokens",
             param="max_tokens",
             code="context_length_exceeded",
@@ -1444,12 +1445,14 @@ def _uvicorn_server(app: Starlette, ready: Callable[[], None]):
 
         async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
             running = len(state.live)
-            print(
-                f"shutting down: {running} running request{'s' if running != 1 else ''} get "
-                f"up to {GRACEFUL_SHUTDOWN_S:g} s to finish",
-                file=sys.stderr,
-                flush=True,
+            wait = (
+                f": 1 running request gets up to {GRACEFUL_SHUTDOWN_S:g} s to finish"
+                if running == 1
+                else f": {running} running requests get up to {GRACEFUL_SHUTDOWN_S:g} s to finish"
+                if running
+                else ""
             )
+            print(f"shutting down{wait}", file=sys.stderr, flush=True)
             # End running generations ourselves (a final error event, blocks freed) rather than
             # leaving them to uvicorn, which cancels their tasks after its own timeout.
             await state.drain(GRACEFUL_SHUTDOWN_S, lambda: self.force_exit)

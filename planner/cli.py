@@ -11,7 +11,7 @@ import socket
 import sys
 from pathlib import Path
 
-from planner.costmodel import batch_size
+from planner.costmodel import rate_label
 from planner.errors import StrataError, run_command
 from planner.explain import format_rate
 from planner.schemas import ModelDescription, Plan, Request
@@ -144,8 +144,7 @@ def cmd_plan(args: argparse.Namespace) -> None:
             + (f", {sp.draft_layers} draft layers" if sp.draft_layers else "")
             + f", {format_rate(sp.predicted_decode_tok_s or 0)} tok/s with it"
         )
-    b = batch_size(plan.request, plan.batch)
-    rate = f"{format_rate(tok_s)} tok/s" + (f" aggregate ({b} sequences)" if b > 1 else "")
+    rate = f"{format_rate(tok_s)} tok/s" + rate_label(plan.request, plan.batch)
     print(f"wrote {args.output}: {where}; predicted {rate}", file=sys.stderr)
 
 

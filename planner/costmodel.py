@@ -188,6 +188,16 @@ def batch_size(request: Request, batch: BatchLimits | None = None) -> int:
     return min(b, batch.max_num_seqs) if batch is not None else b
 
 
+def rate_label(request: Request, batch: BatchLimits | None = None) -> str:
+    """What a predicted decode rate counts, for printing after "N tok/s": " aggregate (B
+    sequences)" for a batch, " for one sequence (latency objective)" where the plan serves
+    several sequences but was optimized for one, else nothing."""
+    b = batch_size(request, batch)
+    if b > 1:
+        return f" aggregate ({b} sequences)"
+    return " for one sequence (latency objective)" if request.concurrency > 1 else ""
+
+
 def batch_limits(request: Request) -> BatchLimits:
     """Continuous-batching limits; fixed choices for now (not ILP variables).
 

@@ -10,7 +10,7 @@ import re
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
 
-from planner.costmodel import batch_size
+from planner.costmodel import batch_size, rate_label
 from planner.schemas import TIERS, ModelDescription, Plan
 from planner.sizes import format_size
 
@@ -376,7 +376,7 @@ def _prediction_lines(plan: Plan) -> list[str]:
         f"  bottleneck: {p.bottleneck}",
         f"  binding: {', '.join(p.binding) if p.binding else 'none'}",
         f"Predicted decode: {format_rate(p.decode_tok_s)} tok/s"
-        + (f" aggregate ({b} sequences)" if b > 1 else ""),
+        + rate_label(plan.request, plan.batch),
     ]
 
 

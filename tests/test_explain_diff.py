@@ -175,3 +175,18 @@ def test_explain_names_excluded_tiers() -> None:
     assert "Because the request keeps weights off the device (--tiers ram)" in text
     fixed = explain(_plan(desc, profile, Request(context=64)), desc)
     assert "Every weight is on the device" in fixed
+
+
+def test_rate_label_says_what_the_predicted_rate_counts():
+    """A throughput plan's rate is an aggregate; a latency plan for several users is per sequence
+    (a new user could not tell the two apart)."""
+    from planner.costmodel import rate_label
+    from planner.schemas import Request
+
+    assert rate_label(Request(context=2048)) == ""
+    assert rate_label(Request(context=2048, concurrency=4, objective="throughput")) == (
+        " aggregate (4 sequences)"
+    )
+    assert rate_label(Request(context=2048, concurrency=4)) == (
+        " for one sequence (latency objective)"
+    )
