@@ -4,19 +4,21 @@ A chunk of a few queries (a prompt's suffix after a prefix-cache hit, a speculat
 of K + 1 tokens) attends over its sequence's cached keys. MLX sends a multi-query
 ``mx.fast.scaled_dot_product_attention`` to cuDNN, whose execution plan MLX builds and caches per
 exact (query length, key length, mask) shape (``mlx/backend/cuda/scaled_dot_product_attention.cpp``,
-``sdpa_cache``). Such chunks meet a new shape nearly every time: measured on the lent H200
-(2026-12-01, ``.device/diag8.py``, Llama-3-8B shape), a warm request whose suffix length was new
-took 62-107 ms against 22 ms for a seen one, the difference being cuDNN's plan build; padded
-into buckets with an additive mask, the shapes were few but cuDNN took 0.2-1.7 s to build each
-bucket's plan. The plain-operations path that stood in for SDPA at 2-32 queries before cost 175 us
-per layer at 24 queries by 1,016 keys, against cuDNN's 51 us once built (``.device/micro9.py``).
+``sdpa_cache``). Such chunks meet a new shape nearly every time. Measured on the lent H200
+(2026-12-01, Llama-3-8B shape, the serving engine in-process): a warm request whose suffix length
+was new took 62-107 ms against about 20 ms for a seen one, the difference being cuDNN's plan
+build; padded into buckets with an additive mask, the shapes were few but cuDNN took 0.2-1.7 s
+to build each bucket's plan. The plain-operations path that stood in for SDPA at 2-32 queries
+cost 175 us per layer at 24 queries by 1,016 keys, cuDNN 51 us once built (scratch scripts;
+``bench/chunk_attention.py`` repeats the kernel's and cuDNN's timings).
 
 This kernel is compiled once per (dtype, query heads per key head, head dimension, sliding
 window) and takes any query count and key length at run time. It reads keys and values straight
 from the paged KV pool through the chunk's slot table (no gathered copy), and writes the output
 in the ``[T, heads, head_dim]`` layout the output projection reads. Measured there at 24 queries
 by 1,016 keys: 76 us (8B shape; cuDNN 51 us once built), at 5 queries 47 us (cuDNN 49), at 2
-queries by 300 keys 29 us (41); its first call at a new shape 0.2-0.7 ms, cuDNN's 38-53 ms:
+queries by 300 keys 29 us (41); a first call at a new shape 0.2-0.7 ms (measured with a first,
+4-warp version), cuDNN's 38-53 ms:
 
 - a block of ``WARPS`` (8, or 4) warps owns one query and one key/value head, for all the query
   heads that share it (grouped-query attention reads each key once for the group);
