@@ -230,7 +230,7 @@ class ServingEngine:
         self._live: dict[str, _Live] = {}
         self._thread: threading.Thread | None = None
         self._ready = threading.Event()  # set once the thread serves (after any warm-up)
-        self._warm, self._warm_s, self._start_error = False, 0.0, None
+        self._warm_s, self._start_error = 0.0, None  # the engine thread's start, for start()
         self.steps = self.batched_tokens = 0
         # Speculative decoding: draft tokens proposed and accepted, verification chunks.
         self.spec_proposed = self.spec_accepted = self.spec_verifications = 0
@@ -271,8 +271,10 @@ class ServingEngine:
         """
         if self._thread is not None:
             return 0.0
-        self._warm = WARM_UP_ROW_BUCKETS if warm_up is None else warm_up
-        self._thread = threading.Thread(target=self._run, name="strata-engine", daemon=True)
+        warm = WARM_UP_ROW_BUCKETS if warm_up is None else warm_up
+        self._thread = threading.Thread(
+            target=self._run, args=(warm,), name="strata-engine", daemon=True
+        )
         self._thread.start()
         while not self._ready.wait(THREAD_CHECK_S):
             if not self._thread.is_alive():
@@ -382,7 +384,7 @@ class ServingEngine:
 
     # ------------------------------------------------------------------ engine thread
 
-    def _run(self) -> None:
+    def _run(self, warm_up: bool) -> None:
         # MLX streams are thread-local (MLX >= 0.31.2): this thread computes on its own stream,
         # and the KV pool is made here so that its lazy arrays belong to it.
         try:
@@ -391,7 +393,7 @@ class ServingEngine:
             set_row_tile(BATCH_INVARIANT_ROWS if self.batch_invariant else 0)
             b = self.batch
             self.kv = self.engine.model.make_paged_cache(b.kv_num_blocks, b.kv_block_size)
-            if self._warm:
+            if warm_up:
                 t0 = time.perf_counter()
                 self._warm_up()
                 self._warm_s = time.perf_counter() - t0
