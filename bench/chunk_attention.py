@@ -21,6 +21,7 @@ usage: python bench/chunk_attention.py OUT.json   (needs MLX's CUDA backend)
 
 from __future__ import annotations
 
+import functools
 import json
 import sys
 import time
@@ -58,8 +59,16 @@ def cudnn(q, pool_k, pool_v, table, scale):
     return o[0].transpose(1, 0, 2)
 
 
+@functools.cache
+def chunk_rows(t: int, length: int) -> mx.array:
+    """The kernel's rows for one chunk: query i of T at position L - T + i of table row 0."""
+    pos = np.arange(length - t, length, dtype=np.int32)
+    return mx.array(np.stack([np.zeros_like(pos), pos], axis=1))
+
+
 def kernel(q, pool_k, pool_v, table, scale):
-    return cuda_attention.attention(q, pool_k, pool_v, table, scale)
+    rows = chunk_rows(q.shape[1], table.shape[0])
+    return cuda_attention.attention(q.transpose(1, 0, 2), pool_k, pool_v, table[None], rows, scale)
 
 
 def chain_us(fn, q, *args) -> float:

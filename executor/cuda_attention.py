@@ -1,4 +1,5 @@
-"""Paged attention of a short chunk of queries on MLX's CUDA backend, one kernel for every shape.
+"""Paged attention of a pass's short chunks and decodes on MLX's CUDA backend, one kernel for every
+shape.
 
 A chunk of a few queries (a prompt's suffix after a prefix-cache hit, a speculative verification
 of K + 1 tokens) attends over its sequence's cached keys. MLX sends a multi-query
@@ -13,9 +14,13 @@ cost 175 us per layer at 24 queries by 1,016 keys, cuDNN 51 us once built (scrat
 ``bench/chunk_attention.py`` repeats the kernel's and cuDNN's timings).
 
 This kernel is compiled once per (dtype, query heads per key head, head dimension, sliding
-window) and takes any query count and key length at run time. It reads keys and values straight
-from the paged KV pool through the chunk's slot table (no gathered copy), and writes the output
-in the ``[T, heads, head_dim]`` layout the output projection reads. Measured there at 24 queries
+window) and takes any query count and key length at run time. Each query row names its slot
+table and its position, so one call serves every sequence of a pass: a decode group (which MLX
+otherwise attends with a padded gather, a boolean mask and its unfused fallback, since cuDNN and
+its vector kernel refuse array masks), prompt suffixes and verifications, and the zero rows that
+pad the pass to its row bucket. It reads keys and values straight from the paged KV pool through
+the slot tables (no gathered copy), and writes the output in the ``[R, heads, head_dim]`` layout
+the output projection reads. Measured there at 24 queries
 by 1,016 keys: 76 us (8B shape; cuDNN 51 us once built), at 5 queries 47 us (cuDNN 49), at 2
 queries by 300 keys 29 us (41); a first call at a new shape 0.2-0.7 ms (measured with a first,
 4-warp version), cuDNN's 38-53 ms:
@@ -27,10 +32,10 @@ queries by 300 keys 29 us (41); a first call at a new shape 0.2-0.7 ms (measured
   max and sum per head (online softmax), then accumulates the values of the tile's keys, ``PV``
   keys' loads issued together, each lane owning ``head_dim / 32`` output dimensions;
 - the warps' partial results meet in shared memory and are combined in warp order, so results are
-  deterministic and a query's output does not depend on the other queries of the chunk.
+  deterministic and a query's output does not depend on the other queries of the pass.
 
-Query i of a chunk of T queries over L keys sits at position ``L - T + i`` and sees keys ``j <=
-L - T + i`` (and ``L - T + i - j < window`` with a sliding window): MLX's bottom-right causal mask.
+A query at position p sees keys ``j <= p`` of its table (and ``p - j < window`` with a sliding
+window): for a chunk, MLX's bottom-right causal mask.
 """
 
 from __future__ import annotations
@@ -68,15 +73,20 @@ DTYPES = (mx.float16, mx.bfloat16)
 
 _SOURCE = r"""
     constexpr int E = D / 32;                    // output dimensions per lane
-    const int HEADS = q_shape[0];
-    const int TQ = q_shape[1];
+    const int HEADS = q_shape[1];
     const int KVH = kp_shape[1];
-    const int L = table_shape[0];
+    const int W = tables_shape[1];
     const int g = blockIdx.x % KVH;
     const int t = blockIdx.x / KVH;
     const int warp = threadIdx.x / 32;
     const int lane = threadIdx.x % 32;
-    const int last = L - TQ + t;                 // this query's position: it sees keys <= last
+    const int last = rows[2 * t + 1];            // this query's position: it sees keys <= last
+    if (last < 0) {                              // a padding row: zeros (the whole block)
+        for (int i = threadIdx.x; i < G * D; i += blockDim.x)
+            out[((size_t)t * HEADS + g * G) * D + i] = static_cast<T>(0.0f);
+        return;
+    }
+    const int* table = tables + (size_t)rows[2 * t] * W;
     const int first = WINDOW > 0 ? max(0, last - WINDOW + 1) : 0;
     const size_t stride = (size_t)KVH * D;       // elements per KV slot
 
@@ -87,7 +97,7 @@ _SOURCE = r"""
     const float scale = scale_in[0];
     for (int i = threadIdx.x; i < G * D; i += blockDim.x) {
         const int h = i / D, d = i % D;
-        qs[h][d] = static_cast<float>(q[((size_t)(g * G + h) * TQ + t) * D + d]) * scale;
+        qs[h][d] = static_cast<float>(q[((size_t)t * HEADS + g * G + h) * D + d]) * scale;
     }
     __syncthreads();
 
@@ -200,7 +210,7 @@ def _kernel():
     """The kernel, built on first use (MLX compiles it per template instantiation)."""
     return mx.fast.cuda_kernel(
         name="strata_chunk_attention",
-        input_names=["q", "kp", "vp", "table", "scale_in"],
+        input_names=["q", "kp", "vp", "tables", "rows", "scale_in"],
         output_names=["out"],
         source=_SOURCE,
         header="#include <cuda_fp16.h>\n#include <cuda_bf16.h>\n",
@@ -242,53 +252,61 @@ def attention(
     q: mx.array,
     keys: mx.array,
     values: mx.array,
-    table: mx.array,
+    tables: mx.array,
+    rows: mx.array,
     scale: float,
     window: int = 0,
 ) -> mx.array:
-    """Causal attention of a chunk's T queries over its sequence's L cached keys (its own tokens
-    last), read from the paged pool.
+    """Causal attention of R query rows, each over its own sequence's cached keys (its own token
+    included), read from the paged pool: a chunk's queries, a decode group's, or a whole pass's.
 
     Args:
-        q: ``[heads, T, head_dim]`` float16/bfloat16, the queries (RoPE applied) of positions
-            ``L - T .. L - 1``.
+        q: ``[R, heads, head_dim]`` float16/bfloat16, the queries (RoPE applied), row-major.
         keys: ``[slots, kv_heads, head_dim]``, one layer's key pool (``PagedKVCache.keys``), same
             dtype.
         values: like ``keys``.
-        table: int32 ``[L]``, the slot of every position ``0 .. L - 1`` (L >= T).
+        tables: int32 ``[S, W]``: row s holds the slot of every position ``0 ..`` of one
+            sequence (padded past its end; ``ForwardBatch.kernel_layout``).
+        rows: int32 ``[R, 2]``: query r reads table row ``rows[r, 0]`` and sits at position
+            ``p = rows[r, 1] < W``, seeing keys ``j <= p`` (and ``p - j < window``); ``p < 0``
+            marks a padding row, whose output is zeros.
         scale: the score scale (1 / sqrt(head_dim), or the model's).
-        window: a sliding window in tokens (0: none): query at position p sees keys ``j`` with
-            ``p - window < j <= p``.
+        window: a sliding window in tokens (0: none).
 
     Returns:
-        ``[T, heads, head_dim]`` of ``q``'s dtype: softmax(scale * q k^T) v per head, float32
+        ``[R, heads, head_dim]`` of ``q``'s dtype: softmax(scale * q k^T) v per head, float32
         inside, rounded once.
 
     Raises:
-        ValueError: a shape or dtype :func:`supported` refuses, or ``table`` shorter than T.
+        ValueError: a shape or dtype :func:`supported` refuses (R is not limited here: the
+            limit on a chunk's queries is the caller's choice of kernel), or a malformed
+            ``tables``/``rows``. Positions are not checked against ``W`` (that would cost a
+            device sync): the caller builds them.
     """
-    heads, t, d = q.shape
+    r, heads, d = q.shape
     kv_heads = keys.shape[1]
     if (
-        not supported(t, heads, kv_heads, d, q.dtype)
+        not supported(1, heads, kv_heads, d, q.dtype)
         or keys.dtype != q.dtype
         or values.shape != keys.shape
         or values.dtype != q.dtype
         or keys.shape[2] != d
-        or table.ndim != 1
-        or table.dtype != mx.int32
-        or table.shape[0] < t
+        or tables.ndim != 2
+        or tables.dtype != mx.int32
+        or rows.shape != (r, 2)
+        or rows.dtype != mx.int32
     ):
         raise ValueError(
             f"cuda_attention: queries {tuple(q.shape)} {q.dtype}, keys {tuple(keys.shape)} "
-            f"{keys.dtype}, table {tuple(table.shape)} {table.dtype} are not handled here (MLX "
-            f"CUDA, 1..{MAX_QUERIES} queries, head_dim in {HEAD_DIMS}, 16-bit floats, an int32 "
-            "table of at least T slots); use mx.fast.scaled_dot_product_attention"
+            f"{keys.dtype}, tables {tuple(tables.shape)} {tables.dtype}, rows "
+            f"{tuple(rows.shape)} {rows.dtype} are not handled here (MLX CUDA, head_dim in "
+            f"{HEAD_DIMS}, 16-bit floats, int32 tables [S, W] and rows [R, 2]); use "
+            "mx.fast.scaled_dot_product_attention"
         )
     group = heads // kv_heads
     warps = _warps(group, d)
     (out,) = _kernel()(
-        inputs=[q, keys, values, table, _scale(float(scale))],
+        inputs=[q, keys, values, tables, rows, _scale(float(scale))],
         template=[
             ("T", q.dtype),
             ("G", group),
@@ -297,9 +315,9 @@ def attention(
             ("WARPS", warps),
             ("PV", PV),
         ],
-        grid=(t * kv_heads * warps * 32, 1, 1),
+        grid=(r * kv_heads * warps * 32, 1, 1),
         threadgroup=(warps * 32, 1, 1),
-        output_shapes=[(t, heads, d)],
+        output_shapes=[(r, heads, d)],
         output_dtypes=[q.dtype],
     )
     return out

@@ -140,6 +140,15 @@ class Chunk:
     start: int
     table: mx.array
     _masks: dict[int, tuple[int, mx.array | str | None]] = field(default_factory=dict)
+    _kernel_rows: mx.array | None = None
+
+    def kernel_rows(self) -> mx.array:
+        """int32 [T, 2]: each query's table row (0, ``table``'s only one) and position, as
+        ``executor.cuda_attention.attention`` reads them. Made once, for every layer."""
+        if self._kernel_rows is None:
+            pos = np.arange(self.start, self.start + self.length, dtype=np.int32)
+            self._kernel_rows = mx.array(np.stack([np.zeros_like(pos), pos], axis=1))
+        return self._kernel_rows
 
     def attention_mask(self, window: int) -> tuple[int, mx.array | str | None]:
         """Which of ``table``'s keys the chunk's queries attend and how: ``(first, mask)`` for
@@ -182,6 +191,9 @@ class ForwardBatch:
             decodes.
         logit_rows: int32 [S], the rows whose logits are returned, in the order of the inputs.
         logit_counts: rows of ``logit_rows`` per input (0, 1 or its token count).
+        seq_slots: per input, the slots of its positions up to its last new token.
+        row_inputs: int32 [N], the input each row belongs to (its index in ``seq_slots``).
+        row_positions: int32 [N], each row's position in its sequence.
     """
 
     ids: list[int]
@@ -193,7 +205,11 @@ class ForwardBatch:
     chunks: list[Chunk]
     logit_rows: mx.array
     logit_counts: list[int]
+    seq_slots: list[np.ndarray] = field(default_factory=list)
+    row_inputs: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int32))
+    row_positions: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int32))
     _masks: dict[int, mx.array | None] = field(default_factory=dict)
+    _layouts: dict[int, tuple[mx.array, mx.array, mx.array]] = field(default_factory=dict)
 
     @classmethod
     def build(cls, seqs: list[SeqInput], tile: int = 0) -> ForwardBatch:
@@ -247,10 +263,15 @@ class ForwardBatch:
             writes.append(s.slots[s.start : end])
         rows: list[int] = []
         counts = []
+        row_inputs = np.zeros(len(ids), dtype=np.int32)
+        row_positions = np.zeros(len(ids), dtype=np.int32)
         for i, s in enumerate(seqs):
             n = {"last": 1, "all": len(s.ids), "none": 0}[s.logits]
             rows.extend(range(row_of[i] + len(s.ids) - n, row_of[i] + len(s.ids)))
             counts.append(n)
+            mine = slice(row_of[i], row_of[i] + len(s.ids))
+            row_inputs[mine] = i
+            row_positions[mine] = np.arange(s.start, s.start + len(s.ids))
         return cls(
             ids=ids,
             write_slots=mx.array(np.concatenate(writes).astype(np.int32)),
@@ -261,7 +282,44 @@ class ForwardBatch:
             chunks=chunks,
             logit_rows=mx.array(np.array(rows, dtype=np.int32)),
             logit_counts=counts,
+            seq_slots=[s.slots[: s.start + len(s.ids)] for s in seqs],
+            row_inputs=row_inputs,
+            row_positions=row_positions,
         )
+
+    @property
+    def num_tokens(self) -> int:
+        """N, the pass's tokens (its rows before any padding)."""
+        return len(self.ids)
+
+    def kernel_layout(self, rows: int) -> tuple[mx.array, mx.array, mx.array]:
+        """The pass laid out for one call of ``executor.cuda_attention.attention`` over ``rows``
+        rows (``num_tokens``, or more: the extra rows pad the pass and attend to nothing):
+
+        - ``positions``: int32 [rows], each row's position (its RoPE offset; 0 for padding);
+        - ``tables``: int32 [inputs, W], each input's slots up to its last new token, padded
+          with 0 to the longest (W);
+        - ``rows``: int32 [rows, 2], each row's table and position (-1 for padding).
+
+        Made once per pass, for every layer.
+
+        Raises:
+            StrataError: ``rows`` is below the pass's tokens.
+        """
+        if rows not in self._layouts:
+            n = self.num_tokens
+            if rows < n:
+                raise StrataError(f"a pass of {n} tokens cannot be laid out in {rows} rows")
+            width = max(len(t) for t in self.seq_slots)
+            tables = np.zeros((len(self.seq_slots), width), dtype=np.int32)
+            for i, t in enumerate(self.seq_slots):
+                tables[i, : len(t)] = t
+            meta = np.full((rows, 2), -1, dtype=np.int32)
+            meta[:n, 0], meta[:n, 1] = self.row_inputs, self.row_positions
+            positions = np.zeros(rows, dtype=np.int32)
+            positions[:n] = self.row_positions
+            self._layouts[rows] = (mx.array(positions), mx.array(tables), mx.array(meta))
+        return self._layouts[rows]
 
     def decode_mask(self, window: int) -> mx.array | None:
         """Boolean [B, 1, 1, L] mask of the decode group's keys for a ``window`` (0: none):

@@ -91,14 +91,21 @@ def test_chunk_attention_matches_the_definition(dtype, heads, kv_heads, t, start
 @pytest.mark.skipif(not CUDA, reason="the paged kernel runs on MLX's CUDA backend")
 @pytest.mark.parametrize("dtype", [mx.float16, mx.bfloat16])
 def test_paged_kernel_rows_do_not_depend_on_the_chunk(dtype):
-    """A query's output is the same, bit for bit, alone (a one-query chunk over its own keys)
+    """A query's output is the same, bit for bit, alone (a one-query call over its own keys)
     and inside a chunk of 24."""
     kv, chunk, q, _ = _chunk_case(32, 8, 24, 500, 0, 128, dtype, seed=3)
-    table = chunk.table[0]
-    whole = cuda_attention.attention(q[0], kv.keys[0], kv.values[0], table, 0.088)
+    rows = q[0].transpose(1, 0, 2)  # [T, heads, head_dim]
+    whole = cuda_attention.attention(
+        rows, kv.keys[0], kv.values[0], chunk.table, chunk.kernel_rows(), 0.088
+    )
     for i in (0, 7, 23):
         alone = cuda_attention.attention(
-            q[0][:, i : i + 1], kv.keys[0], kv.values[0], table[: 500 + i + 1], 0.088
+            rows[i : i + 1],
+            kv.keys[0],
+            kv.values[0],
+            chunk.table[:, : 500 + i + 1],
+            mx.array([[0, 500 + i]], dtype=mx.int32),
+            0.088,
         )
         same = alone[0].astype(mx.float32), whole[i].astype(mx.float32)  # exact widening
         assert np.array_equal(np.array(same[0]), np.array(same[1]))
@@ -124,19 +131,91 @@ def test_paged_kernel_scope_and_refusals():
 
 
 @pytest.mark.parametrize(
-    ("q_dtype", "pool_dtype", "table", "why"),
+    ("q_dtype", "pool_dtype", "tables", "rows", "why"),
     [
-        (mx.float32, mx.float32, mx.arange(5, dtype=mx.int32), "float32"),
-        (mx.float16, mx.float32, mx.arange(5, dtype=mx.int32), "pool dtype"),
-        (mx.float16, mx.float16, mx.arange(2, dtype=mx.int32), "table shorter than T"),
-        (mx.float16, mx.float16, mx.arange(5, dtype=mx.int64), "int64 table"),
+        (mx.float32, mx.float32, mx.zeros((1, 5), mx.int32), mx.zeros((4, 2), mx.int32), "f32"),
+        (mx.float16, mx.float32, mx.zeros((1, 5), mx.int32), mx.zeros((4, 2), mx.int32), "pool"),
+        (mx.float16, mx.float16, mx.zeros((5,), mx.int32), mx.zeros((4, 2), mx.int32), "1-D"),
+        (mx.float16, mx.float16, mx.zeros((1, 5), mx.int64), mx.zeros((4, 2), mx.int32), "i64"),
+        (mx.float16, mx.float16, mx.zeros((1, 5), mx.int32), mx.zeros((3, 2), mx.int32), "rows"),
     ],
 )
-def test_paged_kernel_refuses_what_it_cannot_take(q_dtype, pool_dtype, table, why):
-    q = mx.zeros((4, 3, 64), dtype=q_dtype)
+def test_paged_kernel_refuses_what_it_cannot_take(q_dtype, pool_dtype, tables, rows, why):
+    q = mx.zeros((4, 4, 64), dtype=q_dtype)
     pool = mx.zeros((10, 2, 64), dtype=pool_dtype)
     with pytest.raises(ValueError, match="not handled here"):
-        cuda_attention.attention(q, pool, pool, table, 0.125)
+        cuda_attention.attention(q, pool, pool, tables, rows, 0.125)
+
+
+def _pass_case(dtype, window, heads=8, kv_heads=2, d=128, seed=0):
+    """A pass of three decodes, a 5-token suffix after 40 cached tokens and a 2-token chunk (a
+    verification) over one shuffled pool: the batch, the cache, the queries [N, heads, d] and
+    the definition's output per row."""
+    rng = np.random.default_rng(seed)
+    shapes = [([7], 30), ([8], 90), ([9], 3), (list(range(5)), 40), ([1, 2], 61)]  # (ids, start)
+    total = sum(start + len(ids) for ids, start in shapes)
+    slots_total = total + 50
+    pool_k = rng.standard_normal((slots_total, kv_heads, d)).astype(np.float32)
+    pool_v = rng.standard_normal((slots_total, kv_heads, d)).astype(np.float32)
+    perm = rng.permutation(slots_total).astype(np.int32)
+    seqs, used = [], 0
+    for ids, start in shapes:
+        seqs.append(SeqInput(ids, start, perm[used : used + start + len(ids)]))
+        used += start + len(ids)
+    batch = ForwardBatch.build(seqs)
+    kv = PagedKVCache(1, kv_heads, d, slots_total, 1, dtype)
+    kv.keys[0], kv.values[0] = mx.array(pool_k).astype(dtype), mx.array(pool_v).astype(dtype)
+    n = batch.num_tokens
+    q = rng.standard_normal((n, heads, d)).astype(np.float32)
+    want = np.zeros((n, heads, d))
+    for r in range(n):
+        s = seqs[batch.row_inputs[r]]
+        pos = int(batch.row_positions[r])
+        sl = s.slots[: pos + 1]
+        one = _reference(
+            q[r][:, None][None],
+            pool_k[sl].transpose(1, 0, 2)[None],
+            pool_v[sl].transpose(1, 0, 2)[None],
+            pos,
+            window,
+            d**-0.5,
+        )
+        want[r] = one[:, 0]
+    return batch, kv, q, want
+
+
+def test_kernel_layout_names_each_row_its_table_and_position():
+    """``ForwardBatch.kernel_layout``: decodes first, then chunks, each row pointing at its own
+    input's slots at its own position; padding rows at -1 (zeros) and position 0."""
+    batch, _, _, _ = _pass_case(mx.float16, 0)
+    n = batch.num_tokens
+    positions, tables, meta = (np.array(a) for a in batch.kernel_layout(n + 3))
+    assert n == 10 and positions.shape == (13,) and meta.shape == (13, 2)
+    assert meta[:, 1].tolist() == [30, 90, 3, 40, 41, 42, 43, 44, 61, 62, -1, -1, -1]
+    assert positions.tolist() == [30, 90, 3, 40, 41, 42, 43, 44, 61, 62, 0, 0, 0]
+    assert tables.shape == (5, 91)  # the longest input: the decode at position 90
+    for r in range(n):
+        i, pos = meta[r]
+        assert tables[i, pos] == batch.seq_slots[i][pos]  # the row's own slot at its position
+    with pytest.raises(Exception, match="cannot be laid out"):
+        batch.kernel_layout(n - 1)
+
+
+@pytest.mark.skipif(not CUDA, reason="the paged kernel runs on MLX's CUDA backend")
+@pytest.mark.parametrize("dtype", [mx.float16, mx.bfloat16])
+@pytest.mark.parametrize("window", [0, 6])
+def test_paged_kernel_attends_a_whole_pass(dtype, window):
+    """Decodes, a chunk and a verification in one call, with padding rows: each row matches the
+    definition over its own sequence, and padding rows are zeros."""
+    batch, kv, q, want = _pass_case(dtype, window)
+    n = batch.num_tokens
+    _, tables, meta = batch.kernel_layout(n + 6)
+    qq = mx.concatenate([mx.array(q), mx.ones((6, *q.shape[1:]))]).astype(dtype)
+    got = cuda_attention.attention(qq, kv.keys[0], kv.values[0], tables, meta, 128**-0.5, window)
+    got = np.array(got.astype(mx.float32))
+    tol = 1e-2 if dtype == mx.float16 else 3e-2
+    np.testing.assert_allclose(got[:n], want, rtol=tol, atol=tol)
+    assert not got[n:].any()
 
 
 def test_explicit_fallback_matches_the_definition(monkeypatch):

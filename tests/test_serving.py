@@ -449,3 +449,50 @@ def test_a_failed_warm_up_is_reported_and_stops_the_thread(models, tmp_path):
     with pytest.raises(StrataError, match="not running"):
         se.submit(_requests("x", 512, 1)[0], lambda ev: None)
     se.close()
+
+
+@pytest.mark.parametrize("name", ["llama3", "qwen2", "qwen3", "gemma3", "mixtral"])
+def test_pass_padding_leaves_every_row_unchanged(name, models, tmp_path, monkeypatch):
+    """On CUDA a dense model's pass is padded once, at the embedding, to its row bucket
+    (``LlamaModel.pass_rows``), so that every product already has the bucket's rows. Forced on
+    here: a mixed pass (decodes, a chunk, a one-token chunk under a window on gemma3) gives the
+    unpadded pass's logits, and every projection is one call of the bucket's rows (none of
+    ``linear``'s own padding). A MoE model is not padded (its router would route the padding)."""
+    import executor.models.llama as llama
+    import executor.ops as ops
+    from executor.paged_kv import ForwardBatch, SeqInput
+
+    plan = make_plan_file(str(models[name]), tmp_path / "p.yaml", context=CONTEXT, concurrency=4)
+    model = Engine(load_plan(plan)).model
+    vocab = model.arch.vocab_size
+    shapes = [(1, 20), (1, 9), (11, 0), (1, 33)]  # (tokens, start): 14 tokens, bucket 16
+
+    def run() -> tuple[np.ndarray, list[int]]:
+        kv = model.make_paged_cache(40, 4)  # the same zero pool each time
+        seqs, used = [], 0
+        for t, start in shapes:
+            slots = np.arange(used, used + start + t, dtype=np.int32)
+            ids = np.random.default_rng(start).integers(0, vocab, t).tolist()
+            seqs.append(SeqInput(ids, start, slots, "all"))
+            used += start + t
+        rows: list[int] = []
+        real = ops._linear
+        monkeypatch.setattr(
+            ops, "_linear", lambda x, w: rows.append(x.size // x.shape[-1]) or real(x, w)
+        )
+        logits = model.forward_batch(ForwardBatch.build(seqs), kv)
+        monkeypatch.setattr(ops, "_linear", real)
+        return np.array(logits), rows
+
+    want, plain_rows = run()
+    assert set(plain_rows) >= {14}
+    monkeypatch.setattr(llama, "PAD_PASS_ROWS", True)
+    got, padded_rows = run()
+    assert got.shape == want.shape == (14, vocab)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+    if name == "mixtral":
+        assert model.pass_rows(14) == 14
+    else:
+        assert model.pass_rows(14) == 16
+        # every block's products at the bucket's rows; the head at the 14 rows asked for
+        assert set(padded_rows[:-1]) == {16} and padded_rows[-1] == 14

@@ -44,7 +44,7 @@ import mlx.core as mx
 import numpy as np
 
 from executor import cuda_attention
-from executor.ops import linear
+from executor.ops import PAD_ROWS, bucket_rows, linear, row_tile
 from executor.paged_kv import Chunk, ForwardBatch, PagedKVCache, SequenceCache
 from executor.weights import Weight, WeightStore
 from planner.errors import StrataError
@@ -422,26 +422,40 @@ class LlamaModel:
         kv: PagedKVCache,
         rope_freqs: mx.array | None = None,
     ) -> mx.array:
-        """Self-attention of block ``layer`` for a batch: x [1, N, d] -> [1, N, d].
+        """Self-attention of block ``layer`` for a batch: x [1, R, d] -> [1, R, d], R the pass's
+        rows (its N tokens, or more: zero rows that pad it to a row bucket, ``pass_rows``).
 
-        Q/K/V are projected for all N tokens at once; RoPE, the K/V write and the attention
-        follow the batch's layout (``executor.paged_kv``: the decode group together, each
-        prefill chunk on its own). ``rope_freqs``: Llama 3's frequency factors (the ``globals``
-        unit), if the model has them.
+        Q/K/V are projected for all R rows at once. Where Strata's paged kernel takes the whole
+        pass (``kernel_attention``), RoPE runs once per row with each row's position and one
+        kernel call attends every row over its own sequence's slots. Otherwise RoPE, the K/V
+        write and the attention follow the batch's layout (``executor.paged_kv``: the decode
+        group together, each prefill chunk on its own). ``rope_freqs``: Llama 3's frequency
+        factors (the ``globals`` unit), if the model has them.
         """
         a, p, la = self.arch, f"blk.{layer}.", self.layers[layer]
-        n = x.shape[1]
+        rows, n = x.shape[1], batch.num_tokens
         h = self._norm(x, w[p + "attn_norm.weight"])
         q, k = self._proj(w, p + "attn_q", h), self._proj(w, p + "attn_k", h)
         if self.qk_norm_full:
             q = self._norm(q, w[p + "attn_q_norm.weight"])
             k = self._norm(k, w[p + "attn_k_norm.weight"])
-        q = q.reshape(n, a.head_count, a.head_dim)
-        k = k.reshape(n, a.head_count_kv, a.head_dim)
-        v = self._proj(w, p + "attn_v", h).reshape(n, a.head_count_kv, a.head_dim)
+        q = q.reshape(rows, a.head_count, a.head_dim)
+        k = k.reshape(rows, a.head_count_kv, a.head_dim)
+        v = self._proj(w, p + "attn_v", h).reshape(rows, a.head_count_kv, a.head_dim)
         if self.qk_norm and not self.qk_norm_full:
             q = self._norm(q, w[p + "attn_q_norm.weight"])
             k = self._norm(k, w[p + "attn_k_norm.weight"])
+        if kernel_attention(batch, kv, layer, a.head_count, q.dtype):
+            positions, tables, meta = batch.kernel_layout(rows)
+            # [R, heads, 1, head_dim]: each row its own batch entry, at its own offset
+            q = self._rope(q[:, :, None], la, positions, rope_freqs).reshape(q.shape)
+            k = self._rope(k[:, :, None], la, positions, rope_freqs).reshape(k.shape)
+            kv.write(layer, batch.write_slots, k[:n], v[:n])  # no-copy row views
+            o = cuda_attention.attention(
+                q, kv.keys[layer], kv.values[layer], tables, meta, self.scale, la.window
+            )
+            o = self._proj(w, p + "attn_output", o.reshape(1, rows, -1))
+            return self._norm(o, w[p + "post_attention_norm.weight"]) if self.post_norms else o
         # RoPE per group, in [B, heads, T, head_dim] layout: decodes share one call with
         # per-sequence offsets; a chunk's offset is where it starts. k_rows: RoPE'd keys back in
         # row order, [rows, kv_heads, head_dim], for the cache.
@@ -451,12 +465,12 @@ class LlamaModel:
             qs.append(self._rope(q[:b, :, None], la, batch.decode_offsets, rope_freqs))
             k_rows.append(self._rope(k[:b, :, None], la, batch.decode_offsets, rope_freqs)[:, :, 0])
         for c in batch.chunks:
-            rows = slice(c.row, c.row + c.length)
-            qs.append(self._rope(q[rows].transpose(1, 0, 2)[None], la, c.start, rope_freqs))
-            kc = self._rope(k[rows].transpose(1, 0, 2)[None], la, c.start, rope_freqs)
+            span = slice(c.row, c.row + c.length)
+            qs.append(self._rope(q[span].transpose(1, 0, 2)[None], la, c.start, rope_freqs))
+            kc = self._rope(k[span].transpose(1, 0, 2)[None], la, c.start, rope_freqs)
             k_rows.append(kc[0].transpose(1, 0, 2))
         # Every token's K/V goes in before anyone attends: a chunk sees its own tokens.
-        kv.write(layer, batch.write_slots, _cat(k_rows), v)
+        kv.write(layer, batch.write_slots, _cat(k_rows), v[:n])
         outs = []
         if b:
             keys, values = kv.gather(layer, batch.decode_table)
@@ -466,7 +480,9 @@ class LlamaModel:
             outs.append(o[:, :, 0])  # [B, heads, head_dim]
         for c, qc in zip(batch.chunks, qs[1 if b else 0 :], strict=True):
             outs.append(chunk_attention(qc, kv, layer, c, la.window, self.scale))
-        o = _cat(outs).reshape(1, n, -1)
+        if rows > n:  # the padding rows' attention output: zeros
+            outs.append(mx.zeros((rows - n, a.head_count, a.head_dim), dtype=q.dtype))
+        o = _cat(outs).reshape(1, rows, -1)
         o = self._proj(w, p + "attn_output", o)
         return self._norm(o, w[p + "post_attention_norm.weight"]) if self.post_norms else o
 
@@ -577,7 +593,10 @@ class LlamaModel:
             float32 logits [S, vocab] of the batch's ``logit_rows``, in their order.
         """
         s = self.store
-        x = self.embed(batch.ids)
+        rows = self.pass_rows(batch.num_tokens)
+        # Padding rows embed a repeat of the last token: any finite row does (no row-wise
+        # operation mixes rows, attention gives them zeros, and their logits are never asked for).
+        x = self.embed(batch.ids + batch.ids[-1:] * (rows - batch.num_tokens))
         rope_freqs = None
         if self.has_globals:
             # Read once per pass and released at once: a new array (``* 1.0``), as a streamed
@@ -591,6 +610,8 @@ class LlamaModel:
             if ffn not in skip:
                 ffn_out = (self.ffn if self.routing is None else self.moe_ffn)(s.unit(ffn), i, x)
                 x = s.release(ffn, x + ffn_out)
+            if ASYNC_EVAL_BLOCKS:
+                mx.async_eval(x)
         out = s.unit("output")
         x = self._norm(x[:, batch.logit_rows], out["output_norm.weight"])
         head = out.get("output.weight")
@@ -604,11 +625,62 @@ class LlamaModel:
         logits = self.final_logits(linear(x[0], head).astype(mx.float32))
         return s.release("output", logits)
 
+    def pass_rows(self, tokens: int) -> int:
+        """Rows of a forward pass of ``tokens`` tokens: ``executor.ops.bucket_rows(tokens)``
+        where ``PAD_PASS_ROWS`` and the calling thread has no row tile (``executor.ops.
+        set_row_tile``), for dense models (a MoE block's router would route the padding rows
+        to experts); else ``tokens``. Padded once here, every projection of the pass already
+        has its bucket's rows, where ``executor.ops.linear`` would otherwise pad and slice
+        each product (two operations of its own, hundreds per pass)."""
+        if not PAD_PASS_ROWS or self.routing is not None or row_tile():
+            return tokens
+        return bucket_rows(tokens)
+
     def unit_order(self) -> list[str]:
         """Units in the order ``forward`` asks the store for them (the streaming schedule)."""
         order = ["globals"] if self.has_globals else []
         order += [f"blk.{i}.{k}" for i in range(self.arch.block_count) for k in ("attn", "ffn")]
         return order + ["output"] + (["token_embd"] if self.arch.tied_embeddings else [])
+
+
+PAD_PASS_ROWS = PAD_ROWS
+"""Pad a dense model's forward pass to its row bucket once, at the embedding (``pass_rows``),
+where ``executor.ops.PAD_ROWS`` pads products (MLX's CUDA backend). Measured on the H200
+(2026-12-01, Llama-3-8B shape, in-process, medians of 5): the warm 24-token chunk after 992
+cached tokens 24.9 -> 21.8 ms (every operation costs the host 5-10 us to encode, and a pass of
+24 tokens padded per product had two more per product, 448 in all)."""
+
+ASYNC_EVAL_BLOCKS = mx.cuda.is_available()
+"""Schedule each block's output (``mx.async_eval``) as soon as it is built, so that the GPU
+computes block i while Python builds block i + 1 (``mx.eval`` at the end otherwise starts the GPU
+only once the whole pass is built). Measured on the H200 (2026-12-01, Llama-3-8B shape,
+in-process, with the whole-pass attention kernel): one decode step 8.8 -> 6.3 ms, a 16-sequence
+step 14.5 -> 8.8 ms, the warm 24-token chunk 17.2 -> 12.6 ms, the cold 1,016-token prefill 55 ->
+45 ms. On the CPU it changed nothing (SmolLM2, 24 tokens: 5.34-5.41 against 5.43-5.49 s), so it
+is off there; Metal was not measured."""
+
+
+def kernel_attention(
+    batch: ForwardBatch, kv: PagedKVCache, layer: int, heads: int, dtype: mx.Dtype
+) -> bool:
+    """Whether one call of Strata's paged kernel (``executor.cuda_attention``) attends the whole
+    pass in block ``layer``: on MLX's CUDA backend, for a pool of the compute ``dtype``, ``heads``
+    query heads and a pool the kernel takes, every chunk at most ``cuda_attention.MAX_QUERIES``
+    queries, and anything but one lone decode. A lone decode keeps MLX's vector kernel: the
+    paged kernel's grid is one block per query and key/value head, 8 blocks for a decode of the
+    Llama-3-8B shape, too few to fill a GPU; longer prefill chunks keep cuDNN
+    (``chunk_attention``). Measured on the H200 (2026-12-01, Llama-3-8B shape, in-process, pass
+    padding on): the warm 24-token chunk 21.8 -> 17.2 ms, a 16-sequence decode step 17.8 ->
+    14.5 ms (whose decodes MLX otherwise attends with a padded gather, a boolean mask and its
+    unfused fallback)."""
+    if not batch.chunks and batch.decode_rows < 2:
+        return False
+    pool = kv.keys[layer]
+    return (
+        pool.dtype == dtype
+        and all(c.length <= cuda_attention.MAX_QUERIES for c in batch.chunks)
+        and cuda_attention.supported(1, heads, pool.shape[1], pool.shape[2], dtype)
+    )
 
 
 def _has_unit(store: WeightStore, unit: str) -> bool:
@@ -635,7 +707,10 @@ def chunk_attention(
     _, heads, t, d = q.shape
     pool_k, pool_v = kv.keys[layer], kv.values[layer]
     if pool_k.dtype == q.dtype and cuda_attention.supported(t, heads, pool_k.shape[1], d, q.dtype):
-        return cuda_attention.attention(q[0], pool_k, pool_v, c.table[0], scale, window)
+        rows = q[0].transpose(1, 0, 2)  # [T, heads, head_dim] (the kernel makes it contiguous)
+        return cuda_attention.attention(
+            rows, pool_k, pool_v, c.table, c.kernel_rows(), scale, window
+        )
     keys, values = kv.gather(layer, c.table)
     first, mask = c.attention_mask(window)
     if first:
