@@ -11,10 +11,11 @@ call at a shape not met before (cuDNN builds its plan there). First it checks th
 the float32 softmax attention of the same inputs (within 1e-2, float16). Output: JSON ``{"heads
 case": {"TxL": {"kernel_us", "cudnn_us", "kernel_first_ms", "cudnn_first_ms"}}}``.
 
-Measured on the lent H200 on 2026-12-01 with this code's measurements run as a scratch script
-(``.device/micro9.py``): 8B heads, 24x1,016: kernel 76 us, cuDNN 51 us; 5x1,016: 47 / 49; 2x300:
-29 / 41; 64x2,000: 210 / 76; a first call at a new shape 0.2-0.7 ms against 38-53 ms. This
-file has not run there itself.
+Measured on the lent H200 on 2026-12-01 (``bench/results/2026-12-01.chunk-attention.h200.json``;
+kernel / cuDNN per call): 8B heads, 24x1,016: 90.7 / 76.1 us; 5x1,016: 61.2 / 76.2; 2x300: 39.9
+/ 49.9; 64x2,000: 230.0 / 107.9; SmolLM2 heads 24x1,016: 47.6 / 57.2; a first call at a new
+shape 0.2-0.9 ms against 47-70 ms. (Earlier the same day, as a scratch script on another
+machine: 76 / 51, 47 / 49, 29 / 41, 210 / 76 on the 8B heads.)
 
 usage: python bench/chunk_attention.py OUT.json   (needs MLX's CUDA backend)
 """

@@ -20,10 +20,11 @@ otherwise attends with a padded gather, a boolean mask and its unfused fallback,
 its vector kernel refuse array masks), prompt suffixes and verifications, and the zero rows that
 pad the pass to its row bucket. It reads keys and values straight from the paged KV pool through
 the slot tables (no gathered copy), and writes the output in the ``[R, heads, head_dim]`` layout
-the output projection reads. Measured there at 24 queries
-by 1,016 keys: 76 us (8B shape; cuDNN 51 us once built), at 5 queries 47 us (cuDNN 49), at 2
-queries by 300 keys 29 us (41); a first call at a new shape 0.2-0.7 ms (measured with a first,
-4-warp version), cuDNN's 38-53 ms:
+the output projection reads. Measured there for one chunk (``bench/chunk_attention.py``,
+``bench/results/2026-12-01.chunk-attention.h200.json``; 8B heads, per call in a chain): 24
+queries by 1,016 keys 90.7 us (cuDNN, its plan built: 76.1), 5 queries 61.2 us (76.2), 2 queries
+by 300 keys 39.9 us (49.9); a first call at a new shape 0.2-0.9 ms, cuDNN's 47-70 ms. In a
+serving pass, see ``executor.models.llama.kernel_attention``:
 
 - a block of ``WARPS`` (8, or 4) warps owns one query and one key/value head, for all the query
   heads that share it (grouped-query attention reads each key once for the group);
@@ -48,7 +49,7 @@ __all__ = ["MAX_QUERIES", "attention", "supported"]
 
 MAX_QUERIES = 64
 """Most queries of a chunk this kernel takes; longer chunks (prefill) keep cuDNN's flash kernel,
-whose tensor cores win there (64 queries by 2,000 keys, 8B shape: 210 us here, 76 us for cuDNN
+whose tensor cores win there (64 queries by 2,000 keys, 8B shape: 230 us here, 108 us for cuDNN
 once its plan is built) and whose per-shape plan is paid once per prompt chunk."""
 
 WARPS = 8
