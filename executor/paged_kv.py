@@ -10,17 +10,20 @@ scheduler); here a sequence is just its slot table.
 A forward pass (:class:`ForwardBatch`) carries the next tokens of several sequences at once,
 flattened into one ``[1, N, d]`` activation so that every weight is read once for all of them:
 
-- **decodes** (one token each) come first and attend together: one RoPE with per-sequence
-  offsets, one gather of their keys padded to the longest, a boolean mask for the padding (and
-  for sliding windows), one scaled-dot-product attention;
+- **decodes** (one token each) come first and attend together: one gather of their keys padded
+  to the longest, a boolean mask for the padding (and for sliding windows), one
+  scaled-dot-product attention;
 - **prefill chunks** (several tokens of one sequence) follow, each attending on its own with a
   causal mask over its sequence's earlier tokens and itself.
 
-The K/V of all N tokens are written with one scatter per layer before anyone attends, so a chunk
-sees its own tokens. A single sequence is the same path with one entry (:class:`SequenceCache`
-gives it a private pool), so a request computes the same numbers alone or in a batch wherever
-the kernels are batch-invariant (measured on MLX CPU: quantized and dense matmul rows and padded
-attention are bit-identical to one row at a time).
+Every row is RoPE'd at its own position (``ForwardBatch.positions``) in one call. On MLX's CUDA
+backend, a pass whose chunks are short attends in one call of Strata's paged kernel instead, each
+row naming its sequence's slot table and its position (``ForwardBatch.kernel_layout``,
+``executor.cuda_attention``). The K/V of all N tokens are written with one scatter per layer
+before anyone attends, so a chunk sees its own tokens. A single sequence is the same path with
+one entry (:class:`SequenceCache` gives it a private pool), so a request computes the same
+numbers alone or in a batch wherever the kernels are batch-invariant (measured on MLX CPU:
+quantized and dense matmul rows and padded attention are bit-identical to one row at a time).
 
 Where they are not (MLX CUDA: the padded decode attention depends on the padded key length),
 ``ForwardBatch.build(..., tile=T)`` lays every input out as chunks cut at absolute positions that
@@ -133,14 +136,23 @@ class SeqInput:
 class Chunk:
     """Tokens ``start .. start + length - 1`` of one sequence attending together: rows ``row ..
     row + length - 1`` of the activation (a prefill chunk, or with tiles a piece of any input).
-    ``table``: int32 [1, start + length], the slots of its sequence's positions up to its end."""
+    ``slots``: int32 [start + length], the slots of its sequence's positions up to its end."""
 
     row: int
     length: int
     start: int
-    table: mx.array
+    slots: np.ndarray
     _masks: dict[int, tuple[int, mx.array | str | None]] = field(default_factory=dict)
+    _table: mx.array | None = None
     _kernel_rows: mx.array | None = None
+
+    @property
+    def table(self) -> mx.array:
+        """``slots`` on the device, int32 [1, start + length]: made on first use (a pass that
+        attends through ``ForwardBatch.kernel_layout`` never needs it), then kept."""
+        if self._table is None:
+            self._table = mx.array(self.slots[None])
+        return self._table
 
     def kernel_rows(self) -> mx.array:
         """int32 [T, 2]: each query's table row (0, ``table``'s only one) and position, as
@@ -184,8 +196,8 @@ class ForwardBatch:
         ids: the N tokens, decodes first, then each prefill chunk's tokens.
         write_slots: int32 [N], the KV slot each token's keys/values go to.
         decode_rows: B, the number of decode sequences (rows ``0 .. B-1``, one token each).
-        decode_offsets: int32 [B], each decode token's position (its RoPE offset).
-        decode_table: int32 [B, L], each decode sequence's slots, padded to the longest (L).
+        decode_slots: int32 [B, L], each decode sequence's slots, padded to the longest (L)
+            with 0 (on the device: ``decode_table``).
         decode_lengths: int [B], each decode sequence's length including its new token.
         chunks: the prefill chunks (with a tile: every input's pieces), in row order after the
             decodes.
@@ -199,8 +211,7 @@ class ForwardBatch:
     ids: list[int]
     write_slots: mx.array
     decode_rows: int
-    decode_offsets: mx.array | None
-    decode_table: mx.array | None
+    decode_slots: np.ndarray
     decode_lengths: np.ndarray
     chunks: list[Chunk]
     logit_rows: mx.array
@@ -209,7 +220,9 @@ class ForwardBatch:
     row_inputs: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int32))
     row_positions: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int32))
     _masks: dict[int, mx.array | None] = field(default_factory=dict)
-    _layouts: dict[int, tuple[mx.array, mx.array, mx.array]] = field(default_factory=dict)
+    _positions: dict[int, mx.array] = field(default_factory=dict)
+    _layouts: dict[int, tuple[mx.array, mx.array]] = field(default_factory=dict)
+    _decode_table: mx.array | None = None
 
     @classmethod
     def build(cls, seqs: list[SeqInput], tile: int = 0) -> ForwardBatch:
@@ -225,10 +238,18 @@ class ForwardBatch:
                 the same as without tiles.
 
         Raises:
-            StrataError: an input without tokens; a negative ``tile``.
+            StrataError: an input without tokens, or with fewer slots than its positions; a
+                negative ``tile``.
         """
         if not seqs or any(not s.ids for s in seqs):
             raise StrataError("a forward pass needs at least one token per sequence")
+        for s in seqs:
+            if len(s.slots) < s.start + len(s.ids):
+                raise StrataError(
+                    f"an input of {len(s.ids)} tokens at position {s.start} has "
+                    f"{len(s.slots)} KV slots, fewer than its positions; this is a bug in "
+                    "block allocation"
+                )
         if tile < 0:
             raise StrataError(f"attention tile {tile} is negative; give 0 (none) or a block size")
         grouped = [len(s.ids) == 1 and not tile for s in seqs]  # in the decode group
@@ -243,22 +264,16 @@ class ForwardBatch:
             ids.extend(s.ids)
             writes.append(s.slots[s.start : s.start + 1])
         lengths = np.array([seqs[i].start + 1 for i in decodes], dtype=np.int64)
-        offsets = table = None
-        if decodes:
-            width = int(lengths.max())
-            padded = np.zeros((len(decodes), width), dtype=np.int32)
-            for r, i in enumerate(decodes):
-                padded[r, : lengths[r]] = seqs[i].slots[: lengths[r]]
-            table = mx.array(padded)
-            offsets = mx.array([seqs[i].start for i in decodes], dtype=mx.int32)
+        padded = np.zeros((len(decodes), int(lengths.max()) if decodes else 0), dtype=np.int32)
+        for r, i in enumerate(decodes):
+            padded[r, : lengths[r]] = seqs[i].slots[: lengths[r]]
         chunks = []
         for i in prefills:
             s = seqs[i]
             row_of[i] = len(ids)
             end = s.start + len(s.ids)
             for lo, hi in _pieces(s.start, end, 1 if tile and s.one_per_piece else tile):
-                sees = mx.array(s.slots[None, :hi])
-                chunks.append(Chunk(row_of[i] + lo - s.start, hi - lo, lo, sees))
+                chunks.append(Chunk(row_of[i] + lo - s.start, hi - lo, lo, s.slots[:hi]))
             ids.extend(s.ids)
             writes.append(s.slots[s.start : end])
         rows: list[int] = []
@@ -276,8 +291,7 @@ class ForwardBatch:
             ids=ids,
             write_slots=mx.array(np.concatenate(writes).astype(np.int32)),
             decode_rows=len(decodes),
-            decode_offsets=offsets,
-            decode_table=table,
+            decode_slots=padded,
             decode_lengths=lengths,
             chunks=chunks,
             logit_rows=mx.array(np.array(rows, dtype=np.int32)),
@@ -292,11 +306,34 @@ class ForwardBatch:
         """N, the pass's tokens (its rows before any padding)."""
         return len(self.ids)
 
-    def kernel_layout(self, rows: int) -> tuple[mx.array, mx.array, mx.array]:
+    @property
+    def decode_table(self) -> mx.array:
+        """``decode_slots`` on the device, int32 [B, L]: made on first use, then kept."""
+        if self._decode_table is None:
+            self._decode_table = mx.array(self.decode_slots)
+        return self._decode_table
+
+    def positions(self, rows: int) -> mx.array:
+        """int32 [rows]: each row's position (its RoPE offset), 0 for the rows past
+        ``num_tokens`` that pad the pass. Made once per pass, for every layer.
+
+        Raises:
+            StrataError: ``rows`` is below the pass's tokens.
+        """
+        if rows not in self._positions:
+            if rows < self.num_tokens:
+                raise StrataError(
+                    f"a pass of {self.num_tokens} tokens cannot be laid out in {rows} rows"
+                )
+            positions = np.zeros(rows, dtype=np.int32)
+            positions[: self.num_tokens] = self.row_positions
+            self._positions[rows] = mx.array(positions)
+        return self._positions[rows]
+
+    def kernel_layout(self, rows: int) -> tuple[mx.array, mx.array]:
         """The pass laid out for one call of ``executor.cuda_attention.attention`` over ``rows``
         rows (``num_tokens``, or more: the extra rows pad the pass and attend to nothing):
 
-        - ``positions``: int32 [rows], each row's position (its RoPE offset; 0 for padding);
         - ``tables``: int32 [inputs, W], each input's slots up to its last new token, padded
           with 0 to the longest (W);
         - ``rows``: int32 [rows, 2], each row's table and position (-1 for padding).
@@ -316,9 +353,7 @@ class ForwardBatch:
                 tables[i, : len(t)] = t
             meta = np.full((rows, 2), -1, dtype=np.int32)
             meta[:n, 0], meta[:n, 1] = self.row_inputs, self.row_positions
-            positions = np.zeros(rows, dtype=np.int32)
-            positions[:n] = self.row_positions
-            self._layouts[rows] = (mx.array(positions), mx.array(tables), mx.array(meta))
+            self._layouts[rows] = (mx.array(tables), mx.array(meta))
         return self._layouts[rows]
 
     def decode_mask(self, window: int) -> mx.array | None:

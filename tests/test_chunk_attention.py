@@ -140,38 +140,47 @@ def test_paged_kernel_scope_and_refusals():
         (mx.float16, mx.float16, mx.zeros((1, 5), mx.int32), mx.zeros((3, 2), mx.int32), "rows"),
     ],
 )
-def test_paged_kernel_refuses_what_it_cannot_take(q_dtype, pool_dtype, tables, rows, why):
+def test_paged_kernel_refuses_what_it_cannot_take(
+    q_dtype, pool_dtype, tables, rows, why, monkeypatch
+):
+    """Each malformed input is refused by its own check (CUDA is pretended on the CPU, so the
+    backend check does not answer for them), before any kernel is built."""
+    monkeypatch.setattr(mx.cuda, "is_available", lambda: True)
     q = mx.zeros((4, 4, 64), dtype=q_dtype)
     pool = mx.zeros((10, 2, 64), dtype=pool_dtype)
     with pytest.raises(ValueError, match="not handled here"):
         cuda_attention.attention(q, pool, pool, tables, rows, 0.125)
 
 
+# A pass whose inputs are not in row order: a 5-token suffix after 40 cached tokens, three
+# decodes and a 2-token chunk (a verification). (ids, start) per input, in input order.
+PASS_INPUTS = [(list(range(5)), 40), ([7], 30), ([8], 90), ([9], 3), ([1, 2], 61)]
+PASS_ROWS = [1, 2, 3, 0, 0, 0, 0, 0, 4, 4]  # the input of each row: decodes first, then chunks
+PASS_POSITIONS = [30, 90, 3, 40, 41, 42, 43, 44, 61, 62]
+
+
 def _pass_case(dtype, window, heads=8, kv_heads=2, d=128, seed=0):
-    """A pass of three decodes, a 5-token suffix after 40 cached tokens and a 2-token chunk (a
-    verification) over one shuffled pool: the batch, the cache, the queries [N, heads, d] and
-    the definition's output per row."""
+    """``PASS_INPUTS`` over one shuffled pool: the batch, the cache, the queries [N, heads, d]
+    and the definition's output per row (from the inputs as written above, not from the
+    batch's own layout)."""
     rng = np.random.default_rng(seed)
-    shapes = [([7], 30), ([8], 90), ([9], 3), (list(range(5)), 40), ([1, 2], 61)]  # (ids, start)
-    total = sum(start + len(ids) for ids, start in shapes)
+    total = sum(start + len(ids) for ids, start in PASS_INPUTS)
     slots_total = total + 50
     pool_k = rng.standard_normal((slots_total, kv_heads, d)).astype(np.float32)
     pool_v = rng.standard_normal((slots_total, kv_heads, d)).astype(np.float32)
     perm = rng.permutation(slots_total).astype(np.int32)
     seqs, used = [], 0
-    for ids, start in shapes:
+    for ids, start in PASS_INPUTS:
         seqs.append(SeqInput(ids, start, perm[used : used + start + len(ids)]))
         used += start + len(ids)
     batch = ForwardBatch.build(seqs)
     kv = PagedKVCache(1, kv_heads, d, slots_total, 1, dtype)
     kv.keys[0], kv.values[0] = mx.array(pool_k).astype(dtype), mx.array(pool_v).astype(dtype)
-    n = batch.num_tokens
+    n = len(PASS_ROWS)
     q = rng.standard_normal((n, heads, d)).astype(np.float32)
     want = np.zeros((n, heads, d))
-    for r in range(n):
-        s = seqs[batch.row_inputs[r]]
-        pos = int(batch.row_positions[r])
-        sl = s.slots[: pos + 1]
+    for r, (i, pos) in enumerate(zip(PASS_ROWS, PASS_POSITIONS, strict=True)):
+        sl = seqs[i].slots[: pos + 1]
         one = _reference(
             q[r][:, None][None],
             pool_k[sl].transpose(1, 0, 2)[None],
@@ -185,20 +194,31 @@ def _pass_case(dtype, window, heads=8, kv_heads=2, d=128, seed=0):
 
 
 def test_kernel_layout_names_each_row_its_table_and_position():
-    """``ForwardBatch.kernel_layout``: decodes first, then chunks, each row pointing at its own
-    input's slots at its own position; padding rows at -1 (zeros) and position 0."""
+    """``ForwardBatch.kernel_layout`` and ``positions``: every row points at its own input's
+    slots at its own position (checked against the slot each row writes, which the layout does
+    not compute), padding rows at -1 and position 0."""
     batch, _, _, _ = _pass_case(mx.float16, 0)
     n = batch.num_tokens
-    positions, tables, meta = (np.array(a) for a in batch.kernel_layout(n + 3))
+    tables, meta = (np.array(a) for a in batch.kernel_layout(n + 3))
+    positions = np.array(batch.positions(n + 3))
     assert n == 10 and positions.shape == (13,) and meta.shape == (13, 2)
-    assert meta[:, 1].tolist() == [30, 90, 3, 40, 41, 42, 43, 44, 61, 62, -1, -1, -1]
-    assert positions.tolist() == [30, 90, 3, 40, 41, 42, 43, 44, 61, 62, 0, 0, 0]
+    assert meta[:, 0].tolist() == PASS_ROWS + [-1] * 3
+    assert meta[:, 1].tolist() == PASS_POSITIONS + [-1] * 3
+    assert positions.tolist() == PASS_POSITIONS + [0] * 3
     assert tables.shape == (5, 91)  # the longest input: the decode at position 90
+    written = np.array(batch.write_slots)
     for r in range(n):
-        i, pos = meta[r]
-        assert tables[i, pos] == batch.seq_slots[i][pos]  # the row's own slot at its position
-    with pytest.raises(Exception, match="cannot be laid out"):
-        batch.kernel_layout(n - 1)
+        assert tables[meta[r, 0], meta[r, 1]] == written[r]  # the slot the row's token goes to
+    for bad in (batch.kernel_layout, batch.positions):
+        with pytest.raises(Exception, match="cannot be laid out"):
+            bad(n - 1)
+
+
+def test_a_short_slot_table_is_refused():
+    """An input with fewer slots than its positions is a bug upstream, named here rather than
+    read out of bounds by a kernel."""
+    with pytest.raises(Exception, match="fewer than its positions"):
+        ForwardBatch.build([SeqInput([1, 2], 5, np.arange(6, dtype=np.int32))])
 
 
 @pytest.mark.skipif(not CUDA, reason="the paged kernel runs on MLX's CUDA backend")
@@ -209,7 +229,7 @@ def test_paged_kernel_attends_a_whole_pass(dtype, window):
     definition over its own sequence, and padding rows are zeros."""
     batch, kv, q, want = _pass_case(dtype, window)
     n = batch.num_tokens
-    _, tables, meta = batch.kernel_layout(n + 6)
+    tables, meta = batch.kernel_layout(n + 6)
     qq = mx.concatenate([mx.array(q), mx.ones((6, *q.shape[1:]))]).astype(dtype)
     got = cuda_attention.attention(qq, kv.keys[0], kv.values[0], tables, meta, 128**-0.5, window)
     got = np.array(got.astype(mx.float32))

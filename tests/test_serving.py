@@ -451,30 +451,65 @@ def test_a_failed_warm_up_is_reported_and_stops_the_thread(models, tmp_path):
     se.close()
 
 
+def _reference_kernel(q, keys, values, tables, rows, scale, window=0):
+    """``executor.cuda_attention.attention`` by its definition, in MLX operations: each row over
+    its own table up to its position (zeros for padding rows), float32 inside."""
+    import mlx.core as mx
+
+    r, heads, d = q.shape
+    kv_heads = keys.shape[1]
+    group = heads // kv_heads
+    tab, meta = np.array(tables), np.array(rows)
+    slots = mx.array(tab[meta[:, 0].clip(0)])  # [R, W]
+    k, v = keys[slots].astype(mx.float32), values[slots].astype(mx.float32)  # [R, W, kvh, d]
+    qg = q.reshape(r, kv_heads, group, d).astype(mx.float32) * scale
+    scores = mx.einsum("rkgd,rwkd->rkgw", qg, k)
+    pos, j = meta[:, 1][:, None], np.arange(tab.shape[1])[None]
+    seen = (j <= pos) & (pos >= 0)
+    if window:
+        seen &= pos - j < window
+    scores = mx.where(mx.array(seen)[:, None, None, :], scores, -mx.inf)
+    probs = mx.where(mx.array(pos >= 0)[:, :, None, None], mx.softmax(scores, axis=-1), 0.0)
+    return mx.einsum("rkgw,rwkd->rkgd", probs, v).reshape(r, heads, d).astype(q.dtype)
+
+
 @pytest.mark.parametrize("name", ["llama3", "qwen2", "qwen3", "gemma3", "mixtral"])
-def test_pass_padding_leaves_every_row_unchanged(name, models, tmp_path, monkeypatch):
-    """On CUDA a dense model's pass is padded once, at the embedding, to its row bucket
-    (``LlamaModel.pass_rows``), so that every product already has the bucket's rows. Forced on
-    here: a mixed pass (decodes, a chunk, a one-token chunk under a window on gemma3) gives the
-    unpadded pass's logits, and every projection is one call of the bucket's rows (none of
-    ``linear``'s own padding). A MoE model is not padded (its router would route the padding)."""
+def test_pass_padding_and_whole_pass_attention_change_no_row(name, models, tmp_path, monkeypatch):
+    """What CUDA does, forced here on the CPU, against the plain path, on a mixed pass (a chunk
+    before the decodes in input order, cached tokens written by a first pass, a window of 8 on
+    gemma3):
+
+    - pass padding (``LlamaModel.pass_rows``): every block's product is one call of the
+      bucket's rows (none of ``linear``'s own padding), a MoE model is not padded (its router
+      would route the padding), and the logits and the whole KV pool are the unpadded pass's;
+    - the whole-pass attention path (``kernel_attention``; the kernel replaced by its
+      definition in MLX operations, padding on): the same logits and KV pool."""
     import executor.models.llama as llama
     import executor.ops as ops
+    from executor import cuda_attention
     from executor.paged_kv import ForwardBatch, SeqInput
 
+    monkeypatch.setattr(ops, "PAD_ROWS", False)  # CUDA's default; only the pass is padded here
+    monkeypatch.setattr(llama, "PAD_PASS_ROWS", False)
     plan = make_plan_file(str(models[name]), tmp_path / "p.yaml", context=CONTEXT, concurrency=4)
     model = Engine(load_plan(plan)).model
     vocab = model.arch.vocab_size
-    shapes = [(1, 20), (1, 9), (11, 0), (1, 33)]  # (tokens, start): 14 tokens, bucket 16
+    shapes = [(5, 20), (1, 9), (11, 0), (1, 33), (3, 40)]  # (tokens, start): 21 tokens, bucket 32
 
-    def run() -> tuple[np.ndarray, list[int]]:
-        kv = model.make_paged_cache(40, 4)  # the same zero pool each time
+    def run() -> tuple[np.ndarray, list[np.ndarray], list[int]]:
+        kv = model.make_paged_cache(60, 4)
         seqs, used = [], 0
         for t, start in shapes:
-            slots = np.arange(used, used + start + t, dtype=np.int32)
-            ids = np.random.default_rng(start).integers(0, vocab, t).tolist()
+            slots = np.arange(used + start + t - 1, used - 1, -1, dtype=np.int32)  # scattered
+            ids = np.random.default_rng(start + 1).integers(0, vocab, t).tolist()
             seqs.append(SeqInput(ids, start, slots, "all"))
             used += start + t
+        cached = [
+            SeqInput(np.random.default_rng(s.start).integers(0, vocab, s.start).tolist(), 0,
+                     s.slots[: s.start], "last")
+            for s in seqs if s.start
+        ]  # fmt: skip
+        model.forward_batch(ForwardBatch.build(cached), kv)
         rows: list[int] = []
         real = ops._linear
         monkeypatch.setattr(
@@ -482,17 +517,30 @@ def test_pass_padding_leaves_every_row_unchanged(name, models, tmp_path, monkeyp
         )
         logits = model.forward_batch(ForwardBatch.build(seqs), kv)
         monkeypatch.setattr(ops, "_linear", real)
-        return np.array(logits), rows
+        return np.array(logits), [np.array(a) for a in kv.keys + kv.values], rows
 
-    want, plain_rows = run()
-    assert set(plain_rows) >= {14}
+    want, want_kv, plain_rows = run()
+    assert 21 in plain_rows and 32 not in plain_rows
     monkeypatch.setattr(llama, "PAD_PASS_ROWS", True)
-    got, padded_rows = run()
-    assert got.shape == want.shape == (14, vocab)
+    got, got_kv, padded_rows = run()
+    assert got.shape == want.shape == (21, vocab)
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+    for a, b in zip(got_kv, want_kv, strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
     if name == "mixtral":
-        assert model.pass_rows(14) == 14
+        assert model.pass_rows(21) == 21
     else:
-        assert model.pass_rows(14) == 16
-        # every block's products at the bucket's rows; the head at the 14 rows asked for
-        assert set(padded_rows[:-1]) == {16} and padded_rows[-1] == 14
+        assert model.pass_rows(21) == 32
+        # every block's products at the bucket's rows; the head at the 21 rows asked for
+        assert set(padded_rows[:-1]) == {32} and padded_rows[-1] == 21
+
+    taken = []
+    decide = llama.kernel_attention
+    monkeypatch.setattr(llama, "kernel_attention", lambda *a: taken.append(decide(*a)) or taken[-1])
+    monkeypatch.setattr(cuda_attention, "supported", lambda t, h, kvh, d, dt: h % kvh == 0)
+    monkeypatch.setattr(cuda_attention, "attention", _reference_kernel)
+    got, got_kv, _ = run()
+    assert taken and all(taken)
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
+    for a, b in zip(got_kv, want_kv, strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-4)

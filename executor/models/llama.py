@@ -425,12 +425,11 @@ class LlamaModel:
         """Self-attention of block ``layer`` for a batch: x [1, R, d] -> [1, R, d], R the pass's
         rows (its N tokens, or more: zero rows that pad it to a row bucket, ``pass_rows``).
 
-        Q/K/V are projected for all R rows at once. Where Strata's paged kernel takes the whole
-        pass (``kernel_attention``), RoPE runs once per row with each row's position and one
-        kernel call attends every row over its own sequence's slots. Otherwise RoPE, the K/V
-        write and the attention follow the batch's layout (``executor.paged_kv``: the decode
-        group together, each prefill chunk on its own). ``rope_freqs``: Llama 3's frequency
-        factors (the ``globals`` unit), if the model has them.
+        Q/K/V are projected for all R rows at once and RoPE'd once, each row at its own position.
+        Where Strata's paged kernel takes the whole pass (``kernel_attention``), one kernel call
+        attends every row over its own sequence's slots; otherwise the batch's layout is followed
+        (``executor.paged_kv``: the decode group together, each prefill chunk on its own).
+        ``rope_freqs``: Llama 3's frequency factors (the ``globals`` unit), if the model has them.
         """
         a, p, la = self.arch, f"blk.{layer}.", self.layers[layer]
         rows, n = x.shape[1], batch.num_tokens
@@ -445,45 +444,36 @@ class LlamaModel:
         if self.qk_norm and not self.qk_norm_full:
             q = self._norm(q, w[p + "attn_q_norm.weight"])
             k = self._norm(k, w[p + "attn_k_norm.weight"])
-        if kernel_attention(batch, kv, layer, a.head_count, q.dtype):
-            positions, tables, meta = batch.kernel_layout(rows)
-            # [R, heads, 1, head_dim]: each row its own batch entry, at its own offset
-            q = self._rope(q[:, :, None], la, positions, rope_freqs).reshape(q.shape)
-            k = self._rope(k[:, :, None], la, positions, rope_freqs).reshape(k.shape)
-            kv.write(layer, batch.write_slots, k[:n], v[:n])  # no-copy row views
+        # [R, heads, 1, head_dim]: each row its own batch entry at its own offset, so a token's
+        # RoPE is the same call whatever else is in the pass and whichever path attends it.
+        positions = batch.positions(rows)
+        q = self._rope(q[:, :, None], la, positions, rope_freqs).reshape(q.shape)
+        k = self._rope(k[:, :, None], la, positions, rope_freqs).reshape(k.shape)
+        # Every token's K/V goes in before anyone attends: a chunk sees its own tokens. The
+        # padding rows write nothing (no-copy row views).
+        kv.write(layer, batch.write_slots, k[:n], v[:n])
+        if kernel_attention(batch, kv, layer, a.head_count, q.dtype, la.window):
+            tables, meta = batch.kernel_layout(rows)
             o = cuda_attention.attention(
                 q, kv.keys[layer], kv.values[layer], tables, meta, self.scale, la.window
             )
-            o = self._proj(w, p + "attn_output", o.reshape(1, rows, -1))
-            return self._norm(o, w[p + "post_attention_norm.weight"]) if self.post_norms else o
-        # RoPE per group, in [B, heads, T, head_dim] layout: decodes share one call with
-        # per-sequence offsets; a chunk's offset is where it starts. k_rows: RoPE'd keys back in
-        # row order, [rows, kv_heads, head_dim], for the cache.
-        qs, k_rows = [], []
-        b = batch.decode_rows
-        if b:
-            qs.append(self._rope(q[:b, :, None], la, batch.decode_offsets, rope_freqs))
-            k_rows.append(self._rope(k[:b, :, None], la, batch.decode_offsets, rope_freqs)[:, :, 0])
-        for c in batch.chunks:
-            span = slice(c.row, c.row + c.length)
-            qs.append(self._rope(q[span].transpose(1, 0, 2)[None], la, c.start, rope_freqs))
-            kc = self._rope(k[span].transpose(1, 0, 2)[None], la, c.start, rope_freqs)
-            k_rows.append(kc[0].transpose(1, 0, 2))
-        # Every token's K/V goes in before anyone attends: a chunk sees its own tokens.
-        kv.write(layer, batch.write_slots, _cat(k_rows), v[:n])
-        outs = []
-        if b:
-            keys, values = kv.gather(layer, batch.decode_table)
-            o = mx.fast.scaled_dot_product_attention(
-                qs[0], keys, values, scale=self.scale, mask=batch.decode_mask(la.window)
-            )
-            outs.append(o[:, :, 0])  # [B, heads, head_dim]
-        for c, qc in zip(batch.chunks, qs[1 if b else 0 :], strict=True):
-            outs.append(chunk_attention(qc, kv, layer, c, la.window, self.scale))
-        if rows > n:  # the padding rows' attention output: zeros
-            outs.append(mx.zeros((rows - n, a.head_count, a.head_dim), dtype=q.dtype))
-        o = _cat(outs).reshape(1, rows, -1)
-        o = self._proj(w, p + "attn_output", o)
+        else:
+            outs = []
+            b = batch.decode_rows
+            if b:
+                keys, values = kv.gather(layer, batch.decode_table)
+                mask = batch.decode_mask(la.window)
+                o = mx.fast.scaled_dot_product_attention(
+                    q[:b, :, None], keys, values, scale=self.scale, mask=mask
+                )
+                outs.append(o[:, :, 0])  # [B, heads, head_dim]
+            for c in batch.chunks:
+                qc = q[c.row : c.row + c.length].transpose(1, 0, 2)[None]  # [1, heads, T, D]
+                outs.append(chunk_attention(qc, kv, layer, c, la.window, self.scale))
+            if rows > n:  # the padding rows' attention output: zeros
+                outs.append(mx.zeros((rows - n, a.head_count, a.head_dim), dtype=q.dtype))
+            o = _cat(outs)
+        o = self._proj(w, p + "attn_output", o.reshape(1, rows, -1))
         return self._norm(o, w[p + "post_attention_norm.weight"]) if self.post_norms else o
 
     def ffn(self, w: dict[str, Weight], layer: int, x: mx.array) -> mx.array:
@@ -593,10 +583,14 @@ class LlamaModel:
             float32 logits [S, vocab] of the batch's ``logit_rows``, in their order.
         """
         s = self.store
-        rows = self.pass_rows(batch.num_tokens)
-        # Padding rows embed a repeat of the last token: any finite row does (no row-wise
-        # operation mixes rows, attention gives them zeros, and their logits are never asked for).
-        x = self.embed(batch.ids + batch.ids[-1:] * (rows - batch.num_tokens))
+        n = batch.num_tokens
+        rows = self.pass_rows(n)
+        x = self.embed(batch.ids)
+        if rows > n:
+            # Zero rows pad the pass (no row-wise operation mixes rows, attention gives them
+            # zeros, they write no KV slot, and their logits are never asked for). Not embedded:
+            # a streamed table would read rows for them.
+            x = mx.concatenate([x, mx.zeros((1, rows - n, x.shape[2]), dtype=x.dtype)], axis=1)
         rope_freqs = None
         if self.has_globals:
             # Read once per pass and released at once: a new array (``* 1.0``), as a streamed
@@ -661,19 +655,25 @@ is off there; Metal was not measured."""
 
 
 def kernel_attention(
-    batch: ForwardBatch, kv: PagedKVCache, layer: int, heads: int, dtype: mx.Dtype
+    batch: ForwardBatch,
+    kv: PagedKVCache,
+    layer: int,
+    heads: int,
+    dtype: mx.Dtype,
+    window: int = 0,
 ) -> bool:
     """Whether one call of Strata's paged kernel (``executor.cuda_attention``) attends the whole
-    pass in block ``layer``: on MLX's CUDA backend, for a pool of the compute ``dtype``, ``heads``
-    query heads and a pool the kernel takes, every chunk at most ``cuda_attention.MAX_QUERIES``
-    queries, and anything but one lone decode. A lone decode keeps MLX's vector kernel: the
-    paged kernel's grid is one block per query and key/value head, 8 blocks for a decode of the
-    Llama-3-8B shape, too few to fill a GPU; longer prefill chunks keep cuDNN
-    (``chunk_attention``). Measured on the H200 (2026-12-01, Llama-3-8B shape, in-process, pass
-    padding on): the warm 24-token chunk 21.8 -> 17.2 ms, a 16-sequence decode step 17.8 ->
-    14.5 ms (whose decodes MLX otherwise attends with a padded gather, a boolean mask and its
-    unfused fallback)."""
-    if not batch.chunks and batch.decode_rows < 2:
+    pass in block ``layer`` (sliding ``window``, 0: none): on MLX's CUDA backend, for a pool of
+    the compute ``dtype``, ``heads`` query heads and a pool the kernel takes, every chunk at most
+    ``cuda_attention.MAX_QUERIES`` queries, and anything but a lone decode that MLX's SDPA takes
+    unmasked (its fused vector kernel splits the keys over many blocks; the paged kernel's grid
+    is one block per query and key/value head, 8 for a decode of the Llama-3-8B shape, too few
+    to fill a GPU). Longer prefill chunks keep cuDNN (``chunk_attention``). Measured on the H200
+    (2026-12-01, Llama-3-8B shape, in-process, pass padding on, one process, medians of 5): the
+    warm 24-token chunk 21.8 -> 17.2 ms, a 16-sequence decode step 17.8 -> 14.5 ms (whose
+    decodes MLX otherwise attends with a padded gather, a boolean mask and its unfused fallback;
+    the 16-sequence figures moved by about 20% between configurations that cannot differ)."""
+    if not batch.chunks and batch.decode_rows < 2 and batch.decode_mask(window) is None:
         return False
     pool = kv.keys[layer]
     return (
