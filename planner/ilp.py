@@ -89,6 +89,7 @@ from planner.costmodel import (
     pool_for,
     prediction_recall,
     score,
+    step_compute_s,
     tier_memory,
     unit_costs,
     weights_by_tier,
@@ -279,7 +280,7 @@ def _build(
     cc = [costs[c.members[0]] for c in classes]
     size = [len(c.members) for c in classes]
     expert = [desc.units[c.members[0]].expert is not None for c in classes]
-    compute_total = sum(c.compute_s for c in costs)
+    compute_total = step_compute_s(costs, profile.backend)
     tau = compute_total / TIME_UNITS if compute_total > 0 else 1e-3
     unified = profile.unified_memory
     J = range(len(classes))

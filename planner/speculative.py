@@ -61,6 +61,7 @@ from planner.costmodel import (
     capacity_use,
     kv_cache_bytes,
     score,
+    step_compute_s,
     unit_costs,
 )
 from planner.errors import PlanError, StrataError
@@ -282,7 +283,8 @@ def self_draft_seconds(
     tiers = plan.tier_of()
     run, _ = self_units(desc, tiers, layers)
     unified = profile.unified_memory
-    return sum(costs[u].compute_s + costs[u].host_copy_s(tiers[u], unified) for u in run)
+    compute = step_compute_s([costs[u] for u in run], profile.backend)
+    return compute + sum(costs[u].host_copy_s(tiers[u], unified) for u in run)
 
 
 def self_layer_choices(desc: ModelDescription, tiers: Mapping[str, str]) -> list[int]:
