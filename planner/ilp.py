@@ -30,7 +30,9 @@ units of ``tau = compute_s / 1000`` so that both stay well scaled for the solver
 - capacity rows (``costmodel.capacity_rows``), e.g. ``cap_gpu``:
   ``sum_c b_c * n[c,gpu] + KV + activations + P <= gpu capacity``.
 - ``T`` >= 0: step time. Rows ``T_compute``: ``T >= C``, with
-  ``C = sum_u compute_u + sum_c sum_t host_copy_c(t) * n[c,t]``; ``T_disk``: ``T >= D``, with
+  ``C = compute + sum_c sum_t host_copy_c(t) * n[c,t]`` (``compute``: the placement-independent
+  ``costmodel.step_compute_s``, the units' compute summed, or on CUDA the larger of their device
+  and host sums); ``T_disk``: ``T >= D``, with
   ``D = sum_c read_c * n[c,nvme]``; ``T_serial``: ``T >= C + D - M_T * (1 - y[0])`` with
   ``M_T = min(largest C, largest D)`` (>= min(C, D) everywhere): depth 0 makes the reads
   synchronous (``T >= C + D``), depth >= 1 relaxes the row and leaves ``T = max(C, D)``.
