@@ -30,8 +30,8 @@ Time of one decode step (seconds):
   wherever it is stored, so compute does not depend on placement. On backends where the executor
   schedules each block as soon as it is built (``OVERLAPPED_BACKENDS``: CUDA, where
   ``executor.models.llama.ASYNC_EVAL_BLOCKS`` is on), the host builds block i + 1 while the
-  device computes block i, so the step's compute is ``max(sum_u roofline_u, sum_u k_u op_s)``
-  instead of their sum (``step_compute_s``).
+  device computes block i, so a dense model's step compute is ``max(sum_u roofline_u, sum_u
+  k_u op_s)`` instead of their sum (``host_overlaps``, ``step_compute_s``).
 - ``host_copy_s = sum_{u on ram} a_u(B) * b_u / h2d_bw``
   ``          [+ sum_{u on nvme} a_u(B) * b_u / h2d_bw  when memory is not unified]`` — a direct-I/O
   read lands in host memory and must then be copied to the device; on unified memory the pool slot
@@ -290,18 +290,28 @@ built (``executor.models.llama.ASYNC_EVAL_BLOCKS``), so that the host's operatio
 device's work (``step_compute_s``)."""
 
 
-def step_compute_s(costs: Sequence[UnitCost], backend: str) -> float:
+def host_overlaps(desc: ModelDescription, profile: HardwareProfile) -> bool:
+    """Whether a decode step's host operations overlap its device work (``step_compute_s``): on
+    ``OVERLAPPED_BACKENDS``, for dense models. A MoE block brings its router's choice to the
+    host (``executor.models.llama.LlamaModel.moe_ffn``), so the host waits for the device in
+    every block. Units on ram or nvme are evaluated as they are released, which this does not
+    model (it depends on the placement, which the compute term does not): such plans are
+    usually bound by their copies or reads."""
+    return profile.backend in OVERLAPPED_BACKENDS and all(u.expert is None for u in desc.units)
+
+
+def step_compute_s(costs: Sequence[UnitCost], overlapped: bool) -> float:
     """The compute term of a decode step over ``costs``' units (seconds): ``sum_u (roofline_u +
     k_u op_s)`` where the host builds the whole pass before the device starts, ``max(sum_u
-    roofline_u, sum_u k_u op_s)`` on ``OVERLAPPED_BACKENDS``. Checked against the H200
-    (2026-12-01, Llama-3-8B shape, Q4_0, ``profiles/h200-host.yaml``, context 2048): for one
-    sequence the in-series sum predicts 86.2 tok/s, the overlapped form 165 tok/s; measured 160
-    in-process (a 6.26 ms step) and 150.5 over HTTP. For 16 sequences 777 and 1,064 tok/s
+    roofline_u, sum_u k_u op_s)`` where they ``overlapped`` (``host_overlaps``). Checked against
+    the H200 (2026-12-01, Llama-3-8B shape, Q4_0, ``profiles/h200-host.yaml``, context 2048): for
+    one sequence the in-series sum predicts 86.2 tok/s, the overlapped form 165 tok/s; measured
+    160 in-process (a 6.26 ms step) and 150.5 over HTTP. For 16 sequences 777 and 1,064 tok/s
     against 1,386 over HTTP: the profile's ``decode_batch_flops_s`` is MLX's quantized matmul at
     16 rows, slower than the tensor-core kernel the plan picks there."""
     device = sum(c.compute_s - c.ops_s for c in costs)
     host = sum(c.ops_s for c in costs)
-    return max(device, host) if backend in OVERLAPPED_BACKENDS else device + host
+    return max(device, host) if overlapped else device + host
 
 
 def _rate(value: float, what: str) -> float:
@@ -809,7 +819,7 @@ def score(
         if u.expert is not None and tiers[c.name] != "nvme"
     ]
     ex = expert_streaming(desc, costs, tiers, cache, unified, batch_size(request, batch))
-    compute_s = step_compute_s(costs, profile.backend)
+    compute_s = step_compute_s(costs, host_overlaps(desc, profile))
     host_copy_s = sum(c.host_copy_s(tiers[c.name], unified) for c in dense + expert_on) + ex.copy_s
     disk_s = sum(c.disk_s(tiers[c.name]) for c in dense)
     stall_s = io_stall(desc, costs, tiers, depth) + ex.sync_s

@@ -31,8 +31,8 @@ units of ``tau = compute_s / 1000`` so that both stay well scaled for the solver
   ``sum_c b_c * n[c,gpu] + KV + activations + P <= gpu capacity``.
 - ``T`` >= 0: step time. Rows ``T_compute``: ``T >= C``, with
   ``C = compute + sum_c sum_t host_copy_c(t) * n[c,t]`` (``compute``: the placement-independent
-  ``costmodel.step_compute_s``, the units' compute summed, or on CUDA the larger of their device
-  and host sums); ``T_disk``: ``T >= D``, with
+  ``costmodel.step_compute_s``, the units' compute summed, or for a dense model on CUDA the
+  larger of their device and host sums); ``T_disk``: ``T >= D``, with
   ``D = sum_c read_c * n[c,nvme]``; ``T_serial``: ``T >= C + D - M_T * (1 - y[0])`` with
   ``M_T = min(largest C, largest D)`` (>= min(C, D) everywhere): depth 0 makes the reads
   synchronous (``T >= C + D``), depth >= 1 relaxes the row and leaves ``T = max(C, D)``.
@@ -87,6 +87,7 @@ from planner.costmodel import (
     capacity_use,
     expert_cache_for,
     expert_slot_bytes,
+    host_overlaps,
     objective,
     pool_for,
     prediction_recall,
@@ -282,7 +283,7 @@ def _build(
     cc = [costs[c.members[0]] for c in classes]
     size = [len(c.members) for c in classes]
     expert = [desc.units[c.members[0]].expert is not None for c in classes]
-    compute_total = step_compute_s(costs, profile.backend)
+    compute_total = step_compute_s(costs, host_overlaps(desc, profile))
     tau = compute_total / TIME_UNITS if compute_total > 0 else 1e-3
     unified = profile.unified_memory
     J = range(len(classes))

@@ -59,6 +59,7 @@ from planner.costmodel import (
     batch_size,
     capacities,
     capacity_use,
+    host_overlaps,
     kv_cache_bytes,
     score,
     step_compute_s,
@@ -283,7 +284,7 @@ def self_draft_seconds(
     tiers = plan.tier_of()
     run, _ = self_units(desc, tiers, layers)
     unified = profile.unified_memory
-    compute = step_compute_s([costs[u] for u in run], profile.backend)
+    compute = step_compute_s([costs[u] for u in run], host_overlaps(desc, profile))
     return compute + sum(costs[u].host_copy_s(tiers[u], unified) for u in run)
 
 
