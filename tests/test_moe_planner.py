@@ -14,9 +14,12 @@ from planner.costmodel import (
     batch_limits,
     capacity_use,
     expert_cache_for,
+    host_overlaps,
     kv_cache_bytes,
     objective,
     score,
+    step_compute_s,
+    unit_costs,
     working_slots,
 )
 from planner.errors import PlanError
@@ -197,3 +200,32 @@ def test_routing_profile_of_another_model_is_refused():
     doc = _skewed_profile(moe_desc(3, 4, 2, 4), 1)
     with pytest.raises(PlanError, match="blocks"):
         apply_routing_profile(desc, doc)
+
+
+def test_host_operations_overlap_device_work_on_cuda_for_dense_models():
+    """``host_overlaps``/``step_compute_s``: on CUDA (the executor schedules each block as soon as
+    it is built) a dense model's step compute is the larger of the device and host sums, their
+    sum elsewhere and for a MoE model (whose blocks sync on the router's choice); the ILP's
+    prediction follows."""
+    dense = make_desc(
+        [
+            U("blk.0.attn", "attention", 0, 6 * MIB, flops=10**8),
+            U("blk.0.ffn", "ffn", 0, 24 * MIB, flops=4 * 10**8),
+        ]
+    )
+    moe = moe_desc(1, 4, 2, 6)
+    kw = dict(gpu_bytes=2**30, ram_bytes=2**30, op_s=2e-4, matvec_flops=1e12)
+    cuda, metal = make_profile(unified=False, **kw), make_profile(unified=True, **kw)
+    assert (cuda.backend, metal.backend) == ("cuda", "metal")
+    assert host_overlaps(dense, cuda) and not host_overlaps(dense, metal)
+    assert not host_overlaps(moe, cuda)
+    request = Request(context=256)
+    costs = unit_costs(dense, cuda, request)
+    device = sum(c.compute_s - c.ops_s for c in costs)
+    host = sum(c.ops_s for c in costs)
+    assert device > 0 and host > 0 and device != host
+    assert step_compute_s(costs, True) == pytest.approx(max(device, host))
+    assert step_compute_s(costs, False) == pytest.approx(device + host)
+    for profile, want in ((cuda, max(device, host)), (metal, device + host)):
+        got = solve(dense, profile, request).prediction.compute_s
+        assert got == pytest.approx(want, rel=1e-6)
