@@ -321,10 +321,7 @@ class ForwardBatch:
             StrataError: ``rows`` is below the pass's tokens.
         """
         if rows not in self._positions:
-            if rows < self.num_tokens:
-                raise StrataError(
-                    f"a pass of {self.num_tokens} tokens cannot be laid out in {rows} rows"
-                )
+            self._check_rows(rows)
             positions = np.zeros(rows, dtype=np.int32)
             positions[: self.num_tokens] = self.row_positions
             self._positions[rows] = mx.array(positions)
@@ -344,9 +341,8 @@ class ForwardBatch:
             StrataError: ``rows`` is below the pass's tokens.
         """
         if rows not in self._layouts:
+            self._check_rows(rows)
             n = self.num_tokens
-            if rows < n:
-                raise StrataError(f"a pass of {n} tokens cannot be laid out in {rows} rows")
             width = max(len(t) for t in self.seq_slots)
             tables = np.zeros((len(self.seq_slots), width), dtype=np.int32)
             for i, t in enumerate(self.seq_slots):
@@ -355,6 +351,11 @@ class ForwardBatch:
             meta[:n, 0], meta[:n, 1] = self.row_inputs, self.row_positions
             self._layouts[rows] = (mx.array(tables), mx.array(meta))
         return self._layouts[rows]
+
+    def _check_rows(self, rows: int) -> None:
+        if rows < self.num_tokens:
+            n = self.num_tokens
+            raise StrataError(f"a pass of {n} tokens cannot be laid out in {rows} rows")
 
     def decode_mask(self, window: int) -> mx.array | None:
         """Boolean [B, 1, 1, L] mask of the decode group's keys for a ``window`` (0: none):

@@ -261,17 +261,21 @@ class UnitCost:
 
     name: str
     bytes: int
-    compute_s: float
-    """``max(a_u(B) b_u / gpu_bw, f_u / mv_flops, B f_u / bt_flops) + k_u op_s``: the same on
-    every tier (the unit alone: the device's roofline and the host's operations in series)."""
+    device_s: float
+    """``max(a_u(B) b_u / gpu_bw, f_u / mv_flops, B f_u / bt_flops)``: the device's roofline, the
+    same on every tier."""
     ops_s: float
-    """``k_u op_s``: the host's share of ``compute_s`` (building and launching the unit's
-    operations), which ``step_compute_s`` overlaps with the device's on
-    ``OVERLAPPED_BACKENDS``."""
+    """``k_u op_s``: the host's building and launching of the unit's operations, which
+    ``step_compute_s`` overlaps with the device's work where ``host_overlaps``."""
     copy_s: float
     """``a_u(B) * b_u / h2d_bw``: one host -> device copy of what a step reads."""
     read_s: float
     """``a_u(B) * b_u / nvme_bw``: one direct-I/O read of what a step reads."""
+
+    @property
+    def compute_s(self) -> float:
+        """``device_s + ops_s``: the unit alone, host and device in series."""
+        return self.device_s + self.ops_s
 
     def host_copy_s(self, tier: str, unified: bool) -> float:
         """Host-copy seconds this unit adds on ``tier`` (ram always; nvme when not unified)."""
@@ -309,7 +313,7 @@ def step_compute_s(costs: Sequence[UnitCost], overlapped: bool) -> float:
     160 in-process (a 6.26 ms step) and 150.5 over HTTP. For 16 sequences 777 and 1,064 tok/s
     against 1,386 over HTTP: the profile's ``decode_batch_flops_s`` is MLX's quantized matmul at
     16 rows, slower than the tensor-core kernel the plan picks there."""
-    device = sum(c.compute_s - c.ops_s for c in costs)
+    device = sum(c.device_s for c in costs)
     host = sum(c.ops_s for c in costs)
     return max(device, host) if overlapped else device + host
 
@@ -365,7 +369,7 @@ def unit_costs(
             UnitCost(
                 name=u.name,
                 bytes=u.bytes_mlx,
-                compute_s=roofline + ops * op_s,
+                device_s=roofline,
                 ops_s=ops * op_s,
                 copy_s=moved / h2d_bw,
                 read_s=moved / nvme_bw,
