@@ -1,41 +1,47 @@
-"""A batched 4-bit matmul on NVIDIA tensor cores, for products of a few dozen rows.
+"""A batched 4-bit matmul on NVIDIA tensor cores, for products of a few dozen rows, and two
+fused forms of it (a stacked Q/K/V projection; SwiGLU of a stacked gate/up projection).
 
 On MLX's CUDA backend a product of a few rows by a 4-bit weight is slow: ``mx.quantized_matmul``
 took 133-471 us for 16-32 rows by Llama-3-8B FFN weights on the H200 (``bench/cuda_qmm.py``, call
-by call), where reading such a weight (29 MB) at the H200's 4.8 TB/s takes 6 us, and the dense path
-pays a full dequantized copy per call. A pass of a few dozen rows (a prompt's suffix after a
-prefix-cache hit, a step of 16 decoded tokens) then costs a third of a 1,000-token prefill. This
-kernel reads each packed weight once per call and multiplies on tensor cores (WMMA, 16x16x16 tiles,
-float32 accumulators):
+by call), where reading such a weight (29 MB) at the H200's 4.8 TB/s takes 6 us. A pass of a few
+dozen rows (a prompt's suffix after a prefix-cache hit, a step of 16 decoded tokens) then costs a
+third of a 1,000-token prefill. This kernel reads each packed weight once per call and multiplies
+on tensor cores with PTX ``mma.sync.m16n8k16`` (float32 accumulators), the weight as the 16-row
+``a`` operand and 8 rows (tokens) of ``x`` as the ``b`` operand:
 
-- a block of ``WARPS`` warps owns 16 (or, for at most two 16-row tiles of ``x``, 32) output
-  columns, i.e. weight rows; its warps split the K dimension into slabs of 64 elements;
-- per slab, each lane loads one 16-byte vector of packed weights per 16 weight rows (each row's
-  32 bytes: full 32-byte sectors) with its group's scale and bias, dequantizes it in registers
-  into the warp's shared-memory tile, and the warp multiplies that tile by every 16-row tile of
-  ``x`` (read from global memory, where it stays in cache; a 32-column block reads each ``x``
-  fragment once for both of its column tiles);
+- a warp owns ``RT`` tiles of 16 weight rows (output columns) and a run of K chunks; a block's
+  ``WARPS`` warps split K between them (:func:`warps_per_block`, a function of the weight's shape
+  alone), and their partial sums meet in shared memory, added in warp order (deterministic);
+- per chunk of ``32 * WPL`` K elements, lane ``(g, t)`` loads ``WPL`` packed words (16 or 8
+  bytes) of weight rows ``g`` and ``g + 8`` of each tile, from K element ``32 * WPL * chunk + 8 *
+  WPL * t``: the four lanes of a row read its contiguous bytes. Each word (8 elements) is
+  dequantized in registers straight into ``a`` fragments of two k16 products: the mma pairs
+  ``a`` and ``b`` by their fragment positions, so any permutation of K that is the same for both
+  is exact, and this one lets each lane read its 8 ``x`` elements as one 16-byte vector of ``x``
+  (no shared memory, no shuffles, and no copy of the weight to a tile);
 - dequantizing converts no integers: ``q | 0x6400`` is the float16 1024 + q (``q | 0x4300`` the
   bfloat16 128 + q), the base is subtracted exactly and ``scale * q + bias`` is one fused
-  multiply-add of 16-bit pairs (one rounding of the exact value); conversion instructions issue
-  at a quarter of the FMA rate on sm_90, and the first version, which converted in float32, was
-  slower (16 rows by the [14336, 4096] weight: 76 against 60 us in a stream of calls);
-- a warp issues the loads of several slabs (``UNROLL`` vectors per lane) before using any, so
-  enough reads are in flight; the partial sums of the warps meet in shared memory and are added
-  in warp order (deterministic).
+  multiply-add of 16-bit pairs (one rounding of the exact value); conversion instructions issue at
+  a quarter of the FMA rate on sm_90;
+- a warp issues the weight loads of several chunks (``LOAD_WORDS`` words per lane) before using
+  any, so that enough reads are in flight.
 
-A row's result does not depend on the other rows or on how many there are (each 16-row tile is
-computed alike), so products through this kernel are batch invariant across its row counts.
+A row's result does not depend on the other rows or on how many there are (each 8-row column
+tile is computed alike), so products through this kernel are batch invariant across its row
+counts. The fused forms take one call where the model made three (Q, K, V) or four (gate, up,
+SiLU, the product), and each call on MLX's CUDA backend costs about 8 us beside its work (a chain
+of trivial custom kernels, H200, 2026-12-01).
 
-Measured on the lent H200 (MLX 0.32.4, 2026-11-30): results within 3.5e-4 (float16) and 2.3e-3
-(bfloat16) of the float32 product of the dequantized weight, relative to its largest element; each
-row equal alone and in the batch. Speed is what ``planner.profile.measure_mma_rows`` records: call
-by call on a [16384, 16384] weight it beat MLX's quantized matmul from 2 to 32 rows (32 rows: 360
-against 456 us) and lost at 64 (820 against 464), so the H200 profile's range is 2-32. In a
-Llama-3-8B-shaped model it took a 16-sequence decode step from 31-34 to 25-27 ms and a 24-token
-prompt from 38-45 to 25-26 ms. It reads the weights at 0.2-0.5 TB/s (16 rows by the [14336, 4096]
-weight, 29 MB: 60 us in a stream of calls, 105-131 call by call), a tenth or less of the H200's
-bandwidth: there is room left in it.
+Measured on the lent H200 (MLX 0.32.4, 2026-12-01), per call in chains of calls over distinct
+weights (no L2 reuse), this kernel / the WMMA kernel it replaced / MLX's quantized matmul, us:
+[14336, 4096] 8 rows 32 / 64-77 / 44-47, 16 rows 34-42 / 57-65 / 42-47, 32 rows 48-54 / 84-85 /
+78-87; [4096, 14336] 16 rows 38-43 / 60-69 / 46-49, 32 rows 50 / 74-76 / 76-84; [4096, 4096] 16
+rows 19-23 / 26-28 / 16-17; [1024, 4096] 16 rows 18-27 / 17-24 / 8-10 (too few row tiles: what the
+stacked Q/K/V weight is for); at 64 rows 97-114 / 177-201 / 75-87, so the H200 profile's range
+stays 2-32. Results within 3.5e-4 of the float32 product of the dequantized weight relative to its
+largest element (float16); each row equal alone and in the batch. In a Llama-3-8B-shaped model
+(in-process, one process, medians): a 24-token suffix after a 992-token prefix-cache hit 11.5 ms
+unfused, 10.1 ms with the fused forms (a 1,016-token prompt: 47 ms).
 
 Layout (``executor.quant``): element ``j`` of a uint32 word sits at bits ``4 * j``; ``w = scale * q
 + bias`` per group of ``group_size`` (32, 64 or 128) elements along a row."""
@@ -49,22 +55,23 @@ import mlx.core as mx
 __all__ = ["MAX_ROWS", "matmul", "supported"]
 
 MAX_ROWS = 64
-"""Most rows one call computes: four 16-row tiles of float32 accumulators per warp."""
+"""Most rows one call computes: eight 8-token column tiles of the mma products."""
 
-WARPS = 8
-"""Warps per block, splitting K: enough independent reads in flight on the few blocks of a
-[4096, 14336] weight (256 blocks)."""
+TARGET_WARPS = 2048
+"""Warps a call aims for (about 16 per multiprocessor of the H200's 132): :func:`warps_per_block`
+splits K over more warps until the grid has this many."""
 
-UNROLL = 8
-"""16-byte weight vectors per lane that one warp loads before using any: 8 slabs of a 16-column
-block, 4 of a 32-column block."""
+MAX_WARPS = 8
+"""Most warps of one block (256 threads: at 512, the kernel's registers exceeded what one
+multiprocessor has for a block, and the launch failed on the H200)."""
 
-SLAB = 64
-"""K elements per slab: two 16-byte vectors of 4-bit elements per weight row."""
+MIN_CHUNKS = 2
+"""Fewest K chunks a warp walks when :func:`warps_per_block` splits K further."""
 
-LDW = SLAB + 8
-"""Shared-memory row stride of the dequantized tile, in elements (padding against bank
-conflicts; a multiple of 8, as WMMA loads of 16-bit elements require)."""
+LOAD_WORDS = 32
+"""Packed words per lane in flight: :func:`matmul` issues ``U`` chunks' weight loads (``RT`` row
+tiles of two rows of ``WPL`` words each) before it uses any, ``U * RT * 2 * WPL`` = 32 (128
+bytes)."""
 
 OUT_DTYPES = (mx.float16, mx.bfloat16)
 """Activation dtypes: the tensor cores' 16-bit inputs."""
@@ -110,112 +117,223 @@ __device__ __forceinline__ uint4 strata_dq8(uint32_t w, __nv_bfloat16 s, __nv_bf
 }
 """
 
-_SOURCE = r"""
-    using namespace nvcuda;
+_MMA = r"""
+// One m16n8k16 tensor-core product with float32 accumulators: c += a (16x16, row-major) * b
+// (16x8, column-major), in the register layout of PTX's mma.sync (PTX ISA, "Matrix Fragments
+// for mma.m16n8k16"): lane (g, t) = (lane / 4, lane % 4) holds a's rows g and g + 8 at
+// columns 2t, 2t + 1 and 2t + 8, 2t + 9, b's column g at rows 2t, 2t + 1 and 2t + 8, 2t + 9, and
+// c's rows g and g + 8 at columns 2t, 2t + 1.
+__device__ __forceinline__ void strata_mma(float* c, uint4 a, uint2 b, const __half*) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 "
+        "{%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};\n"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a.x), "r"(a.y), "r"(a.z), "r"(a.w), "r"(b.x), "r"(b.y));
+}
+
+__device__ __forceinline__ void strata_mma(float* c, uint4 a, uint2 b, const __nv_bfloat16*) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
+        "{%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};\n"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a.x), "r"(a.y), "r"(a.z), "r"(a.w), "r"(b.x), "r"(b.y));
+}
+
+// XW 16-byte vectors (8 elements each, from element kx on) of each of NTOK rows 8j + g of the
+// row-major [rows, K] activations x.
+template <int XW, int NTOK, typename T>
+__device__ __forceinline__ void strata_ldx(uint4 (&xv)[XW][NTOK], const T* x, int K, int g,
+                                           int kx) {
+    #pragma unroll
+    for (int e = 0; e < XW; ++e)
+        #pragma unroll
+        for (int j = 0; j < NTOK; ++j)
+            xv[e][j] = *reinterpret_cast<const uint4*>(x + (size_t)(8 * j + g) * K + kx + 8 * e);
+}
+"""
+
+_BODY = r"""
     const int K = x_shape[1];
     const int N = w_shape[0];
     const int KW = K / 8;                        // packed words per weight row
     const int G = K / GS;                        // scale groups per weight row
+    constexpr int CK = 32 * WPL;                 // K elements per chunk: WPL words per lane quad
     const int warp = threadIdx.x / 32;
     const int lane = threadIdx.x % 32;
-    const int n0 = blockIdx.x * 16 * NT;
-    __shared__ __align__(32) unsigned char smem[SMEM];
-    T* ws = reinterpret_cast<T*>(smem) + warp * 16 * NT * LDW;
+    const int g = lane >> 2, t = lane & 3;       // mma fragment coordinates
+    // The warp's RT row tiles (16 weight rows = output columns each) start at rows n0 + r * RS:
+    // side by side, or for SwiGLU a tile of the gate half and the same tile of the up half.
+    const int n0 = blockIdx.x * 16 * (SWIGLU ? 1 : RT);
+    const int RS = SWIGLU ? N / 2 : 16;
+    const int chunks = K / CK;
+    const int per = (chunks + WARPS - 1) / WARPS;
+    const int c0 = min(warp * per, chunks);
+    const int c1 = min(c0 + per, chunks);
+    const T* tag = nullptr;
 
-    wmma::fragment<wmma::accumulator, 16, 16, 16, float> acc[MT][NT];
+    float acc[RT][NTOK][4];
     #pragma unroll
-    for (int t = 0; t < MT; ++t)
+    for (int r = 0; r < RT; ++r)
         #pragma unroll
-        for (int j = 0; j < NT; ++j) wmma::fill_fragment(acc[t][j], 0.0f);
+        for (int j = 0; j < NTOK; ++j)
+            #pragma unroll
+            for (int e = 0; e < 4; ++e) acc[r][j][e] = 0.0f;
 
-    const int slabs = K / SLAB;
-    const int per = (slabs + WARPS - 1) / WARPS;
-    const int s0 = min(warp * per, slabs);
-    const int s1 = min(s0 + per, slabs);
-    const int r = lane >> 1;                     // this lane's weight row in each 16-row tile
-    const int h = lane & 1;                      // which 32 elements of the slab it unpacks
+    // x is read through the cache in batches of XW words per lane (NTOK 16-byte vectors each).
+    constexpr int XW = NTOK <= 2 ? WPL : (NTOK <= 4 ? 2 : 1);
+    constexpr int BPC = WPL / XW;                // batches per chunk
+    uint4 xv[XW][NTOK];
 
-    for (int s = s0; s < s1; s += UNROLL) {
-        uint4 q[UNROLL][NT];
-        T sc[UNROLL][NT], bi[UNROLL][NT];
+    for (int c = c0; c < c1; c += U) {
+        // Issue every weight load of U chunks before using any (reads in flight).
+        uint32_t q[U][RT][2][WPL];
+        T sc[U][RT][2], bi[U][RT][2];
         #pragma unroll
-        for (int u = 0; u < UNROLL; ++u) {
-            if (s + u < s1) {
-                const int k0 = (s + u) * SLAB + h * 32;
+        for (int u = 0; u < U; ++u) {
+            if (c + u < c1) {
+                const int kw = (c + u) * (CK / 8) + t * WPL;
+                const int gi = ((c + u) * CK + t * 8 * WPL) / GS;
                 #pragma unroll
-                for (int j = 0; j < NT; ++j) {
-                    const size_t row = (size_t)(n0 + j * 16 + r);
-                    q[u][j] = reinterpret_cast<const uint4*>(w + row * KW)[k0 / 32];
-                    sc[u][j] = scales[row * G + k0 / GS];
-                    bi[u][j] = biases[row * G + k0 / GS];
-                }
+                for (int r = 0; r < RT; ++r)
+                    #pragma unroll
+                    for (int h = 0; h < 2; ++h) {
+                        const size_t row = (size_t)(n0 + r * RS + 8 * h + g);
+                        const uint32_t* p = w + row * KW + kw;
+                        if constexpr (WPL == 4) {
+                            const uint4 v = *reinterpret_cast<const uint4*>(p);
+                            q[u][r][h][0] = v.x; q[u][r][h][1] = v.y;
+                            q[u][r][h][2] = v.z; q[u][r][h][3] = v.w;
+                        } else {
+                            const uint2 v = *reinterpret_cast<const uint2*>(p);
+                            q[u][r][h][0] = v.x; q[u][r][h][1] = v.y;
+                        }
+                        sc[u][r][h] = scales[row * G + gi];
+                        bi[u][r][h] = biases[row * G + gi];
+                    }
             }
         }
         #pragma unroll
-        for (int u = 0; u < UNROLL; ++u) {
-            if (s + u < s1) {
-                const int kb = (s + u) * SLAB;
-                wmma::fragment<wmma::matrix_a, 16, 16, 16, T, wmma::row_major> a[SLAB / 16][MT];
+        for (int s = 0; s < U * BPC; ++s) {
+            const int u = s / BPC, d0 = (s % BPC) * XW;
+            if (c + u < c1) {
+                strata_ldx<XW, NTOK>(xv, x, K, g, (c + u) * CK + t * 8 * WPL + 8 * d0);
+                // Word d of this lane: K elements kx + 8d .. + 7, two k16 products. The lanes'
+                // K indices are a permutation of the chunk's, the same for a and b.
                 #pragma unroll
-                for (int kk = 0; kk < SLAB / 16; ++kk)
+                for (int e = 0; e < XW; ++e) {
+                    const int d = d0 + e;
                     #pragma unroll
-                    for (int t = 0; t < MT; ++t)
-                        wmma::load_matrix_sync(a[kk][t], x + (size_t)t * 16 * K + kb + kk * 16, K);
-                #pragma unroll
-                for (int j = 0; j < NT; ++j) {
-                    T* dst = ws + (j * 16 + r) * LDW + h * 32;
-                    reinterpret_cast<uint4*>(dst)[0] = strata_dq8(q[u][j].x, sc[u][j], bi[u][j]);
-                    reinterpret_cast<uint4*>(dst)[1] = strata_dq8(q[u][j].y, sc[u][j], bi[u][j]);
-                    reinterpret_cast<uint4*>(dst)[2] = strata_dq8(q[u][j].z, sc[u][j], bi[u][j]);
-                    reinterpret_cast<uint4*>(dst)[3] = strata_dq8(q[u][j].w, sc[u][j], bi[u][j]);
-                }
-                __syncwarp();
-                #pragma unroll
-                for (int kk = 0; kk < SLAB / 16; ++kk) {
-                    #pragma unroll
-                    for (int j = 0; j < NT; ++j) {
-                        wmma::fragment<wmma::matrix_b, 16, 16, 16, T, wmma::col_major> b;
-                        wmma::load_matrix_sync(b, ws + j * 16 * LDW + kk * 16, LDW);
+                    for (int r = 0; r < RT; ++r) {
+                        const uint4 lo = strata_dq8(q[u][r][0][d], sc[u][r][0], bi[u][r][0]);
+                        const uint4 hi = strata_dq8(q[u][r][1][d], sc[u][r][1], bi[u][r][1]);
                         #pragma unroll
-                        for (int t = 0; t < MT; ++t)
-                            wmma::mma_sync(acc[t][j], a[kk][t], b, acc[t][j]);
+                        for (int j = 0; j < NTOK; ++j) {
+                            strata_mma(acc[r][j], make_uint4(lo.x, hi.x, lo.y, hi.y),
+                                       make_uint2(xv[e][j].x, xv[e][j].y), tag);
+                            strata_mma(acc[r][j], make_uint4(lo.z, hi.z, lo.w, hi.w),
+                                       make_uint2(xv[e][j].z, xv[e][j].w), tag);
+                        }
                     }
                 }
-                __syncwarp();
             }
         }
     }
 
-    __syncthreads();                             // every warp is done with its tile
-    float* cs = reinterpret_cast<float*>(smem);
+    // The warps' partial sums meet in shared memory, 8 tokens at a time, and are added in warp
+    // order (deterministic).
+    __shared__ float red[WARPS][8][16 * RT];
     #pragma unroll
-    for (int t = 0; t < MT; ++t)
+    for (int j = 0; j < NTOK; ++j) {
         #pragma unroll
-        for (int j = 0; j < NT; ++j)
-            wmma::store_matrix_sync(
-                cs + ((warp * MT + t) * NT + j) * 256, acc[t][j], 16, wmma::mem_row_major);
-    __syncthreads();
-    for (int i = threadIdx.x; i < MT * NT * 256; i += blockDim.x) {
-        const int tile = i / 256, e = i % 256;   // tile = t * NT + j
-        float sum = 0.0f;
-        #pragma unroll
-        for (int v = 0; v < WARPS; ++v) sum += cs[(v * MT * NT + tile) * 256 + e];
-        const int m = (tile / NT) * 16 + e / 16, n = n0 + (tile % NT) * 16 + e % 16;
-        out[(size_t)m * N + n] = static_cast<T>(sum);
-    }
+        for (int r = 0; r < RT; ++r) {
+            red[warp][2 * t][16 * r + g] = acc[r][j][0];
+            red[warp][2 * t + 1][16 * r + g] = acc[r][j][1];
+            red[warp][2 * t][16 * r + g + 8] = acc[r][j][2];
+            red[warp][2 * t + 1][16 * r + g + 8] = acc[r][j][3];
+        }
+        __syncthreads();
 """
+
+_STORE = {
+    # out [rows, N]: the block's 16 * RT columns.
+    "plain": r"""
+        for (int i = threadIdx.x; i < 8 * 16 * RT; i += blockDim.x) {
+            const int tok = i / (16 * RT), col = i % (16 * RT);
+            float sum = 0.0f;
+            #pragma unroll
+            for (int v = 0; v < WARPS; ++v) sum += red[v][tok][col];
+            out[(size_t)(8 * j + tok) * N + n0 + col] = static_cast<T>(sum);
+        }
+        __syncthreads();
+    }
+""",
+    # Weight rows [0, N0) to out0, [N0, N1) to out1, [N1, N) to out2; a block's columns lie in
+    # one of them (their sizes are multiples of 16 * RT).
+    "split": r"""
+        T* o = out0;
+        int ld = N0, base = n0;
+        if (n0 >= N1) { o = out2; ld = N - N1; base = n0 - N1; }
+        else if (n0 >= N0) { o = out1; ld = N1 - N0; base = n0 - N0; }
+        for (int i = threadIdx.x; i < 8 * 16 * RT; i += blockDim.x) {
+            const int tok = i / (16 * RT), col = i % (16 * RT);
+            float sum = 0.0f;
+            #pragma unroll
+            for (int v = 0; v < WARPS; ++v) sum += red[v][tok][col];
+            o[(size_t)(8 * j + tok) * ld + base + col] = static_cast<T>(sum);
+        }
+        __syncthreads();
+    }
+""",
+    # out [rows, N / 2] = silu(gate) * up, gate and up the float32 sums of the two row tiles.
+    "swiglu": r"""
+        for (int i = threadIdx.x; i < 8 * 16; i += blockDim.x) {
+            const int tok = i / 16, col = i % 16;
+            float gate = 0.0f, up = 0.0f;
+            #pragma unroll
+            for (int v = 0; v < WARPS; ++v) {
+                gate += red[v][tok][col];
+                up += red[v][tok][16 + col];
+            }
+            out[(size_t)(8 * j + tok) * (N / 2) + n0 + col] =
+                static_cast<T>(gate / (1.0f + __expf(-gate)) * up);
+        }
+        __syncthreads();
+    }
+""",
+}
+
+_OUTPUTS = {"plain": ["out"], "split": ["out0", "out1", "out2"], "swiglu": ["out"]}
 
 
 @functools.cache
-def _get_kernel():
-    """The kernel, built on first use (MLX compiles it per template instantiation)."""
+def _get_kernel(store: str):
+    """The kernel writing its results as ``store`` says (a key of ``_STORE``), built on first
+    use (MLX compiles it per template instantiation)."""
     return mx.fast.cuda_kernel(
-        name="strata_mma_qmm",
+        name=f"strata_mma_qmm_{store}",
         input_names=["x", "w", "scales", "biases"],
-        output_names=["out"],
-        source=_SOURCE,
-        header=_HEADER,
+        output_names=_OUTPUTS[store],
+        source=_BODY + _STORE[store],
+        header=_HEADER + _MMA,
     )
+
+
+def words_per_lane(k: int) -> int:
+    """Packed words (8 elements each) a lane reads per row per K chunk: 4 (chunks of 128
+    elements, 16-byte loads) where 128 divides ``k``, else 2 (64 elements)."""
+    return 4 if k % 128 == 0 else 2
+
+
+def warps_per_block(n: int, k: int) -> int:
+    """Warps that split the K dimension of an ``[n, k]`` weight, a function of the weight's
+    shape alone (so that a row's result does not depend on the row count): doubled from 1
+    while the grid of ``n / 16`` row tiles has fewer than ``TARGET_WARPS`` warps, a block fewer
+    than ``MAX_WARPS`` and each warp at least ``2 * MIN_CHUNKS`` chunks of K."""
+    tiles, chunks = n // 16, k // (32 * words_per_lane(k))
+    warps = 1
+    while warps < MAX_WARPS and tiles * warps < TARGET_WARPS and chunks >= 2 * MIN_CHUNKS * warps:
+        warps *= 2
+    return warps
 
 
 def supported(rows: int, n: int, k: int, bits: int, group_size: int, dtype: mx.Dtype) -> bool:
@@ -228,9 +346,80 @@ def supported(rows: int, n: int, k: int, bits: int, group_size: int, dtype: mx.D
         and group_size in (32, 64, 128)
         and dtype in OUT_DTYPES
         and n % 16 == 0
-        and k % SLAB == 0
+        and k % 64 == 0
         and k % group_size == 0
     )
+
+
+def _check(x: mx.array, weight: mx.array, scales: mx.array, biases: mx.array, group_size: int):
+    """Raise ValueError unless :func:`supported` takes ``x`` by ``weight`` and the scales and
+    biases match it."""
+    m, k = x.shape
+    n = weight.shape[0]
+    if not supported(m, n, k, 4, group_size, x.dtype) or weight.shape[1] * 8 != k:
+        raise ValueError(
+            f"cuda_mma: [{m}, {k}] {x.dtype} by a {tuple(weight.shape)} 4-bit weight in groups "
+            f"of {group_size} is not handled here (MLX CUDA, rows <= {MAX_ROWS}, n % 16 == 0, "
+            f"k % 64 == 0, 16-bit activations); use mx.quantized_matmul"
+        )
+    if scales.dtype != x.dtype or biases.dtype != x.dtype:
+        raise ValueError(
+            f"cuda_mma: scales and biases must be {x.dtype} like the activations (the kernel "
+            f"dequantizes in pairs of them); got {scales.dtype}, {biases.dtype}"
+        )
+    if scales.shape != (n, k // group_size) or biases.shape != scales.shape:
+        raise ValueError(
+            f"cuda_mma: scales {tuple(scales.shape)} and biases {tuple(biases.shape)} do not "
+            f"match a [{n}, {k}] weight in groups of {group_size}"
+        )
+
+
+def _launch(
+    store: str,
+    x: mx.array,
+    w: tuple[mx.array, mx.array, mx.array],
+    group_size: int,
+    rt: int,
+    blocks: int,
+    widths: list[int],
+    extra: list[tuple[str, int]],
+) -> list[mx.array]:
+    """One call of the ``store`` kernel: ``blocks`` blocks of :func:`warps_per_block` warps,
+    ``rt`` row tiles per warp, outputs ``[m, width]`` for ``widths`` (x padded to whole 8-row
+    column tiles of the mma, the padding dropped)."""
+    m, k = x.shape
+    n = w[0].shape[0]
+    ntok = -(-m // 8)
+    warps, wpl = warps_per_block(n, k), words_per_lane(k)
+    if ntok * 8 != m:  # mma columns are 8 tokens: pad with zero rows, dropped below
+        x = mx.concatenate([x, mx.zeros((ntok * 8 - m, k), dtype=x.dtype)])
+    outs = _get_kernel(store)(
+        inputs=[x, *w],
+        template=[
+            ("T", x.dtype),
+            ("GS", group_size),
+            ("NTOK", ntok),
+            ("RT", rt),
+            ("WARPS", warps),
+            ("WPL", wpl),
+            ("U", LOAD_WORDS // (rt * 2 * wpl)),
+            ("SWIGLU", int(store == "swiglu")),
+            *extra,
+        ],
+        grid=(blocks * warps * 32, 1, 1),
+        threadgroup=(warps * 32, 1, 1),
+        output_shapes=[(ntok * 8, width) for width in widths],
+        output_dtypes=[x.dtype] * len(widths),
+    )
+    return list(outs) if ntok * 8 == m else [o[:m] for o in outs]
+
+
+def _row_tiles(n: int, k: int, m: int) -> int:
+    """Row tiles per warp: two (each x fragment used twice) where the weight's rows come in
+    32s, that still leaves half of ``TARGET_WARPS`` and the accumulators fit (at most 32 rows
+    of ``x``); else one. A row's sums are the same either way."""
+    warps = warps_per_block(n, k)
+    return 2 if n % 32 == 0 and n // 32 * warps >= TARGET_WARPS // 2 and m <= 32 else 1
 
 
 def matmul(
@@ -245,7 +434,7 @@ def matmul(
     Args:
         x: ``[m, k]`` float16 or bfloat16, ``m <= MAX_ROWS``.
         weight: uint32 ``[n, k / 8]``, row-major contiguous.
-        scales: float ``[n, k / group_size]`` (any float dtype).
+        scales: float ``[n, k / group_size]`` of ``x``'s dtype.
         biases: like ``scales``.
         group_size: 32, 64 or 128.
 
@@ -256,46 +445,77 @@ def matmul(
     Raises:
         ValueError: a shape or dtype :func:`supported` refuses.
     """
-    m, k = x.shape
-    n = weight.shape[0]
-    if not supported(m, n, k, 4, group_size, x.dtype) or weight.shape[1] * 8 != k:
+    _check(x, weight, scales, biases, group_size)
+    (m, k), n = x.shape, weight.shape[0]
+    rt = _row_tiles(n, k, m)
+    return _launch("plain", x, (weight, scales, biases), group_size, rt, n // (16 * rt), [n], [])[0]
+
+
+def matmul_split(
+    x: mx.array,
+    weight: mx.array,
+    scales: mx.array,
+    biases: mx.array,
+    group_size: int,
+    widths: tuple[int, int, int],
+) -> list[mx.array]:
+    """:func:`matmul` by a weight made of three stacked ones (a fused Q/K/V projection), their
+    products as three contiguous arrays: one kernel call where three would each pay a launch.
+
+    Args:
+        widths: the rows of the three weights (``sum(widths) == n``), each a multiple of 16.
+        others: as :func:`matmul`.
+
+    Returns:
+        ``[m, widths[i]]`` for each, equal to :func:`matmul` of ``x`` by that weight's rows up
+        to the sums' order (the K split follows the stacked weight's shape).
+
+    Raises:
+        ValueError: as :func:`matmul`; widths that do not add up to ``n`` or are not multiples
+            of 16.
+    """
+    _check(x, weight, scales, biases, group_size)
+    (m, k), n = x.shape, weight.shape[0]
+    if sum(widths) != n or len(widths) != 3 or any(wd <= 0 or wd % 16 for wd in widths):
         raise ValueError(
-            f"cuda_mma: [{m}, {k}] {x.dtype} by a {tuple(weight.shape)} 4-bit weight in groups "
-            f"of {group_size} is not handled here (MLX CUDA, rows <= {MAX_ROWS}, n % 16 == 0, "
-            f"k % {SLAB} == 0, 16-bit activations); use mx.quantized_matmul"
+            f"cuda_mma.matmul_split: widths {tuple(widths)} must be three positive multiples of "
+            f"16 that add up to the weight's {n} rows"
         )
-    if scales.dtype != x.dtype or biases.dtype != x.dtype:
-        raise ValueError(
-            f"cuda_mma: scales and biases must be {x.dtype} like the activations (the kernel "
-            f"dequantizes in pairs of them); got {scales.dtype}, {biases.dtype}"
-        )
-    if scales.shape != (n, k // group_size) or biases.shape != scales.shape:
-        raise ValueError(
-            f"cuda_mma: scales {tuple(scales.shape)} and biases {tuple(biases.shape)} do not "
-            f"match a [{n}, {k}] weight in groups of {group_size}"
-        )
-    tiles = -(-m // 16)
-    nt = 2 if tiles <= 2 and n % 32 == 0 else 1  # two column tiles share each x fragment
-    unroll = UNROLL // nt
-    if tiles * 16 != m:  # WMMA tiles are 16 rows: pad with zero rows, dropped below
-        x = mx.concatenate([x, mx.zeros((tiles * 16 - m, k), dtype=x.dtype)])
-    smem = max(WARPS * 16 * nt * LDW * 2, WARPS * tiles * nt * 256 * 4)
-    (out,) = _get_kernel()(
-        inputs=[x, weight, scales, biases],
-        template=[
-            ("T", x.dtype),
-            ("GS", group_size),
-            ("MT", tiles),
-            ("WARPS", WARPS),
-            ("NT", nt),
-            ("UNROLL", unroll),
-            ("SLAB", SLAB),
-            ("LDW", LDW),
-            ("SMEM", smem),
-        ],
-        grid=(n // (16 * nt) * WARPS * 32, 1, 1),
-        threadgroup=(WARPS * 32, 1, 1),
-        output_shapes=[(tiles * 16, n)],
-        output_dtypes=[x.dtype],
+    rt = 2 if all(wd % 32 == 0 for wd in widths) and _row_tiles(n, k, m) == 2 else 1
+    extra = [("N0", widths[0]), ("N1", widths[0] + widths[1])]
+    return _launch(
+        "split", x, (weight, scales, biases), group_size, rt, n // (16 * rt), list(widths), extra
     )
-    return out if tiles * 16 == m else out[:m]
+
+
+def swiglu(
+    x: mx.array,
+    weight: mx.array,
+    scales: mx.array,
+    biases: mx.array,
+    group_size: int,
+) -> mx.array:
+    """``silu(x @ gate.T) * (x @ up.T)`` for ``weight`` = ``[gate; up]`` stacked (a fused FFN
+    gate/up projection), in one kernel call: SwiGLU (Shazeer 2020, "GLU Variants Improve
+    Transformer"), as Llama's FFN computes before its down projection.
+
+    Args:
+        weight: uint32 ``[2f, k / 8]``: the gate's f rows, then the up projection's.
+        others: as :func:`matmul`.
+
+    Returns:
+        ``[m, f]`` of ``x``'s dtype: the gate's and up's float32 sums (as :func:`matmul` forms
+        them), combined in float32 and rounded once (the unfused path rounds each product
+        first).
+
+    Raises:
+        ValueError: as :func:`matmul`; ``f`` not a multiple of 16.
+    """
+    _check(x, weight, scales, biases, group_size)
+    n = weight.shape[0]
+    if n % 32:
+        raise ValueError(
+            f"cuda_mma.swiglu: the stacked gate/up weight has {n} rows; each half must be a "
+            f"multiple of 16"
+        )
+    return _launch("swiglu", x, (weight, scales, biases), group_size, 2, n // 32, [n // 2], [])[0]

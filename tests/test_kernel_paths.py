@@ -166,3 +166,43 @@ def test_tensor_core_range_measurement_reports_every_row_count():
     lo, hi, times = measure_mma_rows((256, 512), "float16", repeats=1)
     assert set(times) == {2, 4, 8, 16, 32, 64}
     assert (lo.value, hi.value) == mma_range(times)
+
+
+@pytest.mark.skipif(not CUDA, reason="needs MLX's CUDA backend")
+@pytest.mark.parametrize("rows", [1, 5, 16, 24, 33])
+@pytest.mark.parametrize("dtype", [mx.float16, mx.bfloat16])
+def test_fused_kernels_match_their_parts(rows, dtype):
+    """The fused products (a stacked Q/K/V weight split into three outputs; SwiGLU of a stacked
+    gate/up weight) equal the float32 products of their parts within the kernel's tolerance, and
+    a row's result does not depend on the other rows."""
+    from executor.ops import fuse
+
+    k, tol = 640, (4e-3 if dtype == mx.bfloat16 else 1e-3)
+    x = mx.array(np.random.default_rng(3).standard_normal((rows, k)).astype(np.float32))
+    x = x.astype(dtype)
+    parts = [_weight(n, k, 4, 32, dtype) for n in (96, 32, 32)]
+    fused, views = fuse(parts)
+    assert all(mx.array_equal(v.weight, p.weight) for v, p in zip(views, parts, strict=True))
+    s = fused.stacked
+    outs = cuda_mma.matmul_split(x, s.weight, s.scales, s.biases, 32, fused.widths)
+    for got, p in zip(outs, parts, strict=True):
+        ref = x.astype(mx.float32) @ _dense_reference(p, dtype).astype(mx.float32).T
+        assert got.shape == (rows, p.shape[0])
+        assert (mx.abs(got.astype(mx.float32) - ref).max() / mx.abs(ref).max()).item() < tol
+    alone = cuda_mma.matmul_split(x[:1], s.weight, s.scales, s.biases, 32, fused.widths)
+    assert all(mx.array_equal(a[0], o[0]) for a, o in zip(alone, outs, strict=True))
+
+    gate, up = _weight(80, k, 4, 32, dtype), _weight(80, k, 4, 32, dtype)
+    up = type(up)(up.weight[::-1], up.scales[::-1], up.biases[::-1], 4, 32)  # differ from gate
+    fused, _ = fuse([gate, up])
+    s = fused.stacked
+    got = cuda_mma.swiglu(x, s.weight, s.scales, s.biases, 32)
+    xf = x.astype(mx.float32)
+    g = xf @ _dense_reference(gate, dtype).astype(mx.float32).T
+    u = xf @ _dense_reference(up, dtype).astype(mx.float32).T
+    ref = g * mx.sigmoid(g) * u
+    assert got.shape == (rows, 80) and got.dtype == dtype
+    assert (mx.abs(got.astype(mx.float32) - ref).max() / mx.abs(ref).max()).item() < 2 * tol
+    assert mx.array_equal(cuda_mma.swiglu(x[:1], s.weight, s.scales, s.biases, 32)[0], got[0])
+    with pytest.raises(ValueError, match="multiples of 16"):
+        cuda_mma.matmul_split(x, s.weight, s.scales, s.biases, 32, (80, 70, 10))

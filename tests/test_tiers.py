@@ -119,3 +119,45 @@ def test_loaded_smollm2_stays_packed(smollm2_engine):
     gguf_bytes = sum(t.bytes_gguf for t in quantized)
     assert total <= 1.25 * gguf_bytes
     print(f"quantized tensors: {total / gguf_bytes:.3f}x their GGUF bytes")
+
+
+def test_fused_projections_are_views_and_change_nothing(smollm2_plan, smollm2_engine, monkeypatch):
+    """With projection fusion on (``executor.ops.FUSE_PROJECTIONS``, MLX's CUDA backend by
+    default), a resident block's Q/K/V and gate/up are stacked into one weight each and the parts
+    become row views of it: equal to the unfused tensors, the bytes counted once, and (off CUDA,
+    where the fused kernels do not apply) the same greedy tokens."""
+    import executor.weights as weights
+    from executor.ops import FusedLinear
+
+    monkeypatch.setattr(weights, "FUSE_PROJECTIONS", True)
+    fused_engine = Engine(load_plan(smollm2_plan))
+    try:
+        store, plain = fused_engine.store, smollm2_engine.store
+        seen = set()
+        for u in [u for u in store._tier_of_unit if u.startswith("blk.3.")]:
+            before = store.bytes_read["gpu"]
+            ws, ref = store.unit(u), plain.unit(u)
+            assert store.bytes_read["gpu"] - before == sum(w.nbytes for w in ref.values())
+            for key, parts in weights.FUSED:
+                f = ws.get("blk.3." + key)
+                if f is None:
+                    continue
+                seen.add(key)
+                assert isinstance(f, FusedLinear)
+                names = ["blk.3." + p + ".weight" for p in parts]
+                assert f.widths == tuple(ref[n].shape[0] for n in names)
+                assert mx.array_equal(
+                    f.stacked.weight, mx.concatenate([ref[n].weight for n in names])
+                )
+                for n in names:
+                    assert mx.array_equal(ws[n].weight, ref[n].weight)
+                    assert mx.array_equal(ws[n].scales, ref[n].scales)
+                    assert mx.array_equal(ws[n].biases, ref[n].biases)
+        assert seen == {"attn_qkv", "ffn_gate_up"}
+        ids = smollm2_engine.tokenizer.encode("The capital of France is")
+        greedy = SamplingParams(temperature=0)
+        a = fused_engine.generate(ids, greedy, max_tokens=8).output_ids
+        b = smollm2_engine.generate(ids, greedy, max_tokens=8).output_ids
+        assert a == b
+    finally:
+        fused_engine.close()

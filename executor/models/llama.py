@@ -44,7 +44,7 @@ import mlx.core as mx
 import numpy as np
 
 from executor import cuda_attention
-from executor.ops import PAD_ROWS, bucket_rows, linear, row_tile
+from executor.ops import PAD_ROWS, bucket_rows, fused_qkv, fused_swiglu, linear, row_tile
 from executor.paged_kv import Chunk, ForwardBatch, PagedKVCache, SequenceCache
 from executor.weights import Weight, WeightStore
 from planner.errors import StrataError
@@ -246,6 +246,10 @@ class LlamaModel:
         """The token embeddings of ``ids``, [1, T, d] in the compute dtype."""
         return self.store.rows("token_embd.weight", "token_embd", ids)[None].astype(self.dtype)
 
+    swiglu = True
+    """The FFN's activation is SiLU (SwiGLU): a resident block's gate and up may be one fused
+    tensor-core call (``executor.ops.fused_swiglu``), which computes SiLU itself."""
+
     def activation(self, gate: mx.array) -> mx.array:
         """The FFN's gate activation: SiLU (SwiGLU)."""
         return nn_silu(gate)
@@ -434,13 +438,16 @@ class LlamaModel:
         a, p, la = self.arch, f"blk.{layer}.", self.layers[layer]
         rows, n = x.shape[1], batch.num_tokens
         h = self._norm(x, w[p + "attn_norm.weight"])
-        q, k = self._proj(w, p + "attn_q", h), self._proj(w, p + "attn_k", h)
+        qkv = fused_qkv(h, w.get(p + "attn_qkv"))  # one tensor-core call where it applies
+        if qkv is None:
+            qkv = [self._proj(w, p + name, h) for name in ("attn_q", "attn_k", "attn_v")]
+        q, k, v = qkv
         if self.qk_norm_full:
             q = self._norm(q, w[p + "attn_q_norm.weight"])
             k = self._norm(k, w[p + "attn_k_norm.weight"])
         q = q.reshape(rows, a.head_count, a.head_dim)
         k = k.reshape(rows, a.head_count_kv, a.head_dim)
-        v = self._proj(w, p + "attn_v", h).reshape(rows, a.head_count_kv, a.head_dim)
+        v = v.reshape(rows, a.head_count_kv, a.head_dim)
         if self.qk_norm and not self.qk_norm_full:
             q = self._norm(q, w[p + "attn_q_norm.weight"])
             k = self._norm(k, w[p + "attn_k_norm.weight"])
@@ -480,9 +487,12 @@ class LlamaModel:
         """Gated FFN of block ``layer`` (SwiGLU, or the subclass's activation): [1, T, d]."""
         p = f"blk.{layer}."
         h = self._norm(x, w[p + "ffn_norm.weight"])
-        g = linear(h, w[p + "ffn_gate.weight"])
-        u = linear(h, w[p + "ffn_up.weight"])
-        o = linear(self.activation(g) * u, w[p + "ffn_down.weight"])
+        gated = fused_swiglu(h, w.get(p + "ffn_gate_up")) if self.swiglu else None
+        if gated is None:
+            gated = self.activation(linear(h, w[p + "ffn_gate.weight"])) * linear(
+                h, w[p + "ffn_up.weight"]
+            )
+        o = linear(gated, w[p + "ffn_down.weight"])
         return self._norm(o, w[p + "post_ffw_norm.weight"]) if self.post_norms else o
 
     def moe_ffn(self, w: dict[str, Weight], layer: int, x: mx.array) -> mx.array:

@@ -1,0 +1,153 @@
+#!/usr/bin/env python3
+"""Prefix-cache TTFT and a 16-sequence decode step, in-process (no HTTP), fused projections
+against unfused, in one process.
+
+The serving engine of a plan (``executor.serving.ServingEngine``) is driven from this thread:
+
+- ``cold``: a prompt of a 1,000-token document (``--document-tokens``) and a 16-token suffix,
+  after a prefix-cache reset;
+- ``warm``: the same document with another suffix (the document's whole KV blocks hit);
+- ``step16``: 16 sequences of 8-token prompts decoding 48 tokens each, the median time between
+  a sequence's token events after its first 8.
+
+Each is the time from submission to the event on the engine thread. Variants (``--variants``),
+interleaved round by round: ``fused`` (as shipped: on MLX's CUDA backend a resident block's
+stacked Q/K/V and gate/up take ``executor.ops.fused_qkv`` / ``fused_swiglu`` for 2-32 rows) and
+``unfused`` (those two functions made to decline, so the model makes its seven projection
+calls). Round 0 builds kernels and is not counted; the medians of the rest are reported, and
+every variant's greedy tokens of the 16 sequences are checked equal to the first variant's or
+reported as differing (the fused SwiGLU rounds once where the unfused path rounds each product).
+
+usage: python bench/prefix_inprocess.py PLAN [--rounds 4] [--variants fused,unfused]
+       [--document-tokens 1000] [-o FILE]
+
+Measured on the lent H200 (2026-12-01, synthetic Llama-3-8B shape, Q4_0, rounds 1-2 of 3):
+fused cold 46.7 ms, warm 10.1 ms (4.6x), step16 10.2 ms; unfused 49.1, 11.5 (4.3x), 15.3
+(``bench/results/2026-12-01.prefix-fused-inprocess.h200.llama3-8b-shape.json``; measured with
+this script's first version, which did not yet compare the tokens).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import executor.models.llama as llama  # noqa: E402
+from executor.engine import Engine  # noqa: E402
+from executor.plan_loader import load_plan  # noqa: E402
+from executor.sampling import SamplingParams  # noqa: E402
+from executor.serving import GenerationRequest, ServingEngine  # noqa: E402
+
+VARIANTS = {
+    "fused": (llama.fused_qkv, llama.fused_swiglu),
+    "unfused": (lambda *a: None, lambda *a: None),
+}
+"""Variant -> the model module's (fused_qkv, fused_swiglu)."""
+
+WAIT_S = 300.0
+"""Seconds a group of requests may take before the bench gives up."""
+
+
+def run(serving: ServingEngine, prompts: list[list[int]], max_tokens: int):
+    """Submit ``prompts`` together and wait for all; (submission time, {id: [event times]},
+    {id: [token ids]})."""
+    done, lock, left = threading.Event(), threading.Lock(), [len(prompts)]
+    times: dict[str, list[float]] = {}
+    tokens: dict[str, list[int]] = {}
+
+    def handler(rid: str):
+        def on_event(ev) -> None:
+            times[rid].append(time.perf_counter())
+            tokens[rid].extend(ev.token_ids)
+            if ev.finish_reason:
+                if ev.finish_reason not in ("length", "stop"):
+                    print(f"request {rid} ended with {ev.finish_reason}: {ev.error}")
+                with lock:
+                    left[0] -= 1
+                    if not left[0]:
+                        done.set()
+
+        return on_event
+
+    t0 = time.perf_counter()
+    for i, ids in enumerate(prompts):
+        rid = f"bench-{time.time_ns()}-{i}"
+        times[rid], tokens[rid] = [], []
+        req = GenerationRequest(rid, ids, max_tokens, SamplingParams(temperature=0), True)
+        serving.submit(req, handler(rid))
+    if not done.wait(WAIT_S):
+        raise SystemExit(f"requests did not finish within {WAIT_S:.0f} s")
+    return t0, times, [tokens[r] for r in times]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("plan")
+    ap.add_argument("--rounds", type=int, default=4)
+    ap.add_argument("--variants", default="fused,unfused")
+    ap.add_argument("--document-tokens", type=int, default=1000)
+    ap.add_argument("-o", "--output")
+    args = ap.parse_args()
+    names = args.variants.split(",")
+    unknown = [v for v in names if v not in VARIANTS]
+    if unknown or args.rounds < 2:
+        ap.error(f"variants are {sorted(VARIANTS)}; --rounds is at least 2 (round 0 builds)")
+    serving = ServingEngine(Engine(load_plan(args.plan)))
+    t0 = time.perf_counter()
+    serving.start()
+    print(f"warm-up {time.perf_counter() - t0:.1f} s")
+    rng = np.random.default_rng(0)
+    vocab = serving.vocab_size
+    doc = rng.integers(0, vocab, args.document_tokens).tolist()
+    short = [rng.integers(0, vocab, 8).tolist() for _ in range(16)]
+    res = {v: {"cold": [], "warm": [], "step16": []} for v in names}
+    texts: dict[str, list[list[int]]] = {}
+    try:
+        for rnd in range(args.rounds):
+            for v in names:
+                llama.fused_qkv, llama.fused_swiglu = VARIANTS[v]
+                serving.reset_prefix_cache()
+                t, ev, _ = run(serving, [doc + rng.integers(0, vocab, 16).tolist()], 1)
+                cold = next(iter(ev.values()))[0] - t
+                t, ev, _ = run(serving, [doc + rng.integers(0, vocab, 16).tolist()], 1)
+                warm = next(iter(ev.values()))[0] - t
+                _, ev, toks = run(serving, short, 48)
+                step = statistics.median(statistics.median(np.diff(e[8:])) for e in ev.values())
+                texts.setdefault(v, toks)
+                if rnd:
+                    res[v]["cold"].append(cold)
+                    res[v]["warm"].append(warm)
+                    res[v]["step16"].append(step)
+                print(
+                    f"round {rnd} {v:8s}: cold {cold * 1e3:6.1f} ms, warm {warm * 1e3:5.1f} ms "
+                    f"(x{cold / warm:.2f}), 16-sequence step {step * 1e3:5.2f} ms"
+                )
+    finally:
+        llama.fused_qkv, llama.fused_swiglu = VARIANTS["fused"]
+        serving.close()
+    out = {"plan": args.plan, "rounds": res, "medians_ms": {}, "tokens_equal": {}}
+    for v in names:
+        med = {k: round(statistics.median(x) * 1e3, 2) for k, x in res[v].items()}
+        out["medians_ms"][v] = med
+        same = sum(a == b for a, b in zip(texts[v], texts[names[0]], strict=True))
+        out["tokens_equal"][v] = f"{same}/{len(texts[v])}"
+        print(
+            f"{v:8s}: cold {med['cold']} ms, warm {med['warm']} ms "
+            f"(x{med['cold'] / med['warm']:.2f}), 16-sequence step {med['step16']} ms; "
+            f"greedy tokens equal to {names[0]}'s for {same} of {len(texts[v])} sequences"
+        )
+    if args.output:
+        Path(args.output).write_text(json.dumps(out, indent=1))
+
+
+if __name__ == "__main__":
+    main()
