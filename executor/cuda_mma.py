@@ -1,5 +1,6 @@
 """A batched 4-bit matmul on NVIDIA tensor cores, for products of a few dozen rows, and two
-fused forms of it (a stacked Q/K/V projection; SwiGLU of a stacked gate/up projection).
+fused forms of it: three weights of one input in one call (Q, K, V), and SwiGLU (gate, up, SiLU
+and their product in one call).
 
 On MLX's CUDA backend a product of a few rows by a 4-bit weight is slow: ``mx.quantized_matmul``
 took 133-471 us for 16-32 rows by Llama-3-8B FFN weights on the H200 (``bench/cuda_qmm.py``, call
@@ -30,18 +31,23 @@ A row's result does not depend on the other rows or on how many there are (each 
 tile is computed alike), so products through this kernel are batch invariant across its row
 counts. The fused forms take one call where the model made three (Q, K, V) or four (gate, up,
 SiLU, the product), and each call on MLX's CUDA backend costs about 8 us beside its work (a chain
-of trivial custom kernels, H200, 2026-12-01).
+of trivial custom kernels, H200, 2026-12-01). They read each weight where it lies (any tier's
+arrays, nothing stacked): a block's warps are assigned to one weight's row tiles. ``matmul3``'s
+products equal :func:`matmul`'s bit for bit (:func:`fusable`: the same K split); ``swiglu``
+rounds once where the unfused form rounds each step, the same for every tier.
 
 Measured on the lent H200 (MLX 0.32.4, 2026-12-01), per call in chains of calls over distinct
 weights (no L2 reuse), this kernel / the WMMA kernel it replaced / MLX's quantized matmul, us:
 [14336, 4096] 8 rows 32 / 64-77 / 44-47, 16 rows 34-42 / 57-65 / 42-47, 32 rows 48-54 / 84-85 /
 78-87; [4096, 14336] 16 rows 38-43 / 60-69 / 46-49, 32 rows 50 / 74-76 / 76-84; [4096, 4096] 16
-rows 19-23 / 26-28 / 16-17; [1024, 4096] 16 rows 18-27 / 17-24 / 8-10 (too few row tiles: what the
-stacked Q/K/V weight is for); at 64 rows 97-114 / 177-201 / 75-87, so the H200 profile's range
+rows 19-23 / 26-28 / 16-17; [1024, 4096] 16 rows 18-27 / 17-24 / 8-10 (too few row tiles alone; in
+matmul3 they share a call with Q); at 64 rows 97-114 / 177-201 / 75-87, so the H200 profile's range
 stays 2-32. Results within 3.5e-4 of the float32 product of the dequantized weight relative to its
 largest element (float16); each row equal alone and in the batch. In a Llama-3-8B-shaped model
 (in-process, one process, medians): a 24-token suffix after a 992-token prefix-cache hit 11.5 ms
-unfused, 10.1 ms with the fused forms (a 1,016-token prompt: 47 ms).
+unfused, 10.1 ms with the fused forms, a 16-sequence decode step 15.3 and 10.2 ms (that run's
+fused forms read weights stacked at load time; the version here, which reads each weight where
+it lies, compiled for sm_90 with no spills but has not run on a GPU yet).
 
 Layout (``executor.quant``): element ``j`` of a uint32 word sits at bits ``4 * j``; ``w = scale * q
 + bias`` per group of ``group_size`` (32, 64 or 128) elements along a row."""
@@ -52,7 +58,7 @@ import functools
 
 import mlx.core as mx
 
-__all__ = ["MAX_ROWS", "matmul", "supported"]
+__all__ = ["MAX_ROWS", "fusable", "matmul", "matmul3", "supported", "swiglu"]
 
 MAX_ROWS = 64
 """Most rows one call computes: eight 8-token column tiles of the mma products."""
@@ -154,17 +160,21 @@ __device__ __forceinline__ void strata_ldx(uint4 (&xv)[XW][NTOK], const T* x, in
 
 _BODY = r"""
     const int K = x_shape[1];
-    const int N = w_shape[0];
     const int KW = K / 8;                        // packed words per weight row
     const int G = K / GS;                        // scale groups per weight row
     constexpr int CK = 32 * WPL;                 // K elements per chunk: WPL words per lane quad
     const int warp = threadIdx.x / 32;
     const int lane = threadIdx.x % 32;
     const int g = lane >> 2, t = lane & 3;       // mma fragment coordinates
-    // The warp's RT row tiles (16 weight rows = output columns each) start at rows n0 + r * RS:
-    // side by side, or for SwiGLU a tile of the gate half and the same tile of the up half.
-    const int n0 = blockIdx.x * 16 * (SWIGLU ? 1 : RT);
-    const int RS = SWIGLU ? N / 2 : 16;
+    // The warp's RT row tiles: tile r is rows rr[r] .. + 15 of the weight wr[r] (scales sr[r],
+    // biases br[r]); the block's results go to o (row stride ld, first column base).
+    const uint32_t* wr[RT];
+    const T* sr[RT];
+    const T* br[RT];
+    int rr[RT];
+    T* o;
+    int ld, base;
+    STRATA_TILES
     const int chunks = K / CK;
     const int per = (chunks + WARPS - 1) / WARPS;
     const int c0 = min(warp * per, chunks);
@@ -197,8 +207,8 @@ _BODY = r"""
                 for (int r = 0; r < RT; ++r)
                     #pragma unroll
                     for (int h = 0; h < 2; ++h) {
-                        const size_t row = (size_t)(n0 + r * RS + 8 * h + g);
-                        const uint32_t* p = w + row * KW + kw;
+                        const size_t row = (size_t)(rr[r] + 8 * h + g);
+                        const uint32_t* p = wr[r] + row * KW + kw;
                         if constexpr (WPL == 4) {
                             const uint4 v = *reinterpret_cast<const uint4*>(p);
                             q[u][r][h][0] = v.x; q[u][r][h][1] = v.y;
@@ -207,8 +217,8 @@ _BODY = r"""
                             const uint2 v = *reinterpret_cast<const uint2*>(p);
                             q[u][r][h][0] = v.x; q[u][r][h][1] = v.y;
                         }
-                        sc[u][r][h] = scales[row * G + gi];
-                        bi[u][r][h] = biases[row * G + gi];
+                        sc[u][r][h] = sr[r][row * G + gi];
+                        bi[u][r][h] = br[r][row * G + gi];
                     }
             }
         }
@@ -254,26 +264,7 @@ _BODY = r"""
         __syncthreads();
 """
 
-_STORE = {
-    # out [rows, N]: the block's 16 * RT columns.
-    "plain": r"""
-        for (int i = threadIdx.x; i < 8 * 16 * RT; i += blockDim.x) {
-            const int tok = i / (16 * RT), col = i % (16 * RT);
-            float sum = 0.0f;
-            #pragma unroll
-            for (int v = 0; v < WARPS; ++v) sum += red[v][tok][col];
-            out[(size_t)(8 * j + tok) * N + n0 + col] = static_cast<T>(sum);
-        }
-        __syncthreads();
-    }
-""",
-    # Weight rows [0, N0) to out0, [N0, N1) to out1, [N1, N) to out2; a block's columns lie in
-    # one of them (their sizes are multiples of 16 * RT).
-    "split": r"""
-        T* o = out0;
-        int ld = N0, base = n0;
-        if (n0 >= N1) { o = out2; ld = N - N1; base = n0 - N1; }
-        else if (n0 >= N0) { o = out1; ld = N1 - N0; base = n0 - N0; }
+_SUMS = r"""
         for (int i = threadIdx.x; i < 8 * 16 * RT; i += blockDim.x) {
             const int tok = i / (16 * RT), col = i % (16 * RT);
             float sum = 0.0f;
@@ -283,8 +274,61 @@ _STORE = {
         }
         __syncthreads();
     }
+"""
+"""The block's 16 * RT columns of 8 tokens to ``o`` (row stride ``ld``, first column ``base``)."""
+
+_TILES = {
+    # One weight [N, K]; a block owns 16 * RT rows side by side.
+    "plain": r"""
+    #pragma unroll
+    for (int r = 0; r < RT; ++r) {
+        wr[r] = w; sr[r] = scales; br[r] = biases; rr[r] = blockIdx.x * 16 * RT + 16 * r;
+    }
+    o = out; ld = w_shape[0]; base = blockIdx.x * 16 * RT;
 """,
-    # out [rows, N / 2] = silu(gate) * up, gate and up the float32 sums of the two row tiles.
+    # Three weights of one input (Q, K, V): the blocks cover their rows in order, each block
+    # within one of them (their row counts are multiples of 16 * RT).
+    "split3": r"""
+    {
+        const int n0 = blockIdx.x * 16 * RT, e0 = w0_shape[0], e1 = e0 + w1_shape[0];
+        const uint32_t* pw = w0; const T* ps = s0; const T* pb = b0;
+        o = out0; ld = e0; base = n0;
+        if (n0 >= e1) {
+            pw = w2; ps = s2; pb = b2; o = out2; ld = w2_shape[0]; base = n0 - e1;
+        } else if (n0 >= e0) {
+            pw = w1; ps = s1; pb = b1; o = out1; ld = w1_shape[0]; base = n0 - e0;
+        }
+        #pragma unroll
+        for (int r = 0; r < RT; ++r) { wr[r] = pw; sr[r] = ps; br[r] = pb; rr[r] = base + 16 * r; }
+    }
+""",
+    # Gate and up weights of one shape [F, K] (RT == 2): tile 0 the gate's rows, tile 1 the
+    # same rows of up.
+    "swiglu": r"""
+    wr[0] = wg; sr[0] = sg; br[0] = bg; wr[1] = wu; sr[1] = su; br[1] = bu;
+    rr[0] = rr[1] = blockIdx.x * 16;
+    o = out; ld = wg_shape[0]; base = blockIdx.x * 16;
+""",
+}
+"""How each kernel maps its row tiles to weights and its results to outputs."""
+
+_SUMS = r"""
+        for (int i = threadIdx.x; i < 8 * 16 * RT; i += blockDim.x) {
+            const int tok = i / (16 * RT), col = i % (16 * RT);
+            float sum = 0.0f;
+            #pragma unroll
+            for (int v = 0; v < WARPS; ++v) sum += red[v][tok][col];
+            o[(size_t)(8 * j + tok) * ld + base + col] = static_cast<T>(sum);
+        }
+        __syncthreads();
+    }
+"""
+"""The block's 16 * RT columns of 8 tokens, each the warps' sum, rounded once."""
+
+_STORE = {
+    "plain": _SUMS,
+    "split3": _SUMS,
+    # silu(gate) * up of the float32 sums of the two row tiles, rounded once.
     "swiglu": r"""
         for (int i = threadIdx.x; i < 8 * 16; i += blockDim.x) {
             const int tok = i / 16, col = i % 16;
@@ -294,7 +338,7 @@ _STORE = {
                 gate += red[v][tok][col];
                 up += red[v][tok][16 + col];
             }
-            out[(size_t)(8 * j + tok) * (N / 2) + n0 + col] =
+            o[(size_t)(8 * j + tok) * ld + base + col] =
                 static_cast<T>(gate / (1.0f + __expf(-gate)) * up);
         }
         __syncthreads();
@@ -302,7 +346,12 @@ _STORE = {
 """,
 }
 
-_OUTPUTS = {"plain": ["out"], "split": ["out0", "out1", "out2"], "swiglu": ["out"]}
+_INPUTS = {
+    "plain": ["x", "w", "scales", "biases"],
+    "split3": ["x", "w0", "s0", "b0", "w1", "s1", "b1", "w2", "s2", "b2"],
+    "swiglu": ["x", "wg", "sg", "bg", "wu", "su", "bu"],
+}
+_OUTPUTS = {"plain": ["out"], "split3": ["out0", "out1", "out2"], "swiglu": ["out"]}
 
 
 @functools.cache
@@ -311,9 +360,9 @@ def _get_kernel(store: str):
     use (MLX compiles it per template instantiation)."""
     return mx.fast.cuda_kernel(
         name=f"strata_mma_qmm_{store}",
-        input_names=["x", "w", "scales", "biases"],
+        input_names=_INPUTS[store],
         output_names=_OUTPUTS[store],
-        source=_BODY + _STORE[store],
+        source=_BODY.replace("STRATA_TILES", _TILES[store]) + _STORE[store],
         header=_HEADER + _MMA,
     )
 
@@ -374,27 +423,30 @@ def _check(x: mx.array, weight: mx.array, scales: mx.array, biases: mx.array, gr
         )
 
 
+Quant = tuple[mx.array, mx.array, mx.array]
+"""A 4-bit weight as (packed uint32 ``[n, k / 8]``, scales, biases ``[n, k / group_size]``)."""
+
+
 def _launch(
     store: str,
     x: mx.array,
-    w: tuple[mx.array, mx.array, mx.array],
+    weights: list[Quant],
     group_size: int,
     rt: int,
     blocks: int,
     widths: list[int],
-    extra: list[tuple[str, int]],
 ) -> list[mx.array]:
-    """One call of the ``store`` kernel: ``blocks`` blocks of :func:`warps_per_block` warps,
-    ``rt`` row tiles per warp, outputs ``[m, width]`` for ``widths`` (x padded to whole 8-row
-    column tiles of the mma, the padding dropped)."""
+    """One call of the ``store`` kernel on ``weights`` (all of one shape's K, the first's
+    :func:`warps_per_block`): ``blocks`` blocks, ``rt`` row tiles per warp, outputs ``[m,
+    width]`` for ``widths`` (x padded to whole 8-row column tiles of the mma, the padding
+    dropped)."""
     m, k = x.shape
-    n = w[0].shape[0]
     ntok = -(-m // 8)
-    warps, wpl = warps_per_block(n, k), words_per_lane(k)
+    warps, wpl = warps_per_block(weights[0][0].shape[0], k), words_per_lane(k)
     if ntok * 8 != m:  # mma columns are 8 tokens: pad with zero rows, dropped below
         x = mx.concatenate([x, mx.zeros((ntok * 8 - m, k), dtype=x.dtype)])
     outs = _get_kernel(store)(
-        inputs=[x, *w],
+        inputs=[x, *(a for w in weights for a in w)],
         template=[
             ("T", x.dtype),
             ("GS", group_size),
@@ -403,8 +455,6 @@ def _launch(
             ("WARPS", warps),
             ("WPL", wpl),
             ("U", LOAD_WORDS // (rt * 2 * wpl)),
-            ("SWIGLU", int(store == "swiglu")),
-            *extra,
         ],
         grid=(blocks * warps * 32, 1, 1),
         threadgroup=(warps * 32, 1, 1),
@@ -448,74 +498,69 @@ def matmul(
     _check(x, weight, scales, biases, group_size)
     (m, k), n = x.shape, weight.shape[0]
     rt = _row_tiles(n, k, m)
-    return _launch("plain", x, (weight, scales, biases), group_size, rt, n // (16 * rt), [n], [])[0]
+    return _launch("plain", x, [(weight, scales, biases)], group_size, rt, n // (16 * rt), [n])[0]
 
 
-def matmul_split(
-    x: mx.array,
-    weight: mx.array,
-    scales: mx.array,
-    biases: mx.array,
-    group_size: int,
-    widths: tuple[int, int, int],
-) -> list[mx.array]:
-    """:func:`matmul` by a weight made of three stacked ones (a fused Q/K/V projection), their
-    products as three contiguous arrays: one kernel call where three would each pay a launch.
+def fusable(weights: list[Quant], k: int) -> bool:
+    """Whether :func:`matmul3` (or :func:`swiglu`) may compute these weights in one call with
+    each one's results equal to its own :func:`matmul`'s, bit for bit: the same K split
+    (:func:`warps_per_block`) for all of them."""
+    return len({warps_per_block(w[0].shape[0], k) for w in weights}) == 1
+
+
+def matmul3(x: mx.array, weights: list[Quant], group_size: int) -> list[mx.array]:
+    """:func:`matmul` of ``x`` by three weights of the same input (an attention block's Q, K
+    and V) in one kernel call, where three calls would each pay MLX's per-call cost (about 8 us
+    on the H200): each result equal to that weight's own :func:`matmul`, bit for bit.
 
     Args:
-        widths: the rows of the three weights (``sum(widths) == n``), each a multiple of 16.
+        weights: three (weight, scales, biases) of ``[n_i, k]`` weights, each ``n_i`` a multiple
+            of 16, :func:`fusable`.
         others: as :func:`matmul`.
 
     Returns:
-        ``[m, widths[i]]`` for each, equal to :func:`matmul` of ``x`` by that weight's rows up
-        to the sums' order (the K split follows the stacked weight's shape).
+        ``[m, n_i]`` for each weight, in order.
 
     Raises:
-        ValueError: as :func:`matmul`; widths that do not add up to ``n`` or are not multiples
-            of 16.
+        ValueError: as :func:`matmul` for any of them; not three, or not :func:`fusable`.
     """
-    _check(x, weight, scales, biases, group_size)
-    (m, k), n = x.shape, weight.shape[0]
-    if sum(widths) != n or len(widths) != 3 or any(wd <= 0 or wd % 16 for wd in widths):
+    m, k = x.shape
+    if len(weights) != 3 or not fusable(weights, k):
         raise ValueError(
-            f"cuda_mma.matmul_split: widths {tuple(widths)} must be three positive multiples of "
-            f"16 that add up to the weight's {n} rows"
+            "cuda_mma.matmul3: needs three weights with the same K split (cuda_mma.fusable); "
+            "call matmul per weight"
         )
-    rt = 2 if all(wd % 32 == 0 for wd in widths) and _row_tiles(n, k, m) == 2 else 1
-    extra = [("N0", widths[0]), ("N1", widths[0] + widths[1])]
-    return _launch(
-        "split", x, (weight, scales, biases), group_size, rt, n // (16 * rt), list(widths), extra
-    )
+    for w in weights:
+        _check(x, *w, group_size)
+    widths = [w[0].shape[0] for w in weights]
+    rt = _row_tiles(sum(widths), k, m) if all(n % 32 == 0 for n in widths) else 1
+    return _launch("split3", x, weights, group_size, rt, sum(widths) // (16 * rt), widths)
 
 
-def swiglu(
-    x: mx.array,
-    weight: mx.array,
-    scales: mx.array,
-    biases: mx.array,
-    group_size: int,
-) -> mx.array:
-    """``silu(x @ gate.T) * (x @ up.T)`` for ``weight`` = ``[gate; up]`` stacked (a fused FFN
-    gate/up projection), in one kernel call: SwiGLU (Shazeer 2020, "GLU Variants Improve
-    Transformer"), as Llama's FFN computes before its down projection.
+def swiglu(x: mx.array, gate: Quant, up: Quant, group_size: int) -> mx.array:
+    """``silu(x @ gate.T) * (x @ up.T)`` in one kernel call: SwiGLU (Shazeer 2020, "GLU Variants
+    Improve Transformer"), as Llama's FFN computes before its down projection, where the unfused
+    form takes four calls (two products, SiLU, their product).
 
     Args:
-        weight: uint32 ``[2f, k / 8]``: the gate's f rows, then the up projection's.
-        others: as :func:`matmul`.
+        gate, up: (weight, scales, biases) of two ``[f, k]`` weights.
+        others: as :func:`matmul` (``m`` up to ``MAX_ROWS``; from 33 rows each warp holds 64
+            float32 accumulators, more registers than the 2-32 rows the profile gives it).
 
     Returns:
         ``[m, f]`` of ``x``'s dtype: the gate's and up's float32 sums (as :func:`matmul` forms
-        them), combined in float32 and rounded once (the unfused path rounds each product
-        first).
+        them), combined in float32 and rounded once. The unfused form rounds each product,
+        then SiLU, then their product: the two differ by rounding.
 
     Raises:
-        ValueError: as :func:`matmul`; ``f`` not a multiple of 16.
+        ValueError: as :func:`matmul`; gate and up of different shapes.
     """
-    _check(x, weight, scales, biases, group_size)
-    n = weight.shape[0]
-    if n % 32:
+    _check(x, *gate, group_size)
+    _check(x, *up, group_size)
+    if gate[0].shape != up[0].shape:
         raise ValueError(
-            f"cuda_mma.swiglu: the stacked gate/up weight has {n} rows; each half must be a "
-            f"multiple of 16"
+            f"cuda_mma.swiglu: gate {tuple(gate[0].shape)} and up {tuple(up[0].shape)} differ "
+            f"in shape"
         )
-    return _launch("swiglu", x, (weight, scales, biases), group_size, 2, n // 32, [n // 2], [])[0]
+    f = gate[0].shape[0]
+    return _launch("swiglu", x, [gate, up], group_size, 2, f // 16, [f])[0]

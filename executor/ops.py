@@ -36,13 +36,10 @@ from executor import cuda_dequant, cuda_mma
 from executor.quant import PackedWeight
 
 __all__ = [
-    "FUSE_PROJECTIONS",
     "KERNEL_PATHS",
-    "FusedLinear",
     "QuantLinear",
     "bucket_rows",
     "embedding",
-    "fuse",
     "fused_qkv",
     "fused_swiglu",
     "kernel_path",
@@ -202,98 +199,53 @@ def to_mlx(w: PackedWeight | np.ndarray, dtype: mx.Dtype | None = None) -> Quant
     raise TypeError(f"to_mlx expects a PackedWeight or numpy array, got {type(w).__name__}")
 
 
-FUSE_PROJECTIONS = mx.cuda.is_available()
-"""Stack a resident block's Q/K/V projections, and its FFN's gate and up, into one weight each
-at load time (``executor.weights``), for the tensor-core kernel's fused products
-(:func:`fused_qkv`, :func:`fused_swiglu`): on MLX's CUDA backend, where each kernel call costs
-about 8 us beside its work (a chain of trivial custom kernels on the H200, 2026-12-01), and a
-block of a few dozen rows made seven projection calls."""
-
-
-@dataclass
-class FusedLinear:
-    """Projections of the same input stacked into one quantized weight, each part's rows in
-    order: an attention block's Q, K and V, or an FFN's gate and up.
-
-    Attributes:
-        stacked: the ``[sum(widths), in]`` weight.
-        widths: each part's rows (output features).
-    """
-
-    stacked: QuantLinear
-    widths: tuple[int, ...]
-
-
-def fuse(parts: list[QuantLinear]) -> tuple[FusedLinear, list[QuantLinear]] | None:
-    """Stack ``parts`` (same input width, 4-bit, one group size and scales dtype) into one
-    weight, and give each part back as a row view of it (no copy: the parts cost no memory
-    beside the stack). None where they cannot be stacked for the tensor-core kernel."""
-    first = parts[0]
-    if any(
-        p.bits != 4
-        or p.group_size != first.group_size
-        or p.scales.dtype != first.scales.dtype
-        or p.shape[1] != first.shape[1]
-        or p.shape[0] % 16
-        for p in parts
-    ):
+def _fused_rows(x: mx.array, ws: list[QuantLinear]) -> mx.array | None:
+    """``x`` as ``[rows, in]`` where one fused tensor-core call (``executor.cuda_mma``) may take
+    its products by ``ws``: no row tile (batch-invariant serving keeps every product on
+    :func:`linear`'s tiles), each weight on the tensor-core path for the (bucketed) row count,
+    one group size, and one K split (``cuda_mma.fusable``: then each product equals its own
+    :func:`linear`'s bit for bit). Else None."""
+    if row_tile() or len({w.group_size for w in ws}) != 1:
         return None
-    stacked = QuantLinear(
-        mx.concatenate([p.weight for p in parts]),
-        mx.concatenate([p.scales for p in parts]),
-        mx.concatenate([p.biases for p in parts]),
-        4,
-        first.group_size,
-    )
-    views, row = [], 0
-    for p in parts:
-        end = row + p.shape[0]
-        views.append(
-            QuantLinear(
-                stacked.weight[row:end],
-                stacked.scales[row:end],
-                stacked.biases[row:end],
-                4,
-                first.group_size,
-            )
-        )
-        row = end
-    return FusedLinear(stacked, tuple(p.shape[0] for p in parts)), views
-
-
-def _fused_rows(x: mx.array, f: FusedLinear | None) -> mx.array | None:
-    """``x`` as ``[rows, in]`` where a fused product of ``f`` applies to it: the tensor-core
-    path for its (bucketed) row count, no row tile (batch-invariant serving keeps every product
-    on :func:`linear`'s tiles). Else None."""
-    if f is None or row_tile():
+    rows = x.size // x.shape[-1] if x.ndim and x.shape[-1] else 0
+    padded = bucket_rows(rows) if PAD_ROWS and rows else rows
+    if not rows or any(kernel_path(padded, w, x.dtype) != "mma" for w in ws):
         return None
-    rows = x.size // x.shape[-1]
-    if kernel_path(bucket_rows(rows) if PAD_ROWS else rows, f.stacked, x.dtype) != "mma":
+    if not cuda_mma.fusable([(w.weight, w.scales, w.biases) for w in ws], x.shape[-1]):
         return None
     return x.reshape(rows, x.shape[-1])
 
 
-def fused_qkv(x: mx.array, f: FusedLinear | None) -> list[mx.array] | None:
-    """Q, K and V of ``x`` ``[..., in]`` by the stacked weight ``f`` in one tensor-core call
-    (``executor.cuda_mma.matmul_split``), each ``[..., width]``; None where the fused product
-    does not apply (see ``_fused_rows``): then project each through :func:`linear`."""
-    flat = _fused_rows(x, f)
-    if flat is None or f is None:
+def fused_qkv(x: mx.array, ws: list[QuantLinear]) -> list[mx.array] | None:
+    """Q, K and V of ``x`` ``[..., in]`` by their three weights in one tensor-core call
+    (``executor.cuda_mma.matmul3``), each ``[..., n_i]`` and equal to its :func:`linear` bit for
+    bit; None where that call does not apply (see ``_fused_rows``): project each through
+    :func:`linear` then. On MLX's CUDA backend each call costs about 8 us beside its work (a
+    chain of trivial custom kernels on the H200, 2026-12-01): a block of a few dozen rows made
+    seven projection calls."""
+    flat = _fused_rows(x, ws)
+    if flat is None:
         return None
-    w = f.stacked
-    outs = cuda_mma.matmul_split(flat, w.weight, w.scales, w.biases, w.group_size, f.widths)
+    parts = [(w.weight, w.scales, w.biases) for w in ws]
+    outs = cuda_mma.matmul3(flat, parts, ws[0].group_size)
     return [o.reshape(*x.shape[:-1], o.shape[-1]) for o in outs]
 
 
-def fused_swiglu(x: mx.array, f: FusedLinear | None) -> mx.array | None:
-    """``silu(x @ gate.T) * (x @ up.T)`` for ``x`` ``[..., in]`` and the stacked gate/up ``f``
-    in one tensor-core call (``executor.cuda_mma.swiglu``), ``[..., ffn]``; None where the
-    fused product does not apply (see ``_fused_rows``)."""
-    flat = _fused_rows(x, f)
-    if flat is None or f is None:
+def fused_swiglu(x: mx.array, gate: QuantLinear, up: QuantLinear) -> mx.array | None:
+    """``silu(x @ gate.T) * (x @ up.T)`` for ``x`` ``[..., in]`` in one tensor-core call
+    (``executor.cuda_mma.swiglu``), ``[..., ffn]``; None where it does not apply (see
+    ``_fused_rows``; gate and up of one shape). Its rounding differs from the unfused form's
+    (each product rounded, then SiLU, then their product) but not with the weights' tier: every
+    tier's weights take it for the same row counts."""
+    flat = _fused_rows(x, [gate, up]) if gate.shape == up.shape else None
+    if flat is None:
         return None
-    w = f.stacked
-    out = cuda_mma.swiglu(flat, w.weight, w.scales, w.biases, w.group_size)
+    out = cuda_mma.swiglu(
+        flat,
+        (gate.weight, gate.scales, gate.biases),
+        (up.weight, up.scales, up.biases),
+        gate.group_size,
+    )
     return out.reshape(*x.shape[:-1], out.shape[-1])
 
 

@@ -23,7 +23,7 @@ import mlx.core as mx
 import numpy as np
 
 from executor.experts import ExpertCache, RoutingTracker, expert_key, split_gate_up
-from executor.ops import FUSE_PROJECTIONS, FusedLinear, QuantLinear, embedding, fuse, to_mlx
+from executor.ops import QuantLinear, embedding, to_mlx
 from executor.pack import PackStore, unit_host_tensors
 from executor.quant import PackedWeight
 from executor.streaming import StreamPool
@@ -32,10 +32,6 @@ from planner.gguf_file import GGUFFile
 from planner.schemas import ModelDescription, RoutingProfile
 
 Weight = QuantLinear | mx.array
-
-FUSED = (("attn_qkv", ("attn_q", "attn_k", "attn_v")), ("ffn_gate_up", ("ffn_gate", "ffn_up")))
-"""Resident projections stacked at load time where ``FUSE_PROJECTIONS``: the unit's entry
-``blk.N.<key>`` (an ``executor.ops.FusedLinear``) stacks ``blk.N.<part>.weight`` in order."""
 HostWeight = PackedWeight | np.ndarray
 
 
@@ -80,7 +76,6 @@ class WeightStore:
         self._tier_of_unit = dict(tiers)
         self._unit_tensors: dict[str, list[str]] = {}
         self._gpu: dict[str, Weight] = {}
-        self._fused: dict[str, dict[str, FusedLinear]] = {}
         self._ram: dict[str, HostWeight] = {}
         by_name = {t.name: t for t in g.reader.tensors}
         self._experts: dict[str, dict[str, Weight | HostWeight]] = {}
@@ -106,8 +101,6 @@ class WeightStore:
                     self._gpu[name] = self._to_device(host)
                 else:
                     self._ram[name] = host  # the RAM tier is this host copy, not the mapped file
-            if tiers[u.name] == "gpu" and u.expert is None and FUSE_PROJECTIONS:
-                self._fuse(u.name)
         for t in g.reader.tensors:
             g.drop_pages(t)
         resident = list(self._gpu.values()) + [
@@ -288,30 +281,6 @@ class WeightStore:
             os.close(self._row_fd)
             self._pack = None
 
-    def _fuse(self, unit: str) -> None:
-        """Stack the resident unit's projections of one input (``FUSED``) into one weight each
-        (``executor.ops.fuse``), the parts kept as row views of it: no extra memory once the
-        stack is evaluated, which frees the parts' own arrays, unit by unit."""
-        names = set(self._unit_tensors[unit])
-        for key, parts in FUSED:
-            for name in sorted(n for n in names if n.endswith(parts[0] + ".weight")):
-                p = name[: -len(parts[0] + ".weight")]
-                full = [p + part + ".weight" for part in parts]
-                if not all(isinstance(self._gpu.get(n), QuantLinear) for n in full) or any(
-                    p + part + ".bias" in names for part in parts
-                ):
-                    continue
-                made = fuse([self._gpu[n] for n in full])  # type: ignore[misc]
-                if made is None:
-                    continue
-                fused, views = made
-                # The views too: a lazy one would be evaluated on the engine thread, which has no
-                # stream of this thread's (MLX streams are per thread).
-                s, parts_of = fused.stacked, [(v.weight, v.scales, v.biases) for v in views]
-                mx.eval(s.weight, s.scales, s.biases, parts_of)
-                self._fused.setdefault(unit, {})[p + key] = fused
-                self._gpu.update(zip(full, views, strict=True))
-
     def _to_device(self, host: HostWeight) -> Weight:
         w = to_mlx(host)
         if isinstance(w, mx.array) and w.dtype != self.dtype:
@@ -342,7 +311,6 @@ class WeightStore:
             for name in self._unit_tensors[unit]:
                 out[name] = self._gpu[name]
                 self.bytes_read["gpu"] += _weight_nbytes(self._gpu[name])
-            out.update(self._fused.get(unit, {}))  # views of the same bytes: not counted again
         else:
             t0 = time.perf_counter()
             for name in self._unit_tensors[unit]:

@@ -146,9 +146,9 @@ def test_tensor_core_kernel_refuses_off_cuda():
 @pytest.mark.skipif(not CUDA, reason="needs MLX's CUDA backend")
 @pytest.mark.parametrize("rows", [1, 2, 5, 16, 24, 33, 64])
 @pytest.mark.parametrize("group, dtype", [(32, mx.float16), (64, mx.bfloat16), (128, mx.float16)])
-@pytest.mark.parametrize("n", [96, 80])  # blocks of 32 columns where n allows, else of 16
+@pytest.mark.parametrize("n", [96, 80])  # one row tile per warp (two need n of thousands)
 def test_tensor_core_kernel_matches_the_dequantized_product(rows, group, dtype, n):
-    k = 640  # 10 slabs of 64: an uneven split over the 8 warps; a multiple of every group size
+    k = 640  # 5 chunks of 128: an uneven split over 2 warps; a multiple of every group size
     w = _weight(n, k, 4, group, dtype)
     x = mx.array(np.random.default_rng(2).standard_normal((rows, k)).astype(np.float32))
     x = x.astype(dtype)
@@ -169,40 +169,69 @@ def test_tensor_core_range_measurement_reports_every_row_count():
 
 
 @pytest.mark.skipif(not CUDA, reason="needs MLX's CUDA backend")
-@pytest.mark.parametrize("rows", [1, 5, 16, 24, 33])
+@pytest.mark.parametrize("rows", [1, 5, 24, 33])
 @pytest.mark.parametrize("dtype", [mx.float16, mx.bfloat16])
-def test_fused_kernels_match_their_parts(rows, dtype):
-    """The fused products (a stacked Q/K/V weight split into three outputs; SwiGLU of a stacked
-    gate/up weight) equal the float32 products of their parts within the kernel's tolerance, and
-    a row's result does not depend on the other rows."""
-    from executor.ops import fuse
-
-    k, tol = 640, (4e-3 if dtype == mx.bfloat16 else 1e-3)
+@pytest.mark.parametrize(
+    "widths, k",
+    [((96, 32, 32), 640), ((4096, 1024, 1024), 4096), ((576, 192, 192), 576)],
+    ids=["small", "two-row-tiles", "two-words-per-lane"],
+)
+def test_fused_kernels_match_their_parts(rows, dtype, widths, k):
+    """matmul3 gives each of three weights' products bit for bit as matmul does (the 8B shape
+    takes two row tiles per warp up to 32 rows; K = 576 reads two words per lane, over warps
+    some of which get no chunk); SwiGLU of a gate and an up weight matches the float32
+    reference; a row's result does not depend on the other rows."""
+    tol = 4e-3 if dtype == mx.bfloat16 else 1e-3
     x = mx.array(np.random.default_rng(3).standard_normal((rows, k)).astype(np.float32))
     x = x.astype(dtype)
-    parts = [_weight(n, k, 4, 32, dtype) for n in (96, 32, 32)]
-    fused, views = fuse(parts)
-    assert all(mx.array_equal(v.weight, p.weight) for v, p in zip(views, parts, strict=True))
-    s = fused.stacked
-    outs = cuda_mma.matmul_split(x, s.weight, s.scales, s.biases, 32, fused.widths)
+    parts = [_weight(n, k, 4, 32, dtype) for n in widths]
+    quants = [(p.weight, p.scales, p.biases) for p in parts]
+    assert cuda_mma.fusable(quants, k)
+    outs = cuda_mma.matmul3(x, quants, 32)
     for got, p in zip(outs, parts, strict=True):
-        ref = x.astype(mx.float32) @ _dense_reference(p, dtype).astype(mx.float32).T
-        assert got.shape == (rows, p.shape[0])
-        assert (mx.abs(got.astype(mx.float32) - ref).max() / mx.abs(ref).max()).item() < tol
-    alone = cuda_mma.matmul_split(x[:1], s.weight, s.scales, s.biases, 32, fused.widths)
+        assert got.shape == (rows, p.shape[0]) and got.dtype == dtype
+        assert mx.array_equal(got, cuda_mma.matmul(x, p.weight, p.scales, p.biases, 32))
+    alone = cuda_mma.matmul3(x[:1], quants, 32)
     assert all(mx.array_equal(a[0], o[0]) for a, o in zip(alone, outs, strict=True))
 
-    gate, up = _weight(80, k, 4, 32, dtype), _weight(80, k, 4, 32, dtype)
-    up = type(up)(up.weight[::-1], up.scales[::-1], up.biases[::-1], 4, 32)  # differ from gate
-    fused, _ = fuse([gate, up])
-    s = fused.stacked
-    got = cuda_mma.swiglu(x, s.weight, s.scales, s.biases, 32)
+    gate = parts[0]
+    dense_up = np.random.default_rng(5).standard_normal(gate.shape).astype(np.float32)
+    up = QuantLinear(*mx.quantize(mx.array(dense_up).astype(dtype), group_size=32, bits=4), 4, 32)
+    got = cuda_mma.swiglu(x, quants[0], (up.weight, up.scales, up.biases), 32)
     xf = x.astype(mx.float32)
     g = xf @ _dense_reference(gate, dtype).astype(mx.float32).T
     u = xf @ _dense_reference(up, dtype).astype(mx.float32).T
     ref = g * mx.sigmoid(g) * u
-    assert got.shape == (rows, 80) and got.dtype == dtype
+    assert got.shape == (rows, widths[0]) and got.dtype == dtype
     assert (mx.abs(got.astype(mx.float32) - ref).max() / mx.abs(ref).max()).item() < 2 * tol
-    assert mx.array_equal(cuda_mma.swiglu(x[:1], s.weight, s.scales, s.biases, 32)[0], got[0])
-    with pytest.raises(ValueError, match="multiples of 16"):
-        cuda_mma.matmul_split(x, s.weight, s.scales, s.biases, 32, (80, 70, 10))
+    one = cuda_mma.swiglu(x[:1], quants[0], (up.weight, up.scales, up.biases), 32)
+    assert mx.array_equal(one[0], got[0])
+    with pytest.raises(ValueError, match="differ in shape"):
+        cuda_mma.swiglu(x, quants[0], quants[1], 32)
+
+
+def test_fused_products_take_the_tensor_core_path_only():
+    """``fused_qkv`` / ``fused_swiglu`` answer only where every weight's product takes the
+    tensor-core path for the row count (MLX's CUDA backend, the plan's range) and no row tile is
+    set; there ``fused_qkv`` equals three :func:`linear` calls bit for bit."""
+    from executor.ops import fused_qkv, fused_swiglu, set_row_tile
+
+    ws = [_weight(n, 128, dtype=mx.float16) for n in (64, 32, 32)]
+    x = mx.array(np.random.default_rng(4).standard_normal((1, 16, 128)).astype(np.float16))
+    try:
+        set_mma_rows(2, 32)
+        got = fused_qkv(x, ws)
+        if not CUDA:
+            assert got is None and fused_swiglu(x, ws[1], ws[2]) is None
+        else:
+            assert all(mx.array_equal(g, linear(x, w)) for g, w in zip(got, ws, strict=True))
+            assert fused_swiglu(x, ws[1], ws[2]).shape == (1, 16, 32)
+            assert fused_swiglu(x, ws[0], ws[1]) is None  # gate and up of different shapes
+        set_row_tile(16)
+        assert fused_qkv(x, ws) is None
+        set_row_tile(0)
+        set_mma_rows(0, 0)
+        assert fused_qkv(x, ws) is None
+    finally:
+        set_row_tile(0)
+        set_mma_rows(0, 0)

@@ -56,8 +56,6 @@ class Gemma3Model(LlamaModel):
         x = super().embed(ids)
         return x * mx.array(math.sqrt(self.arch.embedding_length), dtype=x.dtype)
 
-    swiglu = False  # GeGLU: gate and up stay two projections
-
     def activation(self, gate: mx.array) -> mx.array:
         return gelu_tanh(gate)
 

@@ -44,7 +44,15 @@ import mlx.core as mx
 import numpy as np
 
 from executor import cuda_attention
-from executor.ops import PAD_ROWS, bucket_rows, fused_qkv, fused_swiglu, linear, row_tile
+from executor.ops import (
+    PAD_ROWS,
+    QuantLinear,
+    bucket_rows,
+    fused_qkv,
+    fused_swiglu,
+    linear,
+    row_tile,
+)
 from executor.paged_kv import Chunk, ForwardBatch, PagedKVCache, SequenceCache
 from executor.weights import Weight, WeightStore
 from planner.errors import StrataError
@@ -246,9 +254,12 @@ class LlamaModel:
         """The token embeddings of ``ids``, [1, T, d] in the compute dtype."""
         return self.store.rows("token_embd.weight", "token_embd", ids)[None].astype(self.dtype)
 
-    swiglu = True
-    """The FFN's activation is SiLU (SwiGLU): a resident block's gate and up may be one fused
-    tensor-core call (``executor.ops.fused_swiglu``), which computes SiLU itself."""
+    @property
+    def swiglu(self) -> bool:
+        """Whether the FFN is SwiGLU (this class's SiLU, not overridden): its gate, up and SiLU
+        may then be one tensor-core call (``executor.ops.fused_swiglu``), which computes SiLU
+        itself."""
+        return type(self).activation is LlamaModel.activation
 
     def activation(self, gate: mx.array) -> mx.array:
         """The FFN's gate activation: SiLU (SwiGLU)."""
@@ -438,9 +449,12 @@ class LlamaModel:
         a, p, la = self.arch, f"blk.{layer}.", self.layers[layer]
         rows, n = x.shape[1], batch.num_tokens
         h = self._norm(x, w[p + "attn_norm.weight"])
-        qkv = fused_qkv(h, w.get(p + "attn_qkv"))  # one tensor-core call where it applies
+        names = [p + n for n in ("attn_q", "attn_k", "attn_v")]
+        qkv = None
+        if all(isinstance(w[n + ".weight"], QuantLinear) and n + ".bias" not in w for n in names):
+            qkv = fused_qkv(h, [w[n + ".weight"] for n in names])  # one call where it applies
         if qkv is None:
-            qkv = [self._proj(w, p + name, h) for name in ("attn_q", "attn_k", "attn_v")]
+            qkv = [self._proj(w, n, h) for n in names]
         q, k, v = qkv
         if self.qk_norm_full:
             q = self._norm(q, w[p + "attn_q_norm.weight"])
@@ -487,11 +501,12 @@ class LlamaModel:
         """Gated FFN of block ``layer`` (SwiGLU, or the subclass's activation): [1, T, d]."""
         p = f"blk.{layer}."
         h = self._norm(x, w[p + "ffn_norm.weight"])
-        gated = fused_swiglu(h, w.get(p + "ffn_gate_up")) if self.swiglu else None
+        gate, up = w[p + "ffn_gate.weight"], w[p + "ffn_up.weight"]
+        gated = None
+        if self.swiglu and isinstance(gate, QuantLinear) and isinstance(up, QuantLinear):
+            gated = fused_swiglu(h, gate, up)  # one tensor-core call where it applies
         if gated is None:
-            gated = self.activation(linear(h, w[p + "ffn_gate.weight"])) * linear(
-                h, w[p + "ffn_up.weight"]
-            )
+            gated = self.activation(linear(h, gate)) * linear(h, up)
         o = linear(gated, w[p + "ffn_down.weight"])
         return self._norm(o, w[p + "post_ffw_norm.weight"]) if self.post_norms else o
 

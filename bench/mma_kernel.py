@@ -1,0 +1,161 @@
+#!/usr/bin/env python3
+"""Strata's tensor-core 4-bit matmul (``executor.cuda_mma``) against MLX's quantized matmul, and
+its fused forms against the unfused calls, on Llama-3-8B shapes (needs MLX's CUDA backend).
+
+Each figure is the time per call in a chain of calls over distinct weights (1.2 GB of them, so
+no call finds its weight in the L2 cache), one evaluation per chain, the median of 7 chains
+after 2 unmeasured ones: how the model's forward pass calls them. Before timing, every product
+is checked against the float32 product of the dequantized weight (relative error < 1e-3 of the
+largest element) and a row's result alone against the same row in the batch.
+
+- ``matmul``: ``cuda_mma.matmul`` and ``mx.quantized_matmul`` on the [n, k] weights of a block
+  (gate/up [14336, 4096], down [4096, 14336], q/o [4096, 4096], k/v [1024, 4096]);
+- ``qkv``: one ``cuda_mma.matmul3`` by Q/K/V weights [4096|1024|1024, 4096] against three
+  ``cuda_mma.matmul`` calls (the results checked equal bit for bit);
+- ``swiglu``: one ``cuda_mma.swiglu`` by gate/up weights [14336, 4096] against two
+  ``cuda_mma.matmul`` calls, SiLU and the product.
+
+usage: python bench/mma_kernel.py [--rows 8,16,24,32,64] [-o FILE.json]
+
+Measured on the lent H200 (MLX 0.32.4, 2026-12-01) with this script's first version (the
+``matmul`` part; the WMMA kernel it replaced timed beside it), us per call, this kernel / WMMA /
+MLX: [14336, 4096] 8 rows 32 / 64-77 / 44-47, 16 rows 34-42 / 57-65 / 42-47, 32 rows 48-54 /
+84-85 / 78-87, 64 rows 97-114 / 189-201 / 75; [4096, 14336] 16 rows 38-43 / 60-69 / 46-49;
+[4096, 4096] 16 rows 19-23 / 26-28 / 16-17; [1024, 4096] 16 rows 18-27 / 17-24 / 8-10. The
+``qkv`` and ``swiglu`` parts have not run yet.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import mlx.core as mx
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from executor import cuda_mma  # noqa: E402
+
+SHAPES = ((14336, 4096), (4096, 14336), (4096, 4096), (1024, 4096))
+"""[n, k] weights of a Llama-3-8B block."""
+
+CHAIN_BYTES = 1.2e9
+"""Packed weight bytes per chain: many times the H200's 50 MB L2."""
+
+GROUP = 32
+DTYPE = mx.float16
+
+
+def weights(n: int, k: int, count: int) -> list[tuple[mx.array, mx.array, mx.array]]:
+    out = [
+        mx.quantize(mx.random.normal((n, k), dtype=DTYPE) * 0.05, GROUP, 4) for _ in range(count)
+    ]
+    mx.eval(out)
+    return out
+
+
+def per_call(fn, ws, reps: int = 7) -> float:
+    """Seconds per call of ``fn(w)`` over ``ws``, one evaluation per chain."""
+    times = []
+    for _ in range(reps + 2):
+        mx.synchronize()
+        t0 = time.perf_counter()
+        mx.eval([fn(w) for w in ws])
+        mx.synchronize()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times[2:]) / len(ws)
+
+
+def check(got: mx.array, ref: mx.array, what: str) -> None:
+    err = (mx.abs(got.astype(mx.float32) - ref).max() / mx.abs(ref).max()).item()
+    if not err < 1e-3:
+        raise SystemExit(f"{what}: relative error {err:.2e} (at most 1e-3 expected)")
+
+
+def dense(w) -> mx.array:
+    return mx.dequantize(*w, group_size=GROUP, bits=4).astype(mx.float32)
+
+
+def fused_part(name: str, widths: tuple[int, ...], rows_list: list[int]) -> dict:
+    """The ``qkv`` or ``swiglu`` part: the fused call by weights of rows ``widths`` (by 4096)
+    against the unfused calls, checked, then timed."""
+    k = 4096
+    count = max(8, int(CHAIN_BYTES // (sum(widths) * k // 2)))
+    sets = [[weights(n, k, 1)[0] for n in widths] for _ in range(count)]
+    out = {}
+    for rows in rows_list:
+        x = mx.random.normal((rows, k)).astype(DTYPE)
+        if name == "qkv":
+            for i, (o, w) in enumerate(
+                zip(cuda_mma.matmul3(x, sets[0], GROUP), sets[0], strict=True)
+            ):
+                if not mx.array_equal(o, cuda_mma.matmul(x, *w, GROUP)).item():
+                    raise SystemExit(f"qkv part {i}, {rows} rows: differs from matmul")
+
+            def fused(ws, x=x):
+                return cuda_mma.matmul3(x, ws, GROUP)
+
+            def unfused(ws, x=x):
+                return [cuda_mma.matmul(x, *w, GROUP) for w in ws]
+        else:
+            g, u = (x.astype(mx.float32) @ dense(w).T for w in sets[0])
+            check(cuda_mma.swiglu(x, *sets[0], GROUP), g * mx.sigmoid(g) * u, f"swiglu {rows}")
+
+            def fused(ws, x=x):
+                return cuda_mma.swiglu(x, *ws, GROUP)
+
+            def unfused(ws, x=x):
+                g, u = (cuda_mma.matmul(x, *w, GROUP) for w in ws)
+                return g * mx.sigmoid(g) * u
+
+        t_fused, t_unfused = per_call(fused, sets), per_call(unfused, sets)
+        out[str(rows)] = {"fused_s": t_fused, "unfused_s": t_unfused}
+        print(
+            f"{name} {rows:2d} rows: fused {t_fused * 1e6:6.1f} us, "
+            f"unfused {t_unfused * 1e6:6.1f} us"
+        )
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--rows", default="8,16,24,32,64")
+    ap.add_argument("-o", "--output")
+    args = ap.parse_args()
+    if not mx.cuda.is_available():
+        raise SystemExit("bench/mma_kernel.py needs MLX's CUDA backend (mlx[cuda13])")
+    rows_list = [int(r) for r in args.rows.split(",")]
+    if any(not 1 <= r <= cuda_mma.MAX_ROWS for r in rows_list):
+        ap.error(f"--rows: each in 1..{cuda_mma.MAX_ROWS}")
+    res: dict[str, dict] = {"matmul": {}, "qkv": {}, "swiglu": {}}
+
+    def qmm(x, w):
+        return mx.quantized_matmul(x, *w, transpose=True, group_size=GROUP, bits=4)
+
+    for n, k in SHAPES:
+        ws = weights(n, k, max(8, int(CHAIN_BYTES // (n * k // 2))))
+        for rows in rows_list:
+            x = mx.random.normal((rows, k)).astype(DTYPE)
+            got = cuda_mma.matmul(x, *ws[0], GROUP)
+            check(got, x.astype(mx.float32) @ dense(ws[0]).T, f"[{n}, {k}] {rows} rows")
+            if not mx.array_equal(cuda_mma.matmul(x[:1], *ws[0], GROUP)[0], got[0]).item():
+                raise SystemExit(f"[{n}, {k}]: a row alone differs from the same row in the batch")
+            ours = per_call(lambda w, x=x: cuda_mma.matmul(x, *w, GROUP), ws)
+            mlx = per_call(lambda w, x=x: qmm(x, w), ws)
+            res["matmul"][f"{n}x{k}/{rows}"] = {"strata_s": ours, "mlx_s": mlx}
+            print(
+                f"[{n}, {k}] {rows:2d} rows: Strata {ours * 1e6:6.1f} us, MLX {mlx * 1e6:6.1f} us"
+            )
+        del ws
+    for name, widths in (("qkv", (4096, 1024, 1024)), ("swiglu", (14336, 14336))):
+        res[name] = fused_part(name, widths, [r for r in rows_list if r <= 32])
+    if args.output:
+        Path(args.output).write_text(json.dumps(res, indent=1))
+
+
+if __name__ == "__main__":
+    main()
