@@ -11,8 +11,8 @@ The serving engine of a plan (``executor.serving.ServingEngine``) is driven from
   a sequence's token events after its first 8.
 
 Each is the time from submission to the event on the engine thread. Variants (``--variants``),
-interleaved round by round: ``fused`` (as shipped: on MLX's CUDA backend a resident block's
-stacked Q/K/V and gate/up take ``executor.ops.fused_qkv`` / ``fused_swiglu`` for 2-32 rows) and
+interleaved round by round: ``fused`` (as shipped: on MLX's CUDA backend a block's Q/K/V and
+gate/up take ``executor.ops.fused_qkv`` / ``fused_swiglu`` for 2-32 rows) and
 ``unfused`` (those two functions made to decline, so the model makes its seven projection
 calls). Round 0 builds kernels and is not counted; the medians of the rest are reported, and
 every variant's greedy tokens of the 16 sequences are checked equal to the first variant's or

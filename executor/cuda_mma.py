@@ -72,7 +72,9 @@ MAX_WARPS = 8
 multiprocessor has for a block, and the launch failed on the H200)."""
 
 MIN_CHUNKS = 2
-"""Fewest K chunks a warp walks when :func:`warps_per_block` splits K further."""
+""":func:`warps_per_block` splits K further only while each warp would get at least this many
+K chunks on average (the last warps may get fewer, or none: K = 576 is 9 chunks over 4 warps,
+3/3/3/0)."""
 
 LOAD_WORDS = 32
 """Packed words per lane in flight: :func:`matmul` issues ``U`` chunks' weight loads (``RT`` row
@@ -264,19 +266,6 @@ _BODY = r"""
         __syncthreads();
 """
 
-_SUMS = r"""
-        for (int i = threadIdx.x; i < 8 * 16 * RT; i += blockDim.x) {
-            const int tok = i / (16 * RT), col = i % (16 * RT);
-            float sum = 0.0f;
-            #pragma unroll
-            for (int v = 0; v < WARPS; ++v) sum += red[v][tok][col];
-            o[(size_t)(8 * j + tok) * ld + base + col] = static_cast<T>(sum);
-        }
-        __syncthreads();
-    }
-"""
-"""The block's 16 * RT columns of 8 tokens to ``o`` (row stride ``ld``, first column ``base``)."""
-
 _TILES = {
     # One weight [N, K]; a block owns 16 * RT rows side by side.
     "plain": r"""
@@ -377,7 +366,8 @@ def warps_per_block(n: int, k: int) -> int:
     """Warps that split the K dimension of an ``[n, k]`` weight, a function of the weight's
     shape alone (so that a row's result does not depend on the row count): doubled from 1
     while the grid of ``n / 16`` row tiles has fewer than ``TARGET_WARPS`` warps, a block fewer
-    than ``MAX_WARPS`` and each warp at least ``2 * MIN_CHUNKS`` chunks of K."""
+    than ``MAX_WARPS`` and the doubled split leaves each warp ``MIN_CHUNKS`` chunks of K on
+    average."""
     tiles, chunks = n // 16, k // (32 * words_per_lane(k))
     warps = 1
     while warps < MAX_WARPS and tiles * warps < TARGET_WARPS and chunks >= 2 * MIN_CHUNKS * warps:
@@ -409,7 +399,8 @@ def _check(x: mx.array, weight: mx.array, scales: mx.array, biases: mx.array, gr
         raise ValueError(
             f"cuda_mma: [{m}, {k}] {x.dtype} by a {tuple(weight.shape)} 4-bit weight in groups "
             f"of {group_size} is not handled here (MLX CUDA, rows <= {MAX_ROWS}, n % 16 == 0, "
-            f"k % 64 == 0, 16-bit activations); use mx.quantized_matmul"
+            f"k % 64 == 0, groups of 32, 64 or 128 dividing k, 16-bit activations); use "
+            f"mx.quantized_matmul"
         )
     if scales.dtype != x.dtype or biases.dtype != x.dtype:
         raise ValueError(
@@ -502,9 +493,9 @@ def matmul(
 
 
 def fusable(weights: list[Quant], k: int) -> bool:
-    """Whether :func:`matmul3` (or :func:`swiglu`) may compute these weights in one call with
-    each one's results equal to its own :func:`matmul`'s, bit for bit: the same K split
-    (:func:`warps_per_block`) for all of them."""
+    """Whether :func:`matmul3` may compute these weights in one call with each one's results
+    equal to its own :func:`matmul`'s, bit for bit: the same K split (:func:`warps_per_block`)
+    for all of them."""
     return len({warps_per_block(w[0].shape[0], k) for w in weights}) == 1
 
 
@@ -544,7 +535,7 @@ def swiglu(x: mx.array, gate: Quant, up: Quant, group_size: int) -> mx.array:
 
     Args:
         gate, up: (weight, scales, biases) of two ``[f, k]`` weights.
-        others: as :func:`matmul` (``m`` up to ``MAX_ROWS``; from 33 rows each warp holds 64
+        others: as :func:`matmul` (``m`` up to ``MAX_ROWS``; from 33 rows each warp holds 40-64
             float32 accumulators, more registers than the 2-32 rows the profile gives it).
 
     Returns:

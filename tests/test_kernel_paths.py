@@ -22,8 +22,11 @@ from planner.profile import DEQUANT_ROWS, measure_dequant_crossover, measure_mma
 CUDA = mx.cuda.is_available()
 
 
-def _weight(n: int, k: int, bits: int = 4, group: int = 32, dtype=mx.float32) -> QuantLinear:
-    w = mx.array(np.random.default_rng(0).standard_normal((n, k)).astype(np.float32)).astype(dtype)
+def _weight(
+    n: int, k: int, bits: int = 4, group: int = 32, dtype=mx.float32, seed: int = 0
+) -> QuantLinear:
+    w = np.random.default_rng(seed).standard_normal((n, k)).astype(np.float32)
+    w = mx.array(w).astype(dtype)
     wq, scales, biases = mx.quantize(w, group_size=group, bits=bits)
     return QuantLinear(wq, scales, biases, bits, group)
 
@@ -146,9 +149,16 @@ def test_tensor_core_kernel_refuses_off_cuda():
 @pytest.mark.skipif(not CUDA, reason="needs MLX's CUDA backend")
 @pytest.mark.parametrize("rows", [1, 2, 5, 16, 24, 33, 64])
 @pytest.mark.parametrize("group, dtype", [(32, mx.float16), (64, mx.bfloat16), (128, mx.float16)])
-@pytest.mark.parametrize("n", [96, 80])  # one row tile per warp (two need n of thousands)
-def test_tensor_core_kernel_matches_the_dequantized_product(rows, group, dtype, n):
-    k = 640  # 5 chunks of 128: an uneven split over 2 warps; a multiple of every group size
+@pytest.mark.parametrize(
+    "n, k",
+    # k = 640: 5 chunks of 128, an uneven split over 2 warps, one row tile per warp; 576: two
+    # words per lane, 9 chunks over 4 warps (one gets none); the 8B shape: 8 warps, two row
+    # tiles up to 32 rows
+    [(96, 640), (80, 640), (576, 576), (4096, 4096)],
+)
+def test_tensor_core_kernel_matches_the_dequantized_product(rows, group, dtype, n, k):
+    if k % group:
+        pytest.skip("the group size does not divide k")
     w = _weight(n, k, 4, group, dtype)
     x = mx.array(np.random.default_rng(2).standard_normal((rows, k)).astype(np.float32))
     x = x.astype(dtype)
@@ -184,19 +194,19 @@ def test_fused_kernels_match_their_parts(rows, dtype, widths, k):
     tol = 4e-3 if dtype == mx.bfloat16 else 1e-3
     x = mx.array(np.random.default_rng(3).standard_normal((rows, k)).astype(np.float32))
     x = x.astype(dtype)
-    parts = [_weight(n, k, 4, 32, dtype) for n in widths]
+    parts = [_weight(n, k, 4, 32, dtype, seed=i) for i, n in enumerate(widths)]  # all differ
     quants = [(p.weight, p.scales, p.biases) for p in parts]
     assert cuda_mma.fusable(quants, k)
     outs = cuda_mma.matmul3(x, quants, 32)
     for got, p in zip(outs, parts, strict=True):
         assert got.shape == (rows, p.shape[0]) and got.dtype == dtype
         assert mx.array_equal(got, cuda_mma.matmul(x, p.weight, p.scales, p.biases, 32))
+        ref = x.astype(mx.float32) @ _dense_reference(p, dtype).astype(mx.float32).T
+        assert (mx.abs(got.astype(mx.float32) - ref).max() / mx.abs(ref).max()).item() < tol
     alone = cuda_mma.matmul3(x[:1], quants, 32)
     assert all(mx.array_equal(a[0], o[0]) for a, o in zip(alone, outs, strict=True))
 
-    gate = parts[0]
-    dense_up = np.random.default_rng(5).standard_normal(gate.shape).astype(np.float32)
-    up = QuantLinear(*mx.quantize(mx.array(dense_up).astype(dtype), group_size=32, bits=4), 4, 32)
+    gate, up = parts[0], _weight(widths[0], k, 4, 32, dtype, seed=5)
     got = cuda_mma.swiglu(x, quants[0], (up.weight, up.scales, up.biases), 32)
     xf = x.astype(mx.float32)
     g = xf @ _dense_reference(gate, dtype).astype(mx.float32).T
@@ -210,28 +220,59 @@ def test_fused_kernels_match_their_parts(rows, dtype, widths, k):
         cuda_mma.swiglu(x, quants[0], quants[1], 32)
 
 
-def test_fused_products_take_the_tensor_core_path_only():
-    """``fused_qkv`` / ``fused_swiglu`` answer only where every weight's product takes the
-    tensor-core path for the row count (MLX's CUDA backend, the plan's range) and no row tile is
-    set; there ``fused_qkv`` equals three :func:`linear` calls bit for bit."""
+def test_fused_products_answer_only_where_the_tensor_core_path_applies(monkeypatch):
+    """``fused_qkv`` / ``fused_swiglu`` call the fused kernels only where every weight's product
+    takes the tensor-core path for the (bucketed) row count, no row tile is set, the group sizes
+    agree and (Q/K/V) the K splits agree; else they answer None and the model calls
+    :func:`linear`. The kernels are replaced by recorders here, so this runs on every backend."""
+    import executor.ops as ops
     from executor.ops import fused_qkv, fused_swiglu, set_row_tile
 
-    ws = [_weight(n, 128, dtype=mx.float16) for n in (64, 32, 32)]
-    x = mx.array(np.random.default_rng(4).standard_normal((1, 16, 128)).astype(np.float16))
+    calls: list[str] = []
+
+    def matmul3(x, parts, group):
+        calls.append("qkv")
+        return [mx.zeros((x.shape[0], p[0].shape[0]), x.dtype) for p in parts]
+
+    def swiglu(x, gate, up, group):
+        calls.append("swiglu")
+        return mx.zeros((x.shape[0], gate[0].shape[0]), x.dtype)
+
+    paths: dict[int, str] = {}
+    monkeypatch.setattr(ops.cuda_mma, "matmul3", matmul3)
+    monkeypatch.setattr(ops.cuda_mma, "swiglu", swiglu)
+    monkeypatch.setattr(ops, "kernel_path", lambda rows, w, dtype: paths.get(rows, "mma"))
+    ws = [_weight(n, 128, dtype=mx.float16, seed=i) for i, n in enumerate((64, 32, 32))]
+    x = mx.zeros((1, 5, 128), mx.float16)
+    q, k, v = fused_qkv(x, ws)
+    assert (q.shape, k.shape, v.shape) == ((1, 5, 64), (1, 5, 32), (1, 5, 32))
+    assert fused_swiglu(x, ws[1], ws[2]).shape == (1, 5, 32) and calls == ["qkv", "swiglu"]
+    calls.clear()
+    assert fused_swiglu(x, ws[0], ws[1]) is None  # gate and up of different shapes
+    paths[8 if ops.PAD_ROWS else 5] = "quantized"  # the row count's path is not the kernel's
+    assert fused_qkv(x, ws) is None and fused_swiglu(x, ws[1], ws[2]) is None
+    paths.clear()
     try:
-        set_mma_rows(2, 32)
-        got = fused_qkv(x, ws)
-        if not CUDA:
-            assert got is None and fused_swiglu(x, ws[1], ws[2]) is None
-        else:
-            assert all(mx.array_equal(g, linear(x, w)) for g, w in zip(got, ws, strict=True))
-            assert fused_swiglu(x, ws[1], ws[2]).shape == (1, 16, 32)
-            assert fused_swiglu(x, ws[0], ws[1]) is None  # gate and up of different shapes
-        set_row_tile(16)
-        assert fused_qkv(x, ws) is None
-        set_row_tile(0)
-        set_mma_rows(0, 0)
-        assert fused_qkv(x, ws) is None
+        set_row_tile(16)  # batch-invariant serving: every product on linear's tiles
+        assert fused_qkv(x, ws) is None and fused_swiglu(x, ws[1], ws[2]) is None
     finally:
         set_row_tile(0)
-        set_mma_rows(0, 0)
+    other_group = _weight(32, 128, group=64, dtype=mx.float16)
+    assert fused_qkv(x, [ws[0], ws[1], other_group]) is None
+    assert fused_swiglu(x, ws[1], other_group) is None
+    split = [_weight(n, 1024, dtype=mx.float16) for n in (16384, 16, 16)]  # 2 and 4 warps
+    assert not cuda_mma.fusable([(w.weight, w.scales, w.biases) for w in split], 1024)
+    assert fused_qkv(mx.zeros((1, 5, 1024), mx.float16), split) is None
+    assert calls == []
+
+
+def test_only_the_models_own_silu_takes_the_fused_swiglu():
+    """A subclass that changes the FFN's activation (Gemma 3's GeGLU) never takes
+    ``fused_swiglu``, which computes SiLU itself."""
+    from executor.models.gemma3 import Gemma3Model
+    from executor.models.llama import LlamaModel
+    from executor.models.qwen3 import Qwen3Model
+
+    assert object.__new__(LlamaModel).swiglu
+    assert object.__new__(Qwen3Model).swiglu
+    assert not object.__new__(Gemma3Model).swiglu

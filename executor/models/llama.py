@@ -449,12 +449,15 @@ class LlamaModel:
         a, p, la = self.arch, f"blk.{layer}.", self.layers[layer]
         rows, n = x.shape[1], batch.num_tokens
         h = self._norm(x, w[p + "attn_norm.weight"])
-        names = [p + n for n in ("attn_q", "attn_k", "attn_v")]
+        projs = [p + name for name in ("attn_q", "attn_k", "attn_v")]
+        ws = [w[name + ".weight"] for name in projs]
         qkv = None
-        if all(isinstance(w[n + ".weight"], QuantLinear) and n + ".bias" not in w for n in names):
-            qkv = fused_qkv(h, [w[n + ".weight"] for n in names])  # one call where it applies
+        if all(isinstance(q, QuantLinear) for q in ws) and not any(
+            name + ".bias" in w for name in projs
+        ):
+            qkv = fused_qkv(h, ws)  # one tensor-core call where it applies
         if qkv is None:
-            qkv = [self._proj(w, n, h) for n in names]
+            qkv = [self._proj(w, name, h) for name in projs]
         q, k, v = qkv
         if self.qk_norm_full:
             q = self._norm(q, w[p + "attn_q_norm.weight"])
