@@ -5,8 +5,9 @@ its fused forms against the unfused calls, on Llama-3-8B shapes (needs MLX's CUD
 Each figure is the time per call in a chain of calls over distinct weights (1.2 GB of them, so
 no call finds its weight in the L2 cache), one evaluation per chain, the median of 7 chains
 after 2 unmeasured ones: how the model's forward pass calls them. Before timing, every product
-is checked against the float32 product of the dequantized weight (relative error < 1e-3 of the
-largest element) and a row's result alone against the same row in the batch.
+is checked against the float32 product of the dequantized weights (relative error below 1e-3 of
+the largest element, 2e-3 for SwiGLU's product of two) and, for ``matmul``, a row's result alone
+against the same row in the batch.
 
 - ``matmul``: ``cuda_mma.matmul`` and ``mx.quantized_matmul`` on the [n, k] weights of a block
   (gate/up [14336, 4096], down [4096, 14336], q/o [4096, 4096], k/v [1024, 4096]);
@@ -70,10 +71,11 @@ def per_call(fn, ws, reps: int = 7) -> float:
     return statistics.median(times[2:]) / len(ws)
 
 
-def check(got: mx.array, ref: mx.array, what: str) -> None:
+def check(got: mx.array, ref: mx.array, what: str, tol: float = 1e-3) -> None:
+    """Exit unless ``got`` is within ``tol`` of ``ref`` relative to its largest element."""
     err = (mx.abs(got.astype(mx.float32) - ref).max() / mx.abs(ref).max()).item()
-    if not err < 1e-3:
-        raise SystemExit(f"{what}: relative error {err:.2e} (at most 1e-3 expected)")
+    if not err < tol:
+        raise SystemExit(f"{what}: relative error {err:.2e} (below {tol:.0e} expected)")
 
 
 def dense(w) -> mx.array:
@@ -103,7 +105,8 @@ def fused_part(name: str, widths: tuple[int, ...], rows_list: list[int]) -> dict
                 return [cuda_mma.matmul(x, *w, GROUP) for w in ws]
         else:
             g, u = (x.astype(mx.float32) @ dense(w).T for w in sets[0])
-            check(cuda_mma.swiglu(x, *sets[0], GROUP), g * mx.sigmoid(g) * u, f"swiglu {rows}")
+            ref = g * mx.sigmoid(g) * u
+            check(cuda_mma.swiglu(x, *sets[0], GROUP), ref, f"swiglu {rows}", 2e-3)
 
             def fused(ws, x=x):
                 return cuda_mma.swiglu(x, *ws, GROUP)
