@@ -131,21 +131,18 @@ _MMA = r"""
 // for mma.m16n8k16"): lane (g, t) = (lane / 4, lane % 4) holds a's rows g and g + 8 at
 // columns 2t, 2t + 1 and 2t + 8, 2t + 9, b's column g at rows 2t, 2t + 1 and 2t + 8, 2t + 9, and
 // c's rows g and g + 8 at columns 2t, 2t + 1.
-__device__ __forceinline__ void strata_mma(float* c, uint4 a, uint2 b, const __half*) {
-    asm volatile(
-        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 "
-        "{%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};\n"
-        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-        : "r"(a.x), "r"(a.y), "r"(a.z), "r"(a.w), "r"(b.x), "r"(b.y));
-}
-
-__device__ __forceinline__ void strata_mma(float* c, uint4 a, uint2 b, const __nv_bfloat16*) {
-    asm volatile(
-        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
-        "{%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};\n"
-        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-        : "r"(a.x), "r"(a.y), "r"(a.z), "r"(a.w), "r"(b.x), "r"(b.y));
-}
+// One overload per 16-bit type (the pointer argument selects it; PTX names the type).
+#define STRATA_MMA(TYPE, PTX)                                                                  \
+    __device__ __forceinline__ void strata_mma(float* c, uint4 a, uint2 b, const TYPE*) {      \
+        asm volatile(                                                                          \
+            "mma.sync.aligned.m16n8k16.row.col.f32." PTX "." PTX ".f32 "                       \
+            "{%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};\n"                \
+            : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])                                   \
+            : "r"(a.x), "r"(a.y), "r"(a.z), "r"(a.w), "r"(b.x), "r"(b.y));                     \
+    }
+STRATA_MMA(__half, "f16")
+STRATA_MMA(__nv_bfloat16, "bf16")
+#undef STRATA_MMA
 
 // XW 16-byte vectors (8 elements each, from element kx on) of each of NTOK rows 8j + g of the
 // row-major [rows, K] activations x.
