@@ -1,8 +1,9 @@
 """The few compute helpers the model code uses, so tier placement never changes numerics.
 
 Every weight, wherever it lives, goes through :func:`to_mlx` and is used only through
-:func:`linear` and :func:`embedding`; a layer computes the same numbers whichever tier
-(memory, device) the planner puts it on.
+:func:`linear`, :func:`embedding` and the fused products :func:`fused_qkv` / :func:`fused_swiglu`
+(which take a tier's arrays as they are, for the same row counts on every tier); a layer
+computes the same numbers whichever tier (memory, device) the planner puts it on.
 
 Compute dtype is float32 on CPU: MLX's CPU backend is about 30x slower in float16 here.
 
@@ -262,9 +263,11 @@ def linear(x: mx.array, w: QuantLinear | mx.array) -> mx.array:
     With a row tile T (:func:`set_row_tile`, this thread): ``x`` is flattened to ``[R, in]``, R
     padded with zero rows to a multiple of T, each T-row tile computed by its own call (the
     kernel path chosen for T rows), and the padding dropped; R == T is one call. Every weight
-    product of the models goes through here, attention and FFN projections, routers, experts
-    (each expert's rows are tiled like any other rows) and the output head, so tiling covers
-    them all; there is no fused gather path (``mx.gather_qmm``) that would escape it. Without a
+    product of the models goes through here under a row tile, attention and FFN projections,
+    routers, experts (each expert's rows are tiled like any other rows) and the output head, so
+    tiling covers them all; there is no fused gather path (``mx.gather_qmm``) that would escape
+    it, and the fused products (:func:`fused_qkv`, :func:`fused_swiglu`) decline while a tile is
+    set. Without a
     tile, on MLX's CUDA backend (``PAD_ROWS``) R is padded to ``bucket_rows(R)`` and computed in
     one call.
 

@@ -452,7 +452,7 @@ class LlamaModel:
         projs = [p + name for name in ("attn_q", "attn_k", "attn_v")]
         ws = [w[name + ".weight"] for name in projs]
         qkv = None
-        if all(isinstance(q, QuantLinear) for q in ws) and not any(
+        if all(isinstance(wt, QuantLinear) for wt in ws) and not any(
             name + ".bias" in w for name in projs
         ):
             qkv = fused_qkv(h, ws)  # one tensor-core call where it applies
