@@ -23,8 +23,10 @@ usage: python bench/prefix_inprocess.py PLAN [--rounds 4] [--variants fused,unfu
 
 Measured on the lent H200 (2026-12-01, synthetic Llama-3-8B shape, Q4_0, rounds 1-2 of 3):
 fused cold 46.7 ms, warm 10.1 ms (4.6x), step16 10.2 ms; unfused 49.1, 11.5 (4.3x), 15.3
-(``bench/results/2026-12-01.prefix-fused-inprocess.h200.llama3-8b-shape.json``; measured with
-this script's first version, which did not yet compare the tokens).
+(``bench/results/2026-12-01.prefix-fused-inprocess.h200.llama3-8b-shape.json``). That was a
+scratch first version of this script, which did not compare the tokens, and its fused variant
+read Q/K/V and gate/up stacked into one weight each at load time; the kernels that now read each
+weight where it lies have not been timed.
 """
 
 from __future__ import annotations

@@ -41,13 +41,15 @@ weights (no L2 reuse), this kernel / the WMMA kernel it replaced / MLX's quantiz
 [14336, 4096] 8 rows 32 / 64-77 / 44-47, 16 rows 34-42 / 57-65 / 42-47, 32 rows 48-54 / 84-85 /
 78-87; [4096, 14336] 16 rows 38-43 / 60-69 / 46-49, 32 rows 50 / 74-76 / 76-84; [4096, 4096] 16
 rows 19-23 / 26-28 / 16-17; [1024, 4096] 16 rows 18-27 / 17-24 / 8-10 (too few row tiles alone; in
-matmul3 they share a call with Q); at 64 rows 97-114 / 177-201 / 75-87, so the H200 profile's range
-stays 2-32. Results within 3.5e-4 of the float32 product of the dequantized weight relative to its
-largest element (float16); each row equal alone and in the batch. In a Llama-3-8B-shaped model
-(in-process, one process, medians): a 24-token suffix after a 992-token prefix-cache hit 11.5 ms
-unfused, 10.1 ms with the fused forms, a 16-sequence decode step 15.3 and 10.2 ms (that run's
-fused forms read weights stacked at load time; the version here, which reads each weight where
-it lies, compiled for sm_90 with no spills but has not run on a GPU yet).
+matmul3 they share a call with Q); at 64 rows the FFN weights took 97-114 / 177-201 / 75-87, so
+the H200 profile's range stays 2-32. Results within 2.3e-4 to 4.4e-4 of the float32 product of
+the dequantized weight relative to its largest element (float16; [14336, 4096], [1024, 4096] and
+[1536, 576] weights, 1 to 64 rows); each row equal alone and in the batch. In a
+Llama-3-8B-shaped model (in-process, one process, medians): a 24-token suffix after a 992-token
+prefix-cache hit 11.5 ms unfused, 10.1 ms with the fused forms, a 16-sequence decode step 15.3
+and 10.2 ms (that run's fused forms read weights stacked at load time; the version here, which
+reads each weight where it lies, compiled for sm_90 with no spills but has not run on a GPU
+yet).
 
 Layout (``executor.quant``): element ``j`` of a uint32 word sits at bits ``4 * j``; ``w = scale * q
 + bias`` per group of ``group_size`` (32, 64 or 128) elements along a row."""
@@ -359,6 +361,7 @@ def words_per_lane(k: int) -> int:
     return 4 if k % 128 == 0 else 2
 
 
+@functools.cache  # asked on every fused projection's call (executor.ops._fused_rows)
 def warps_per_block(n: int, k: int) -> int:
     """Warps that split the K dimension of an ``[n, k]`` weight, a function of the weight's
     shape alone (so that a row's result does not depend on the row count): doubled from 1
