@@ -8,6 +8,7 @@ prefix. Argument errors are checked in-process, before any server would start.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import signal
@@ -374,3 +375,179 @@ def test_near_tie_gap_defaults_by_model(smollm2_gguf):
 
     assert default_near_tie_gap(open_gguf(smollm2_gguf)) == NEAR_TIE_GAP == 0.5
     assert default_near_tie_gap(Synthetic()) == NEAR_TIE_GAP_RANDOM == 1.0
+
+
+# --------------------------------------------------------------------------------------------
+# The aiohttp client against a scripted in-process server (no model: fast)
+# --------------------------------------------------------------------------------------------
+
+
+def _chunk(text: str, finish: str | None = None, usage: dict | None = None) -> bytes:
+    event = {"choices": [{"index": 0, "text": text, "finish_reason": finish}]}
+    if usage is not None:
+        event = {"choices": [], "usage": usage}
+    return b"data: " + json.dumps(event, ensure_ascii=False).encode() + b"\n\n"
+
+
+_USAGE = {"prompt_tokens": 7, "completion_tokens": 3, "prompt_tokens_details": {"cached_tokens": 4}}
+
+
+def _scripted(script, seen: dict):
+    """``(url, runner)`` of an aiohttp server whose ``/v1/completions`` streams ``script`` (a list
+    of byte strings and pauses in seconds, or ``(status, body)`` for a plain reply), after checking
+    the bench's key; it counts the client's connections in ``seen["peers"]``."""
+    from aiohttp import web
+
+    async def completions(request: web.Request) -> web.StreamResponse:
+        seen.setdefault("peers", set()).add(request.transport.get_extra_info("peername"))
+        seen["body"] = await request.json()
+        if request.headers.get("Authorization") != "Bearer k":
+            return web.json_response({"error": {"message": "no key"}}, status=401)
+        if isinstance(script, tuple):
+            return web.Response(status=script[0], body=script[1])
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        for part in script:
+            if isinstance(part, float):
+                await asyncio.sleep(part)
+            else:
+                await resp.write(part)
+        await resp.write_eof()
+        return resp
+
+    async def reset(request: web.Request) -> web.Response:
+        return web.json_response({"error": {"message": "requests are running"}}, status=409)
+
+    async def metrics(request: web.Request) -> web.Response:
+        return web.Response(text="strata_engine_steps_total 5\n")
+
+    async def start():
+        app = web.Application()
+        app.router.add_post("/v1/completions", completions)
+        app.router.add_post("/reset_prefix_cache", reset)
+        app.router.add_get("/metrics", metrics)
+        runner = web.AppRunner(app)
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        port = runner.addresses[0][1]
+        return f"http://127.0.0.1:{port}", runner
+
+    return start
+
+
+def _stream(script, n: int = 1, seen: dict | None = None) -> list[RequestResult]:
+    """``n`` bench requests, one after another, against a server that streams ``script``."""
+    import types
+
+    from executor.http_bench import _client, stream_completion
+
+    seen = {} if seen is None else seen
+
+    async def go():
+        url, runner = await _scripted(script, seen)()
+        try:
+            srv = types.SimpleNamespace(url=url, api_key="k")
+            async with _client(srv, 2) as client:
+                return [await stream_completion(client, "m", "hi", 3, 5) for _ in range(n)]
+        finally:
+            await runner.cleanup()
+
+    return asyncio.run(go())
+
+
+def test_stream_completion_reads_and_times_the_events():
+    """Lines split on b"\\n" only (U+2028 and U+0085 are text, which httpx's ``aiter_lines``
+    split on), other SSE lines skipped, a line far over aiohttp's default 512 KiB limit read
+    whole, the timing points taken at the chunks with text, and one connection kept alive."""
+    big = "x" * (1 << 20)
+    script = [
+        b": a comment\n\nevent: ping\n\n",
+        _chunk(""),  # no text yet: not the first token
+        _chunk("a\u2028b\x85"),
+        _chunk(big),
+        _chunk("", "length"),
+        _chunk("", usage=_USAGE),
+        b"data: [DONE]\n\n",
+        0.05,  # the body's end comes later: the client must still read it to keep the connection
+    ]
+    seen: dict = {}
+    results = _stream(script, n=3, seen=seen)
+    r = results[0]
+    assert r.text == "a\u2028b\x85" + big and r.finish_reason == "length" and r.prompt == 5
+    assert (r.prompt_tokens, r.completion_tokens, r.cached_tokens) == (7, 3, 4)
+    assert r.t_sent < r.t_first < r.t_last and r.tpot_s == (r.t_last - r.t_first) / 2
+    assert all(x.text == r.text for x in results)
+    assert len(seen["peers"]) == 1  # the body is read to its end: the connection is reused
+    body = seen["body"]
+    assert body["stream"] is True and body["ignore_eos"] is True and body["temperature"] == 0
+    assert body["max_tokens"] == 3 and body["stream_options"] == {"include_usage": True}
+
+
+@pytest.mark.parametrize(
+    "script, words",
+    [
+        ((400, b'{"error": {"message": "bad prompt"}}'), "prompt 5: HTTP 400: bad prompt"),
+        ((502, b"<html>bad gateway</html>"), "prompt 5: HTTP 502: <html>bad gateway</html>"),
+        (
+            [_chunk("a"), b'data: {"error": {"message": "engine died"}}\n\n'],
+            "prompt 5: the server failed: engine died",
+        ),
+        ([_chunk("a"), b"data: {oops\n\n"], "prompt 5: the server sent a non-JSON event"),
+        ([_chunk("a"), b"data: [DONE]\n\n"], "the stream ended without a finish reason"),
+        ([_chunk("a")], "the stream ended without a finish reason"),
+    ],
+)
+def test_stream_completion_errors(script, words):
+    with pytest.raises(StrataError) as e:
+        _stream(script)
+    assert words in str(e.value), str(e.value)
+
+
+def test_a_line_over_the_limit_is_one_clear_error(monkeypatch):
+    import executor.http_bench as hb
+
+    monkeypatch.setattr(hb, "STREAM_LINE_BYTES", 4096)
+    assert _stream([_chunk("y" * 1000, "length"), b"data: [DONE]\n\n"])[0].text == "y" * 1000
+    with pytest.raises(StrataError, match="prompt 5: the server sent a stream line over 4096"):
+        _stream([_chunk("y" * 10000, "length"), b"data: [DONE]\n\n"])
+
+
+def test_reset_metrics_and_failures_on_the_server():
+    """``reset_prefix_cache`` names the status and the server's message; ``_metrics`` parses;
+    a request to a dead server becomes one StrataError line with the server's stderr."""
+    import socket
+    import types
+
+    from executor.http_bench import _client, _metrics, _on_server, reset_prefix_cache
+
+    async def go():
+        url, runner = await _scripted([], {})()
+        try:
+            async with _client(types.SimpleNamespace(url=url, api_key="k"), 2) as client:
+                assert await _metrics(client) == {"strata_engine_steps_total": 5.0}
+                await reset_prefix_cache(client)
+        finally:
+            await runner.cleanup()
+
+    with pytest.raises(StrataError, match="prefix cache: HTTP 409: requests are running"):
+        asyncio.run(go())
+
+    with socket.socket() as s:  # a port with nothing listening
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    srv = ServerProcess(["unused"], "k")
+    srv.url = f"http://127.0.0.1:{port}"
+
+    async def dead():
+        async with _client(srv, 1) as client:
+            await reset_prefix_cache(client)
+
+    try:
+        with pytest.raises(StrataError) as e:
+            _on_server(srv, "concurrency 4", dead())
+    finally:
+        srv.stop()
+    msg = str(e.value)
+    assert msg.startswith("concurrency 4: the request failed (ClientConnectorError(")
+    assert "server stderr:" in msg and "\n" not in msg

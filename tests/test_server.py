@@ -338,11 +338,14 @@ def test_reference_logprobs_name_token_ids(server, tokenizer):
     log-probs of a greedy completion, which decode back to its text."""
     import asyncio
 
+    import aiohttp
+
     from executor.http_bench import classify_divergence, reference_logprobs
 
     async def ask():
         headers = {"Authorization": f"Bearer {KEY}"}
-        async with httpx.AsyncClient(base_url=server.url, headers=headers, timeout=60) as c:
+        timeout = aiohttp.ClientTimeout(total=60)
+        async with aiohttp.ClientSession(server.url, headers=headers, timeout=timeout) as c:
             return await reference_logprobs(c, MODEL, PROMPT, 6)
 
     text, ids, tops = asyncio.run(ask())
