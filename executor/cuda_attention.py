@@ -45,6 +45,8 @@ import functools
 
 import mlx.core as mx
 
+from executor.cuda_source import compact
+
 __all__ = ["MAX_QUERIES", "attention", "supported"]
 
 MAX_QUERIES = 64
@@ -213,7 +215,7 @@ def _kernel():
         name="strata_chunk_attention",
         input_names=["q", "kp", "vp", "tables", "rows", "scale_in"],
         output_names=["out"],
-        source=_SOURCE,
+        source=compact(_SOURCE),
         header="#include <cuda_fp16.h>\n#include <cuda_bf16.h>\n",
     )
 
@@ -257,12 +259,14 @@ def attention(
     rows: mx.array,
     scale: float,
     window: int = 0,
+    flat: bool = False,
 ) -> mx.array:
     """Causal attention of R query rows, each over its own sequence's cached keys (its own token
     included), read from the paged pool: a chunk's queries, a decode group's, or a whole pass's.
 
     Args:
-        q: ``[R, heads, head_dim]`` float16/bfloat16, the queries (RoPE applied), row-major.
+        q: ``[R, heads, head_dim]`` (or ``[R, heads, 1, head_dim]``, as RoPE leaves it)
+            float16/bfloat16, the queries (RoPE applied), row-major.
         keys: ``[slots, kv_heads, head_dim]``, one layer's key pool (``PagedKVCache.keys``), same
             dtype.
         values: like ``keys``.
@@ -273,10 +277,12 @@ def attention(
             marks a padding row, whose output is zeros.
         scale: the score scale (1 / sqrt(head_dim), or the model's).
         window: a sliding window in tokens (0: none).
+        flat: return ``[R, heads * head_dim]`` (the same layout), as the output projection
+            reads it, with no reshape in the graph.
 
     Returns:
-        ``[R, heads, head_dim]`` of ``q``'s dtype: softmax(scale * q k^T) v per head, float32
-        inside, rounded once.
+        ``[R, heads, head_dim]`` (or ``flat``) of ``q``'s dtype: softmax(scale * q k^T) v per
+        head, float32 inside, rounded once.
 
     Raises:
         ValueError: a shape or dtype :func:`supported` refuses (R is not limited here: the
@@ -284,10 +290,56 @@ def attention(
             ``tables``/``rows``. Positions are not checked against ``W`` (that would cost a
             device sync): the caller builds them.
     """
-    r, heads, d = q.shape
-    kv_heads = keys.shape[1]
+    key = (q.shape, q.dtype, keys.shape, keys.dtype, values.shape, values.dtype)
+    key += (tables.shape, tables.dtype, rows.shape, rows.dtype, float(scale), int(window), flat)
+    launch = _LAUNCHES.get(key)
+    if launch is None:
+        if len(_LAUNCHES) >= _MAX_LAUNCHES:
+            _LAUNCHES.clear()
+        launch = _LAUNCHES[key] = _prepare(q, keys, values, tables, rows, scale, window, flat)
+    template, grid, threadgroup, shape = launch
+    (out,) = _kernel()(
+        inputs=[q, keys, values, tables, rows, _scale(float(scale))],
+        template=template,
+        grid=grid,
+        threadgroup=threadgroup,
+        output_shapes=[shape],
+        output_dtypes=[q.dtype],
+    )
+    return out
+
+
+_LAUNCHES: dict[tuple, tuple] = {}
+"""Call signature (the arrays' shapes and dtypes, scale, window, ``flat``) -> the kernel's
+template, grid, block and output shape, validated on the signature's first call: a pass's
+blocks repeat one signature, and validating each call cost the host several us of the few tens
+a pass's block may take (H200 host, 2026-12-01)."""
+
+_MAX_LAUNCHES = 1024
+"""Signatures kept (emptied past this: the key length of ``tables`` changes from pass to pass)."""
+
+
+def _prepare(
+    q: mx.array,
+    keys: mx.array,
+    values: mx.array,
+    tables: mx.array,
+    rows: mx.array,
+    scale: float,
+    window: int,
+    flat: bool,
+) -> tuple[list, tuple[int, int, int], tuple[int, int, int], tuple[int, ...]]:
+    """Validate a call of :func:`attention` and work out its kernel's arguments.
+
+    Raises:
+        ValueError: as :func:`attention` says.
+    """
+    r, heads, d = q.shape[0], q.shape[1], q.shape[-1]
+    kv_heads = keys.shape[1] if keys.ndim == 3 else 0
     if (
-        not supported(1, heads, kv_heads, d, q.dtype)
+        q.ndim not in (3, 4)
+        or (q.ndim == 4 and q.shape[2] != 1)
+        or not supported(1, heads, kv_heads, d, q.dtype)
         or keys.dtype != q.dtype
         or values.shape != keys.shape
         or values.dtype != q.dtype
@@ -306,19 +358,13 @@ def attention(
         )
     group = heads // kv_heads
     warps = _warps(group, d)
-    (out,) = _kernel()(
-        inputs=[q, keys, values, tables, rows, _scale(float(scale))],
-        template=[
-            ("T", q.dtype),
-            ("G", group),
-            ("D", d),
-            ("WINDOW", int(window)),
-            ("WARPS", warps),
-            ("PV", PV),
-        ],
-        grid=(r * kv_heads * warps * 32, 1, 1),
-        threadgroup=(warps * 32, 1, 1),
-        output_shapes=[(r, heads, d)],
-        output_dtypes=[q.dtype],
-    )
-    return out
+    template = [
+        ("T", q.dtype),
+        ("G", group),
+        ("D", d),
+        ("WINDOW", int(window)),
+        ("WARPS", warps),
+        ("PV", PV),
+    ]
+    shape = (r, heads * d) if flat else (r, heads, d)
+    return template, (r * kv_heads * warps * 32, 1, 1), (warps * 32, 1, 1), shape

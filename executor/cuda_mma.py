@@ -47,9 +47,15 @@ the dequantized weight relative to its largest element (float16; [14336, 4096], 
 [1536, 576] weights, 1 to 64 rows); each row equal alone and in the batch. In a
 Llama-3-8B-shaped model (in-process, one process, medians): a 24-token suffix after a 992-token
 prefix-cache hit 11.5 ms unfused, 10.1 ms with the fused forms, a 16-sequence decode step 15.3
-and 10.2 ms (that run's fused forms read weights stacked at load time; the version here, which
-reads each weight where it lies, compiled for sm_90 with no spills but has not run on a GPU
-yet).
+and 10.2 ms (that run's fused forms read weights stacked at load time). The version here reads
+each weight where it lies; its tests pass on the H200 (2026-12-01, later session), where a warm
+24-token pass took 9.3-13.4 ms in-process, host-bound: the calls of a block cost 12-28 us each
+to build (after the launch cache below), MLX's evaluation about 100 us a block.
+
+``matmul(..., residual=r)`` adds the residual in the store (``plain_add``: ``r + T(sum)`` by the
+dtype's own ``+``, bit for bit the separate add), one operation of the graph fewer per block
+output projection. Each call's launch (validation, grid, template) is worked out once per
+signature (:data:`_LAUNCHES`).
 
 Layout (``executor.quant``): element ``j`` of a uint32 word sits at bits ``4 * j``; ``w = scale * q
 + bias`` per group of ``group_size`` (32, 64 or 128) elements along a row."""
@@ -57,8 +63,13 @@ Layout (``executor.quant``): element ``j`` of a uint32 word sits at bits ``4 * j
 from __future__ import annotations
 
 import functools
+import math
+from collections.abc import Hashable
+from dataclasses import dataclass
 
 import mlx.core as mx
+
+from executor.cuda_source import compact
 
 __all__ = ["MAX_ROWS", "fusable", "matmul", "matmul3", "supported", "swiglu"]
 
@@ -160,7 +171,7 @@ __device__ __forceinline__ void strata_ldx(uint4 (&xv)[XW][NTOK], const T* x, in
 """
 
 _BODY = r"""
-    const int K = x_shape[1];
+    const int K = STRATA_K;
     const int KW = K / 8;                        // packed words per weight row
     const int G = K / GS;                        // scale groups per weight row
     constexpr int CK = 32 * WPL;                 // K elements per chunk: WPL words per lane quad
@@ -313,8 +324,16 @@ _SUMS = r"""
 """
 """The block's 16 * RT columns of 8 tokens, each the warps' sum, rounded once."""
 
+_SUMS_ADD = _SUMS.replace(
+    "= static_cast<T>(sum);",
+    "= res[(size_t)(8 * j + tok) * ld + base + col] + static_cast<T>(sum);",
+)
+"""As ``_SUMS``, each result then added to the residual's element in its place by ``T``'s own
+``+`` (as MLX's add of two ``T`` arrays: the same bits as adding the rounded product after)."""
+
 _STORE = {
     "plain": _SUMS,
+    "plain_add": _SUMS_ADD,
     "split3": _SUMS,
     # silu(gate) * up of the float32 sums of the two row tiles, rounded once.
     "swiglu": r"""
@@ -334,24 +353,42 @@ _STORE = {
 """,
 }
 
+_TILES["plain_add"] = _TILES["plain"]
+
 _INPUTS = {
     "plain": ["x", "w", "scales", "biases"],
+    "plain_add": ["x", "w", "scales", "biases", "res"],
     "split3": ["x", "w0", "s0", "b0", "w1", "s1", "b1", "w2", "s2", "b2"],
     "swiglu": ["x", "wg", "sg", "bg", "wu", "su", "bu"],
 }
-_OUTPUTS = {"plain": ["out"], "split3": ["out0", "out1", "out2"], "swiglu": ["out"]}
+_OUTPUTS = {
+    "plain": ["out"],
+    "plain_add": ["out"],
+    "split3": ["out0", "out1", "out2"],
+    "swiglu": ["out"],
+}
+
+
+_K = {
+    "plain": "w_shape[1] * 8",
+    "plain_add": "w_shape[1] * 8",
+    "split3": "w0_shape[1] * 8",
+    "swiglu": "wg_shape[1] * 8",
+}
+"""K of each kernel, from its (first) weight's packed words: ``x`` may be of any rank."""
 
 
 @functools.cache
 def _get_kernel(store: str):
     """The kernel writing its results as ``store`` says (a key of ``_STORE``), built on first
     use (MLX compiles it per template instantiation)."""
+    source = _BODY.replace("STRATA_TILES", _TILES[store]).replace("STRATA_K", _K[store])
     return mx.fast.cuda_kernel(
         name=f"strata_mma_qmm_{store}",
         input_names=_INPUTS[store],
         output_names=_OUTPUTS[store],
-        source=_BODY.replace("STRATA_TILES", _TILES[store]) + _STORE[store],
-        header=_HEADER + _MMA,
+        source=compact(source + _STORE[store]),
+        header=compact(_HEADER + _MMA),
     )
 
 
@@ -361,7 +398,7 @@ def words_per_lane(k: int) -> int:
     return 4 if k % 128 == 0 else 2
 
 
-@functools.cache  # asked on every fused projection's call (executor.ops._fused_rows)
+@functools.cache  # asked on every fused projection's call (executor.ops._fusable)
 def warps_per_block(n: int, k: int) -> int:
     """Warps that split the K dimension of an ``[n, k]`` weight, a function of the weight's
     shape alone (so that a row's result does not depend on the row count): doubled from 1
@@ -390,21 +427,21 @@ def supported(rows: int, n: int, k: int, bits: int, group_size: int, dtype: mx.D
     )
 
 
-def _check(x: mx.array, weight: mx.array, scales: mx.array, biases: mx.array, group_size: int):
-    """Raise ValueError unless :func:`supported` takes ``x`` by ``weight`` and the scales and
-    biases match it."""
-    m, k = x.shape
+def _check(m: int, k: int, dtype: mx.Dtype, weight: Quant, group_size: int) -> None:
+    """Raise ValueError unless :func:`supported` takes ``m`` rows of ``dtype`` by ``weight``
+    (``[n, k]``) and its scales and biases match it."""
+    weight, scales, biases = weight
     n = weight.shape[0]
-    if not supported(m, n, k, 4, group_size, x.dtype) or weight.shape[1] * 8 != k:
+    if not supported(m, n, k, 4, group_size, dtype) or weight.shape[1] * 8 != k:
         raise ValueError(
-            f"cuda_mma: [{m}, {k}] {x.dtype} by a {tuple(weight.shape)} 4-bit weight in groups "
+            f"cuda_mma: [{m}, {k}] {dtype} by a {tuple(weight.shape)} 4-bit weight in groups "
             f"of {group_size} is not handled here (MLX CUDA, rows <= {MAX_ROWS}, n % 16 == 0, "
             f"k % 64 == 0, groups of 32, 64 or 128 dividing k, 16-bit activations); use "
             f"mx.quantized_matmul"
         )
-    if scales.dtype != x.dtype or biases.dtype != x.dtype:
+    if scales.dtype != dtype or biases.dtype != dtype:
         raise ValueError(
-            f"cuda_mma: scales and biases must be {x.dtype} like the activations (the kernel "
+            f"cuda_mma: scales and biases must be {dtype} like the activations (the kernel "
             f"dequantizes in pairs of them); got {scales.dtype}, {biases.dtype}"
         )
     if scales.shape != (n, k // group_size) or biases.shape != scales.shape:
@@ -418,41 +455,35 @@ Quant = tuple[mx.array, mx.array, mx.array]
 """A 4-bit weight as (packed uint32 ``[n, k / 8]``, scales, biases ``[n, k / group_size]``)."""
 
 
-def _launch(
-    store: str,
-    x: mx.array,
-    weights: list[Quant],
-    group_size: int,
-    rt: int,
-    blocks: int,
-    widths: list[int],
-) -> list[mx.array]:
-    """One call of the ``store`` kernel on ``weights`` (all of one shape's K, the first's
-    :func:`warps_per_block`): ``blocks`` blocks, ``rt`` row tiles per warp, outputs ``[m,
-    width]`` for ``widths`` (x padded to whole 8-row column tiles of the mma, the padding
-    dropped)."""
-    m, k = x.shape
-    ntok = -(-m // 8)
-    warps, wpl = warps_per_block(weights[0][0].shape[0], k), words_per_lane(k)
-    if ntok * 8 != m:  # mma columns are 8 tokens: pad with zero rows, dropped below
-        x = mx.concatenate([x, mx.zeros((ntok * 8 - m, k), dtype=x.dtype)])
-    outs = _get_kernel(store)(
-        inputs=[x, *(a for w in weights for a in w)],
-        template=[
-            ("T", x.dtype),
-            ("GS", group_size),
-            ("NTOK", ntok),
-            ("RT", rt),
-            ("WARPS", warps),
-            ("WPL", wpl),
-            ("U", LOAD_WORDS // (rt * 2 * wpl)),
-        ],
-        grid=(blocks * warps * 32, 1, 1),
-        threadgroup=(warps * 32, 1, 1),
-        output_shapes=[(ntok * 8, width) for width in widths],
-        output_dtypes=[x.dtype] * len(widths),
-    )
-    return list(outs) if ntok * 8 == m else [o[:m] for o in outs]
+@dataclass(frozen=True)
+class _Launch:
+    """One call's arguments to MLX, worked out once per signature (:func:`_call`).
+
+    ``pad``: zero rows that make ``x``'s ``m`` rows whole 8-row column tiles of the mma. With
+    none the kernel writes the results in their ``shapes`` (the same row-major layout: no
+    reshape in the graph); with some, ``x`` is flattened and padded, the kernel writes
+    ``[m + pad, n_i]`` (``written``), and the results are cut back and reshaped."""
+
+    kernel: object
+    template: list
+    grid: tuple[int, int, int]
+    threadgroup: tuple[int, int, int]
+    shapes: list[tuple[int, ...]]
+    written: list[tuple[int, ...]]
+    dtypes: list[mx.Dtype]
+    m: int
+    k: int
+    pad: int
+
+
+_LAUNCHES: dict[tuple, _Launch] = {}
+"""Signature (kernel, ``x``'s shape and dtype, the weights' shapes and dtypes, group size,
+output shapes) -> its :class:`_Launch`. Validating and working out a call took about 12 us of
+Python per call on the H200 host (2026-12-01), more than MLX's own cost of a call; a pass of the
+Llama-3-8B shape makes 160 of them."""
+
+_MAX_LAUNCHES = 4096
+"""Signatures kept (the cache is emptied past this: a pass meets a few dozen)."""
 
 
 def _row_tiles(n: int, k: int, m: int) -> int:
@@ -463,33 +494,172 @@ def _row_tiles(n: int, k: int, m: int) -> int:
     return 2 if n % 32 == 0 and n // 32 * warps >= TARGET_WARPS // 2 and m <= 32 else 1
 
 
+def _prepare(
+    store: str,
+    x_shape: tuple[int, ...],
+    dtype: mx.Dtype,
+    weights: list[Quant],
+    group_size: int,
+    shapes: list[tuple[int, ...]] | None,
+    residual: tuple[tuple[int, ...], mx.Dtype] | None = None,
+) -> _Launch:
+    """Validate a call of the ``store`` kernel and work out its arguments (``residual``: the
+    shape and dtype of ``plain_add``'s residual).
+
+    Raises:
+        ValueError: as :func:`matmul`, :func:`matmul3` and :func:`swiglu` say.
+    """
+    if not x_shape:
+        raise ValueError("cuda_mma: x must have at least one dimension, [..., k]")
+    k, m = x_shape[-1], math.prod(x_shape[:-1])
+    for w in weights:
+        _check(m, k, dtype, w, group_size)
+    widths = [w[0].shape[0] for w in weights]
+    if store == "split3" and (len(weights) != 3 or not fusable(weights, k)):
+        raise ValueError(
+            "cuda_mma.matmul3: needs three weights with the same K split (cuda_mma.fusable); "
+            "call matmul per weight"
+        )
+    if store == "swiglu" and weights[0][0].shape != weights[1][0].shape:
+        raise ValueError(
+            f"cuda_mma.swiglu: gate {tuple(weights[0][0].shape)} and up "
+            f"{tuple(weights[1][0].shape)} differ in shape"
+        )
+    if store == "swiglu":
+        widths, rt = widths[:1], 2
+    elif store == "split3":
+        rt = _row_tiles(sum(widths), k, m) if all(n % 32 == 0 for n in widths) else 1
+    else:
+        rt = _row_tiles(widths[0], k, m)
+    lead = tuple(x_shape[:-1])
+    if residual is not None:
+        if residual[1] != dtype:
+            raise ValueError(
+                f"cuda_mma.matmul: the residual is {residual[1]}, the activations {dtype}; "
+                f"give both one dtype"
+            )
+        shapes = [tuple(residual[0])]
+    out = shapes or [(*lead, n) for n in widths]
+    sizes = [math.prod(s) for s in out]
+    if sizes != [m * n for n in widths]:
+        raise ValueError(
+            f"cuda_mma: output shapes {out} do not hold [{m}, n] results for widths {widths}"
+        )
+    ntok = -(-m // 8)
+    warps, wpl = warps_per_block(weights[0][0].shape[0], k), words_per_lane(k)
+    # A swiglu block's two row tiles are the same rows of gate and up.
+    blocks = widths[0] // 16 if store == "swiglu" else sum(widths) // (16 * rt)
+    pad = ntok * 8 - m
+    return _Launch(
+        kernel=_get_kernel(store),
+        template=[
+            ("T", dtype),
+            ("GS", group_size),
+            ("NTOK", ntok),
+            ("RT", rt),
+            ("WARPS", warps),
+            ("WPL", wpl),
+            ("U", LOAD_WORDS // (rt * 2 * wpl)),
+        ],
+        grid=(blocks * warps * 32, 1, 1),
+        threadgroup=(warps * 32, 1, 1),
+        shapes=[tuple(s) for s in out],
+        written=[(m + pad, n) for n in widths] if pad else [tuple(s) for s in out],
+        dtypes=[dtype] * len(widths),
+        m=m,
+        k=k,
+        pad=pad,
+    )
+
+
+def _call(
+    store: str,
+    x: mx.array,
+    weights: list[Quant],
+    group_size: int,
+    shapes: list[tuple[int, ...]] | None = None,
+    signature: Hashable | None = None,
+    residual: mx.array | None = None,
+) -> list[mx.array]:
+    """One call of the ``store`` kernel (a key of ``_STORE``), its arguments from the
+    signature's :class:`_Launch` (validated and worked out on its first call). ``signature``
+    stands for the weights' shapes and dtypes in the cache key where the caller has one (see
+    :func:`matmul`); else they are read from the arrays."""
+    if signature is None:
+        signature = tuple((w.shape, s.shape, s.dtype, b.shape, b.dtype) for w, s, b in weights)
+    res = None if residual is None else (residual.shape, residual.dtype)
+    key = (store, x.shape, x.dtype, group_size, None if shapes is None else tuple(shapes))
+    key += (res, signature)
+    launch = _LAUNCHES.get(key)
+    if launch is None:
+        if len(_LAUNCHES) >= _MAX_LAUNCHES:
+            _LAUNCHES.clear()
+        launch = _prepare(store, x.shape, x.dtype, weights, group_size, shapes, res)
+        _LAUNCHES[key] = launch
+    extra = [] if residual is None else [residual]
+    if launch.pad:  # whole 8-row column tiles: zero rows appended, dropped below
+        zeros = mx.zeros((launch.pad, launch.k), dtype=x.dtype)
+        x = mx.concatenate([x.reshape(launch.m, launch.k), zeros])
+        if residual is not None:
+            n = launch.written[0][1]
+            extra = [
+                mx.concatenate(
+                    [residual.reshape(launch.m, n), mx.zeros((launch.pad, n), dtype=residual.dtype)]
+                )
+            ]
+    outs = launch.kernel(
+        inputs=[x, *(a for w in weights for a in w), *extra],
+        template=launch.template,
+        grid=launch.grid,
+        threadgroup=launch.threadgroup,
+        output_shapes=launch.written,
+        output_dtypes=launch.dtypes,
+    )
+    if launch.pad:
+        return [o[: launch.m].reshape(s) for o, s in zip(outs, launch.shapes, strict=True)]
+    return list(outs)
+
+
 def matmul(
     x: mx.array,
     weight: mx.array,
     scales: mx.array,
     biases: mx.array,
     group_size: int,
+    residual: mx.array | None = None,
+    signature: Hashable | None = None,
 ) -> mx.array:
-    """``x @ dequantize(w).T`` for a 4-bit affine-quantized ``w``, on tensor cores.
+    """``x @ dequantize(w).T`` for a 4-bit affine-quantized ``w``, on tensor cores; with a
+    ``residual``, ``residual + x @ dequantize(w).T`` in the same call (a block's output
+    projection added to the residual stream: one operation of the graph fewer, each costing
+    MLX's CUDA backend a few us of host time).
 
     Args:
-        x: ``[m, k]`` float16 or bfloat16, ``m <= MAX_ROWS``.
+        x: ``[..., k]`` float16 or bfloat16, row-major, at most ``MAX_ROWS`` rows in all
+            (``m``, the product of the leading dimensions).
         weight: uint32 ``[n, k / 8]``, row-major contiguous.
         scales: float ``[n, k / group_size]`` of ``x``'s dtype.
         biases: like ``scales``.
         group_size: 32, 64 or 128.
+        residual: None, or ``m * n`` elements of ``x``'s dtype (any shape, row-major: the
+            result takes its shape), e.g. the ``[1, m, n]`` residual stream.
+        signature: a hashable standing for the weight's shapes and dtypes in the kernel's
+            launch cache (``executor.ops.QuantLinear.signature``), where reading them from the
+            arrays costs each call a few us; None reads them. It must change whenever they do.
 
     Returns:
-        ``[m, n]`` of ``x``'s dtype: float32 sums of the 16-bit products of ``x`` and the
-        dequantized weight (each weight element ``scale * q + bias`` rounded once), rounded once.
+        ``[..., n]`` (or ``residual``'s shape) of ``x``'s dtype: float32 sums of the 16-bit
+        products of ``x`` and the dequantized weight (each weight element ``scale * q + bias``
+        rounded once), rounded once, then added to ``residual`` by its dtype's ``+`` (bit for
+        bit ``residual + matmul(x, ...)``). Where ``m`` is a multiple of 8 the kernel writes
+        this shape itself (no reshape).
 
     Raises:
-        ValueError: a shape or dtype :func:`supported` refuses.
+        ValueError: a shape or dtype :func:`supported` refuses; a residual of another dtype or
+            size.
     """
-    _check(x, weight, scales, biases, group_size)
-    (m, k), n = x.shape, weight.shape[0]
-    rt = _row_tiles(n, k, m)
-    return _launch("plain", x, [(weight, scales, biases)], group_size, rt, n // (16 * rt), [n])[0]
+    store = "plain" if residual is None else "plain_add"
+    return _call(store, x, [(weight, scales, biases)], group_size, None, signature, residual)[0]
 
 
 def fusable(weights: list[Quant], k: int) -> bool:
@@ -499,42 +669,45 @@ def fusable(weights: list[Quant], k: int) -> bool:
     return len({warps_per_block(w[0].shape[0], k) for w in weights}) == 1
 
 
-def matmul3(x: mx.array, weights: list[Quant], group_size: int) -> list[mx.array]:
+def matmul3(
+    x: mx.array,
+    weights: list[Quant],
+    group_size: int,
+    shapes: list[tuple[int, ...]] | None = None,
+    signature: Hashable | None = None,
+) -> list[mx.array]:
     """:func:`matmul` of ``x`` by three weights of the same input (an attention block's Q, K
-    and V) in one kernel call, where three calls would each pay MLX's per-call cost (about 8 us
-    on the H200): each result equal to that weight's own :func:`matmul`, bit for bit.
+    and V) in one kernel call, where three calls would each pay MLX's per-call cost: each result
+    equal to that weight's own :func:`matmul`, bit for bit.
 
     Args:
         weights: three (weight, scales, biases) of ``[n_i, k]`` weights, each ``n_i`` a multiple
             of 16, :func:`fusable`.
+        shapes: each result's shape, of ``m * n_i`` elements (the row-major ``[m, n_i]``
+            viewed so, e.g. ``[m, heads, 1, head_dim]`` for RoPE); None: ``[..., n_i]``.
+        signature: as :func:`matmul`'s, for the three weights.
         others: as :func:`matmul`.
 
     Returns:
-        ``[m, n_i]`` for each weight, in order.
+        the three results, in order.
 
     Raises:
-        ValueError: as :func:`matmul` for any of them; not three, or not :func:`fusable`.
+        ValueError: as :func:`matmul` for any of them; not three, or not :func:`fusable`;
+            ``shapes`` of the wrong sizes.
     """
-    m, k = x.shape
-    if len(weights) != 3 or not fusable(weights, k):
-        raise ValueError(
-            "cuda_mma.matmul3: needs three weights with the same K split (cuda_mma.fusable); "
-            "call matmul per weight"
-        )
-    for w in weights:
-        _check(x, *w, group_size)
-    widths = [w[0].shape[0] for w in weights]
-    rt = _row_tiles(sum(widths), k, m) if all(n % 32 == 0 for n in widths) else 1
-    return _launch("split3", x, weights, group_size, rt, sum(widths) // (16 * rt), widths)
+    return _call("split3", x, weights, group_size, shapes, signature)
 
 
-def swiglu(x: mx.array, gate: Quant, up: Quant, group_size: int) -> mx.array:
+def swiglu(
+    x: mx.array, gate: Quant, up: Quant, group_size: int, signature: Hashable | None = None
+) -> mx.array:
     """``silu(x @ gate.T) * (x @ up.T)`` in one kernel call: SwiGLU (Shazeer 2020, "GLU Variants
     Improve Transformer"), as Llama's FFN computes before its down projection, where the unfused
     form takes four calls (two products, SiLU, their product).
 
     Args:
         gate, up: (weight, scales, biases) of two ``[f, k]`` weights.
+        signature: as :func:`matmul`'s, for the two weights.
         others: as :func:`matmul` (``m`` up to ``MAX_ROWS``; from 33 rows each warp holds 40-64
             float32 accumulators, more registers than the 2-32 rows the profile gives it).
 
@@ -546,12 +719,4 @@ def swiglu(x: mx.array, gate: Quant, up: Quant, group_size: int) -> mx.array:
     Raises:
         ValueError: as :func:`matmul`; gate and up of different shapes.
     """
-    _check(x, *gate, group_size)
-    _check(x, *up, group_size)
-    if gate[0].shape != up[0].shape:
-        raise ValueError(
-            f"cuda_mma.swiglu: gate {tuple(gate[0].shape)} and up {tuple(up[0].shape)} differ "
-            f"in shape"
-        )
-    f = gate[0].shape[0]
-    return _launch("swiglu", x, [gate, up], group_size, 2, f // 16, [f])[0]
+    return _call("swiglu", x, [gate, up], group_size, None, signature)[0]

@@ -27,6 +27,7 @@ thread turns it on for itself, and any other thread (``Engine.generate``) is una
 
 from __future__ import annotations
 
+import functools
 import threading
 from dataclasses import dataclass
 
@@ -45,6 +46,7 @@ __all__ = [
     "fused_swiglu",
     "kernel_path",
     "linear",
+    "linear_add",
     "quantized_product",
     "set_dequant_min_rows",
     "set_mma_rows",
@@ -68,6 +70,7 @@ def set_mma_rows(lo: int, hi: int) -> None:
     (the plan's measured range; 0, 0 keeps it off)."""
     global _mma_rows
     _mma_rows = (max(0, int(lo)), max(0, int(hi)))
+    _forget_paths()
 
 
 def set_dequant_min_rows(rows: int) -> None:
@@ -75,6 +78,13 @@ def set_dequant_min_rows(rows: int) -> None:
     ``runtime.dequant_matmul_min_rows``; 0 keeps the quantized matmul at every batch size)."""
     global _dequant_min_rows
     _dequant_min_rows = max(0, int(rows))
+    _forget_paths()
+
+
+def _forget_paths() -> None:
+    """Empty the kernel-path answers kept per shape (the row ranges they came from changed)."""
+    _PATHS.clear()
+    _FUSABLE.clear()
 
 
 PAD_ROWS = mx.cuda.is_available()
@@ -134,12 +144,30 @@ class QuantLinear:
     bits: int
     group_size: int
 
-    @property
+    @functools.cached_property  # asked by every product (reading an array's shape is not free)
     def shape(self) -> tuple[int, int]:
         """Logical ``(rows, cols)`` = ``(out_features, in_features)``."""
         return int(self.weight.shape[0]), int(self.weight.shape[1]) * 32 // self.bits
 
-    @property
+    @functools.cached_property
+    def scales_dtype(self) -> mx.Dtype:
+        """The dtype of ``scales`` (and ``biases``)."""
+        return self.scales.dtype
+
+    @functools.cached_property
+    def parts(self) -> tuple[mx.array, mx.array, mx.array]:
+        """``(weight, scales, biases)``, as ``executor.cuda_mma`` takes a 4-bit weight."""
+        return self.weight, self.scales, self.biases
+
+    @functools.cached_property
+    def signature(self) -> tuple:
+        """The arrays' shapes and dtypes, the bits and the group size: what a kernel's launch
+        depends on, read once (each read of an MLX array's shape or dtype costs the host a
+        fraction of a us, and a pass asks for them hundreds of times)."""
+        arrays = (self.weight, self.scales, self.biases)
+        return (*((a.shape, a.dtype) for a in arrays), self.bits, self.group_size)
+
+    @functools.cached_property
     def nbytes(self) -> int:
         """Bytes of weight + scales + biases."""
         return int(self.weight.nbytes + self.scales.nbytes + self.biases.nbytes)
@@ -200,54 +228,61 @@ def to_mlx(w: PackedWeight | np.ndarray, dtype: mx.Dtype | None = None) -> Quant
     raise TypeError(f"to_mlx expects a PackedWeight or numpy array, got {type(w).__name__}")
 
 
-def _fused_rows(x: mx.array, ws: list[QuantLinear]) -> mx.array | None:
-    """``x`` as ``[rows, in]`` where one fused tensor-core call (``executor.cuda_mma``) may take
-    its products by ``ws``: no row tile (batch-invariant serving keeps every product on
+def _fusable(x: mx.array, ws: list[QuantLinear]) -> bool:
+    """Whether one fused tensor-core call (``executor.cuda_mma``) may take the products of ``x``
+    ``[..., in]`` by ``ws``: no row tile (batch-invariant serving keeps every product on
     :func:`linear`'s tiles), each weight on the tensor-core path for the (bucketed) row count,
     one group size, and one K split (``cuda_mma.fusable``: then each product equals its own
-    :func:`linear`'s bit for bit). Else None."""
-    if row_tile() or len({w.group_size for w in ws}) != 1:
-        return None
-    rows = x.size // x.shape[-1] if x.ndim and x.shape[-1] else 0
+    :func:`linear`'s bit for bit). Answered once per shape, dtype and weights' signatures."""
+    if row_tile():
+        return False
+    key = (x.shape, x.dtype, *(w.signature for w in ws))
+    ok = _FUSABLE.get(key)
+    if ok is None:
+        ok = _FUSABLE[key] = _fusable_shapes(x, ws)
+    return ok
+
+
+_FUSABLE: dict[tuple, bool] = {}
+""":func:`_fusable`'s answers, emptied with ``_PATHS`` when the row ranges change."""
+
+
+def _fusable_shapes(x: mx.array, ws: list[QuantLinear]) -> bool:
+    if len({w.group_size for w in ws}) != 1:
+        return False
+    k = x.shape[-1] if x.ndim else 0
+    rows = x.size // k if k else 0
     padded = bucket_rows(rows) if PAD_ROWS and rows else rows
     if not rows or any(kernel_path(padded, w, x.dtype) != "mma" for w in ws):
-        return None
-    if not cuda_mma.fusable([(w.weight, w.scales, w.biases) for w in ws], x.shape[-1]):
-        return None
-    return x.reshape(rows, x.shape[-1])
+        return False
+    return cuda_mma.fusable([w.parts for w in ws], k)
 
 
-def fused_qkv(x: mx.array, ws: list[QuantLinear]) -> list[mx.array] | None:
+def fused_qkv(
+    x: mx.array, ws: list[QuantLinear], shapes: list[tuple[int, ...]] | None = None
+) -> list[mx.array] | None:
     """Q, K and V of ``x`` ``[..., in]`` by their three weights in one tensor-core call
-    (``executor.cuda_mma.matmul3``), each ``[..., n_i]`` and equal to its :func:`linear` bit for
-    bit; None where that call does not apply (see ``_fused_rows``): project each through
-    :func:`linear` then. On MLX's CUDA backend each call costs about 8 us beside its work (a
-    chain of trivial custom kernels on the H200, 2026-12-01): a block of a few dozen rows made
-    seven projection calls."""
-    flat = _fused_rows(x, ws)
-    if flat is None:
+    (``executor.cuda_mma.matmul3``), each ``[..., n_i]`` (or ``shapes``, the same elements
+    viewed so) and equal to its :func:`linear` bit for bit; None where that call does not apply
+    (see ``_fusable``): project each through :func:`linear` then. On MLX's CUDA backend each
+    call costs about 8 us beside its work (a chain of trivial custom kernels on the H200,
+    2026-12-01): a block of a few dozen rows made seven projection calls."""
+    if not _fusable(x, ws):
         return None
-    parts = [(w.weight, w.scales, w.biases) for w in ws]
-    outs = cuda_mma.matmul3(flat, parts, ws[0].group_size)
-    return [o.reshape(*x.shape[:-1], o.shape[-1]) for o in outs]
+    signature = (ws[0].signature, ws[1].signature, ws[2].signature)
+    return cuda_mma.matmul3(x, [w.parts for w in ws], ws[0].group_size, shapes, signature)
 
 
 def fused_swiglu(x: mx.array, gate: QuantLinear, up: QuantLinear) -> mx.array | None:
     """``silu(x @ gate.T) * (x @ up.T)`` for ``x`` ``[..., in]`` in one tensor-core call
     (``executor.cuda_mma.swiglu``), ``[..., ffn]``; None where it does not apply (see
-    ``_fused_rows``; gate and up of one shape). Its rounding differs from the unfused form's
+    ``_fusable``; gate and up of one shape). Its rounding differs from the unfused form's
     (each product rounded, then SiLU, then their product) but not with the weights' tier: every
     tier's weights take it for the same row counts."""
-    flat = _fused_rows(x, [gate, up]) if gate.shape == up.shape else None
-    if flat is None:
+    if gate.shape != up.shape or not _fusable(x, [gate, up]):
         return None
-    out = cuda_mma.swiglu(
-        flat,
-        (gate.weight, gate.scales, gate.biases),
-        (up.weight, up.scales, up.biases),
-        gate.group_size,
-    )
-    return out.reshape(*x.shape[:-1], out.shape[-1])
+    signature = (gate.signature, up.signature)
+    return cuda_mma.swiglu(x, gate.parts, up.parts, gate.group_size, signature)
 
 
 def linear(x: mx.array, w: QuantLinear | mx.array) -> mx.array:
@@ -292,6 +327,31 @@ def linear(x: mx.array, w: QuantLinear | mx.array) -> mx.array:
     return out[:rows].reshape(*x.shape[:-1], out.shape[-1])
 
 
+def linear_add(x: mx.array, w: QuantLinear | mx.array, residual: mx.array) -> mx.array:
+    """``residual + linear(x, w)``, bit for bit, with the sum in the product's own kernel call
+    where the tensor-core path takes ``x``'s rows as they are (no row tile, a bucket's rows,
+    ``residual`` of ``x``'s dtype and the result's size): a block's output projection added to
+    the residual stream ``[1, R, d]``, one operation of the graph fewer.
+
+    Returns:
+        ``residual``'s shape where fused, else the broadcast of ``residual`` and the product.
+
+    Raises:
+        ValueError: as :func:`linear`.
+    """
+    if isinstance(w, QuantLinear) and not row_tile() and x.ndim and residual.dtype == x.dtype:
+        n, cols = w.shape
+        rows = x.size // cols if x.shape[-1] == cols else 0
+        if (
+            rows
+            and (not PAD_ROWS or bucket_rows(rows) == rows)
+            and residual.size == rows * n
+            and kernel_path(rows, w, x.dtype) == "mma"
+        ):
+            return cuda_mma.matmul(x, *w.parts, w.group_size, residual, w.signature)
+    return residual + linear(x, w)
+
+
 def _linear(x: mx.array, w: QuantLinear | mx.array) -> mx.array:
     """:func:`linear` as one call, whatever the row count."""
     if isinstance(w, QuantLinear):
@@ -318,12 +378,25 @@ def kernel_path(rows: int, w: QuantLinear, dtype: mx.Dtype) -> str:
     ``mma_matmul_min_rows`` to ``mma_matmul_max_rows`` rows where
     :func:`executor.cuda_mma.supported` (4-bit, 16-bit activations and scales of that dtype,
     MLX's CUDA backend); else ``quantized``."""
+    key = (rows, w.shape, w.bits, w.group_size, w.scales_dtype, dtype)
+    path = _PATHS.get(key)
+    if path is None:
+        path = _PATHS[key] = _kernel_path(rows, w, dtype)
+    return path
+
+
+_PATHS: dict[tuple, str] = {}
+""":func:`kernel_path`'s answers by (rows, weight shape, bits, group size, scales' and
+activations' dtypes), emptied when the row ranges change: asked by every product of a pass."""
+
+
+def _kernel_path(rows: int, w: QuantLinear, dtype: mx.Dtype) -> str:
     if _dequant_min_rows and rows >= _dequant_min_rows:
         return "dense"
     if (
         _mma_rows[0]
         and _mma_rows[0] <= rows <= _mma_rows[1]
-        and w.scales.dtype == dtype
+        and w.scales_dtype == dtype
         and cuda_mma.supported(rows, w.shape[0], w.shape[1], w.bits, w.group_size, dtype)
     ):
         return "mma"
@@ -360,10 +433,8 @@ def quantized_product(x: mx.array, w: QuantLinear, path: str) -> mx.array:
                 w.weight, w.scales, w.biases, group_size=w.group_size, bits=w.bits, dtype=x.dtype
             )
         return x @ full.T
-    if path == "mma":
-        flat = x.reshape(-1, x.shape[-1])
-        out = cuda_mma.matmul(flat, w.weight, w.scales, w.biases, w.group_size)
-        return out.reshape(*x.shape[:-1], out.shape[-1])
+    if path == "mma":  # any rank: the kernel writes [..., out] itself
+        return cuda_mma.matmul(x, *w.parts, w.group_size, signature=w.signature)
     if path != "quantized":
         raise ValueError(f"quantized_product: unknown kernel path {path!r}; use {KERNEL_PATHS}")
     return mx.quantized_matmul(

@@ -107,6 +107,16 @@ class WeightStore:
             w for u, ws in self._experts.items() if tiers[u] == "gpu" for w in ws.values()
         ]
         mx.eval([w.weight if isinstance(w, QuantLinear) else w for w in resident])
+        # A gpu unit's tensors and bytes, as every pass asks for them (summing a unit's sizes
+        # per pass read a few dozen array sizes per block, each a call into MLX).
+        self._gpu_units = {
+            u: (
+                {n: self._gpu[n] for n in names},
+                sum(_weight_nbytes(self._gpu[n]) for n in names),
+            )
+            for u, names in self._unit_tensors.items()
+            if tiers[u] == "gpu"
+        }
         self.experts_cache: ExpertCache | None = None
         self.routing = RoutingTracker(desc.architecture)
         self.expert_uses = {"gpu": 0, "ram": 0}
@@ -308,9 +318,9 @@ class WeightStore:
                 raise PlanError(f"unit {unit} is on nvme but streaming was not started")
             return self.pool.acquire(unit)
         if tier == "gpu":
-            for name in self._unit_tensors[unit]:
-                out[name] = self._gpu[name]
-                self.bytes_read["gpu"] += _weight_nbytes(self._gpu[name])
+            tensors, nbytes = self._gpu_units[unit]
+            self.bytes_read["gpu"] += nbytes
+            return dict(tensors)
         else:
             t0 = time.perf_counter()
             for name in self._unit_tensors[unit]:

@@ -109,6 +109,17 @@ def test_paged_kernel_rows_do_not_depend_on_the_chunk(dtype):
         )
         same = alone[0].astype(mx.float32), whole[i].astype(mx.float32)  # exact widening
         assert np.array_equal(np.array(same[0]), np.array(same[1]))
+    # RoPE's [R, heads, 1, head_dim] in, the output projection's [R, heads * head_dim] out
+    four = cuda_attention.attention(
+        rows[:, :, None],
+        kv.keys[0],
+        kv.values[0],
+        chunk.table,
+        chunk.kernel_rows(),
+        0.088,
+        flat=True,
+    )
+    assert four.shape == (24, 32 * 128) and mx.array_equal(four, whole.reshape(24, -1))
 
 
 def test_paged_kernel_scope_and_refusals():

@@ -8,7 +8,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from executor import cuda_dequant, cuda_mma
+from executor import cuda_dequant, cuda_mma, ops
 from executor.ops import (
     QuantLinear,
     kernel_path,
@@ -172,6 +172,79 @@ def test_tensor_core_kernel_matches_the_dequantized_product(rows, group, dtype, 
 
 
 @pytest.mark.skipif(not CUDA, reason="needs MLX's CUDA backend")
+@pytest.mark.parametrize("lead", [(1, 16), (2, 8), (1, 5), (3,)])
+def test_tensor_core_kernels_take_any_rank_and_write_the_shapes_asked(lead):
+    """``x`` of any rank gives ``[..., n]`` equal to the 2-D product (8-row multiples written in
+    place, others padded and cut); ``matmul3``'s ``shapes`` view the same results; a bad
+    signature is refused on every call, not just the first (the launch cache validates)."""
+    k, widths = 4096, (4096, 1024, 1024)
+    parts = [_weight(n, k, 4, 32, mx.float16, seed=i) for i, n in enumerate(widths)]
+    quants = [(p.weight, p.scales, p.biases) for p in parts]
+    m = int(np.prod(lead))
+    flat = mx.array(np.random.default_rng(4).standard_normal((m, k)).astype(np.float16))
+    x = flat.reshape(*lead, k)
+    got = cuda_mma.matmul(x, *quants[1], 32)
+    assert got.shape == (*lead, widths[1])
+    assert mx.array_equal(got.reshape(m, -1), cuda_mma.matmul(flat, *quants[1], 32))
+    shapes = [(m, 32, 1, 128), (m, 8, 1, 128), (m, 8, 128)]
+    for o, ref, shape in zip(
+        cuda_mma.matmul3(x, quants, 32, shapes),
+        cuda_mma.matmul3(flat, quants, 32),
+        shapes,
+        strict=True,
+    ):
+        assert o.shape == shape and mx.array_equal(o.reshape(m, -1), ref)
+    gate, up = quants[1], (parts[2].weight, parts[2].scales, parts[2].biases)
+    sw = cuda_mma.swiglu(x, gate, up, 32)
+    assert sw.shape == (*lead, widths[1])
+    assert mx.array_equal(sw.reshape(m, -1), cuda_mma.swiglu(flat, gate, up, 32))
+    with pytest.raises(ValueError, match="output shapes"):
+        cuda_mma.matmul3(x, quants, 32, [(m, 4096), (m, 1024), (m, 1000)])
+    bad = (quants[1][0], quants[1][1].astype(mx.float32), quants[1][2])
+    for _ in range(2):
+        with pytest.raises(ValueError, match="scales and biases must be"):
+            cuda_mma.matmul(x, *bad, 32)
+
+
+@pytest.mark.skipif(not CUDA, reason="needs MLX's CUDA backend")
+@pytest.mark.parametrize("rows", [8, 16, 5])
+@pytest.mark.parametrize("dtype", [mx.float16, mx.bfloat16])
+def test_tensor_core_matmul_adds_the_residual_bit_for_bit(rows, dtype):
+    """``matmul(..., residual=r)`` is ``r + matmul(...)`` bit for bit, in ``r``'s shape (a
+    residual stream ``[1, rows, n]``, rows of whole 8-row tiles or padded); ``linear_add`` takes
+    it on the tensor-core path and equals ``residual + linear`` either way; a residual of
+    another dtype is refused."""
+    n, k = 1024, 4096
+    w = _weight(n, k, 4, 32, dtype, seed=7)
+    rng = np.random.default_rng(8)
+    x = mx.array(rng.standard_normal((rows, k)).astype(np.float32)).astype(dtype)
+    r = mx.array(rng.standard_normal((1, rows, n)).astype(np.float32) * 4).astype(dtype)
+    fused = cuda_mma.matmul(x, w.weight, w.scales, w.biases, 32, residual=r)
+    assert fused.shape == (1, rows, n)
+    assert mx.array_equal(fused, r + cuda_mma.matmul(x, w.weight, w.scales, w.biases, 32))
+    ops.set_mma_rows(2, 32)
+    try:
+        xb = x if rows in (8, 16) else mx.zeros((8, k), dtype=dtype)
+        rb = r if rows in (8, 16) else mx.zeros((1, 8, n), dtype=dtype)
+        assert mx.array_equal(ops.linear_add(xb, w, rb), rb + ops.linear(xb, w))
+    finally:
+        ops.set_mma_rows(0, 0)
+    with pytest.raises(ValueError, match="residual"):
+        cuda_mma.matmul(x, w.weight, w.scales, w.biases, 32, residual=r.astype(mx.float32))
+
+
+def test_linear_add_is_the_residual_plus_the_product():
+    """Off the tensor-core path (here: the CPU, or rows outside the plan's range),
+    ``linear_add`` is ``residual + linear`` exactly, broadcasting as ``+`` does."""
+    w = _weight(64, 128, 4, 32, mx.float32, seed=3)
+    rng = np.random.default_rng(9)
+    x = mx.array(rng.standard_normal((3, 128)).astype(np.float32))
+    r = mx.array(rng.standard_normal((1, 3, 64)).astype(np.float32))
+    got = ops.linear_add(x, w, r)
+    assert got.shape == (1, 3, 64) and mx.array_equal(got, r + ops.linear(x, w))
+
+
+@pytest.mark.skipif(not CUDA, reason="needs MLX's CUDA backend")
 def test_tensor_core_range_measurement_reports_every_row_count():
     lo, hi, times = measure_mma_rows((256, 512), "float16", repeats=1)
     assert set(times) == {2, 4, 8, 16, 32, 64}
@@ -230,13 +303,14 @@ def test_fused_products_answer_only_where_the_tensor_core_path_applies(monkeypat
 
     calls: list[str] = []
 
-    def matmul3(x, parts, group):
+    def matmul3(x, parts, group, shapes=None, signature=None):
         calls.append("qkv")
-        return [mx.zeros((x.shape[0], p[0].shape[0]), x.dtype) for p in parts]
+        shapes = shapes or [(*x.shape[:-1], p[0].shape[0]) for p in parts]
+        return [mx.zeros(s, x.dtype) for s in shapes]
 
-    def swiglu(x, gate, up, group):
+    def swiglu(x, gate, up, group, signature=None):
         calls.append("swiglu")
-        return mx.zeros((x.shape[0], gate[0].shape[0]), x.dtype)
+        return mx.zeros((*x.shape[:-1], gate[0].shape[0]), x.dtype)
 
     paths: dict[int, str] = {}
     monkeypatch.setattr(ops.cuda_mma, "matmul3", matmul3)
@@ -246,12 +320,17 @@ def test_fused_products_answer_only_where_the_tensor_core_path_applies(monkeypat
     x = mx.zeros((1, 5, 128), mx.float16)
     q, k, v = fused_qkv(x, ws)
     assert (q.shape, k.shape, v.shape) == ((1, 5, 64), (1, 5, 32), (1, 5, 32))
+    calls.clear()
+    shaped = fused_qkv(x, ws, [(5, 2, 1, 32), (5, 1, 1, 32), (5, 1, 32)])
+    assert [a.shape for a in shaped] == [(5, 2, 1, 32), (5, 1, 1, 32), (5, 1, 32)]
     assert fused_swiglu(x, ws[1], ws[2]).shape == (1, 5, 32) and calls == ["qkv", "swiglu"]
     calls.clear()
     assert fused_swiglu(x, ws[0], ws[1]) is None  # gate and up of different shapes
     paths[8 if ops.PAD_ROWS else 5] = "quantized"  # the row count's path is not the kernel's
+    ops._forget_paths()  # answers are kept per shape until the ranges change (set_mma_rows)
     assert fused_qkv(x, ws) is None and fused_swiglu(x, ws[1], ws[2]) is None
     paths.clear()
+    ops._forget_paths()
     try:
         set_row_tile(16)  # batch-invariant serving: every product on linear's tiles
         assert fused_qkv(x, ws) is None and fused_swiglu(x, ws[1], ws[2]) is None
@@ -264,6 +343,32 @@ def test_fused_products_answer_only_where_the_tensor_core_path_applies(monkeypat
     assert not cuda_mma.fusable([(w.weight, w.scales, w.biases) for w in split], 1024)
     assert fused_qkv(mx.zeros((1, 5, 1024), mx.float16), split) is None
     assert calls == []
+
+
+def test_kernel_source_is_compacted_without_changing_code():
+    """What MLX is given (and hashes at every evaluation) loses comments, indentation and blank
+    lines, keeps one line per line and a macro's backslashes, and refuses what it cannot tell
+    apart (a // after a quote, a /* */ comment)."""
+    from executor.cuda_source import compact
+
+    src = """
+    // a comment
+    #pragma unroll
+    for (int i = 0; i < 4; ++i)   // trailing
+        x += i;
+
+    #define M(a)     \\
+        a + 1
+    """
+    want = ["#pragma unroll", "for (int i = 0; i < 4; ++i)", "x += i;", "#define M(a) \\", "a + 1"]
+    assert compact(src) == "\n".join(want) + "\n"
+    with pytest.raises(ValueError, match="cannot tell a comment"):
+        compact('printf("a"); // b')
+    with pytest.raises(ValueError, match="cannot tell a comment"):
+        compact("x = 1; /* b */")
+    for store in cuda_mma._STORE:  # Strata's own sources pass, and shrink
+        body = cuda_mma._BODY.replace("STRATA_TILES", cuda_mma._TILES[store])
+        assert len(compact(body + cuda_mma._STORE[store])) < 0.7 * len(body)
 
 
 def test_only_the_models_own_silu_takes_the_fused_swiglu():

@@ -451,12 +451,13 @@ def test_a_failed_warm_up_is_reported_and_stops_the_thread(models, tmp_path):
     se.close()
 
 
-def _reference_kernel(q, keys, values, tables, rows, scale, window=0):
+def _reference_kernel(q, keys, values, tables, rows, scale, window=0, flat=False):
     """``executor.cuda_attention.attention`` by its definition, in MLX operations: each row over
-    its own table up to its position (zeros for padding rows), float32 inside."""
+    its own table up to its position (zeros for padding rows), float32 inside; q
+    ``[R, heads, (1,) d]``, the output ``[R, heads * d]`` when ``flat``."""
     import mlx.core as mx
 
-    r, heads, d = q.shape
+    r, heads, d = q.shape[0], q.shape[1], q.shape[-1]
     kv_heads = keys.shape[1]
     group = heads // kv_heads
     tab, meta = np.array(tables), np.array(rows)
@@ -470,7 +471,8 @@ def _reference_kernel(q, keys, values, tables, rows, scale, window=0):
         seen &= pos - j < window
     scores = mx.where(mx.array(seen)[:, None, None, :], scores, -mx.inf)
     probs = mx.where(mx.array(pos >= 0)[:, :, None, None], mx.softmax(scores, axis=-1), 0.0)
-    return mx.einsum("rkgw,rwkd->rkgd", probs, v).reshape(r, heads, d).astype(q.dtype)
+    out = mx.einsum("rkgw,rwkd->rkgd", probs, v).astype(q.dtype)
+    return out.reshape(r, heads * d) if flat else out.reshape(r, heads, d)
 
 
 @pytest.mark.parametrize("name", ["llama3", "qwen2", "qwen3", "gemma3", "mixtral"])

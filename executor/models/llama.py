@@ -51,6 +51,7 @@ from executor.ops import (
     fused_qkv,
     fused_swiglu,
     linear,
+    linear_add,
     row_tile,
 )
 from executor.paged_kv import Chunk, ForwardBatch, PagedKVCache, SequenceCache
@@ -236,6 +237,7 @@ class LlamaModel:
         self.has_globals = self.rope_freqs_tensor and _has_unit(store, "globals")
         self.layers = [self.layer_attention(i) for i in range(arch.block_count)]
         self.routing = self.moe_routing.for_model(arch) if arch.expert_count else None
+        self._inv_freqs: tuple[mx.array, float, mx.array] | None = None
 
     # ----------------------------------------------------------------- architecture hooks
 
@@ -408,8 +410,7 @@ class LlamaModel:
     ) -> mx.array:
         dims = self.arch.rope_dimension_count
         if la.use_rope_freqs and freqs is not None:
-            # MLX's freqs are inverse frequencies: base^(2i/dims), times llama.cpp's factor.
-            inv = (la.rope_base ** (mx.arange(0, dims, 2, dtype=mx.float32) / dims)) * freqs
+            inv = self._inverse_freqs(freqs, la.rope_base)
             return mx.fast.rope(
                 x,
                 dims,
@@ -428,6 +429,19 @@ class LlamaModel:
             offset=offset,
         )
 
+    def _inverse_freqs(self, freqs: mx.array, base: float) -> mx.array:
+        """MLX's RoPE frequencies for llama.cpp's frequency factors ``freqs``: inverse
+        frequencies base^(2i/dims) times the factors, float32 [dims / 2]. Kept for the last
+        ``freqs`` array (one per pass) and base, where every block's Q and K would otherwise
+        recompute them (four operations each)."""
+        last = self._inv_freqs
+        if last is not None and last[0] is freqs and last[1] == base:
+            return last[2]
+        dims = self.arch.rope_dimension_count
+        inv = (base ** (mx.arange(0, dims, 2, dtype=mx.float32) / dims)) * freqs
+        self._inv_freqs = (freqs, base, inv)
+        return inv
+
     def attention(
         self,
         w: dict[str, Weight],
@@ -437,8 +451,9 @@ class LlamaModel:
         kv: PagedKVCache,
         rope_freqs: mx.array | None = None,
     ) -> mx.array:
-        """Self-attention of block ``layer`` for a batch: x [1, R, d] -> [1, R, d], R the pass's
-        rows (its N tokens, or more: zero rows that pad it to a row bucket, ``pass_rows``).
+        """The residual stream ``x`` [1, R, d] after block ``layer``'s self-attention (``x``
+        plus its output), R the pass's rows (its N tokens, or more: zero rows that pad it to a
+        row bucket, ``pass_rows``).
 
         Q/K/V are projected for all R rows at once and RoPE'd once, each row at its own position.
         Where Strata's paged kernel takes the whole pass (``kernel_attention``), one kernel call
@@ -448,6 +463,7 @@ class LlamaModel:
         """
         a, p, la = self.arch, f"blk.{layer}.", self.layers[layer]
         rows, n = x.shape[1], batch.num_tokens
+        heads, kv_heads, d = a.head_count, a.head_count_kv, a.head_dim
         h = self._norm(x, w[p + "attn_norm.weight"])
         projs = [p + name for name in ("attn_q", "attn_k", "attn_v")]
         ws = [w[name + ".weight"] for name in projs]
@@ -455,33 +471,39 @@ class LlamaModel:
         if all(isinstance(wt, QuantLinear) for wt in ws) and not any(
             name + ".bias" in w for name in projs
         ):
-            qkv = fused_qkv(h, ws)  # one tensor-core call where it applies
+            # One tensor-core call where it applies, writing Q and K as RoPE takes them and V as
+            # the cache stores it (no reshape in the graph: each costs the host a few us).
+            shapes = None
+            if not self.qk_norm_full:
+                shapes = [(rows, heads, 1, d), (rows, kv_heads, 1, d), (rows, kv_heads, d)]
+            qkv = fused_qkv(h, ws, shapes)
         if qkv is None:
             qkv = [self._proj(w, name, h) for name in projs]
         q, k, v = qkv
         if self.qk_norm_full:
             q = self._norm(q, w[p + "attn_q_norm.weight"])
             k = self._norm(k, w[p + "attn_k_norm.weight"])
-        q = q.reshape(rows, a.head_count, a.head_dim)
-        k = k.reshape(rows, a.head_count_kv, a.head_dim)
-        v = v.reshape(rows, a.head_count_kv, a.head_dim)
-        if self.qk_norm and not self.qk_norm_full:
-            q = self._norm(q, w[p + "attn_q_norm.weight"])
-            k = self._norm(k, w[p + "attn_k_norm.weight"])
         # [R, heads, 1, head_dim]: each row its own batch entry at its own offset, so a token's
         # RoPE is the same call whatever else is in the pass and whichever path attends it.
+        q = _shaped(q, (rows, heads, 1, d))
+        k = _shaped(k, (rows, kv_heads, 1, d))
+        v = _shaped(v, (rows, kv_heads, d))
+        if self.qk_norm and not self.qk_norm_full:  # per head: the last axis
+            q = self._norm(q, w[p + "attn_q_norm.weight"])
+            k = self._norm(k, w[p + "attn_k_norm.weight"])
         positions = batch.positions(rows)
-        q = self._rope(q[:, :, None], la, positions, rope_freqs).reshape(q.shape)
-        k = self._rope(k[:, :, None], la, positions, rope_freqs).reshape(k.shape)
+        q = self._rope(q, la, positions, rope_freqs)
+        k = self._rope(k, la, positions, rope_freqs).reshape(rows, kv_heads, d)
         # Every token's K/V goes in before anyone attends: a chunk sees its own tokens. The
         # padding rows write nothing (no-copy row views).
-        kv.write(layer, batch.write_slots, k[:n], v[:n])
-        if kernel_attention(batch, kv, layer, a.head_count, q.dtype, la.window):
+        kv.write(layer, batch.write_slots, k[:n] if rows > n else k, v[:n] if rows > n else v)
+        if kernel_attention(batch, kv, layer, heads, q.dtype, la.window):
             tables, meta = batch.kernel_layout(rows)
             o = cuda_attention.attention(
-                q, kv.keys[layer], kv.values[layer], tables, meta, self.scale, la.window
-            )
+                q, kv.keys[layer], kv.values[layer], tables, meta, self.scale, la.window, flat=True
+            )  # [R, heads * head_dim], as the output projection reads it
         else:
+            q = q.reshape(rows, heads, d)
             outs = []
             b = batch.decode_rows
             if b:
@@ -495,13 +517,13 @@ class LlamaModel:
                 qc = q[c.row : c.row + c.length].transpose(1, 0, 2)[None]  # [1, heads, T, D]
                 outs.append(chunk_attention(qc, kv, layer, c, la.window, self.scale))
             if rows > n:  # the padding rows' attention output: zeros
-                outs.append(mx.zeros((rows - n, a.head_count, a.head_dim), dtype=q.dtype))
-            o = _cat(outs)
-        o = self._proj(w, p + "attn_output", o.reshape(1, rows, -1))
-        return self._norm(o, w[p + "post_attention_norm.weight"]) if self.post_norms else o
+                outs.append(mx.zeros((rows - n, heads, d), dtype=q.dtype))
+            o = _cat(outs).reshape(1, rows, -1)
+        return self._output(w, p + "attn_output", o, x, p + "post_attention_norm.weight")
 
     def ffn(self, w: dict[str, Weight], layer: int, x: mx.array) -> mx.array:
-        """Gated FFN of block ``layer`` (SwiGLU, or the subclass's activation): [1, T, d]."""
+        """The residual stream ``x`` [1, T, d] after block ``layer``'s gated FFN (SwiGLU, or
+        the subclass's activation): ``x`` plus its output."""
         p = f"blk.{layer}."
         h = self._norm(x, w[p + "ffn_norm.weight"])
         gate, up = w[p + "ffn_gate.weight"], w[p + "ffn_up.weight"]
@@ -510,8 +532,21 @@ class LlamaModel:
             gated = fused_swiglu(h, gate, up)  # one tensor-core call where it applies
         if gated is None:
             gated = self.activation(linear(h, gate)) * linear(h, up)
-        o = linear(gated, w[p + "ffn_down.weight"])
-        return self._norm(o, w[p + "post_ffw_norm.weight"]) if self.post_norms else o
+        return self._output(w, p + "ffn_down", gated, x, p + "post_ffw_norm.weight")
+
+    def _output(
+        self, w: dict[str, Weight], name: str, h: mx.array, x: mx.array, post_norm: str
+    ) -> mx.array:
+        """The residual stream ``x`` [1, R, d] plus a block's output projection ``name`` of
+        ``h`` ([R, in] or [1, R, in]), normed first where the architecture norms it
+        (``post_norms``, the weight ``post_norm``); the sum in the projection's kernel call
+        where it can be (``executor.ops.linear_add``)."""
+        if self.post_norms:
+            return x + self._norm(self._proj(w, name, h), w[post_norm])
+        bias = w.get(name + ".bias")
+        if bias is not None:
+            return x + self._proj(w, name, h)
+        return linear_add(h, w[name + ".weight"], x)
 
     def moe_ffn(self, w: dict[str, Weight], layer: int, x: mx.array) -> mx.array:
         """Mixture-of-experts FFN of block ``layer``: x [1, T, d] -> [1, T, d].
@@ -628,11 +663,13 @@ class LlamaModel:
         for i in range(self.arch.block_count if layers is None else layers):
             attn, ffn = f"blk.{i}.attn", f"blk.{i}.ffn"
             if attn not in skip:
-                x = s.release(attn, x + self.attention(s.unit(attn), i, x, batch, kv, rope_freqs))
+                x = s.release(attn, self.attention(s.unit(attn), i, x, batch, kv, rope_freqs))
             if ffn not in skip:
-                ffn_out = (self.ffn if self.routing is None else self.moe_ffn)(s.unit(ffn), i, x)
-                x = s.release(ffn, x + ffn_out)
-            if ASYNC_EVAL_BLOCKS:
+                if self.routing is None:
+                    x = s.release(ffn, self.ffn(s.unit(ffn), i, x))
+                else:
+                    x = s.release(ffn, x + self.moe_ffn(s.unit(ffn), i, x))
+            if ASYNC_EVAL_BLOCKS and (i + 1) % ASYNC_EVAL_BLOCKS == 0:
                 mx.async_eval(x)
         out = s.unit("output")
         x = self._norm(x[:, batch.logit_rows], out["output_norm.weight"])
@@ -672,14 +709,17 @@ where ``executor.ops.PAD_ROWS`` pads products (MLX's CUDA backend). Measured on 
 cached tokens 24.9 -> 21.8 ms (every operation costs the host 5-10 us to encode, and a pass of
 24 tokens padded per product had two more per product, 448 in all)."""
 
-ASYNC_EVAL_BLOCKS = mx.cuda.is_available()
-"""Schedule each block's output (``mx.async_eval``) as soon as it is built, so that the GPU
-computes block i while Python builds block i + 1 (``mx.eval`` at the end otherwise starts the GPU
-only once the whole pass is built). Measured on the H200 (2026-12-01, Llama-3-8B shape,
-in-process, with the whole-pass attention kernel): one decode step 8.8 -> 6.3 ms, a 16-sequence
-step 14.5 -> 8.8 ms, the warm 24-token chunk 17.2 -> 12.6 ms, the cold 1,016-token prefill 55 ->
-45 ms. On the CPU it changed nothing (SmolLM2, 24 tokens: 5.34-5.41 against 5.43-5.49 s), so it
-is off there; Metal was not measured."""
+ASYNC_EVAL_BLOCKS = 1 if mx.cuda.is_available() else 0
+"""Schedule the residual stream (``mx.async_eval``) after every this many blocks (0: never), as
+soon as it is built, so that the GPU computes block i while Python builds block i + 1
+(``mx.eval`` at the end otherwise starts the GPU only once the whole pass is built). Measured on
+the H200 (2026-12-01, Llama-3-8B shape, in-process, with the whole-pass attention kernel): one
+decode step 8.8 -> 6.3 ms, a 16-sequence step 14.5 -> 8.8 ms, the warm 24-token chunk 17.2 ->
+12.6 ms, the cold 1,016-token prefill 55 -> 45 ms. On the CPU it changed nothing (SmolLM2, 24
+tokens: 5.34-5.41 against 5.43-5.49 s), so it is off there; Metal was not measured. Every 1, 2 or
+4 blocks (H200, same shape, one process, interleaved, medians of 4): warm chunk 13.4 / 11.6 /
+13.6 ms, cold 66.8 / 56.8 / 60.1 ms, a 16-sequence step 13.3 / 11.2 / 11.3 ms, within that
+machine's run-to-run spread (one warm chunk 11.8-15.9 ms at 1), so it stays 1."""
 
 
 def kernel_attention(
@@ -798,6 +838,12 @@ def _padded_rows(rows: np.ndarray) -> mx.array:
     if PAD_EXPERT_ROWS and n & (n - 1):
         rows = np.concatenate([rows, np.full((1 << n.bit_length()) - n, rows[0])])
     return mx.array(rows.astype(np.int32))
+
+
+def _shaped(a: mx.array, shape: tuple[int, ...]) -> mx.array:
+    """``a`` reshaped to ``shape``, or ``a`` itself where it has that shape already (a reshape
+    is an operation of the graph even then)."""
+    return a if a.shape == shape else a.reshape(shape)
 
 
 def _cat(parts: list[mx.array]) -> mx.array:
