@@ -477,8 +477,9 @@ class _Launch:
 
 
 _LAUNCHES: dict[tuple, _Launch] = {}
-"""Signature (kernel, ``x``'s shape and dtype, the weights' shapes and dtypes, group size,
-output shapes) -> its :class:`_Launch`. Validating and working out a call took about 12 us of
+"""Signature (kernel, ``x``'s shape and dtype, group size, output shapes, the residual's shape
+and dtype, the weights' shapes and dtypes or the caller's ``signature`` for them) -> its
+:class:`_Launch`. Validating and working out a call took about 12 us of
 Python per call on the H200 host (2026-12-01), more than MLX's own cost of a call; a pass of the
 Llama-3-8B shape makes 160 of them."""
 
@@ -541,6 +542,11 @@ def _prepare(
         shapes = [tuple(residual[0])]
     out = shapes or [(*lead, n) for n in widths]
     sizes = [math.prod(s) for s in out]
+    if residual is not None and sizes != [m * n for n in widths]:
+        raise ValueError(
+            f"cuda_mma.matmul: the residual {tuple(residual[0])} does not hold the [{m}, "
+            f"{widths[0]}] product; give one of {m * widths[0]} elements"
+        )
     if sizes != [m * n for n in widths]:
         raise ValueError(
             f"cuda_mma: output shapes {out} do not hold [{m}, n] results for widths {widths}"

@@ -21,20 +21,33 @@ def compact(source: str) -> str:
     macro's lines keep their closing backslash).
 
     Raises:
-        ValueError: a line has a quote before its ``//`` (the marker could be inside a string
-            literal) or a ``/* */`` comment: Strata's kernels have neither.
+        ValueError: where dropping text could change the code, none of which Strata's kernels
+            do: a quote before a line's ``//`` (the marker could be inside a string literal), a
+            ``/* */`` comment, a ``//`` comment ending in a backslash (C continues it onto the
+            next line), a backslash continuing a string literal, or a continued line followed
+            by a line with no code (dropping it would join the next code line to the macro).
     """
     out = []
+    continued = False  # the previous line kept ends with a backslash
     for line in source.splitlines():
         cut = line.find("//")
         code = line if cut < 0 else line[:cut]
-        if "/*" in code or (cut >= 0 and ('"' in code or "'" in code)):
+        code_stripped = code.strip()
+        if (
+            "/*" in code
+            or (cut >= 0 and ('"' in code or "'" in code))
+            or (cut >= 0 and line.rstrip().endswith("\\"))
+            or (code_stripped.endswith("\\") and code.count('"') % 2)
+            or (continued and not code_stripped)
+        ):
             raise ValueError(
-                f"cuda_source.compact: cannot tell a comment in {line.strip()!r}; write // "
-                "comments on lines without string literals, and no /* */ comments"
+                f"cuda_source.compact: cannot compact {line.strip()!r} safely; write // "
+                "comments on lines without string literals or a closing backslash, no /* */ "
+                "comments, and no blank or comment-only line inside a macro"
             )
-        code = code.strip()
-        if code.endswith("\\"):  # a macro's line: the padding before its backslash goes too
+        code = code_stripped
+        continued = code.endswith("\\")
+        if continued:  # a macro's line: the padding before its backslash goes too
             code = code[:-1].rstrip() + " \\"
         if code:
             out.append(code)

@@ -571,17 +571,25 @@ async def stream_completion(
                     event = json.loads(data)
                 except ValueError:
                     raise StrataError(f"{what}: the server sent a non-JSON event") from None
-                if "error" in event:
-                    raise StrataError(f"{what}: the server failed: {event['error']['message']}")
-                usage = event.get("usage") or usage
-                for choice in event["choices"]:
-                    # The finishing chunk holds the last token even when its text is empty (a
-                    # held back tail that the end of the stream released as nothing).
-                    if choice["text"] or choice["finish_reason"]:
-                        t_first = now if t_first is None else t_first
-                        t_last = now
-                    texts.append(choice["text"])
-                    finish = choice["finish_reason"] or finish
+                try:
+                    if "error" in event:
+                        error = event["error"]
+                        message = error.get("message") if isinstance(error, dict) else error
+                        raise StrataError(f"{what}: the server failed: {message}")
+                    usage = event.get("usage") or usage
+                    for choice in event["choices"]:
+                        # The finishing chunk holds the last token even when its text is empty
+                        # (a held back tail that the end of the stream released as nothing).
+                        if choice["text"] or choice["finish_reason"]:
+                            t_first = now if t_first is None else t_first
+                            t_last = now
+                        texts.append(choice["text"])
+                        finish = choice["finish_reason"] or finish
+                except (KeyError, TypeError, AttributeError):
+                    raise StrataError(
+                        f"{what}: the server sent an event that is not a completion chunk: "
+                        f"{data[:200].decode(errors='replace')}"
+                    ) from None
         except (LineTooLong, ValueError):  # older aiohttp: ValueError("Chunk too big")
             raise StrataError(
                 f"{what}: the server sent a stream line over {STREAM_LINE_BYTES} bytes"
@@ -1041,8 +1049,11 @@ async def reference_logprobs(
         status, raw = r.status, await r.read()
     if status != 200:
         raise StrataError(f"logprobs request: HTTP {status}: {_error_message(raw)}")
-    choice = json.loads(raw)["choices"][0]
-    lp = choice.get("logprobs")
+    try:
+        choice = json.loads(raw)["choices"][0]
+        lp = choice.get("logprobs")
+    except (ValueError, KeyError, IndexError, TypeError, AttributeError):
+        raise StrataError("logprobs request: the reply is not a completion") from None
     if not lp:
         raise StrataError("logprobs request: the server sent no logprobs")
 

@@ -233,10 +233,11 @@ def _fusable(x: mx.array, ws: list[QuantLinear]) -> bool:
     ``[..., in]`` by ``ws``: no row tile (batch-invariant serving keeps every product on
     :func:`linear`'s tiles), each weight on the tensor-core path for the (bucketed) row count,
     one group size, and one K split (``cuda_mma.fusable``: then each product equals its own
-    :func:`linear`'s bit for bit). Answered once per shape, dtype and weights' signatures."""
+    :func:`linear`'s bit for bit). Answered once per shape, dtype, weights' signatures and
+    ``PAD_ROWS`` (the row count is bucketed when it is set)."""
     if row_tile():
         return False
-    key = (x.shape, x.dtype, *(w.signature for w in ws))
+    key = (PAD_ROWS, x.shape, x.dtype, *(w.signature for w in ws))
     ok = _FUSABLE.get(key)
     if ok is None:
         ok = _FUSABLE[key] = _fusable_shapes(x, ws)
@@ -328,16 +329,17 @@ def linear(x: mx.array, w: QuantLinear | mx.array) -> mx.array:
 
 
 def linear_add(x: mx.array, w: QuantLinear | mx.array, residual: mx.array) -> mx.array:
-    """``residual + linear(x, w)``, bit for bit, with the sum in the product's own kernel call
-    where the tensor-core path takes ``x``'s rows as they are (no row tile, a bucket's rows,
-    ``residual`` of ``x``'s dtype and the result's size): a block's output projection added to
-    the residual stream ``[1, R, d]``, one operation of the graph fewer.
+    """``residual + linear(x, w)``, bit for bit and in the same shape, with the sum in the
+    product's own kernel call where the tensor-core path takes ``x``'s rows as they are (no row
+    tile, a bucket's rows, ``residual`` of ``x``'s dtype and of the broadcast's shape): a block's
+    output projection added to the residual stream ``[1, R, d]``, one operation of the graph
+    fewer.
 
     Returns:
-        ``residual``'s shape where fused, else the broadcast of ``residual`` and the product.
+        the broadcast of ``residual`` and the product ``[..., out]``.
 
     Raises:
-        ValueError: as :func:`linear`.
+        ValueError: as :func:`linear`, or shapes ``+`` cannot broadcast.
     """
     if isinstance(w, QuantLinear) and not row_tile() and x.ndim and residual.dtype == x.dtype:
         n, cols = w.shape
@@ -345,11 +347,20 @@ def linear_add(x: mx.array, w: QuantLinear | mx.array, residual: mx.array) -> mx
         if (
             rows
             and (not PAD_ROWS or bucket_rows(rows) == rows)
-            and residual.size == rows * n
+            and residual.ndim >= x.ndim
+            and _unbatched(residual.shape) == _unbatched((*x.shape[:-1], n))
             and kernel_path(rows, w, x.dtype) == "mma"
         ):
             return cuda_mma.matmul(x, *w.parts, w.group_size, residual, w.signature)
     return residual + linear(x, w)
+
+
+def _unbatched(shape: tuple[int, ...]) -> tuple[int, ...]:
+    """``shape`` without its leading 1s: two shapes equal so broadcast to the longer one."""
+    i = 0
+    while i < len(shape) and shape[i] == 1:
+        i += 1
+    return shape[i:]
 
 
 def _linear(x: mx.array, w: QuantLinear | mx.array) -> mx.array:

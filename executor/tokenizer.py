@@ -854,7 +854,12 @@ CHUNK_MIN_CHARS = 1024
 CHUNK_CHARS = 512
 """Characters from a chunk's start to the first place it may end (the next safe boundary)."""
 CHUNK_CACHE_SIZE = 4096
-"""Chunks whose ids are remembered, least recently used dropped first (about 4 MB at 512)."""
+"""Chunks whose ids are remembered, least recently used dropped first. Only chunks of at most
+``CHUNK_KEEP_CHARS`` characters are remembered, so this holds at most 8 M characters and their
+ids (a chunk ends at the first safe boundary past ``CHUNK_CHARS``: text with few of them, e.g.
+Chinese, makes chunks of any length)."""
+CHUNK_KEEP_CHARS = 4 * CHUNK_CHARS
+"""The longest chunk remembered (characters)."""
 
 _SAFE_BOUNDARY = re.compile(r"(?<=[A-Za-z]) (?=[A-Za-z])")
 
@@ -879,7 +884,10 @@ class _ChunkCache:
 
     A text of at least ``min_chars`` characters is cut by ``_safe_chunks``; the chunks not
     remembered are encoded together (``encode_batch``, in parallel) and remembered, up to
-    ``max_chunks`` chunks. Shorter texts, and texts with no safe boundary, are encoded whole.
+    ``max_chunks`` chunks of at most ``keep_chars`` (``CHUNK_KEEP_CHARS``) characters each. A
+    text's last chunk is not remembered: it ends at the text's end, not at a boundary, so a
+    longer text that shares it cuts there differently (only the same text again would reuse
+    it). Shorter texts, and texts with no safe boundary, are encoded whole.
     """
 
     def __init__(self, hf: Tokenizer, max_chunks: int = CHUNK_CACHE_SIZE):
@@ -887,6 +895,7 @@ class _ChunkCache:
         self.min_chars = CHUNK_MIN_CHARS
         self.chunk_chars = CHUNK_CHARS
         self.max_chunks = max_chunks
+        self.keep_chars = CHUNK_KEEP_CHARS
         self._ids: OrderedDict[str, array] = OrderedDict()
         self._lock = threading.Lock()
 
@@ -907,8 +916,10 @@ class _ChunkCache:
             encodings = self.hf.encode_batch(missing, add_special_tokens=False)
             new = {chunk: array("i", e.ids) for chunk, e in zip(missing, encodings, strict=True)}
             found.update(new)
+            last = chunks[-1]
+            keep = {c: ids for c, ids in new.items() if c != last and len(c) <= self.keep_chars}
             with self._lock:
-                self._ids.update(new)
+                self._ids.update(keep)
                 while len(self._ids) > self.max_chunks:
                     self._ids.popitem(last=False)
         return [i for chunk in chunks for i in found[chunk]]

@@ -231,6 +231,8 @@ def test_tensor_core_matmul_adds_the_residual_bit_for_bit(rows, dtype):
         ops.set_mma_rows(0, 0)
     with pytest.raises(ValueError, match="residual"):
         cuda_mma.matmul(x, w.weight, w.scales, w.biases, 32, residual=r.astype(mx.float32))
+    with pytest.raises(ValueError, match="does not hold"):
+        cuda_mma.matmul(x, w.weight, w.scales, w.biases, 32, residual=r[:, :, :8])
 
 
 def test_linear_add_is_the_residual_plus_the_product():
@@ -242,6 +244,9 @@ def test_linear_add_is_the_residual_plus_the_product():
     r = mx.array(rng.standard_normal((1, 3, 64)).astype(np.float32))
     got = ops.linear_add(x, w, r)
     assert got.shape == (1, 3, 64) and mx.array_equal(got, r + ops.linear(x, w))
+    column = mx.array(rng.standard_normal((3, 1, 64)).astype(np.float32))
+    wide = ops.linear_add(x, w, column)  # broadcasts to [3, 3, 64], as + does
+    assert wide.shape == (3, 3, 64) and mx.array_equal(wide, column + ops.linear(x, w))
 
 
 @pytest.mark.skipif(not CUDA, reason="needs MLX's CUDA backend")
@@ -347,8 +352,8 @@ def test_fused_products_answer_only_where_the_tensor_core_path_applies(monkeypat
 
 def test_kernel_source_is_compacted_without_changing_code():
     """What MLX is given (and hashes at every evaluation) loses comments, indentation and blank
-    lines, keeps one line per line and a macro's backslashes, and refuses what it cannot tell
-    apart (a // after a quote, a /* */ comment)."""
+    lines, keeps one line per line and a macro's backslashes, and refuses where dropping text
+    could change the code."""
     from executor.cuda_source import compact
 
     src = """
@@ -362,10 +367,17 @@ def test_kernel_source_is_compacted_without_changing_code():
     """
     want = ["#pragma unroll", "for (int i = 0; i < 4; ++i)", "x += i;", "#define M(a) \\", "a + 1"]
     assert compact(src) == "\n".join(want) + "\n"
-    with pytest.raises(ValueError, match="cannot tell a comment"):
-        compact('printf("a"); // b')
-    with pytest.raises(ValueError, match="cannot tell a comment"):
-        compact("x = 1; /* b */")
+    for unsafe in (
+        'printf("a"); // b',  # the // could be inside the string
+        "x = 1; /* b */",
+        "x = 1; // b \\\ny = 2;",  # the comment continues onto y = 2
+        "#define M(a) \\\n\n  a + 1",  # a blank line ends the macro; dropping it would not
+        "#define M(a) \\\n  // note\n  a + 1",
+        'const char* s = "a \\\n  b";',  # the indentation is inside the string
+    ):
+        with pytest.raises(ValueError, match="cannot compact"):
+            compact(unsafe)
+    assert compact("#define M(a) \\\n  a + 1 // sum") == "#define M(a) \\\na + 1\n"
     for store in cuda_mma._STORE:  # Strata's own sources pass, and shrink
         body = cuda_mma._BODY.replace("STRATA_TILES", cuda_mma._TILES[store])
         assert len(compact(body + cuda_mma._STORE[store])) < 0.7 * len(body)

@@ -184,14 +184,15 @@ def test_cache_encodes_only_new_chunks(smollm2: GGUFTokenizer) -> None:
         assert n_chunks >= 8 and [len(b) for b in counting.batches] == [n_chunks]
         other = doc + " Who wrote it?"
         assert smollm2.encode(other) == _whole(smollm2, other)
-        seen = set(_safe_chunks(doc + question, chunks.chunk_chars))
+        cut = _safe_chunks(doc + question, chunks.chunk_chars)
+        seen = set(cut[:-1])  # a text's last chunk is not remembered
         new = [c for c in _safe_chunks(other, chunks.chunk_chars) if c not in seen]
         assert len(counting.batches) == 2 and counting.batches[1] == new
         assert len("".join(new)) < 2 * chunks.chunk_chars + 30  # the tail only
         assert smollm2.encode(doc + question) == first
-        assert len(counting.batches) == 2  # all remembered
+        assert counting.batches[2:] == [[cut[-1]]]  # the rest remembered
         smollm2.encode("a short prompt")
-        assert len(counting.batches) == 2  # encoded whole
+        assert len(counting.batches) == 3  # encoded whole
     finally:
         chunks.hf = counting.hf
 
@@ -209,6 +210,24 @@ def test_cache_is_bounded_and_thread_safe(smollm2: GGUFTokenizer) -> None:
         assert len(chunks._ids) <= 20
     finally:
         chunks.max_chunks, chunks.chunk_chars = saved
+        chunks.clear()
+
+
+def test_long_and_last_chunks_are_not_remembered(smollm2: GGUFTokenizer) -> None:
+    """A chunk runs to the first safe boundary past ``chunk_chars``: text with none for a while
+    (CJK) makes a long one, which is encoded but not remembered (the cache's size stays bounded
+    in characters); nor is a text's last chunk, which a longer text would cut elsewhere."""
+    chunks = smollm2.chunks
+    assert chunks is not None
+    chunks.clear()
+    try:
+        text = "中" * 3000 + "x y" + " abc" * 600
+        cut = _safe_chunks(text, chunks.chunk_chars)
+        assert len(cut[0]) > chunks.keep_chars and len(cut) > 3
+        assert smollm2.encode(text) == _whole(smollm2, text)
+        assert set(chunks._ids) == set(cut[1:-1])
+        assert max(len(c) for c in chunks._ids) <= chunks.keep_chars
+    finally:
         chunks.clear()
 
 

@@ -542,10 +542,8 @@ class LlamaModel:
         (``post_norms``, the weight ``post_norm``); the sum in the projection's kernel call
         where it can be (``executor.ops.linear_add``)."""
         if self.post_norms:
-            return x + self._norm(self._proj(w, name, h), w[post_norm])
-        bias = w.get(name + ".bias")
-        if bias is not None:
-            return x + self._proj(w, name, h)
+            return x + self._norm(linear(h, w[name + ".weight"]), w[post_norm])
+        # No bias: engine.check_tensors refuses one on these projections.
         return linear_add(h, w[name + ".weight"], x)
 
     def moe_ffn(self, w: dict[str, Weight], layer: int, x: mx.array) -> mx.array:
@@ -718,8 +716,9 @@ decode step 8.8 -> 6.3 ms, a 16-sequence step 14.5 -> 8.8 ms, the warm 24-token 
 12.6 ms, the cold 1,016-token prefill 55 -> 45 ms. On the CPU it changed nothing (SmolLM2, 24
 tokens: 5.34-5.41 against 5.43-5.49 s), so it is off there; Metal was not measured. Every 1, 2 or
 4 blocks (H200, same shape, one process, interleaved, medians of 4): warm chunk 13.4 / 11.6 /
-13.6 ms, cold 66.8 / 56.8 / 60.1 ms, a 16-sequence step 13.3 / 11.2 / 11.3 ms, within that
-machine's run-to-run spread (one warm chunk 11.8-15.9 ms at 1), so it stays 1."""
+13.6 ms, cold 66.8 / 56.8 / 60.1 ms, a 16-sequence step 13.3 / 11.2 / 11.3 ms: 2 ahead on all
+three, by less than one setting's own spread on that machine (a warm chunk 11.8-15.9 ms at 1), so
+it stays 1 until a run with more rounds says otherwise."""
 
 
 def kernel_attention(
