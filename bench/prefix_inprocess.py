@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
-"""Prefix-cache TTFT and a 16-sequence decode step, in-process (no HTTP), fused projections
-against unfused, in one process.
+"""Prefix-cache TTFT and decode steps, in-process (no HTTP), variants of the forward pass
+against each other in one process, and where a warm pass spends its host time.
 
 The serving engine of a plan (``executor.serving.ServingEngine``) is driven from this thread:
 
@@ -12,14 +12,19 @@ The serving engine of a plan (``executor.serving.ServingEngine``) is driven from
 
 Each is the time from submission to the event on the engine thread. Variants (``--variants``),
 interleaved round by round: ``fused`` (as shipped: on MLX's CUDA backend a block's Q/K/V and
-gate/up take ``executor.ops.fused_qkv`` / ``fused_swiglu`` for 2-32 rows) and
-``unfused`` (those two functions made to decline, so the model makes its seven projection
-calls). Round 0 builds kernels and is not counted; the medians of the rest are reported, and
-every variant's greedy tokens of the 16 sequences are checked equal to the first variant's or
-reported as differing (the fused SwiGLU rounds once where the unfused path rounds each product).
+gate/up take ``executor.ops.fused_qkv`` / ``fused_swiglu`` for 2-32 rows), ``unfused``
+(those two functions made to decline, so the model makes its seven projection calls), and
+``async1`` / ``async2`` / ``async4`` (fused, the residual stream scheduled with
+``mx.async_eval`` every 1, 2 or 4 blocks: ``executor.models.llama.ASYNC_EVAL_BLOCKS``).
+``--breakdown`` then times four warm passes of the first variant part by part (each function
+wrapped with a timer: the engine step, the forward pass's build, ``mx.async_eval``, the
+projections, attention, RoPE, norms, the KV write, the store's unit lookups). Round 0 builds
+kernels and is not counted; the medians of the rest are reported, and every variant's greedy
+tokens of the 16 sequences are checked equal to the first variant's or reported as differing
+(the fused SwiGLU rounds once where the unfused path rounds each product).
 
 usage: python bench/prefix_inprocess.py PLAN [--rounds 4] [--variants fused,unfused]
-       [--document-tokens 1000] [-o FILE]
+       [--document-tokens 1000] [--breakdown] [-o FILE]
 
 Measured on the lent H200 (2026-12-01, synthetic Llama-3-8B shape, Q4_0, rounds 1-2 of 3):
 fused cold 46.7 ms, warm 10.1 ms (4.6x), step16 10.2 ms; unfused 49.1, 11.5 (4.3x), 15.3
@@ -27,8 +32,11 @@ fused cold 46.7 ms, warm 10.1 ms (4.6x), step16 10.2 ms; unfused 49.1, 11.5 (4.3
 scratch first version of this script, which did not compare the tokens, and its fused variant
 read Q/K/V and gate/up stacked into one weight each at load time. The kernels that now read each
 weight where it lies, with the launch cache and the residual added in the output projections,
-were timed by a scratch variant of this driver (2026-12-01, later session, fused only): cold
-45.6-66.8 ms, warm 9.25-13.4 ms (4.9-5.0x) on two machines (README, serving).
+were timed by a scratch variant of this driver (2026-12-01, later session; its async and
+breakdown parts are now ``async1``/``async2``/``async4`` and ``--breakdown`` here, not yet run
+as this file): cold 45.6-66.8 ms, warm 9.25-13.4 ms (4.9-5.0x) on two machines (README,
+serving); a warm pass of 9.1 ms spent 3.3 ms in ``mx.async_eval``, 0.88 in ``fused_qkv``, 0.85
+in the output projections, 0.62 in ``fused_swiglu``, 0.40 in the attention kernel's calls.
 """
 
 from __future__ import annotations
@@ -45,17 +53,32 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+import mlx.core as mx  # noqa: E402
+
 import executor.models.llama as llama  # noqa: E402
 from executor.engine import Engine  # noqa: E402
+from executor.paged_kv import ForwardBatch  # noqa: E402
 from executor.plan_loader import load_plan  # noqa: E402
 from executor.sampling import SamplingParams  # noqa: E402
 from executor.serving import GenerationRequest, ServingEngine  # noqa: E402
 
+_FUSED = (llama.fused_qkv, llama.fused_swiglu)
+_UNFUSED = (lambda *a: None, lambda *a: None)
+_ASYNC = llama.ASYNC_EVAL_BLOCKS
 VARIANTS = {
-    "fused": (llama.fused_qkv, llama.fused_swiglu),
-    "unfused": (lambda *a: None, lambda *a: None),
+    "fused": (_FUSED, _ASYNC),
+    "unfused": (_UNFUSED, _ASYNC),
+    "async1": (_FUSED, 1),
+    "async2": (_FUSED, 2),
+    "async4": (_FUSED, 4),
 }
-"""Variant -> the model module's (fused_qkv, fused_swiglu)."""
+"""Variant -> (the model module's (fused_qkv, fused_swiglu), its ``ASYNC_EVAL_BLOCKS``)."""
+
+
+def use(variant: str) -> None:
+    """Set the model module as ``variant`` says."""
+    (llama.fused_qkv, llama.fused_swiglu), llama.ASYNC_EVAL_BLOCKS = VARIANTS[variant]
+
 
 WAIT_S = 300.0
 """Seconds a group of requests may take before the bench gives up."""
@@ -93,12 +116,68 @@ def run(serving: ServingEngine, prompts: list[list[int]], max_tokens: int):
     return t0, times, [tokens[r] for r in times]
 
 
+def _timed(owner, name: str, label: str, totals: dict[str, list[float]]):
+    """Replace ``owner.name`` with a wrapper adding each call's time to ``totals[label]``
+    ([calls, seconds]); returns a function that puts the original back."""
+    original = getattr(owner, name)
+    had_own = name in vars(owner) if hasattr(owner, "__dict__") else True
+
+    def timed(*args, **kwargs):
+        t = time.perf_counter()
+        try:
+            return original(*args, **kwargs)
+        finally:
+            entry = totals.setdefault(label, [0, 0.0])
+            entry[0] += 1
+            entry[1] += time.perf_counter() - t
+
+    setattr(owner, name, timed)
+    return lambda: setattr(owner, name, original) if had_own else delattr(owner, name)
+
+
+def breakdown(serving: ServingEngine, prompts: list[list[int]]) -> dict[str, dict]:
+    """Time the parts of the warm passes of ``prompts`` (each a cached document and a new
+    suffix): per part, calls and total/per-call time (nested parts count in their callers too)."""
+    model, totals = serving.engine.model, {}
+    parts = [
+        (serving, "step", "serving step"),
+        (serving, "_forward", "forward + sampling"),
+        (model, "forward_batch", "forward_batch (build)"),
+        (mx, "async_eval", "mx.async_eval"),
+        (llama, "fused_qkv", "fused_qkv"),
+        (llama, "fused_swiglu", "fused_swiglu"),
+        (llama, "linear", "linear"),
+        (llama, "linear_add", "linear_add"),
+        (llama.cuda_attention, "attention", "cuda_attention.attention"),
+        (llama, "kernel_attention", "kernel_attention (check)"),
+        (mx.fast, "rope", "mx.fast.rope"),
+        (mx.fast, "rms_norm", "mx.fast.rms_norm"),
+        (serving.kv, "write", "kv.write"),
+        (model.store, "unit", "store.unit"),
+        (model.store, "release", "store.release"),
+        (ForwardBatch, "positions", "batch.positions"),
+        (ForwardBatch, "kernel_layout", "batch.kernel_layout"),
+    ]
+    restore = [_timed(owner, name, label, totals) for owner, name, label in parts]
+    try:
+        for ids in prompts:
+            run(serving, [ids], 1)
+    finally:
+        for undo in reversed(restore):
+            undo()
+    return {
+        label: {"calls": n, "total_ms": round(t * 1e3, 3), "per_call_us": round(t / n * 1e6, 2)}
+        for label, (n, t) in sorted(totals.items(), key=lambda kv: -kv[1][1])
+    }
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("plan")
     ap.add_argument("--rounds", type=int, default=4)
     ap.add_argument("--variants", default="fused,unfused")
     ap.add_argument("--document-tokens", type=int, default=1000)
+    ap.add_argument("--breakdown", action="store_true", help="time a warm pass part by part")
     ap.add_argument("-o", "--output")
     args = ap.parse_args()
     names = args.variants.split(",")
@@ -118,7 +197,7 @@ def main() -> None:
     try:
         for rnd in range(args.rounds):
             for v in names:
-                llama.fused_qkv, llama.fused_swiglu = VARIANTS[v]
+                use(v)
                 serving.reset_prefix_cache()
                 t, ev, _ = run(serving, [doc + rng.integers(0, vocab, 16).tolist()], 1)
                 cold = next(iter(ev.values()))[0] - t
@@ -135,10 +214,23 @@ def main() -> None:
                     f"round {rnd} {v:8s}: cold {cold * 1e3:6.1f} ms, warm {warm * 1e3:5.1f} ms "
                     f"(x{cold / warm:.2f}), 16-sequence step {step * 1e3:5.2f} ms"
                 )
+        parts = None
+        if args.breakdown:
+            use(names[0])
+            warm = [doc + rng.integers(0, vocab, 16).tolist() for _ in range(4)]
+            parts = breakdown(serving, warm)
+            print(f"four warm passes of {names[0]}, part by part:")
+            for label, p in parts.items():
+                print(
+                    f"  {label:28s} {p['calls']:6d} calls {p['total_ms']:9.2f} ms "
+                    f"{p['per_call_us']:9.2f} us/call"
+                )
     finally:
-        llama.fused_qkv, llama.fused_swiglu = VARIANTS["fused"]
+        use("fused")
         serving.close()
     out = {"plan": args.plan, "rounds": res, "medians_ms": {}, "tokens_equal": {}}
+    if parts is not None:
+        out["breakdown_warm_x4"] = parts
     for v in names:
         med = {k: round(statistics.median(x) * 1e3, 2) for k, x in res[v].items()}
         out["medians_ms"][v] = med
