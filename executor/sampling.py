@@ -16,13 +16,19 @@ import numpy as np
 
 from planner.errors import StrataError
 
+GREEDY_BELOW = 1e-5
+"""Temperatures below this are greedy (vLLM's ``_SAMPLING_EPS``, the same rule): the limit of
+sampling as the temperature goes to 0, where dividing logits by a subnormal temperature
+overflows to inf and the probabilities to NaN."""
+
 
 @dataclass(frozen=True)
 class SamplingParams:
     """How to pick the next token.
 
     Attributes:
-        temperature: 0 for greedy (argmax); otherwise logits are divided by it.
+        temperature: 0 for greedy (argmax); otherwise logits are divided by it (below
+            ``GREEDY_BELOW``: greedy).
         top_k: keep the k most likely tokens (0 = all).
         top_p: keep the smallest set of most likely tokens whose probability reaches p (1 = all).
         seed: seed of the request's random generator.
@@ -49,6 +55,8 @@ class SamplingParams:
             raise StrataError(
                 f"--temperature {self.temperature} must be a number >= 0 (0 = greedy)"
             )
+        if self.temperature < GREEDY_BELOW:  # the limit, where dividing by it would overflow
+            object.__setattr__(self, "temperature", 0.0)
         if self.seed < 0:
             raise StrataError(f"--seed {self.seed} is negative; give an integer >= 0")
         if self.top_k < 0:

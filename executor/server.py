@@ -205,7 +205,10 @@ class _Sampling(_Body):
         seed = secrets.randbits(63) if self.seed is None else self.seed % 2**64
         bias = []
         for key, value in (self.logit_bias or {}).items():
-            tok = int(key) if key.strip().isdigit() else -1
+            digits = key.strip()
+            # ASCII digits only (str.isdigit takes "²", which int() refuses), and few of them.
+            ok = digits.isascii() and digits.isdigit() and len(digits) <= 18
+            tok = int(digits) if ok else -1
             if not 0 <= tok < vocab_size or not -100 <= value <= 100:
                 raise APIError(
                     400,

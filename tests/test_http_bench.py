@@ -495,7 +495,7 @@ def test_stream_completion_reads_and_times_the_events():
         ),
         ([_chunk("a"), b"data: {oops\n\n"], "prompt 5: the server sent a non-JSON event"),
         ([_chunk("a"), b'data: {"error": "overloaded"}\n\n'], "the server failed: overloaded"),
-        ([b'data: {"id": 1}\n\n'], "an event that is not a completion chunk: {\"id\": 1}"),
+        ([b'data: {"id": 1}\n\n'], 'an event that is not a completion chunk: {"id": 1}'),
         ([b'data: {"choices": [{"text": 1}]}\n\n'], "not a completion chunk"),
         ([_chunk("a"), b"data: [DONE]\n\n"], "the stream ended without a finish reason"),
         ([_chunk("a")], "the stream ended without a finish reason"),

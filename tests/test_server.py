@@ -497,6 +497,8 @@ def test_bad_requests(server):
         ("logit_bias", {"x": 1}, "token ids"),
         ("logit_bias", {"1": 101}, "[-100, 100]"),
         ("logit_bias", {str(1 << 30): 1}, "token ids"),
+        ("logit_bias", {"\u00b2": 1}, "token ids"),  # isdigit() but not int()
+        ("logit_bias", {"1" * 5000: 1}, "token ids"),  # past int()'s digit limit
     ):
         err = error_of(server.post(chat_path, {**ok, field: value}), 400, what)
         assert err["param"] == field

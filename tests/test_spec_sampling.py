@@ -83,6 +83,17 @@ def _rows(*argmaxes: int, vocab: int = 8) -> np.ndarray:
     return rows
 
 
+def test_a_temperature_too_small_to_divide_by_is_greedy():
+    """Below GREEDY_BELOW (vLLM's rule) sampling is its greedy limit: a subnormal temperature
+    would overflow the scaled logits to inf and the probabilities to NaN."""
+    logits = np.array([1.0, 30.0, 2.0, 30.0 - 1e-3])
+    for t in (5e-324, 1e-310, 1e-6):
+        params = SamplingParams(t, seed=1)
+        assert params.temperature == 0
+        assert Sampler(params).verify(logits[None], []) == [1]
+    assert SamplingParams(1e-5).temperature == 1e-5
+
+
 def test_greedy_verify_accepts_every_matching_draft_and_adds_the_bonus():
     s = Sampler(SamplingParams())
     assert s.verify(_rows(3, 1, 4, 7), [3, 1, 4]) == [3, 1, 4, 7]
