@@ -97,7 +97,8 @@ JSON (``-o``; every time in seconds, every rate in tokens/s):
   ``preemptions``, ``engine_steps``, ``batched_tokens``, ``mean_batched_tokens_per_step``,
   ``server_ttft_mean_s``, ``server_tpot_mean_s``, ``kv_blocks_total``, ``kv_blocks_peak``,
   ``running_peak``, ``waiting_peak``; None where ``/metrics`` lacks the series; peaks are
-  sampled), ``warmup`` (``requests``, ``prompt_tokens``: the token counts warmed one at a time,
+  sampled every ``METRICS_POLL_S`` during the level, None where no sample fell inside it),
+  ``warmup`` (``requests``, ``prompt_tokens``: the token counts warmed one at a time,
   ``concurrent``: the short requests sent at once, ``max_tokens``, ``wall_s``; not measured),
   ``check_passed``, ``mismatched_prompts``, ``near_tie_flips`` (how many of those passed as
   near-tie flips) and ``per_request`` (``prompt``,
@@ -690,8 +691,8 @@ def server_summary(before: dict, after: dict, samples: list[dict]) -> dict[str, 
     out["server_tpot_mean_s"] = _hist_mean(before, after, "strata_time_per_output_token_seconds")
     total = after.get("strata_kv_blocks_total")
     out["kv_blocks_total"] = None if total is None else round(total)
-    for key, name in GAUGES.items():
-        seen = [s[name] for s in [*samples, after] if name in s]
+    for key, name in GAUGES.items():  # samples taken during the level only: after it, idle
+        seen = [s[name] for s in samples if name in s]
         out[key] = round(max(seen)) if seen else None
     return out
 
@@ -1429,6 +1430,11 @@ def _ms(x: float | None) -> str:
     return "-" if x is None else f"{x * 1000:.0f} ms"
 
 
+def _peak(value: int | None) -> str:
+    """A sampled peak as the log line gives it."""
+    return f"not sampled (level under {METRICS_POLL_S} s)" if value is None else str(value)
+
+
 def _log_level(lv: dict, log: TextIO) -> None:
     s, ttft, tpot = lv["server"], lv["ttft_s"], lv["tpot_s"]
     print(
@@ -1436,7 +1442,7 @@ def _log_level(lv: dict, log: TextIO) -> None:
         f"{lv['aggregate_tok_s']:.2f} tok/s aggregate (x{lv['vs_level_1']:.2f} level 1), "
         f"TTFT p50 {_ms(ttft['p50'])} p99 {_ms(ttft['p99'])}, "
         f"TPOT p50 {_ms(tpot['p50'])} p99 {_ms(tpot['p99'])}, "
-        f"KV blocks peak {s['kv_blocks_peak']}/{s['kv_blocks_total']}, "
+        f"KV blocks peak {_peak(s['kv_blocks_peak'])}/{s['kv_blocks_total']}, "
         f"preemptions {s['preemptions']}, warm-up {lv['warmup']['wall_s']:.1f} s, "
         f"texts {_texts_verdict(lv)}" + (" (queued: above max_num_seqs)" if lv["queued"] else ""),
         file=log,

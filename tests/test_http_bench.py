@@ -278,6 +278,9 @@ def test_metrics_summary():
     assert s["mean_batched_tokens_per_step"] == 3.0 and s["server_ttft_mean_s"] == 1.5
     assert s["kv_blocks_peak"] == 9 and s["kv_blocks_total"] == 150
     assert s["preemptions"] is None and s["server_tpot_mean_s"] is None  # not exported here
+    # A level over before its first sample: its peak was not seen (the idle snapshot after it
+    # says nothing of it).
+    assert server_summary(before, after, [])["kv_blocks_peak"] is None
 
 
 def test_prompts_are_deterministic_and_fit(smollm2_gguf):
