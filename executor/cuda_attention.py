@@ -334,7 +334,9 @@ def _prepare(
     Raises:
         ValueError: as :func:`attention` says.
     """
-    r, heads, d = q.shape[0], q.shape[1], q.shape[-1]
+    # A q of another rank reads as 0 heads, which supported() refuses below.
+    r, d = q.shape[0] if q.ndim else 0, q.shape[-1] if q.ndim else 0
+    heads = q.shape[1] if q.ndim in (3, 4) else 0
     kv_heads = keys.shape[1] if keys.ndim == 3 else 0
     if (
         q.ndim not in (3, 4)
