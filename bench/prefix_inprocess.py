@@ -15,7 +15,10 @@ interleaved round by round: ``fused`` (as shipped: on MLX's CUDA backend a block
 gate/up take ``executor.ops.fused_qkv`` / ``fused_swiglu`` for 2-32 rows), ``unfused``
 (those two functions made to decline, so the model makes its seven projection calls), and
 ``async1`` / ``async2`` / ``async4`` (fused, the residual stream scheduled with
-``mx.async_eval`` every 1, 2 or 4 blocks: ``executor.models.llama.ASYNC_EVAL_BLOCKS``).
+``mx.async_eval`` every 1, 2 or 4 blocks: ``executor.models.llama.ASYNC_EVAL_BLOCKS``), and
+``eager`` / ``compiled`` (fused, with ``executor.pass_graph``'s compiled passes off or on; the
+others keep the process's setting, ``STRATA_COMPILED_PASSES``). A compiled layout is traced on
+its second pass: give ``--rounds`` of 4 or more to see replays in the medians.
 ``--breakdown`` then times four warm passes of the first variant part by part (each function
 wrapped with a timer: the engine step, the forward pass's build, ``mx.async_eval``, the
 projections, attention, RoPE, norms, the KV write, the store's unit lookups). Round 0 builds
@@ -56,6 +59,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import mlx.core as mx  # noqa: E402
 
 import executor.models.llama as llama  # noqa: E402
+from executor import pass_graph  # noqa: E402
 from executor.engine import Engine  # noqa: E402
 from executor.paged_kv import ForwardBatch  # noqa: E402
 from executor.plan_loader import load_plan  # noqa: E402
@@ -65,19 +69,24 @@ from executor.serving import GenerationRequest, ServingEngine  # noqa: E402
 _FUSED = (llama.fused_qkv, llama.fused_swiglu)
 _UNFUSED = (lambda *a: None, lambda *a: None)
 _ASYNC = llama.ASYNC_EVAL_BLOCKS
+_COMPILED = pass_graph.COMPILED_PASSES
 VARIANTS = {
-    "fused": (_FUSED, _ASYNC),
-    "unfused": (_UNFUSED, _ASYNC),
-    "async1": (_FUSED, 1),
-    "async2": (_FUSED, 2),
-    "async4": (_FUSED, 4),
+    "fused": (_FUSED, _ASYNC, _COMPILED),
+    "eager": (_FUSED, _ASYNC, False),
+    "compiled": (_FUSED, _ASYNC, True),
+    "unfused": (_UNFUSED, _ASYNC, _COMPILED),
+    "async1": (_FUSED, 1, _COMPILED),
+    "async2": (_FUSED, 2, _COMPILED),
+    "async4": (_FUSED, 4, _COMPILED),
 }
-"""Variant -> (the model module's (fused_qkv, fused_swiglu), its ``ASYNC_EVAL_BLOCKS``)."""
+"""Variant -> (the model module's (fused_qkv, fused_swiglu), its ``ASYNC_EVAL_BLOCKS``,
+``executor.pass_graph.COMPILED_PASSES``)."""
 
 
 def use(variant: str) -> None:
     """Set the model module as ``variant`` says."""
-    (llama.fused_qkv, llama.fused_swiglu), llama.ASYNC_EVAL_BLOCKS = VARIANTS[variant]
+    (llama.fused_qkv, llama.fused_swiglu), llama.ASYNC_EVAL_BLOCKS, compiled = VARIANTS[variant]
+    pass_graph.COMPILED_PASSES = compiled
 
 
 WAIT_S = 300.0

@@ -15,6 +15,7 @@ the pack's size is checked before use.
 from __future__ import annotations
 
 import json
+import os
 import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -149,7 +150,9 @@ class PackStore:
     ) -> PackStore:
         by_name = {t.name: t for t in g.reader.tensors}
         units: dict[str, PackedUnit] = {}
-        tmp = pack.with_suffix(".partial")
+        # Files of this process's own, renamed into place: processes building the same pack at
+        # once (a fresh cache's first runs, parallel test workers) never write into one file.
+        tmp = pack.parent / f"{pack.name}.{os.getpid()}.partial"
         pos = 0
         try:
             with (
@@ -185,16 +188,15 @@ class PackStore:
                             bar.update(len(raw))
                     units[u.name] = PackedUnit(u.name, start, pos - start, tuple(parts), bits)
             tmp.replace(pack)
-            manifest.write_text(
-                json.dumps(
-                    {
-                        "format": PACK_FORMAT,
-                        "model_sha256": sha256,
-                        "size": pos,
-                        "units": _units_to_json(units),
-                    }
-                )
-            )
+            meta = {
+                "format": PACK_FORMAT,
+                "model_sha256": sha256,
+                "size": pos,
+                "units": _units_to_json(units),
+            }
+            tmp_manifest = manifest.parent / f"{manifest.name}.{os.getpid()}.partial"
+            tmp_manifest.write_text(json.dumps(meta))
+            tmp_manifest.replace(manifest)
         except OSError as e:
             tmp.unlink(missing_ok=True)
             raise StrataError(f"cannot write the packed store {pack}: {e.strerror or e}") from None

@@ -327,15 +327,15 @@ class ForwardBatch:
             self._positions[rows] = mx.array(positions)
         return self._positions[rows]
 
-    def kernel_layout(self, rows: int) -> tuple[mx.array, mx.array]:
+    def kernel_layout(self, rows: int, width: int = 0) -> tuple[mx.array, mx.array]:
         """The pass laid out for one call of ``executor.cuda_attention.attention`` over ``rows``
         rows (``num_tokens``, or more: the extra rows pad the pass and attend to nothing):
 
         - ``tables``: int32 [inputs, W], each input's slots up to its last new token, padded
-          with 0 to the longest (W);
+          with 0 to the longest, or to ``width`` where that is wider (W);
         - ``rows``: int32 [rows, 2], each row's table and position (-1 for padding).
 
-        Made once per pass, for every layer.
+        Made once per pass, for every layer (the first call's ``width`` holds for the pass).
 
         Raises:
             StrataError: ``rows`` is below the pass's tokens.
@@ -343,7 +343,7 @@ class ForwardBatch:
         if rows not in self._layouts:
             self._check_rows(rows)
             n = self.num_tokens
-            width = max(len(t) for t in self.seq_slots)
+            width = max(width, *(len(t) for t in self.seq_slots))
             tables = np.zeros((len(self.seq_slots), width), dtype=np.int32)
             for i, t in enumerate(self.seq_slots):
                 tables[i, : len(t)] = t

