@@ -16,9 +16,10 @@ gate/up take ``executor.ops.fused_qkv`` / ``fused_swiglu`` for 2-32 rows), ``unf
 (those two functions made to decline, so the model makes its seven projection calls), and
 ``async1`` / ``async2`` / ``async4`` (fused, the residual stream scheduled with
 ``mx.async_eval`` every 1, 2 or 4 blocks: ``executor.models.llama.ASYNC_EVAL_BLOCKS``), and
-``eager`` / ``compiled`` (fused, with ``executor.pass_graph``'s compiled passes off or on; the
-others keep the process's setting, ``STRATA_COMPILED_PASSES``). A compiled layout is traced on
-its second pass: give ``--rounds`` of 4 or more to see replays in the medians.
+``eager`` / ``compiled`` (fused, with ``executor.pass_graph``'s compiled passes off or on;
+``fused`` keeps the process's setting, ``STRATA_COMPILED_PASSES``, and the others are eager). A
+compiled layout is traced on its second pass: give ``--rounds`` of 4 or more to see replays in
+the medians.
 ``--breakdown`` then times four warm passes of the first variant part by part (each function
 wrapped with a timer: the engine step, the forward pass's build, ``mx.async_eval``, the
 projections, attention, RoPE, norms, the KV write, the store's unit lookups). Round 0 builds
@@ -69,15 +70,15 @@ from executor.serving import GenerationRequest, ServingEngine  # noqa: E402
 _FUSED = (llama.fused_qkv, llama.fused_swiglu)
 _UNFUSED = (lambda *a: None, lambda *a: None)
 _ASYNC = llama.ASYNC_EVAL_BLOCKS
-_COMPILED = pass_graph.COMPILED_PASSES
 VARIANTS = {
-    "fused": (_FUSED, _ASYNC, _COMPILED),
+    "fused": (_FUSED, _ASYNC, pass_graph.COMPILED_PASSES),
     "eager": (_FUSED, _ASYNC, False),
     "compiled": (_FUSED, _ASYNC, True),
-    "unfused": (_UNFUSED, _ASYNC, _COMPILED),
-    "async1": (_FUSED, 1, _COMPILED),
-    "async2": (_FUSED, 2, _COMPILED),
-    "async4": (_FUSED, 4, _COMPILED),
+    # Eager: a compiled graph would replay what was traced under another variant's functions.
+    "unfused": (_UNFUSED, _ASYNC, False),
+    "async1": (_FUSED, 1, False),
+    "async2": (_FUSED, 2, False),
+    "async4": (_FUSED, 4, False),
 }
 """Variant -> (the model module's (fused_qkv, fused_swiglu), its ``ASYNC_EVAL_BLOCKS``,
 ``executor.pass_graph.COMPILED_PASSES``)."""

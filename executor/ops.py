@@ -83,8 +83,20 @@ def set_dequant_min_rows(rows: int) -> None:
 
 def _forget_paths() -> None:
     """Empty the kernel-path answers kept per shape (the row ranges they came from changed)."""
+    global _settings_epoch
     _PATHS.clear()
     _FUSABLE.clear()
+    _settings_epoch += 1
+
+
+_settings_epoch = 0
+
+
+def settings_epoch() -> int:
+    """A number that changes whenever this process's kernel-path settings change
+    (``set_mma_rows``, ``set_dequant_min_rows``): what was traced under other settings
+    (``executor.pass_graph``) is stale."""
+    return _settings_epoch
 
 
 PAD_ROWS = mx.cuda.is_available()

@@ -15,7 +15,6 @@ the pack's size is checked before use.
 from __future__ import annotations
 
 import json
-import os
 import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -27,6 +26,7 @@ from tqdm import tqdm
 
 from executor.direct_io import ALIGN
 from executor.quant import PackedWeight, UnsupportedQuantError, repack
+from planner.atomic import replaced
 from planner.catalog import cache_dir
 from planner.errors import StrataError
 from planner.gguf_file import GGUFFile
@@ -150,13 +150,13 @@ class PackStore:
     ) -> PackStore:
         by_name = {t.name: t for t in g.reader.tensors}
         units: dict[str, PackedUnit] = {}
-        # Files of this process's own, renamed into place: processes building the same pack at
-        # once (a fresh cache's first runs, parallel test workers) never write into one file.
-        tmp = pack.parent / f"{pack.name}.{os.getpid()}.partial"
         pos = 0
         try:
+            # Written beside the pack under a name of its own and renamed into place: processes
+            # building one pack at once (a fresh cache's first runs, parallel test workers)
+            # never write into one file, and an interrupted build leaves nothing behind.
             with (
-                open(tmp, "wb") as f,
+                replaced(pack) as f,
                 tqdm(
                     total=desc.bytes_mlx,
                     unit="B",
@@ -187,18 +187,15 @@ class PackStore:
                             pos += _align(len(raw))
                             bar.update(len(raw))
                     units[u.name] = PackedUnit(u.name, start, pos - start, tuple(parts), bits)
-            tmp.replace(pack)
             meta = {
                 "format": PACK_FORMAT,
                 "model_sha256": sha256,
                 "size": pos,
                 "units": _units_to_json(units),
             }
-            tmp_manifest = manifest.parent / f"{manifest.name}.{os.getpid()}.partial"
-            tmp_manifest.write_text(json.dumps(meta))
-            tmp_manifest.replace(manifest)
+            with replaced(manifest, "w") as f:
+                f.write(json.dumps(meta))
         except OSError as e:
-            tmp.unlink(missing_ok=True)
             raise StrataError(f"cannot write the packed store {pack}: {e.strerror or e}") from None
         return cls(pack, units)
 

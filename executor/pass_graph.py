@@ -25,8 +25,13 @@ is seen (``COMPILE_AFTER``): one seen once (a passing batch composition) runs as
 than paying a trace. Everything else runs as before.
 
 The replayed graph is the traced pass's graph: the same operations on the same arrays, so its
-logits are the eager pass's (tests/test_pass_graph.py checks bit equality on the GPU). Bytes
-read (``WeightStore.bytes_read``) are counted per replay as the traced pass counted them.
+logits are the eager pass's (``tests/test_pass_graph.py`` checks bit equality: on the CPU with
+the kernel replaced by its definition in MLX operations, and on MLX's CUDA backend with the
+kernel itself, which has not run yet). Bytes read (``WeightStore.bytes_read``) are counted per
+replay as the traced pass counted them. The process's kernel-path settings are part of the key
+(``ops.settings_epoch``). A trace that raises in Python turns compiled passes off for the KV
+cache (one warning on stderr) and the pass runs eagerly; a graph that fails when it is evaluated
+fails its step like any failed forward pass, and is not replayed again.
 """
 
 from __future__ import annotations
@@ -34,13 +39,14 @@ from __future__ import annotations
 import copy
 import dataclasses
 import os
+import sys
 import weakref
 from collections import OrderedDict
 from typing import TYPE_CHECKING
 
 import mlx.core as mx
 
-from executor.ops import row_tile
+from executor.ops import row_tile, settings_epoch
 
 if TYPE_CHECKING:
     from executor.models.llama import LlamaModel
@@ -74,13 +80,14 @@ only its tape: the weights are the model's own arrays)."""
 
 @dataclasses.dataclass
 class _Graph:
-    """One layout's compiled pass: ``fn`` (``mx.compile`` of :meth:`PassGraphs._trace`), the
-    bytes the traced pass counted per tier, and the batch being traced (set per call)."""
+    """One layout's compiled pass: ``fn`` (``mx.compile`` of the tracer), the bytes the traced
+    pass counted per tier, and the batch being traced (set per call)."""
 
     fn: object
     bytes_read: dict[str, int] = dataclasses.field(default_factory=dict)
     batch: ForwardBatch | None = None
-    traced: bool = False
+    traced: bool = False  # the current call traced
+    ready: bool = False  # a call has traced it: later calls replay
 
 
 class PassGraphs:
@@ -93,18 +100,28 @@ class PassGraphs:
     """
 
     def __init__(self, model: LlamaModel, kv: PagedKVCache):
-        self.model, self.kv = model, kv
+        # The cache is held weakly: it keys this object in ``graphs_for``'s table, which drops
+        # the entry once nothing else holds the cache.
+        self.model, self._kv = model, weakref.ref(kv)
         self._graphs: OrderedDict[tuple, _Graph] = OrderedDict()
         self._seen: dict[tuple, int] = {}
         self.replays = 0
         self.traces = 0
+        self.disabled: str | None = None  # why tracing failed, once it has
+
+    @property
+    def kv(self) -> PagedKVCache:
+        """The KV cache (alive while a pass over it runs)."""
+        kv = self._kv()
+        assert kv is not None  # graphs_for drops this object with its cache
+        return kv
 
     def eligible(self, batch: ForwardBatch, rows: int) -> bool:
         """Whether the pass of ``batch`` over ``rows`` rows is one this module compiles."""
         from executor.models.llama import kernel_attention
 
         m = self.model
-        if rows > MAX_ROWS or row_tile() or not _resident(m):
+        if not worth_a_look(m, rows):
             return False
         a = m.arch
         windows = {la.window for la in m.layers}
@@ -122,10 +139,10 @@ class PassGraphs:
         Returns:
             float32 logits [S, vocab] of ``batch.logit_rows``, or None.
         """
-        if not self.eligible(batch, rows):
+        if self.disabled or not self.eligible(batch, rows):
             return None
         width = table_width(batch)
-        key = layout_key(batch, rows, width)
+        key = (*layout_key(batch, rows, width), settings_epoch())
         graph = self._graphs.get(key)
         if graph is None:
             self._seen[key] = self._seen.get(key, 0) + 1
@@ -139,13 +156,32 @@ class PassGraphs:
                 self._seen.clear()
         self._graphs.move_to_end(key)
         tables, meta = batch.kernel_layout(rows, width)
+        if tables.shape[1] != width:  # laid out before, unpadded: not this key's shape
+            return None
         inputs = (x, batch.positions(rows), batch.write_slots, tables, meta, batch.logit_rows)
+        fresh = not graph.ready  # this call traces
         graph.batch, graph.traced = batch, False
+        read = dict(self.model.store.bytes_read)
         try:
             logits, keys, values = graph.fn(*inputs, self.kv.keys, self.kv.values)
+        except Exception as e:
+            if not fresh:
+                del self._graphs[key]  # not replayed again
+                raise
+            # A pass that cannot be traced (an operation mx.compile refuses) runs eagerly, and
+            # so does every later pass over this cache: said once, never a failed request.
+            self.model.store.bytes_read.update(read)  # the failed trace read nothing
+            self.disabled = f"{type(e).__name__}: {e}"
+            self._graphs.clear()
+            print(
+                f"warning: compiled passes are off for this model: tracing failed ({e})",
+                file=sys.stderr,
+            )
+            return None
         finally:
             graph.batch = None
         self.kv.keys, self.kv.values = list(keys), list(values)
+        graph.ready = True
         if graph.traced:
             self.traces += 1
         else:  # the replay ran no Python: count the reads the traced pass counted
@@ -189,6 +225,12 @@ def layout_key(batch: ForwardBatch, rows: int, width: int) -> tuple[int, ...]:
     """What fixes a compiled pass's graph: rows, tokens, sequences, table width (slots) and
     logit rows. Two passes of one key differ only in their arrays' values."""
     return (rows, batch.num_tokens, len(batch.seq_slots), width, batch.logit_rows.shape[0])
+
+
+def worth_a_look(model: LlamaModel, rows: int) -> bool:
+    """The checks of :meth:`PassGraphs.eligible` that need no batch: few enough rows, no row
+    tile, a dense model with every unit resident."""
+    return rows <= MAX_ROWS and not row_tile() and _resident(model)
 
 
 def _resident(model: LlamaModel) -> bool:

@@ -480,7 +480,7 @@ class ServingEngine:
         try:
             if self.drafter is not None:
                 self._draft(step)
-            sampled, logprobs = self._forward(step)
+            sampled, logprobs, failed = self._forward(step)
         except Exception as e:  # a failed step ends its sequences, never the thread
             print(f"error: serving step failed: {e}", file=sys.stderr)
             for c in step.chunks:
@@ -488,6 +488,9 @@ class ServingEngine:
                 if live is not None:
                     self._finish(live, "error", f"the forward pass failed: {e}")
             return
+        for rid, error in failed.items():  # before update, which then skips their chunks
+            print(f"error: request {rid}: {error}", file=sys.stderr)
+            self._finish(self._live[rid], "error", error)
         self.steps += 1
         self.batched_tokens += step.num_tokens
         finished = {rid: self._cut(self._live[rid], toks) for rid, toks in sampled.items()}
@@ -542,11 +545,12 @@ class ServingEngine:
 
     def _forward(
         self, step: SchedulerStep
-    ) -> tuple[dict[str, list[int]], dict[str, list[TokenLogprob]]]:
+    ) -> tuple[dict[str, list[int]], dict[str, list[TokenLogprob]], dict[str, str]]:
         """Run the step's chunks as one forward pass; the new tokens of each sequence whose chunk
         reached its last known token: one sampled token, or for a chunk with a draft the
-        accepted drafts and one more (``Sampler.verify``); and the log-probabilities of those
-        tokens for the requests that asked for them."""
+        accepted drafts and one more (``Sampler.verify``); the log-probabilities of those
+        tokens for the requests that asked for them; and, by request id, the error of each
+        request whose sampling failed (it has no tokens: :meth:`step` ends it)."""
         bs = self.pool.block_size
         inputs = []
         for c in step.chunks:
@@ -560,10 +564,11 @@ class ServingEngine:
         want = [i for i, c in enumerate(step.chunks) if c.sample]
         if not want:
             mx.eval(logits)
-            return {}, {}
+            return {}, {}, {}
         first = np.cumsum([0, *batch.logit_counts])  # chunk i's rows: first[i]:first[i + 1]
         lives = {i: self._live[step.chunks[i].seq.request_id] for i in want}
         out: dict[str, list[int]] = {}
+        failed: dict[str, str] = {}
         host: np.ndarray | None = None  # all logits on the host, when sampling needed them
         plain = (lives[i].req.params for i in want)
         if all(p.temperature == 0 and not p.adjusts_logits for p in plain):
@@ -573,26 +578,31 @@ class ServingEngine:
                 out[lives[i].req.request_id] = accept_greedy(rows, step.chunks[i].draft)
         else:
             host = np.array(logits)
-            for i in want:
-                rows = host[first[i] : first[i + 1]]
-                out[lives[i].req.request_id] = lives[i].sampler.verify(rows, step.chunks[i].draft)
-        for i in want:  # the penalties count what was generated (a no-op without them)
-            lives[i].sampler.observe(out[lives[i].req.request_id])
         logprobs: dict[str, list[TokenLogprob]] = {}
         for i in want:
             req = lives[i].req
-            if step.chunks[i].draft:
-                self.spec_accepted += len(out[req.request_id]) - 1
-            if req.logprobs is not None:
+            try:  # one request's sampling failing ends that request, not the step's others
+                if host is not None:
+                    rows = host[first[i] : first[i + 1]]
+                    out[req.request_id] = lives[i].sampler.verify(rows, step.chunks[i].draft)
                 toks = out[req.request_id]  # token j was chosen from row j of the chunk's rows
-                lo = int(first[i])
-                chosen_from = (
-                    host[lo : lo + len(toks)]
-                    if host is not None
-                    else np.array(logits[lo : lo + len(toks)])
-                )
-                logprobs[req.request_id] = token_logprobs(chosen_from, toks, req.logprobs)
-        return out, logprobs
+                lives[i].sampler.observe(toks)  # the penalties count what was generated
+                if req.logprobs is not None:
+                    lo = int(first[i])
+                    chosen_from = (
+                        host[lo : lo + len(toks)]
+                        if host is not None
+                        else np.array(logits[lo : lo + len(toks)])
+                    )
+                    logprobs[req.request_id] = token_logprobs(chosen_from, toks, req.logprobs)
+            except Exception as e:
+                out.pop(req.request_id, None)
+                logprobs.pop(req.request_id, None)
+                failed[req.request_id] = f"sampling failed: {type(e).__name__}: {e}"
+                continue
+            if step.chunks[i].draft:
+                self.spec_accepted += len(toks) - 1
+        return out, logprobs, failed
 
     def _emit(
         self,

@@ -21,6 +21,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
+from planner.atomic import replaced
 from planner.errors import GGUFError, StrataError
 
 
@@ -132,13 +133,9 @@ def file_sha256(path: Path, *, progress: bool = False) -> str:
             h.update(chunk)
             bar.update(len(chunk))
     known[key] = h.hexdigest()
-    # A temporary file of this process's own, renamed over the cache: processes hashing at the
-    # same time each replace it whole (one's entry may be lost, never a file garbled).
-    with tempfile.NamedTemporaryFile(
-        "w", dir=store.parent, prefix=store.name, suffix=".tmp", delete=False
-    ) as tmp:
-        tmp.write(json.dumps(known, indent=0, sort_keys=True))
-    Path(tmp.name).replace(store)
+    # Replaced whole: processes hashing at once may lose one's entry, never garble the file.
+    with replaced(store, "w") as f:
+        f.write(json.dumps(known, indent=0, sort_keys=True))
     return known[key]
 
 

@@ -8,6 +8,7 @@ MLX's CUDA backend the real kernel runs.
 
 from __future__ import annotations
 
+import gc
 from pathlib import Path
 
 import mlx.core as mx
@@ -116,6 +117,9 @@ def test_replayed_pass_equals_eager(name, models, tmp_path, monkeypatch):
         assert graphs.traces == graphs.replays == 0
     else:
         assert graphs.traces == 1 and graphs.replays == 3  # 5 decode steps: eager, trace, 3 replays
+    del graphs  # the KV caches went with _run: their compiled passes go with them
+    gc.collect()
+    assert not [g for g in pass_graph._BY_CACHE.values() if g.model is model]
 
 
 def test_layout_key_pads_the_table_width():
@@ -133,3 +137,27 @@ def test_layout_key_pads_the_table_width():
         assert tables.shape == (2, width) and not np.array(tables)[1, 4:].any()
     assert [k[3] for k in keys] == [256, 256, 256, 512]
     assert keys[0] == keys[1] == keys[2] != keys[3]
+
+
+def test_a_pass_that_cannot_be_traced_runs_eagerly(models, tmp_path, monkeypatch, capsys):
+    """Tracing that raises (an operation ``mx.compile`` refuses) turns compiled passes off for
+    the KV cache, with one warning: the same logits, KV pool and bytes read as eager passes."""
+    _force_kernel_path(monkeypatch)
+    plan = make_plan_file(str(models["llama3"]), tmp_path / "p.yaml", context=256, concurrency=4)
+    model = Engine(load_plan(plan)).model
+    want, want_kv, want_read, _ = _run(model, False, monkeypatch)
+
+    def refuses(fn):
+        def call(*args):
+            raise ValueError("[compile] this primitive cannot be traced")
+
+        return call
+
+    monkeypatch.setattr(pass_graph.mx, "compile", refuses)
+    got, got_kv, got_read, graphs = _run(model, True, monkeypatch)
+    for a, b in zip([*got, *got_kv], [*want, *want_kv], strict=True):
+        np.testing.assert_array_equal(a, b)
+    assert got_read == want_read
+    assert graphs.disabled and "cannot be traced" in graphs.disabled
+    assert graphs.traces == graphs.replays == 0
+    assert capsys.readouterr().err.count("compiled passes are off") == 1

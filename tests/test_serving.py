@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import threading
 from collections import defaultdict
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -449,6 +450,48 @@ def test_a_failed_warm_up_is_reported_and_stops_the_thread(models, tmp_path):
     with pytest.raises(StrataError, match="not running"):
         se.submit(_requests("x", 512, 1)[0], lambda ev: None)
     se.close()
+
+
+def test_a_failed_sampling_ends_only_its_request(models, tmp_path, monkeypatch):
+    """One request's sampler raising (here: its verify) in a step of four: that request ends
+    with an error event naming the failure, the others finish with the ids they get without
+    it, and no KV block stays in use."""
+    import executor.serving as serving
+
+    plan = make_plan_file(
+        str(models["llama3"]), tmp_path / "p.yaml", context=CONTEXT, concurrency=4
+    )
+    # Sampled, not greedy: every request goes through Sampler.verify.
+    sampled = SamplingParams(temperature=0.8, seed=7)
+    reqs = [replace(r, params=sampled) for r in _requests("s", 512, 4)]
+    se = _serve(plan)
+    try:
+        want = run_all(se, reqs)
+    finally:
+        se.close()
+
+    class Failing(serving.Sampler):
+        calls = 0
+
+        def verify(self, rows, draft):
+            self.calls += 1
+            if self.params.seed == 666 and self.calls == 2:  # its second token
+                raise FloatingPointError("probabilities are NaN")
+            return super().verify(rows, draft)
+
+    monkeypatch.setattr(serving, "Sampler", Failing)
+    bad = replace(reqs[0], request_id="bad", params=SamplingParams(temperature=0.8, seed=666))
+    se = _serve(plan)
+    try:
+        got = run_all(se, [*reqs[:3], bad])
+        assert se.pool.num_used_blocks() == 0
+    finally:
+        se.close()
+    assert got["bad"].finish_reason == "error" and len(got["bad"].token_ids) == 1
+    assert "sampling failed: FloatingPointError: probabilities are NaN" in got["bad"].error
+    for r in reqs[:3]:
+        assert got[r.request_id].finish_reason == "length"
+        assert got[r.request_id].token_ids == want[r.request_id].token_ids
 
 
 def _reference_kernel(q, keys, values, tables, rows, scale, window=0, flat=False):

@@ -9,6 +9,7 @@ import signal
 import subprocess
 import sys
 import threading
+from pathlib import Path
 
 import pytest
 from conftest import ROOT
@@ -83,9 +84,15 @@ def test_ctrl_c_in_execute_run_exits_cleanly(budget_plans):
     )  # fmt: skip
     assert proc.stdout is not None
     proc.stdout.read(1)  # generation has started: the first text arrived
+    status = Path(f"/proc/{proc.pid}/status")  # the signal masks, should the signal be lost
+    masks = (
+        [ln for ln in status.read_text().splitlines() if ln.startswith("Sig")]
+        if status.exists()
+        else []
+    )
     proc.send_signal(signal.SIGINT)
     out, err = proc.communicate(timeout=60)
-    assert proc.returncode == 130, err
+    assert proc.returncode == 130, f"{err}\n{masks}"
     assert "interrupted" in err and "Traceback" not in err
 
 

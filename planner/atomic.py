@@ -1,0 +1,44 @@
+"""Files written whole or not at all, safely beside other processes writing the same file.
+
+A file is written under a name of its own (``tempfile.mkstemp`` in the target's folder: unique
+between processes, threads and hosts sharing the folder) and renamed over the target once
+complete (``os.replace``: atomic on POSIX and Windows). Readers see the old file or the new one,
+never a part; writers racing on one target each replace it whole, the last one winning. On any
+failure, Ctrl-C included, the temporary file is removed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+from typing import IO, Any
+
+
+def _default_mode() -> int:
+    """The permissions ``open()`` would give a new file (0o666 less the umask), as mkstemp's
+    0o600 is not what a cache shared by its owner's tools expects."""
+    mask = os.umask(0)
+    os.umask(mask)
+    return 0o666 & ~mask
+
+
+@contextlib.contextmanager
+def replaced(target: Path, mode: str = "wb") -> Iterator[IO[Any]]:
+    """Open a temporary file beside ``target`` for writing (``mode``: ``"wb"`` or ``"w"``);
+    when the block ends without an exception, rename it over ``target``.
+
+    Raises:
+        OSError: the file cannot be created, written or renamed (the temporary file is gone).
+    """
+    fd, name = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=".partial")
+    try:
+        os.fchmod(fd, _default_mode())
+        with os.fdopen(fd, mode) as f:
+            yield f
+        os.replace(name, target)
+    except BaseException:
+        Path(name).unlink(missing_ok=True)
+        raise
