@@ -174,7 +174,7 @@ class PassGraphs:
             self.disabled = f"{type(e).__name__}: {e}"
             self._graphs.clear()
             print(
-                f"warning: compiled passes are off for this model: tracing failed ({e})",
+                f"warning: compiled passes are off for this KV cache: tracing failed ({e})",
                 file=sys.stderr,
             )
             return None
