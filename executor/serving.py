@@ -76,6 +76,10 @@ from planner.errors import StrataError
 THREAD_CHECK_S = 1.0
 """Seconds between checks that the engine thread is alive while a caller waits on it."""
 
+STALL_WAIT_S = 0.01
+"""Seconds the engine thread waits for a message after a step that could schedule nothing,
+before it tries again (instead of a busy loop)."""
+
 BATCH_INVARIANT_ROWS = 16
 """Row tile of every weight product in batch-invariant serving (``executor.ops.set_row_tile``):
 a step's rows are computed 16 at a time, the last tile padded. 16 rows cost about one row on the
@@ -402,11 +406,17 @@ class ServingEngine:
             self._ready.set()
             return
         self._ready.set()
+        stalled = False  # the last step could schedule nothing
         while True:
             idle = not self.scheduler.has_work()
             msgs = []
             try:
-                msgs.append(self._inbox.get(block=idle))  # sleep only when there is no work
+                # Sleep when there is no work; after a step that could schedule nothing (waiting
+                # requests need blocks that only a finish or an abort frees), wait a little for
+                # a message rather than spin, which would starve the server's event loop of
+                # the GIL.
+                wait = None if idle else STALL_WAIT_S if stalled else 0.0
+                msgs.append(self._inbox.get(block=wait != 0.0, timeout=wait))
                 while True:
                     msgs.append(self._inbox.get_nowait())
             except queue.Empty:
@@ -427,7 +437,7 @@ class ServingEngine:
                 elif kind == "reset":
                     cb.set_result(self._reset_if_idle())
             if self.scheduler.has_work():
-                self.step()
+                stalled = not self.step()
 
     def _warm_up(self) -> None:
         """Forward passes in every row bucket (``WARM_UP_ROW_BUCKETS``), laid out as serving lays
@@ -471,12 +481,12 @@ class ServingEngine:
             return
         self._live[req.request_id] = live
 
-    def step(self) -> None:
+    def step(self) -> bool:
         """One scheduler step: drafts, a batched forward pass, sampling (or verification),
-        events."""
+        events. Returns False when the scheduler had nothing to run."""
         step = self.scheduler.schedule()
         if not step.chunks:
-            return
+            return False
         try:
             if self.drafter is not None:
                 self._draft(step)
@@ -487,7 +497,7 @@ class ServingEngine:
                 live = self._live.get(c.seq.request_id)
                 if live is not None:
                     self._finish(live, "error", f"the forward pass failed: {e}")
-            return
+            return True
         for rid, error in failed.items():  # before update, which then skips their chunks
             print(f"error: request {rid}: {error}", file=sys.stderr)
             self._finish(self._live[rid], "error", error)
@@ -506,6 +516,7 @@ class ServingEngine:
                 self._emit(live, toks, None, logprobs=lps)
             else:
                 self._finish(live, finished[rid], tokens=toks, logprobs=lps)
+        return True
 
     def _cut(self, live: _Live, toks: list[int]) -> str | None:
         """Cut ``toks`` (new tokens of one sequence, in place) at the first that ends it: an

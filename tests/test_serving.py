@@ -18,6 +18,7 @@ from conftest import make_plan_file
 from gguf_factory import ARCH_MODELS, MOE_MODELS, write_arch_model
 from test_tiers import _moved, _nvme_bytes
 
+import executor.serving as serving_module
 from executor.engine import Engine
 from executor.paged_kv import _pieces
 from executor.plan_loader import load_plan
@@ -450,6 +451,33 @@ def test_a_failed_warm_up_is_reported_and_stops_the_thread(models, tmp_path):
     with pytest.raises(StrataError, match="not running"):
         se.submit(_requests("x", 512, 1)[0], lambda ev: None)
     se.close()
+
+
+def test_a_step_that_schedules_nothing_does_not_spin(models, tmp_path, monkeypatch):
+    """While the scheduler can run nothing (waiting requests whose blocks only a finish or an
+    abort would free), the engine thread waits for a message between tries instead of a busy
+    loop that would starve the server's event loop of the GIL; the request runs once the
+    scheduler can run it."""
+    import time
+
+    from executor.scheduler import SchedulerStep
+
+    plan = make_plan_file(str(models["llama3"]), tmp_path / "p.yaml", context=CONTEXT)
+    se = _serve(plan)
+    real, tries = se.scheduler.schedule, []
+    se.scheduler.schedule = lambda: tries.append(1) or SchedulerStep()  # nothing can run
+    try:
+        done = threading.Event()
+        req = _requests("w", 512, 1)[0]
+        se.submit(req, lambda ev: ev.finish_reason and done.set())
+        time.sleep(0.5)
+        assert 0 < len(tries) < 0.5 / serving_module.STALL_WAIT_S + 10  # not thousands
+        se.scheduler.schedule = real
+        se.abort("nobody")  # any message wakes it at once
+        assert done.wait(60)
+    finally:
+        se.scheduler.schedule = real
+        se.close()
 
 
 def test_a_failed_sampling_ends_only_its_request(models, tmp_path, monkeypatch):
