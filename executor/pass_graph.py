@@ -86,7 +86,6 @@ class _Graph:
     fn: object
     bytes_read: dict[str, int] = dataclasses.field(default_factory=dict)
     batch: ForwardBatch | None = None
-    traced: bool = False  # the current call traced
     ready: bool = False  # a call has traced it: later calls replay
 
 
@@ -103,6 +102,10 @@ class PassGraphs:
         # The cache is held weakly: it keys this object in ``graphs_for``'s table, which drops
         # the entry once nothing else holds the cache.
         self.model, self._kv = model, weakref.ref(kv)
+        store = model.store
+        self.resident = model.routing is None and all(
+            store.tier(u) == "gpu" for u in model.unit_order()
+        )  # a dense model with every unit on the device tier
         self._graphs: OrderedDict[tuple, _Graph] = OrderedDict()
         self._seen: dict[tuple, int] = {}
         self.replays = 0
@@ -121,7 +124,7 @@ class PassGraphs:
         from executor.models.llama import kernel_attention
 
         m = self.model
-        if not worth_a_look(m, rows):
+        if rows > MAX_ROWS or row_tile() or not self.resident:
             return False
         a = m.arch
         windows = {la.window for la in m.layers}
@@ -160,7 +163,7 @@ class PassGraphs:
             return None
         inputs = (x, batch.positions(rows), batch.write_slots, tables, meta, batch.logit_rows)
         fresh = not graph.ready  # this call traces
-        graph.batch, graph.traced = batch, False
+        graph.batch = batch
         read = dict(self.model.store.bytes_read)
         try:
             logits, keys, values = graph.fn(*inputs, self.kv.keys, self.kv.values)
@@ -182,7 +185,7 @@ class PassGraphs:
             graph.batch = None
         self.kv.keys, self.kv.values = list(keys), list(values)
         graph.ready = True
-        if graph.traced:
+        if fresh:
             self.traces += 1
         else:  # the replay ran no Python: count the reads the traced pass counted
             self.replays += 1
@@ -209,7 +212,6 @@ class PassGraphs:
             before = dict(store.bytes_read)
             logits = self.model._pass(x, batch, kv, rows, None, frozenset(), schedule=False)
             graph.bytes_read = {t: store.bytes_read[t] - before[t] for t in before}
-            graph.traced = True
             return logits, kv.keys, kv.values
 
         return trace
@@ -227,23 +229,16 @@ def layout_key(batch: ForwardBatch, rows: int, width: int) -> tuple[int, ...]:
     return (rows, batch.num_tokens, len(batch.seq_slots), width, batch.logit_rows.shape[0])
 
 
-def worth_a_look(model: LlamaModel, rows: int) -> bool:
-    """The checks of :meth:`PassGraphs.eligible` that need no batch: few enough rows, no row
-    tile, a dense model with every unit resident."""
-    return rows <= MAX_ROWS and not row_tile() and _resident(model)
-
-
-def _resident(model: LlamaModel) -> bool:
-    """Whether every unit of ``model`` is on the device tier and it has no MoE router."""
-    ok = getattr(model, "_all_resident", None)
-    if ok is None:
-        store = model.store
-        ok = model.routing is None and all(store.tier(u) == "gpu" for u in model.unit_order())
-        model._all_resident = ok
-    return ok
-
-
 _BY_CACHE: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def replay(model: LlamaModel, batch: ForwardBatch, kv: PagedKVCache, x: mx.array, rows: int):
+    """The logits of ``model``'s pass of ``batch`` over ``kv`` from a compiled graph
+    (:meth:`PassGraphs.run`), or None where it runs eagerly. Passes of more than ``MAX_ROWS``
+    rows, or under a row tile, are declined before any lookup."""
+    if rows > MAX_ROWS or row_tile():
+        return None
+    return graphs_for(model, kv).run(batch, x, rows)
 
 
 def graphs_for(model: LlamaModel, kv: PagedKVCache) -> PassGraphs:

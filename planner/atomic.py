@@ -19,10 +19,14 @@ from typing import IO, Any
 
 def _default_mode() -> int:
     """The permissions ``open()`` would give a new file (0o666 less the umask), as mkstemp's
-    0o600 is not what a cache shared by its owner's tools expects."""
+    0o600 is not what a cache shared by its owner's tools expects. Read once, at import:
+    reading the umask sets it, which another thread creating a file meanwhile would feel."""
     mask = os.umask(0)
     os.umask(mask)
     return 0o666 & ~mask
+
+
+_MODE = _default_mode()
 
 
 @contextlib.contextmanager
@@ -35,7 +39,7 @@ def replaced(target: Path, mode: str = "wb") -> Iterator[IO[Any]]:
     """
     fd, name = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=".partial")
     try:
-        os.fchmod(fd, _default_mode())
+        os.fchmod(fd, _MODE)
         with os.fdopen(fd, mode) as f:
             yield f
         os.replace(name, target)

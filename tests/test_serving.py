@@ -14,6 +14,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import yaml
+from attention_reference import attention_by_definition
 from conftest import make_plan_file
 from gguf_factory import ARCH_MODELS, MOE_MODELS, write_arch_model
 from test_tiers import _moved, _nvme_bytes
@@ -522,30 +523,6 @@ def test_a_failed_sampling_ends_only_its_request(models, tmp_path, monkeypatch):
         assert got[r.request_id].token_ids == want[r.request_id].token_ids
 
 
-def _reference_kernel(q, keys, values, tables, rows, scale, window=0, flat=False):
-    """``executor.cuda_attention.attention`` by its definition, in MLX operations: each row over
-    its own table up to its position (zeros for padding rows), float32 inside; q
-    ``[R, heads, (1,) d]``, the output ``[R, heads * d]`` when ``flat``."""
-    import mlx.core as mx
-
-    r, heads, d = q.shape[0], q.shape[1], q.shape[-1]
-    kv_heads = keys.shape[1]
-    group = heads // kv_heads
-    tab, meta = np.array(tables), np.array(rows)
-    slots = mx.array(tab[meta[:, 0].clip(0)])  # [R, W]
-    k, v = keys[slots].astype(mx.float32), values[slots].astype(mx.float32)  # [R, W, kvh, d]
-    qg = q.reshape(r, kv_heads, group, d).astype(mx.float32) * scale
-    scores = mx.einsum("rkgd,rwkd->rkgw", qg, k)
-    pos, j = meta[:, 1][:, None], np.arange(tab.shape[1])[None]
-    seen = (j <= pos) & (pos >= 0)
-    if window:
-        seen &= pos - j < window
-    scores = mx.where(mx.array(seen)[:, None, None, :], scores, -mx.inf)
-    probs = mx.where(mx.array(pos >= 0)[:, :, None, None], mx.softmax(scores, axis=-1), 0.0)
-    out = mx.einsum("rkgw,rwkd->rkgd", probs, v).astype(q.dtype)
-    return out.reshape(r, heads * d) if flat else out.reshape(r, heads, d)
-
-
 @pytest.mark.parametrize("name", ["llama3", "qwen2", "qwen3", "gemma3", "mixtral"])
 def test_pass_padding_and_whole_pass_attention_change_no_row(name, models, tmp_path, monkeypatch):
     """What CUDA does, forced here on the CPU, against the plain path, on a mixed pass (a chunk
@@ -611,7 +588,7 @@ def test_pass_padding_and_whole_pass_attention_change_no_row(name, models, tmp_p
     decide = llama.kernel_attention
     monkeypatch.setattr(llama, "kernel_attention", lambda *a: taken.append(decide(*a)) or taken[-1])
     monkeypatch.setattr(cuda_attention, "supported", lambda t, h, kvh, d, dt: h % kvh == 0)
-    monkeypatch.setattr(cuda_attention, "attention", _reference_kernel)
+    monkeypatch.setattr(cuda_attention, "attention", attention_by_definition)
     got, got_kv, _ = run()
     assert taken and all(taken)
     np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)

@@ -651,13 +651,8 @@ class LlamaModel:
             # zeros, they write no KV slot, and their logits are never asked for). Not embedded:
             # a streamed table would read rows for them.
             x = mx.concatenate([x, mx.zeros((1, rows - n, x.shape[2]), dtype=x.dtype)], axis=1)
-        if (
-            pass_graph.COMPILED_PASSES
-            and layers is None
-            and not skip
-            and pass_graph.worth_a_look(self, rows)
-        ):
-            logits = pass_graph.graphs_for(self, kv).run(batch, x, rows)
+        if pass_graph.COMPILED_PASSES and layers is None and not skip:
+            logits = pass_graph.replay(self, batch, kv, x, rows)
             if logits is not None:
                 return logits
         return self._pass(x, batch, kv, rows, layers, skip)
