@@ -17,6 +17,17 @@ against the same row in the batch.
   ``cuda_mma.matmul`` calls, SiLU and the product.
 
 usage: python bench/mma_kernel.py [--rows 8,16,24,32,64] [-o FILE.json]
+       python bench/mma_kernel.py --sweep 2048:32,4096:32,2048:64 [--rows 16,24,32]
+
+``--sweep TARGET_WARPS:LOAD_WORDS,...`` instead times a block's four calls (``swiglu`` by
+gate/up, ``matmul`` by down with the residual-free form, ``matmul3`` by Q/K/V, ``matmul`` by O)
+under each pair of the module's launch constants (each checked against the float32 product by
+the down weight first), and their sum per block. On the lent H200 (2026-12-02, a scratch
+version of this loop, the first two settings run beside a CPU-bound job), us per block at 16 /
+24 / 32 rows: 2048:32 (the defaults) 178 / 220 / 212; 2048:16 173 / 209 / 227; 2048:64 216 /
+198 / 238; 4096:32 209 / 258 / 270; 4096:64 235 / 252 / 274; 8192:32 220 / 256 / 297; 8192:64
+243 / 258 / 293 (1024 splits Q/K/V weights of one block differently: ``matmul3`` refuses it).
+No setting is better at every row count: the defaults stay.
 
 Measured on the lent H200 (MLX 0.32.4, 2026-12-01) with this script's first version (the
 ``matmul`` part; the WMMA kernel it replaced timed beside it), us per call, this kernel / WMMA /
@@ -124,9 +135,50 @@ def fused_part(name: str, widths: tuple[int, ...], rows_list: list[int]) -> dict
     return out
 
 
+def sweep(settings: list[tuple[int, int]], rows_list: list[int]) -> dict:
+    """The ``--sweep`` part: per ``(TARGET_WARPS, LOAD_WORDS)`` and row count, the seconds per
+    call of a block's four calls and their sum (``"error"`` where a setting is refused)."""
+    k, saved = 4096, (cuda_mma.TARGET_WARPS, cuda_mma.LOAD_WORDS)
+    gate_up = [[weights(14336, k, 1)[0] for _ in range(2)] for _ in range(20)]
+    down, o = weights(4096, 14336, 40), weights(4096, 4096, 80)
+    qkv = [[weights(n, k, 1)[0] for n in (4096, 1024, 1024)] for _ in range(60)]
+    out: dict[str, dict] = {}
+    try:
+        for tw, lw in settings:
+            cuda_mma.TARGET_WARPS, cuda_mma.LOAD_WORDS = tw, lw
+            cuda_mma.warps_per_block.cache_clear()
+            cuda_mma._LAUNCHES.clear()
+            for rows in rows_list:
+                x = mx.random.normal((rows, k)).astype(DTYPE)
+                xd = mx.random.normal((rows, 14336)).astype(DTYPE)
+                key = f"{tw}:{lw}/{rows}"
+                try:
+                    got = cuda_mma.matmul(xd, *down[0], GROUP)
+                    check(got, xd.astype(mx.float32) @ dense(down[0]).T, f"{key} down")
+                    t = {
+                        "swiglu_s": per_call(lambda w, x=x: cuda_mma.swiglu(x, *w, GROUP), gate_up),
+                        "down_s": per_call(lambda w, x=xd: cuda_mma.matmul(x, *w, GROUP), down),
+                        "qkv_s": per_call(lambda w, x=x: cuda_mma.matmul3(x, w, GROUP), qkv),
+                        "o_s": per_call(lambda w, x=x: cuda_mma.matmul(x, *w, GROUP), o),
+                    }
+                except ValueError as e:
+                    out[key] = {"error": str(e)}
+                    print(f"{key}: {e}")
+                    continue
+                t["block_s"] = sum(t.values())
+                out[key] = t
+                print(f"{key}: " + ", ".join(f"{n[:-2]} {v * 1e6:6.1f} us" for n, v in t.items()))
+    finally:
+        cuda_mma.TARGET_WARPS, cuda_mma.LOAD_WORDS = saved
+        cuda_mma.warps_per_block.cache_clear()
+        cuda_mma._LAUNCHES.clear()
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rows", default="8,16,24,32,64")
+    ap.add_argument("--sweep", help="TARGET_WARPS:LOAD_WORDS pairs, comma-separated")
     ap.add_argument("-o", "--output")
     args = ap.parse_args()
     if not mx.cuda.is_available():
@@ -134,6 +186,17 @@ def main() -> None:
     rows_list = [int(r) for r in args.rows.split(",")]
     if any(not 1 <= r <= cuda_mma.MAX_ROWS for r in rows_list):
         ap.error(f"--rows: each in 1..{cuda_mma.MAX_ROWS}")
+    if args.sweep:
+        try:
+            settings = [tuple(int(v) for v in p.split(":")) for p in args.sweep.split(",")]
+        except ValueError:
+            settings = []
+        if not settings or any(len(p) != 2 or min(p) < 1 for p in settings):
+            ap.error("--sweep: pairs TARGET_WARPS:LOAD_WORDS of positive integers, e.g. 2048:32")
+        res = sweep(settings, [r for r in rows_list if r <= 32])  # swiglu: up to 32 rows
+        if args.output:
+            Path(args.output).write_text(json.dumps(res, indent=1))
+        return
     res: dict[str, dict] = {"matmul": {}, "qkv": {}, "swiglu": {}}
 
     def qmm(x, w):

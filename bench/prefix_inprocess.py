@@ -28,7 +28,11 @@ tokens of the 16 sequences are checked equal to the first variant's or reported 
 (the fused SwiGLU rounds once where the unfused path rounds each product).
 
 usage: python bench/prefix_inprocess.py PLAN [--rounds 4] [--variants fused,unfused]
-       [--document-tokens 1000] [--breakdown] [-o FILE]
+       [--document-tokens 1000] [--breakdown] [--no-warm-up] [-o FILE]
+
+Each round line also gives the compiled passes traced and replayed in it
+(``pass_graph.counters``); ``--no-warm-up`` skips the engine's warm-up, so that round 0 (not
+counted) builds the kernels.
 
 Measured on the lent H200 (2026-12-01, synthetic Llama-3-8B shape, Q4_0, rounds 1-2 of 3):
 fused cold 46.7 ms, warm 10.1 ms (4.6x), step16 10.2 ms; unfused 49.1, 11.5 (4.3x), 15.3
@@ -41,6 +45,17 @@ breakdown parts are now ``async1``/``async2``/``async4`` and ``--breakdown`` her
 as this file): cold 45.6-66.8 ms, warm 9.25-13.4 ms (4.9-5.0x) on two machines (README,
 serving); a warm pass of 9.1 ms spent 3.3 ms in ``mx.async_eval``, 0.88 in ``fused_qkv``, 0.85
 in the output projections, 0.62 in ``fused_swiglu``, 0.40 in the attention kernel's calls.
+
+This file on the lent H200 (2026-12-02, ``--variants eager,compiled --rounds 6``, rounds 1-5):
+eager cold 45.5 ms, warm 9.57 ms (4.76x), 16-sequence step 8.71 ms; compiled 45.0, 10.7
+(4.21x), 7.38, its greedy tokens equal to eager's for 16 of 16 sequences, the warm pass and
+the 47 decode steps replayed from round 2 on
+(``bench/results/2026-12-02.prefix-compiled-inprocess.h200.llama3-8b-shape.json``). With
+``--breakdown`` (compiled first), a replayed warm pass spent 1.37 ms building (``forward_batch``)
+of 10.2 ms in forward and sampling: the rest is the GPU's. Runs under MLX's CUDA settings
+``MLX_MAX_OPS_PER_BUFFER`` 50 or 200, ``MLX_CUDA_GRAPH_CACHE_SIZE=1000`` and
+``MLX_USE_CUDA_GRAPHS=0`` moved the medians within the noise between processes (cold 52.6-69.5
+ms, warm 10.3-15.1 ms; ``2026-12-02.mlx-cuda-env-sweep.*``).
 """
 
 from __future__ import annotations
@@ -188,6 +203,9 @@ def main() -> None:
     ap.add_argument("--variants", default="fused,unfused")
     ap.add_argument("--document-tokens", type=int, default=1000)
     ap.add_argument("--breakdown", action="store_true", help="time a warm pass part by part")
+    ap.add_argument(
+        "--no-warm-up", action="store_true", help="skip the engine's warm-up (round 0 builds)"
+    )
     ap.add_argument("-o", "--output")
     args = ap.parse_args()
     names = args.variants.split(",")
@@ -196,18 +214,19 @@ def main() -> None:
         ap.error(f"variants are {sorted(VARIANTS)}; --rounds is at least 2 (round 0 builds)")
     serving = ServingEngine(Engine(load_plan(args.plan)))
     t0 = time.perf_counter()
-    serving.start()
+    serving.start(False if args.no_warm_up else None)
     print(f"warm-up {time.perf_counter() - t0:.1f} s")
     rng = np.random.default_rng(0)
     vocab = serving.vocab_size
     doc = rng.integers(0, vocab, args.document_tokens).tolist()
     short = [rng.integers(0, vocab, 8).tolist() for _ in range(16)]
-    res = {v: {"cold": [], "warm": [], "step16": []} for v in names}
+    res = {v: {"cold": [], "warm": [], "step16": [], "compiled": []} for v in names}
     texts: dict[str, list[list[int]]] = {}
     try:
         for rnd in range(args.rounds):
             for v in names:
                 use(v)
+                compiled0 = pass_graph.counters(serving.kv)
                 serving.reset_prefix_cache()
                 t, ev, _ = run(serving, [doc + rng.integers(0, vocab, 16).tolist()], 1)
                 cold = next(iter(ev.values()))[0] - t
@@ -220,9 +239,14 @@ def main() -> None:
                     res[v]["cold"].append(cold)
                     res[v]["warm"].append(warm)
                     res[v]["step16"].append(step)
+                traces, replays = (
+                    b - a for a, b in zip(compiled0, pass_graph.counters(serving.kv), strict=True)
+                )
+                res[v]["compiled"].append([traces, replays])
                 print(
                     f"round {rnd} {v:8s}: cold {cold * 1e3:6.1f} ms, warm {warm * 1e3:5.1f} ms "
-                    f"(x{cold / warm:.2f}), 16-sequence step {step * 1e3:5.2f} ms"
+                    f"(x{cold / warm:.2f}), 16-sequence step {step * 1e3:5.2f} ms; "
+                    f"compiled passes: {traces} traced, {replays} replayed"
                 )
         parts = None
         if args.breakdown:
@@ -242,7 +266,9 @@ def main() -> None:
     if parts is not None:
         out["breakdown_warm_x4"] = parts
     for v in names:
-        med = {k: round(statistics.median(x) * 1e3, 2) for k, x in res[v].items()}
+        med = {
+            k: round(statistics.median(x) * 1e3, 2) for k, x in res[v].items() if k != "compiled"
+        }
         out["medians_ms"][v] = med
         same = sum(a == b for a, b in zip(texts[v], texts[names[0]], strict=True))
         out["tokens_equal"][v] = f"{same}/{len(texts[v])}"

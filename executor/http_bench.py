@@ -94,7 +94,8 @@ JSON (``-o``; every time in seconds, every rate in tokens/s):
   queued), ``wall_s``, ``completion_tokens``, ``aggregate_tok_s``, ``vs_level_1`` (aggregate
   tok/s / level 1's), ``ttft_s``, ``tpot_s`` and ``request_decode_tok_s`` (each ``p50``, ``p99``,
   ``mean``, ``min``, ``max``), ``server`` (``prefix_hit_tokens``, ``prefix_query_tokens``,
-  ``preemptions``, ``engine_steps``, ``batched_tokens``, ``mean_batched_tokens_per_step``,
+  ``preemptions``, ``engine_steps``, ``batched_tokens``, ``compiled_pass_traces``,
+  ``compiled_pass_replays`` (``executor.pass_graph``), ``mean_batched_tokens_per_step``,
   ``server_ttft_mean_s``, ``server_tpot_mean_s``, ``kv_blocks_total``, ``kv_blocks_peak``,
   ``running_peak``, ``waiting_peak``; None where ``/metrics`` lacks the series; peaks are
   sampled every ``METRICS_POLL_S`` during the level, None where no sample fell inside it),
@@ -111,7 +112,8 @@ JSON (``-o``; every time in seconds, every rate in tokens/s):
   ``expected_hit_tokens`` (the shared prefix in whole KV blocks), ``cold_ttft_s`` and
   ``warm_ttft_s`` (medians over ``PREFIX_TRIALS`` trials on a GPU, one on the CPU),
   ``warm_over_cold``, ``cold_hit_tokens``, ``warm_hit_tokens`` (counter deltas, first trial),
-  ``warm_cached_tokens`` (from ``usage``), ``trials`` (each trial's TTFTs and hit tokens),
+  ``warm_cached_tokens`` (from ``usage``), ``trials`` (each trial's TTFTs, hit tokens and the
+  warm request's ``warm_compiled_replays``),
   ``check_passed`` (every warm request hit).
 - ``mismatches``: ``[{"concurrency", "prompt", "first_difference" (character offset),
   "expected", "got", "reference_reproduced", "token_index", "reference_token", "runner_up",
@@ -140,7 +142,7 @@ import time
 from collections.abc import Coroutine, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, TextIO, TypeVar
+from typing import TYPE_CHECKING, Any, NamedTuple, TextIO, TypeVar
 
 from planner.errors import StrataError
 
@@ -659,6 +661,8 @@ COUNTERS = {
     "preemptions": "strata_preemptions_total",
     "engine_steps": "strata_engine_steps_total",
     "batched_tokens": "strata_batched_tokens_total",
+    "compiled_pass_traces": "strata_compiled_pass_traces_total",
+    "compiled_pass_replays": "strata_compiled_pass_replays_total",
 }
 """Counters reported per level as after - before, by their ``/metrics`` names."""
 GAUGES = {
@@ -816,20 +820,30 @@ async def run_level(
     return results, wall, server_summary(before, after, samples), warmup_s
 
 
+class PrefixTrial(NamedTuple):
+    """One cold/warm pair of the prefix-cache test; the counts are ``/metrics`` deltas over
+    each request (None when the server does not export the counter)."""
+
+    cold: RequestResult
+    warm: RequestResult
+    cold_hit_tokens: int | None
+    warm_hit_tokens: int | None
+    warm_compiled_replays: int | None
+    """Compiled passes replayed for the warm request (``executor.pass_graph``)."""
+
+
 async def run_prefix_test(
     server: ServerProcess, cold: str, warm: str, warm_up: bool = False, trials: int = 1
-) -> list[tuple[RequestResult, RequestResult, int | None, int | None]]:
+) -> list[PrefixTrial]:
     """``trials`` times: a prefix-cache reset, then the cold request, then the warm one, one at a
     time on an idle server. With ``warm_up`` (a GPU, whose backend builds kernels for each new
     shape), both are sent once before the first reset, so that the cold TTFT is prefill, not
     kernel building.
 
     Returns:
-        per trial ``(cold result, warm result, cold prefix-hit tokens, warm prefix-hit
-        tokens)``; the hit counts are ``/metrics`` deltas (None when the server does not export
-        the counter).
+        one :class:`PrefixTrial` per trial.
     """
-    name = COUNTERS["prefix_hit_tokens"]
+    name, replays = COUNTERS["prefix_hit_tokens"], COUNTERS["compiled_pass_replays"]
     out = []
     async with _client(server, 2) as client:
         if warm_up:
@@ -842,7 +856,10 @@ async def run_prefix_test(
             m1 = await _metrics(client)
             b = await stream_completion(client, server.model, warm, PREFIX_MAX_TOKENS, -2)
             m2 = await _metrics(client)
-            out.append((a, b, _delta(m0, m1, name), _delta(m1, m2, name)))
+            out.append(
+                PrefixTrial(a, b, _delta(m0, m1, name), _delta(m1, m2, name),
+                            _delta(m1, m2, replays))
+            )  # fmt: skip
     return out
 
 
@@ -1387,20 +1404,20 @@ def _ordered(level: dict) -> dict:
 
 def _prefix_result(
     prefix: dict,
-    trials: list[tuple[RequestResult, RequestResult, int | None, int | None]],
+    trials: list[PrefixTrial],
     bs: int,
 ) -> dict[str, Any]:
     """The prefix-cache test's figures (``bs``: the KV block size, tokens): the TTFTs are the
     medians over the trials, each trial's are listed."""
     import numpy as np
 
-    a, b = trials[0][0], trials[0][1]
+    a, b = trials[0].cold, trials[0].warm
     # The scheduler matches at most len(prompt) - 1 tokens (the last token is always computed),
     # in whole blocks.
     expected = min(prefix["shared"], b.prompt_tokens - 1) // bs * bs
-    cold = float(np.median([t[0].ttft_s for t in trials]))
-    warm = float(np.median([t[1].ttft_s for t in trials]))
-    hits_warm = [t[3] for t in trials]
+    cold = float(np.median([t.cold.ttft_s for t in trials]))
+    warm = float(np.median([t.warm.ttft_s for t in trials]))
+    hits_warm = [t.warm_hit_tokens for t in trials]
     return {
         "prefix_tokens": prefix["doc_tokens"],
         "cold_prompt_tokens": a.prompt_tokens,
@@ -1410,15 +1427,16 @@ def _prefix_result(
         "cold_ttft_s": round(cold, 6),
         "warm_ttft_s": round(warm, 6),
         "warm_over_cold": round(warm / cold, 4) if cold > 0 else None,
-        "cold_hit_tokens": trials[0][2],
+        "cold_hit_tokens": trials[0].cold_hit_tokens,
         "warm_hit_tokens": hits_warm[0],
         "warm_cached_tokens": b.cached_tokens,
         "trials": [
             {
-                "cold_ttft_s": round(t[0].ttft_s, 6),
-                "warm_ttft_s": round(t[1].ttft_s, 6),
-                "cold_hit_tokens": t[2],
-                "warm_hit_tokens": t[3],
+                "cold_ttft_s": round(t.cold.ttft_s, 6),
+                "warm_ttft_s": round(t.warm.ttft_s, 6),
+                "cold_hit_tokens": t.cold_hit_tokens,
+                "warm_hit_tokens": t.warm_hit_tokens,
+                "warm_compiled_replays": t.warm_compiled_replays,
             }
             for t in trials
         ],

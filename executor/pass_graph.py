@@ -25,13 +25,14 @@ is seen (``COMPILE_AFTER``): one seen once (a passing batch composition) runs as
 than paying a trace. Everything else runs as before.
 
 The replayed graph is the traced pass's graph: the same operations on the same arrays, so its
-logits are the eager pass's (``tests/test_pass_graph.py`` checks bit equality: on the CPU with
-the kernel replaced by its definition in MLX operations, and on MLX's CUDA backend with the
-kernel itself, which has not run yet). Bytes read (``WeightStore.bytes_read``) are counted per
-replay as the traced pass counted them. The process's kernel-path settings are part of the key
-(``ops.settings_epoch``). A trace that raises in Python turns compiled passes off for the KV
-cache (one warning on stderr) and the pass runs eagerly; a graph that fails when it is evaluated
-fails its step like any failed forward pass, and is not replayed again.
+logits are the eager pass's (``tests/test_pass_graph.py`` checks bit equality on the CPU, with
+the kernel replaced by its definition in MLX operations; on the lent H200 the greedy tokens of
+16 sequences were equal, ``bench/prefix_inprocess.py``). Bytes read
+(``WeightStore.bytes_read``) are counted per replay as the traced pass counted them. The
+process's kernel-path settings are part of the key (``ops.settings_epoch``). A trace that raises
+in Python turns compiled passes off for the KV cache (one warning on stderr) and the pass runs
+eagerly; a graph that fails when it is evaluated fails its step like any failed forward pass,
+and is not replayed again.
 """
 
 from __future__ import annotations
@@ -54,11 +55,15 @@ if TYPE_CHECKING:
 
 COMPILED_PASSES = os.environ.get("STRATA_COMPILED_PASSES", "0") == "1"
 """Replay compiled graphs for the passes this module takes (False: every pass eager). Off unless
-the environment sets ``STRATA_COMPILED_PASSES=1``: the passes it takes run only on MLX's CUDA
-backend, and there it is not yet measured (written 2026-12-02 without device time; checked on
-the CPU, with the attention kernel replaced by its definition, bit for bit against the eager
-pass, its KV pools updated in place). ``bench/prefix_inprocess.py --variants eager,compiled``
-measures it."""
+the environment sets ``STRATA_COMPILED_PASSES=1``: it is not a clear win where it applies (MLX's
+CUDA backend). On the lent H200 (2026-12-02, synthetic Llama-3-8B shape, Q4_0, in-process,
+``bench/prefix_inprocess.py``, medians): a 16-sequence decode step 7.4-7.9 ms replayed against
+8.7-13.6 ms eager, but the warm 24-token prefill chunk 10.6-11.3 ms against 9.3-15.1 ms (its
+replay's Python is 1.4 ms; the pass is bound by the GPU's 4-bit products, ``cuda_mma``), and a
+trace costs about 10 ms once per layout. Through the HTTP server, in two runs minutes apart,
+concurrency 16 gave 1,487 tok/s compiled and 1,606 eager; the prefix-cache TTFTs were within the
+runs' noise (``bench/results/2026-12-02.*``). ``/metrics`` counts traces and replays
+(``strata_compiled_pass_traces_total``, ``strata_compiled_pass_replays_total``)."""
 
 MAX_ROWS = 64
 """Passes of at most this many rows are compiled: the host-bound ones (decode steps, short
@@ -239,6 +244,12 @@ def replay(model: LlamaModel, batch: ForwardBatch, kv: PagedKVCache, x: mx.array
     if rows > MAX_ROWS or row_tile():
         return None
     return graphs_for(model, kv).run(batch, x, rows)
+
+
+def counters(kv: PagedKVCache | None) -> tuple[int, int]:
+    """``(traces, replays)`` of the compiled passes over ``kv`` so far ((0, 0) when none ran)."""
+    graphs = None if kv is None else _BY_CACHE.get(kv)
+    return (0, 0) if graphs is None else (graphs.traces, graphs.replays)
 
 
 def graphs_for(model: LlamaModel, kv: PagedKVCache) -> PassGraphs:

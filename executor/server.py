@@ -567,6 +567,12 @@ class ServerMetrics:
             ("spec_verification_steps_total", "counter",
              "Speculative decoding: verifications of one sequence's drafts (each yields the "
              "accepted drafts plus one token).", [("", e["spec_verification_steps"])]),
+            ("compiled_pass_traces_total", "counter",
+             "Forward passes traced into a compiled graph (executor.pass_graph).",
+             [("", e["compiled_pass_traces"])]),
+            ("compiled_pass_replays_total", "counter",
+             "Forward passes replayed from a compiled graph.",
+             [("", e["compiled_pass_replays"])]),
             ("batch_invariant", "gauge",
              "1 when serving batch-invariant (--batch-invariant), else 0.",
              [("", e["batch_invariant"])]),

@@ -61,7 +61,7 @@ from dataclasses import dataclass
 import mlx.core as mx
 import numpy as np
 
-from executor import cuda_attention
+from executor import cuda_attention, pass_graph
 from executor.block_pool import BlockPool
 from executor.drafters import Drafter, DraftInput, DraftModelDrafter, PromptLookupDrafter
 from executor.engine import Engine
@@ -356,6 +356,7 @@ class ServingEngine:
     def metrics(self) -> dict:
         """A snapshot of the serving counters (read without locking: each value is one int)."""
         read = self.engine.store.counters()
+        traces, replays = pass_graph.counters(self.kv)
         return {
             "kv_blocks_total": self.pool.num_blocks,
             "kv_blocks_in_use": self.pool.num_used_blocks(),
@@ -371,6 +372,8 @@ class ServingEngine:
             "spec_accepted_tokens": self.spec_accepted,
             "spec_verification_steps": self.spec_verifications,
             "batch_invariant": int(self.batch_invariant),
+            "compiled_pass_traces": traces,
+            "compiled_pass_replays": replays,
         }
 
     def spec_stats(self) -> dict[str, float]:
@@ -550,9 +553,7 @@ class ServingEngine:
             for c in want
         ]
         for c, draft in zip(want, self.drafter.propose(inputs), strict=True):
-            c.set_draft(draft)
-            self.spec_proposed += len(draft)
-            self.spec_verifications += bool(draft)  # an empty draft is a plain decode
+            c.set_draft(draft)  # counted once verified (_forward): a failed step verifies none
 
     def _forward(
         self, step: SchedulerStep
@@ -611,8 +612,11 @@ class ServingEngine:
                 logprobs.pop(req.request_id, None)
                 failed[req.request_id] = f"sampling failed: {type(e).__name__}: {e}"
                 continue
-            if step.chunks[i].draft:
+            draft = step.chunks[i].draft
+            if draft:  # an empty draft is a plain decode, not a verification
+                self.spec_proposed += len(draft)
                 self.spec_accepted += len(toks) - 1
+                self.spec_verifications += 1
         return out, logprobs, failed
 
     def _emit(

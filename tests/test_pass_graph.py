@@ -20,7 +20,7 @@ from gguf_factory import write_arch_model
 
 from executor import pass_graph
 from executor.engine import Engine
-from executor.paged_kv import ForwardBatch, SeqInput
+from executor.paged_kv import ForwardBatch, PagedKVCache, SeqInput
 from executor.plan_loader import load_plan
 
 NAMES = ["llama3", "gemma3", "mixtral"]
@@ -61,7 +61,7 @@ def _steps(model, vocab: int) -> list[ForwardBatch]:
     return batches
 
 
-def _run(model, compiled: bool, monkeypatch) -> tuple[list, list, int, pass_graph.PassGraphs]:
+def _run(model, compiled: bool, monkeypatch) -> tuple[list, list, int, PagedKVCache]:
     monkeypatch.setattr(pass_graph, "COMPILED_PASSES", compiled)
     kv = model.make_paged_cache(32, 4)
     start = model.store.bytes_read["gpu"]
@@ -75,7 +75,7 @@ def _run(model, compiled: bool, monkeypatch) -> tuple[list, list, int, pass_grap
         logits,
         [np.array(a) for a in kv.keys + kv.values],
         read,
-        pass_graph.graphs_for(model, kv),
+        kv,
     )
 
 
@@ -88,7 +88,8 @@ def test_replayed_pass_equals_eager(name, models, tmp_path, monkeypatch):
     plan = make_plan_file(str(models[name]), tmp_path / "p.yaml", context=256, concurrency=4)
     model = Engine(load_plan(plan)).model
     want, want_kv, want_read, _ = _run(model, False, monkeypatch)
-    got, got_kv, got_read, graphs = _run(model, True, monkeypatch)
+    got, got_kv, got_read, kv = _run(model, True, monkeypatch)
+    graphs = pass_graph.graphs_for(model, kv)
     for a, b in zip(got, want, strict=True):
         np.testing.assert_array_equal(a, b)
     for a, b in zip(got_kv, want_kv, strict=True):
@@ -98,7 +99,8 @@ def test_replayed_pass_equals_eager(name, models, tmp_path, monkeypatch):
         assert graphs.traces == graphs.replays == 0
     else:
         assert graphs.traces == 1 and graphs.replays == 3  # 5 decode steps: eager, trace, 3 replays
-    del graphs  # the KV caches went with _run: their compiled passes go with them
+    assert pass_graph.counters(kv) == (graphs.traces, graphs.replays)  # what /metrics exports
+    del graphs, kv  # the KV caches go: their compiled passes go with them
     gc.collect()
     assert not [g for g in pass_graph._BY_CACHE.values() if g.model is model]
 
@@ -135,7 +137,8 @@ def test_a_pass_that_cannot_be_traced_runs_eagerly(models, tmp_path, monkeypatch
         return call
 
     monkeypatch.setattr(pass_graph.mx, "compile", refuses)
-    got, got_kv, got_read, graphs = _run(model, True, monkeypatch)
+    got, got_kv, got_read, kv = _run(model, True, monkeypatch)
+    graphs = pass_graph.graphs_for(model, kv)
     for a, b in zip([*got, *got_kv], [*want, *want_kv], strict=True):
         np.testing.assert_array_equal(a, b)
     assert got_read == want_read

@@ -609,6 +609,8 @@ def test_metrics(server):
     assert 0 < m["strata_prefix_cache_hit_rate"] <= 1
     # a plan without speculative decoding: its counters are there, at zero
     assert m["strata_spec_draft_tokens_total"] == m["strata_spec_accepted_tokens_total"] == 0
+    # compiled passes apply only on MLX CUDA (the paged kernel): their counters are there, at 0
+    assert m["strata_compiled_pass_traces_total"] == m["strata_compiled_pass_replays_total"] == 0
     assert m['strata_bytes_read_total{tier="gpu"}'] > 0
     assert "strata_preemptions_total" in m
 

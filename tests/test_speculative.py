@@ -133,6 +133,44 @@ def test_greedy_ids_equal_without_speculation(kind, placement, plans, baseline, 
         assert alone == {r.request_id: baseline[r.request_id] for r in reqs[:2]}
 
 
+def test_a_failed_requests_drafts_are_not_counted(plans, monkeypatch):
+    """A request whose sampling fails at its first verification (sampled, so its draft goes
+    through ``Sampler.verify``) ends, and the others' ids and the speculative counters are
+    those of the others run without it: a draft counts once verified, never where the step's
+    sampling failed."""
+    import executor.serving as serving
+
+    reqs = _requests("f")
+    want_ids, _, want = _run(plans["resident"], reqs, "prompt_lookup")
+
+    class Failing(serving.Sampler):
+        raised = False
+
+        def verify(self, rows, draft):
+            if self.params.seed == 666 and draft:  # its first verification
+                Failing.raised = True
+                raise FloatingPointError("probabilities are NaN")
+            return super().verify(rows, draft)
+
+    lookup = PromptLookupDrafter.propose
+
+    def propose(self, inputs):  # "bad" gets a draft at every decode: it verifies at once
+        return [
+            [7] * i.k if i.request_id == "bad" else d
+            for i, d in zip(inputs, lookup(self, inputs), strict=True)
+        ]
+
+    monkeypatch.setattr(serving, "Sampler", Failing)
+    monkeypatch.setattr(PromptLookupDrafter, "propose", propose)
+    sampled = SamplingParams(temperature=0.8, seed=666)
+    bad = GenerationRequest("bad", reqs[0].prompt_ids, 10, sampled, True)
+    got, m, stats = _run(plans["resident"], [*reqs, bad], "prompt_lookup")
+    assert Failing.raised
+    assert {r: got[r] for r in want_ids} == want_ids
+    assert stats == want and want["proposed"] > 0
+    assert m["kv_blocks_in_use"] == 0
+
+
 @pytest.mark.parametrize("kind", ["self", "draft_model"])
 def test_a_drafter_that_agrees_is_always_accepted(kind, model, plans, baseline, tmp_path):
     """A draft model that is the whole target, and a self-drafter running every block: every
