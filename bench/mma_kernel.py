@@ -137,7 +137,8 @@ def fused_part(name: str, widths: tuple[int, ...], rows_list: list[int]) -> dict
 
 def sweep(settings: list[tuple[int, int]], rows_list: list[int]) -> dict:
     """The ``--sweep`` part: per ``(TARGET_WARPS, LOAD_WORDS)`` and row count, the seconds per
-    call of a block's four calls and their sum (``"error"`` where a setting is refused)."""
+    call of a block's four calls and their sum (``"error"`` where a setting is refused or its
+    product is wrong; the sweep goes on with the next)."""
     k, saved = 4096, (cuda_mma.TARGET_WARPS, cuda_mma.LOAD_WORDS)
     gate_up = [[weights(14336, k, 1)[0] for _ in range(2)] for _ in range(20)]
     down, o = weights(4096, 14336, 40), weights(4096, 4096, 80)
@@ -161,9 +162,9 @@ def sweep(settings: list[tuple[int, int]], rows_list: list[int]) -> dict:
                         "qkv_s": per_call(lambda w, x=x: cuda_mma.matmul3(x, w, GROUP), qkv),
                         "o_s": per_call(lambda w, x=x: cuda_mma.matmul(x, *w, GROUP), o),
                     }
-                except ValueError as e:
-                    out[key] = {"error": str(e)}
-                    print(f"{key}: {e}")
+                except (Exception, SystemExit) as e:  # a refused or wrong setting: the next one
+                    out[key] = {"error": f"{type(e).__name__}: {e}"}
+                    print(f"{key}: {type(e).__name__}: {e}")
                     continue
                 t["block_s"] = sum(t.values())
                 out[key] = t
@@ -191,9 +192,13 @@ def main() -> None:
             settings = [tuple(int(v) for v in p.split(":")) for p in args.sweep.split(",")]
         except ValueError:
             settings = []
-        if not settings or any(len(p) != 2 or min(p) < 1 for p in settings):
-            ap.error("--sweep: pairs TARGET_WARPS:LOAD_WORDS of positive integers, e.g. 2048:32")
-        res = sweep(settings, [r for r in rows_list if r <= 32])  # swiglu: up to 32 rows
+        # LOAD_WORDS: a multiple of 16, so that every call issues whole chunks' loads (U >= 1).
+        if not settings or any(len(p) != 2 or p[0] < 1 or p[1] % 16 or p[1] < 16 for p in settings):
+            ap.error(
+                "--sweep: pairs TARGET_WARPS:LOAD_WORDS, TARGET_WARPS >= 1 and LOAD_WORDS a "
+                "multiple of 16, e.g. 2048:32"
+            )
+        res = sweep(settings, rows_list)
         if args.output:
             Path(args.output).write_text(json.dumps(res, indent=1))
         return

@@ -46,16 +46,11 @@ as this file): cold 45.6-66.8 ms, warm 9.25-13.4 ms (4.9-5.0x) on two machines (
 serving); a warm pass of 9.1 ms spent 3.3 ms in ``mx.async_eval``, 0.88 in ``fused_qkv``, 0.85
 in the output projections, 0.62 in ``fused_swiglu``, 0.40 in the attention kernel's calls.
 
-This file on the lent H200 (2026-12-02, ``--variants eager,compiled --rounds 6``, rounds 1-5):
-eager cold 45.5 ms, warm 9.57 ms (4.76x), 16-sequence step 8.71 ms; compiled 45.0, 10.7
-(4.21x), 7.38, its greedy tokens equal to eager's for 16 of 16 sequences, the warm pass and
-the 47 decode steps replayed from round 2 on
-(``bench/results/2026-12-02.prefix-compiled-inprocess.h200.llama3-8b-shape.json``). With
-``--breakdown`` (compiled first), a replayed warm pass spent 1.37 ms building (``forward_batch``)
-of 10.2 ms in forward and sampling: the rest is the GPU's. Runs under MLX's CUDA settings
-``MLX_MAX_OPS_PER_BUFFER`` 50 or 200, ``MLX_CUDA_GRAPH_CACHE_SIZE=1000`` and
-``MLX_USE_CUDA_GRAPHS=0`` moved the medians within the noise between processes (cold 52.6-69.5
-ms, warm 10.3-15.1 ms; ``2026-12-02.mlx-cuda-env-sweep.*``).
+This file on the lent H200 (2026-12-02, ``--variants eager,compiled --rounds 6``, medians of
+rounds 1-5): eager cold 45.5 ms, warm 9.57 ms (4.76x), 16-sequence step 8.71 ms; compiled 45.0,
+10.7 (4.21x), 7.38, its greedy tokens equal to eager's for 16 of 16 sequences
+(``bench/results/2026-12-02.prefix-compiled-inprocess.h200.llama3-8b-shape.json``; the
+breakdown and the runs under MLX's CUDA settings are in the README, Serving).
 """
 
 from __future__ import annotations
@@ -235,14 +230,14 @@ def main() -> None:
                 _, ev, toks = run(serving, short, 48)
                 step = statistics.median(statistics.median(np.diff(e[8:])) for e in ev.values())
                 texts.setdefault(v, toks)
-                if rnd:
-                    res[v]["cold"].append(cold)
-                    res[v]["warm"].append(warm)
-                    res[v]["step16"].append(step)
                 traces, replays = (
                     b - a for a, b in zip(compiled0, pass_graph.counters(serving.kv), strict=True)
                 )
-                res[v]["compiled"].append([traces, replays])
+                if rnd:  # round 0 builds kernels: not counted
+                    res[v]["cold"].append(cold)
+                    res[v]["warm"].append(warm)
+                    res[v]["step16"].append(step)
+                    res[v]["compiled"].append([traces, replays])
                 print(
                     f"round {rnd} {v:8s}: cold {cold * 1e3:6.1f} ms, warm {warm * 1e3:5.1f} ms "
                     f"(x{cold / warm:.2f}), 16-sequence step {step * 1e3:5.2f} ms; "

@@ -113,7 +113,7 @@ JSON (``-o``; every time in seconds, every rate in tokens/s):
   ``warm_ttft_s`` (medians over ``PREFIX_TRIALS`` trials on a GPU, one on the CPU),
   ``warm_over_cold``, ``cold_hit_tokens``, ``warm_hit_tokens`` (counter deltas, first trial),
   ``warm_cached_tokens`` (from ``usage``), ``trials`` (each trial's TTFTs, hit tokens and the
-  warm request's ``warm_compiled_replays``),
+  warm request's ``warm_compiled_traces`` and ``warm_compiled_replays``),
   ``check_passed`` (every warm request hit).
 - ``mismatches``: ``[{"concurrency", "prompt", "first_difference" (character offset),
   "expected", "got", "reference_reproduced", "token_index", "reference_token", "runner_up",
@@ -828,8 +828,10 @@ class PrefixTrial(NamedTuple):
     warm: RequestResult
     cold_hit_tokens: int | None
     warm_hit_tokens: int | None
+    warm_compiled_traces: int | None
+    """Compiled passes traced for the warm request (``executor.pass_graph``)."""
     warm_compiled_replays: int | None
-    """Compiled passes replayed for the warm request (``executor.pass_graph``)."""
+    """Compiled passes replayed for the warm request."""
 
 
 async def run_prefix_test(
@@ -843,7 +845,8 @@ async def run_prefix_test(
     Returns:
         one :class:`PrefixTrial` per trial.
     """
-    name, replays = COUNTERS["prefix_hit_tokens"], COUNTERS["compiled_pass_replays"]
+    name = COUNTERS["prefix_hit_tokens"]
+    traces, replays = COUNTERS["compiled_pass_traces"], COUNTERS["compiled_pass_replays"]
     out = []
     async with _client(server, 2) as client:
         if warm_up:
@@ -856,10 +859,15 @@ async def run_prefix_test(
             m1 = await _metrics(client)
             b = await stream_completion(client, server.model, warm, PREFIX_MAX_TOKENS, -2)
             m2 = await _metrics(client)
-            out.append(
-                PrefixTrial(a, b, _delta(m0, m1, name), _delta(m1, m2, name),
-                            _delta(m1, m2, replays))
-            )  # fmt: skip
+            trial = PrefixTrial(
+                cold=a,
+                warm=b,
+                cold_hit_tokens=_delta(m0, m1, name),
+                warm_hit_tokens=_delta(m1, m2, name),
+                warm_compiled_traces=_delta(m1, m2, traces),
+                warm_compiled_replays=_delta(m1, m2, replays),
+            )
+            out.append(trial)
     return out
 
 
@@ -1436,6 +1444,7 @@ def _prefix_result(
                 "warm_ttft_s": round(t.warm.ttft_s, 6),
                 "cold_hit_tokens": t.cold_hit_tokens,
                 "warm_hit_tokens": t.warm_hit_tokens,
+                "warm_compiled_traces": t.warm_compiled_traces,
                 "warm_compiled_replays": t.warm_compiled_replays,
             }
             for t in trials

@@ -1,8 +1,8 @@
 """Compiled forward passes: a small pass traced once per layout with ``mx.compile``, then replayed.
 
-A decode step or a short prefill chunk of a large model is bound by the host, not the GPU: the
+A decode step or a short prefill chunk of a large model does little work on the GPU, and the
 Python that builds its graph (every block's norms, projections, RoPE, KV write and attention:
-about 10 operations a block) costs more than the GPU's work. On the lent H200 (2026-12-01,
+about 10 operations a block) is a large part of its time. On the lent H200 (2026-12-01,
 Llama-3-8B shape, Q4_0) the warm 24-token chunk after 992 cached tokens took 9.1 ms in-process,
 of which about 3 ms was this Python and 3.3 ms MLX's own scheduling of the graph.
 
@@ -31,8 +31,12 @@ the kernel replaced by its definition in MLX operations; on the lent H200 the gr
 (``WeightStore.bytes_read``) are counted per replay as the traced pass counted them. The
 process's kernel-path settings are part of the key (``ops.settings_epoch``). A trace that raises
 in Python turns compiled passes off for the KV cache (one warning on stderr) and the pass runs
-eagerly; a graph that fails when it is evaluated fails its step like any failed forward pass,
-and is not replayed again.
+eagerly; a replay whose call raises drops its graph. Evaluation is lazy: a graph that fails when
+its outputs are evaluated fails that step like any failed forward pass, and stays cached.
+
+What it gains is measured in the README (Serving, "The graph replayed per shape"):
+``bench/prefix_inprocess.py --variants eager,compiled`` and ``execute.py bench`` with
+``STRATA_COMPILED_PASSES=1``.
 """
 
 from __future__ import annotations
@@ -55,20 +59,16 @@ if TYPE_CHECKING:
 
 COMPILED_PASSES = os.environ.get("STRATA_COMPILED_PASSES", "0") == "1"
 """Replay compiled graphs for the passes this module takes (False: every pass eager). Off unless
-the environment sets ``STRATA_COMPILED_PASSES=1``: it is not a clear win where it applies (MLX's
-CUDA backend). On the lent H200 (2026-12-02, synthetic Llama-3-8B shape, Q4_0, in-process,
-``bench/prefix_inprocess.py``, medians): a 16-sequence decode step 7.4-7.9 ms replayed against
-8.7-13.6 ms eager, but the warm 24-token prefill chunk 10.6-11.3 ms against 9.3-15.1 ms (its
-replay's Python is 1.4 ms; the pass is bound by the GPU's 4-bit products, ``cuda_mma``), and a
-trace costs about 10 ms once per layout. Through the HTTP server, in two runs minutes apart,
-concurrency 16 gave 1,487 tok/s compiled and 1,606 eager; the prefix-cache TTFTs were within the
-runs' noise (``bench/results/2026-12-02.*``). ``/metrics`` counts traces and replays
-(``strata_compiled_pass_traces_total``, ``strata_compiled_pass_replays_total``)."""
+the environment sets ``STRATA_COMPILED_PASSES=1``: on the lent H200 (2026-12-02, README) the
+replayed passes gave the eager passes' greedy tokens and a faster 16-sequence decode step, but
+not a faster warm prefill chunk, which the GPU's 4-bit products bound. ``/metrics`` counts the
+target model's traces and replays (``strata_compiled_pass_traces_total``,
+``strata_compiled_pass_replays_total``)."""
 
 MAX_ROWS = 64
-"""Passes of at most this many rows are compiled: the host-bound ones (decode steps, short
-chunks). A longer prefill is bound by the GPU, and a trace of each of its lengths would cost
-more than it saves."""
+"""Passes of at most this many rows are compiled: those whose host work is a large part (decode
+steps, short chunks). A longer prefill is bound by the GPU, and a trace of each of its lengths
+would cost more than it saves."""
 
 TABLE_SLOTS = 256
 """The attention tables' width is padded to a multiple of this many slots, so that a decoding

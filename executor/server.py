@@ -560,7 +560,8 @@ class ServerMetrics:
              "Tokens run through the model (prefill chunks and decodes).",
              [("", e["batched_tokens"])]),
             ("spec_draft_tokens_total", "counter",
-             "Speculative decoding: draft tokens proposed.", [("", e["spec_proposed_tokens"])]),
+             "Speculative decoding: draft tokens verified (proposed in steps whose sampling "
+             "succeeded).", [("", e["spec_proposed_tokens"])]),
             ("spec_accepted_tokens_total", "counter",
              "Speculative decoding: draft tokens accepted by verification.",
              [("", e["spec_accepted_tokens"])]),
@@ -568,10 +569,10 @@ class ServerMetrics:
              "Speculative decoding: verifications of one sequence's drafts (each yields the "
              "accepted drafts plus one token).", [("", e["spec_verification_steps"])]),
             ("compiled_pass_traces_total", "counter",
-             "Forward passes traced into a compiled graph (executor.pass_graph).",
+             "Target-model forward passes traced into a compiled graph (executor.pass_graph).",
              [("", e["compiled_pass_traces"])]),
             ("compiled_pass_replays_total", "counter",
-             "Forward passes replayed from a compiled graph.",
+             "Target-model forward passes replayed from a compiled graph.",
              [("", e["compiled_pass_replays"])]),
             ("batch_invariant", "gauge",
              "1 when serving batch-invariant (--batch-invariant), else 0.",

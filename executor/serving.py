@@ -17,7 +17,8 @@ chunk becomes the pending token plus its draft, the one batched pass gives logit
 position, and ``Sampler.verify`` keeps the accepted drafts plus one token (greedy: exactly greedy
 decoding's tokens; sampling: the target's distribution). ``Scheduler.update`` advances the
 sequence past the accepted tokens only, which rolls the rejected drafts' KV back. Counters:
-draft tokens proposed and accepted, verifications (``spec_stats``).
+draft tokens verified and accepted, verifications (``spec_stats``), counted once a draft's
+sampling succeeded (a failed step or request verifies nothing).
 
 Batch invariance (``batch_invariant=True``, ``execute.py serve --batch-invariant``): greedy outputs
 are meant to be identical for a request run alone or in any batch, and with or without a
@@ -236,7 +237,7 @@ class ServingEngine:
         self._ready = threading.Event()  # set once the thread serves (after any warm-up)
         self._warm_s, self._start_error = 0.0, None  # the engine thread's start, for start()
         self.steps = self.batched_tokens = 0
-        # Speculative decoding: draft tokens proposed and accepted, verification chunks.
+        # Speculative decoding: draft tokens verified and accepted, verification chunks.
         self.spec_proposed = self.spec_accepted = self.spec_verifications = 0
 
     def _plan_drafter(self) -> tuple[Drafter | None, int]:
@@ -377,8 +378,9 @@ class ServingEngine:
         }
 
     def spec_stats(self) -> dict[str, float]:
-        """Speculative decoding's figures: draft tokens proposed and accepted, the acceptance
-        rate (accepted / proposed) and tokens per verification step (each verification of a
+        """Speculative decoding's figures: draft tokens proposed (and verified: a draft whose
+        step or request failed is not counted) and accepted, the acceptance rate (accepted /
+        proposed) and tokens per verification step (each verification of a
         sequence's non-empty draft yields its accepted drafts plus one token; a decode whose
         drafter proposed nothing is not a verification)."""
         n, p, a = self.spec_verifications, self.spec_proposed, self.spec_accepted
