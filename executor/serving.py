@@ -378,11 +378,11 @@ class ServingEngine:
         }
 
     def spec_stats(self) -> dict[str, float]:
-        """Speculative decoding's figures: draft tokens proposed (and verified: a draft whose
-        step or request failed is not counted) and accepted, the acceptance rate (accepted /
-        proposed) and tokens per verification step (each verification of a
+        """Speculative decoding's figures: draft tokens proposed and accepted, the acceptance
+        rate (accepted / proposed) and tokens per verification step (each verification of a
         sequence's non-empty draft yields its accepted drafts plus one token; a decode whose
-        drafter proposed nothing is not a verification)."""
+        drafter proposed nothing is not a verification). A draft counts once verified: not
+        where its step's forward pass or its request's sampling failed."""
         n, p, a = self.spec_verifications, self.spec_proposed, self.spec_accepted
         return {
             "proposed": p,
