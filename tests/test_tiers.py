@@ -119,3 +119,28 @@ def test_loaded_smollm2_stays_packed(smollm2_engine):
     gguf_bytes = sum(t.bytes_gguf for t in quantized)
     assert total <= 1.25 * gguf_bytes
     print(f"quantized tensors: {total / gguf_bytes:.3f}x their GGUF bytes")
+
+
+def test_gpu_tier_weights_are_faulted_in_on_cuda_only(monkeypatch):
+    """At load, every array of a GPU-tier weight (a quantized one's packed words, scales and
+    biases; a plain one) is read once on MLX's CUDA backend, whose managed memory keeps arrays
+    built from host data in host pages until the GPU touches them; elsewhere nothing is read."""
+    from executor import weights
+    from executor.ops import QuantLinear
+
+    quant = QuantLinear(
+        weight=mx.zeros((16, 4), mx.uint32),
+        scales=mx.ones((16, 1), mx.float16),
+        biases=mx.zeros((16, 1), mx.float16),
+        bits=4,
+        group_size=32,
+    )
+    plain = mx.ones((8,), mx.float16)
+    read: list[mx.array] = []
+    monkeypatch.setattr(weights.mx, "sum", lambda a: read.append(a) or mx.array(0))
+    monkeypatch.setattr(weights.mx.cuda, "is_available", lambda: False)
+    weights.fault_in([quant, plain])
+    assert read == []
+    monkeypatch.setattr(weights.mx.cuda, "is_available", lambda: True)
+    weights.fault_in([quant, plain])
+    assert [id(a) for a in read] == [id(a) for a in (*quant.parts, plain)]
