@@ -37,12 +37,27 @@ def replaced(target: Path, mode: str = "wb") -> Iterator[IO[Any]]:
     Raises:
         OSError: the file cannot be created, written or renamed (the temporary file is gone).
     """
-    fd, name = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=".partial")
+    name = temporary_beside(target)
     try:
-        os.fchmod(fd, _MODE)
-        with os.fdopen(fd, mode) as f:
+        with open(name, mode) as f:
             yield f
         os.replace(name, target)
     except BaseException:
-        Path(name).unlink(missing_ok=True)
+        name.unlink(missing_ok=True)
         raise
+
+
+def temporary_beside(target: Path) -> Path:
+    """A new empty file beside ``target``, of a name of its own (``.NAME.XXXXXXXX.partial``)
+    and the permissions ``open()`` would give it, for a writer that opens a path itself (gguf's
+    ``GGUFWriter``); the caller renames it over ``target`` (``os.replace``) or removes it.
+
+    Raises:
+        OSError: the file cannot be created (a missing or read-only folder).
+    """
+    fd, name = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=".partial")
+    try:
+        os.fchmod(fd, _MODE)
+    finally:
+        os.close(fd)
+    return Path(name)

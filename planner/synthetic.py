@@ -142,6 +142,7 @@ from gguf import GGMLQuantizationType, GGUFValueType, LlamaFileType
 from gguf.constants import GGML_QUANT_SIZES
 from tqdm import tqdm
 
+from planner.atomic import temporary_beside
 from planner.errors import StrataError
 from planner.synthetic_routing import SEED_KEY, calibrate, expert_lanes
 
@@ -701,7 +702,8 @@ def write_synthetic(
 ) -> SyntheticModel:
     """Write a synthetic GGUF (see the module docstring), streaming tensors to disk.
 
-    The file appears at ``path`` only when complete (written to ``path.partial``, then renamed).
+    The file appears at ``path`` only when complete (written to a temporary file of its own
+    beside it, then renamed).
 
     Args:
         path: the GGUF to write (overwritten if it exists).
@@ -792,10 +794,12 @@ def write_synthetic(
             router = _designed_router(shape, layout, seed, int(s.name.split(".")[1]))
         return _chunks(s, seed, _design_patch(s, shape, layout), router)
 
-    partial = path.with_name(path.name + ".partial")
     align = w.data_alignment
     total = sum(s.nbytes for s in specs)
+    partial: Path | None = None
     try:
+        # A name of its own: two runs writing one model do not write into one file.
+        partial = temporary_beside(path)
         # GGUFWriter writes the header, metadata and tensor table (offsets padded to `align`);
         # the data follows in the same order, each tensor starting on an `align` boundary.
         w.write_header_to_file(partial)
@@ -822,10 +826,12 @@ def write_synthetic(
                 f.write(bytes(-s.nbytes % align))
         partial.replace(path)
     except OSError as e:
-        partial.unlink(missing_ok=True)
+        if partial is not None:
+            partial.unlink(missing_ok=True)
         raise StrataError(f"{path}: cannot write the model: {e.strerror or e}") from None
     except BaseException:
-        partial.unlink(missing_ok=True)
+        if partial is not None:
+            partial.unlink(missing_ok=True)
         raise
     n_params = sum(math.prod(s.shape) for s in specs)
     return SyntheticModel(

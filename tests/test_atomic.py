@@ -37,3 +37,15 @@ def test_two_writers_of_one_target_never_share_a_file(tmp_path):
         b.write(b"b" * 20)
     assert target.read_bytes() == b"a" * 10  # a's block ends last: its rename wins, whole
     assert [p.name for p in tmp_path.iterdir()] == ["x.pack"]
+
+
+def test_temporary_files_beside_a_target_have_names_of_their_own(tmp_path):
+    from planner.atomic import _MODE, temporary_beside
+
+    target = tmp_path / "model.gguf"
+    a, b = temporary_beside(target), temporary_beside(target)
+    assert a != b and a.parent == b.parent == tmp_path
+    assert a.name.startswith(".model.gguf.") and a.name.endswith(".partial")
+    assert a.stat().st_size == 0 and (a.stat().st_mode & 0o777) == _MODE
+    with pytest.raises(OSError):
+        temporary_beside(tmp_path / "missing" / "model.gguf")

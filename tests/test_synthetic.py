@@ -226,3 +226,15 @@ def test_tokenizer_source_without_tokenizer(tmp_path, tiny):
     w.close()
     with pytest.raises(StrataError, match="no tokenizer.ggml.tokens"):
         write_synthetic(tmp_path / "y.gguf", TINY1, tokenizer=str(bare))
+
+
+def test_a_model_is_written_beside_another_writers_partial_file(tmp_path, smollm2_gguf):
+    """Each run writes under a name of its own: a partial file of another run writing the same
+    model (the old fixed name ``NAME.partial`` included) is left alone, and none of this run's
+    stays behind."""
+    other = tmp_path / "m.gguf.partial"
+    other.write_bytes(b"another run's bytes")
+    out = write_synthetic(tmp_path / "m.gguf", TINY1, seed=7, tokenizer=str(smollm2_gguf)).path
+    assert other.read_bytes() == b"another run's bytes"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["m.gguf", "m.gguf.partial"]
+    assert open_gguf(out).field("general.architecture") is not None
