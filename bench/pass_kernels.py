@@ -2,29 +2,33 @@
 """The GPU kernels of one warm pass (a prompt whose 1,000-token document hits the prefix cache),
 profiled alone by Nsight Compute, and their times summed by kernel.
 
-The serving engine of a plan is driven in-process (``bench/prefix_inprocess.py``'s ``run``): a
-prompt ``document + suffix B`` is answered cold (after a prefix-cache reset), then ``document +
-suffix A`` fills the cache, then ``document + suffix B`` is answered again, warm: the document's
-whole KV blocks hit and the pass computes the rest (24 tokens at 1,000 + 16). Only that last
-request runs between ``cuProfilerStart`` and ``cuProfilerStop`` (the CUDA driver API), so that
-``ncu --profile-from-start off`` profiles its kernels alone. Its first token is checked equal to
-the cold answer's (greedy; a differing token is reported with both). Two cold/warm rounds run
-first, unprofiled, so that kernels are built.
+The serving engine of a plan is driven in-process (``bench/prefix_inprocess.py``'s ``run``):
+after a prefix-cache reset, ``document + suffix A`` fills the cache; then ``document + suffix
+B``, a suffix of 16 new random ids, is answered warm: the document's whole KV blocks hit and the
+pass computes the rest (24 tokens at 1,000 + 16). Only that request runs between
+``cuProfilerStart`` and ``cuProfilerStop`` (the CUDA driver API), so that ``ncu
+--profile-from-start off`` profiles its kernels alone. Then, after another reset, ``document +
+suffix B`` is answered cold, and the two first tokens are compared and the result printed
+(greedy; the cold pass runs other kernels, so a near-tie of the random-weight models may differ).
+Two such rounds run first, unprofiled, so that kernels are built.
 
 usage (MLX's CUDA backend, ``ncu`` on the PATH):
-    ncu --clock-control none --profile-from-start off --metrics gpu__time_duration.sum \\
-        python3 bench/pass_kernels.py PLAN > pass.txt
+    ncu --clock-control none --cache-control none --profile-from-start off \\
+        --metrics gpu__time_duration.sum python3 bench/pass_kernels.py PLAN > pass.txt
     python3 bench/pass_kernels.py --summarize pass.txt [-o FILE.json]
 
+ncu runs the kernels one at a time; with ``--cache-control all`` (its default) it also empties
+the caches before each, so the sum is then an upper estimate of the GPU's busy time.
 ``--summarize`` reads ncu's text report: the number of kernels, their summed GPU time, and per
 kernel name (template arguments included) the time and the count, longest first.
 
 Measured on the lent H200 (2026-12-02, synthetic Llama-3-8B shape, Q4_0, plan ``--concurrency
-16 --objective throughput``; a scratch version of this script, without the token check): 368
-kernels, 8.61 ms of GPU time in a pass that takes about 10 ms in-process, so the warm pass is
-bound by the GPU's work: the SwiGLU products 2.37 ms (32 calls), chunk attention 2.36 ms (32),
-the output and down projections 1.62 ms (64), Q/K/V 0.73 ms (32), RoPE 0.33, the KV write
-(scatter) 0.29, RMS norms 0.27, the embedding lookup's three gathers 0.51 ms, the LM head 0.09
+16 --objective throughput``; a scratch version of this script, run with ncu's default cache
+control, whose warm suffix was new too and which had no token check): 368 kernels, 8.61 ms of
+GPU time, each kernel run alone with empty caches, in a pass that takes about 10 ms in-process:
+the SwiGLU products 2.37 ms (32 calls), chunk attention 2.36 ms (32), the output and down
+projections 1.62 ms (64), Q/K/V 0.73 ms (32), RoPE 0.33, the KV write (scatter) 0.29, RMS norms
+0.27, the embedding lookup's gathers 0.51 ms, the LM head 0.09
 (``bench/results/2026-12-02.pass-kernels.h200.llama3-8b-shape.json``).
 """
 
@@ -41,15 +45,27 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-_KERNEL = re.compile(r"^  (\S.*\)) \(\d+, \d+, \d+\)x\(\d+, \d+, \d+\), Context \d+")
+_KERNEL = re.compile(r"^  (\S.*?) \(\d+, \d+, \d+\)x\(\d+, \d+, \d+\), Context \d+")
 _TIME = re.compile(r"gpu__time_duration\.sum\s+(\S+)\s+([\d.,]+)")
-_UNITS = {"s": 1e6, "ms": 1e3, "us": 1.0, "usecond": 1.0, "ns": 1e-3, "nsecond": 1e-3}
+_UNITS = {
+    "s": 1e6,
+    "second": 1e6,
+    "ms": 1e3,
+    "msecond": 1e3,
+    "us": 1.0,
+    "usecond": 1.0,
+    "ns": 1e-3,
+    "nsecond": 1e-3,
+}
 
 
 def _name(signature: str) -> str:
     """A kernel's name from its signature ``name<template args>(parameters)``: the text before
     the parenthesis that opens the parameter list (names may hold parentheses of their own, as
-    in ``(anonymous namespace)::``)."""
+    in ``(anonymous namespace)::``); a name without a parameter list (cuBLAS's, cuDNN's) as it
+    is."""
+    if not signature.endswith(")"):
+        return signature
     depth = 0
     for i in range(len(signature) - 1, -1, -1):
         depth += {")": 1, "(": -1}.get(signature[i], 0)
@@ -63,7 +79,8 @@ def summarize(text: str) -> dict:
     "gpu_us": total, "by_kernel": [[name, us, count], ...]}``, longest first.
 
     Raises:
-        ValueError: the report holds no such metric (not an ncu report of it).
+        ValueError: the report holds no such metric (not an ncu report of it), a time in a unit
+            not known here, or a time with no kernel line before it.
     """
     name, total, count = None, collections.Counter(), collections.Counter()
     for line in text.splitlines():
@@ -71,7 +88,9 @@ def summarize(text: str) -> dict:
         if m:
             name = _name(m.group(1))
         m = _TIME.search(line)
-        if m and name is not None:
+        if m and name is None:
+            raise ValueError(f"a time with no kernel line before it: {line.strip()}")
+        if m:
             unit = m.group(1)
             if unit not in _UNITS:
                 raise ValueError(f"unknown time unit {unit!r} in: {line.strip()}")
@@ -105,22 +124,31 @@ def profile(plan: str, document_tokens: int) -> None:
         raise SystemExit(f"bench/pass_kernels.py needs NVIDIA's driver (libcuda.so.1): {e}") from e
     serving = ServingEngine(Engine(load_plan(plan)))
     serving.start()
+
+    def reset() -> None:
+        if not serving.reset_prefix_cache():
+            raise SystemExit("the prefix cache could not be reset: a request is still running")
+
+    def profiler(call: str) -> None:
+        status = getattr(cuda, call)()
+        if status != 0:
+            raise SystemExit(f"{call} failed with CUresult {status}: is ncu attached?")
+
     try:
         rng = np.random.default_rng(0)
         vocab = serving.vocab_size
         doc = rng.integers(0, vocab, document_tokens).tolist()
         for i in range(3):  # two unprofiled rounds build the kernels; the third is profiled
             a, b = (doc + rng.integers(0, vocab, 16).tolist() for _ in range(2))
-            serving.reset_prefix_cache()
+            reset()
+            run(serving, [a], 1)  # the document's blocks cached
+            if i == 2:
+                profiler("cuProfilerStart")
+            warm = run(serving, [b], 1)[2][0]  # suffix B's ids never read before
+            if i == 2:
+                profiler("cuProfilerStop")
+            reset()
             cold = run(serving, [b], 1)[2][0]
-            serving.reset_prefix_cache()
-            run(serving, [a], 1)
-            last = i == 2
-            if last:
-                cuda.cuProfilerStart()
-            warm = run(serving, [b], 1)[2][0]
-            if last:
-                cuda.cuProfilerStop()
         same = "equal" if warm == cold else f"DIFFERENT (cold {cold}, warm {warm})"
         print(f"warm request's first token {same} to the cold answer's", flush=True)
     finally:
@@ -134,6 +162,10 @@ def main() -> None:
     ap.add_argument("--summarize", metavar="NCU_TEXT", help="sum an ncu report by kernel")
     ap.add_argument("-o", "--output", help="with --summarize: write the summary as JSON")
     args = ap.parse_args()
+    if args.summarize and args.plan:
+        ap.error("give a PLAN to profile or --summarize NCU_TEXT, not both")
+    if args.output and not args.summarize:
+        ap.error("-o writes --summarize's figures: give --summarize NCU_TEXT")
     if args.summarize:
         try:
             res = summarize(Path(args.summarize).read_text())

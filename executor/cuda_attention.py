@@ -38,9 +38,10 @@ serving pass, see ``executor.models.llama.kernel_attention``:
   deterministic and a query's output does not depend on the other queries of the pass.
 
 In a warm 24-token pass of the Llama-3-8B shape (Nsight Compute, H200, 2026-12-02, before the
-vector reads; ``bench/pass_kernels.py``) the kernel took 74 us a layer, 2.36 ms of the pass's
-8.61 ms of GPU time: the blocks of each of the 24 queries read all of the sequence's keys and
-values. Reading them once for a chunk's queries is the lever there.
+vector reads; ``bench/pass_kernels.py``, each kernel alone with emptied caches) the kernel took
+74 us a layer, 2.36 ms of the pass's 8.61 ms of kernel time: the blocks of each of the 24
+queries read all of the sequence's keys and values. Reading them once for a chunk's queries is
+the lever there.
 
 A query at position p sees keys ``j <= p`` of its table (and ``p - j < window`` with a sliding
 window): for a chunk, MLX's bottom-right causal mask.

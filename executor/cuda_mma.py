@@ -50,23 +50,24 @@ prefix-cache hit 11.5 ms unfused, 10.1 ms with the fused forms, a 16-sequence de
 and 10.2 ms (that run's fused forms read weights stacked at load time). The version here reads
 each weight where it lies; its tests pass on the H200 (2026-12-01, later session), where a warm
 24-token pass took 9.3-13.4 ms in-process; the calls of a block cost 12-28 us each to build
-(after the launch cache below), MLX's evaluation about 100 us a block. The pass is bound by the
-GPU's work all the same (2026-12-02: 8.61 ms of GPU time, ``bench/pass_kernels.py``), these
-calls 4.72 ms of it at 32 rows.
+(after the launch cache below), MLX's evaluation about 100 us a block. The pass is mostly the
+GPU's work all the same (2026-12-02: 8.61 ms of kernel time, each kernel alone with emptied
+caches, ``bench/pass_kernels.py``), these calls 4.72 ms of it at 32 rows.
 
 Profiled with Nsight Compute on the lent H200 (2026-12-02, one call each, GPU time;
 ``bench/results/2026-12-02.mma-profile.h200.json``): a Llama-3-8B block's four calls (SwiGLU,
 down, Q/K/V, O) took 60.5 / 31.3 / 20.0 / 11.7 us at 24 rows (124 in all; 84 at 8 rows, 141 at
-32), the weights read at 0.6-1.3 TB/s. The L1 cache is the busiest unit (57-85% of its peak at
-24-32 rows): three quarters of the sectors it moves are x's (each warp reads its own, and a
-lane's 16-byte read uses half of each 32-byte sector); 134-176 registers a thread at 24-32 rows
-hold occupancy to 12-19%. A variant (not shipped) that staged x in shared memory for blocks of
-warps sharing K chunks (asynchronous copies, double-buffered) and split K over blocks, the last
-block adding the float32 partial sums in split order, cut the L1 sectors three-fold and was not
-faster: 129-141 us a block at 24 rows over six settings of its constants, each warp then waiting
-on its own weight loads. More weight bytes in flight per warp without registers (asynchronous
-copies of the weight into shared memory, as in Frantar et al. 2024, "MARLIN: Mixed-Precision
-Auto-Regressive Parallel Inference on Large Language Models") is the next lever.
+32), the weights read at 0.7-1.3 TB/s. The L1 cache is the busiest unit (57-85% of its peak at
+24-32 rows): by the kernel's arithmetic about three quarters of the sectors it moves are x's
+(each warp reads its own, and a lane's 16-byte read uses half of each 32-byte sector); 134-176
+registers a thread at 24-32 rows hold occupancy to 12-19%. A variant (not shipped) that staged x
+in shared memory for blocks of warps sharing K chunks and split K over blocks, the last block
+adding the float32 partial sums in split order, cut SwiGLU's L1 sectors 2.8-fold in its first
+version (x copied through registers) and was not faster in any of six settings of its
+double-buffered version (asynchronous copies): 129-141 us a block at 24 rows, each warp then
+waiting on its own weight loads. More weight bytes in flight per warp without registers
+(asynchronous copies of the weight into shared memory, as in Frantar et al. 2024, "MARLIN:
+Mixed-Precision Auto-Regressive Parallel Inference on Large Language Models") is the next lever.
 
 ``matmul(..., residual=r)`` adds the residual in the store (``plain_add``: ``r + T(sum)`` by the
 dtype's own ``+``, bit for bit the separate add), one operation of the graph fewer per block

@@ -399,17 +399,17 @@ class WeightStore:
 def fault_in(weights: Sequence[Weight]) -> None:
     """Move GPU-tier weights into the GPU's memory now, on MLX's CUDA backend (elsewhere: nothing).
 
-    MLX's CUDA backend allocates arrays in managed memory (``cudaMallocManaged``,
-    ``mlx/backend/cuda/allocator.cpp``), and an array built from host data stays in host pages
-    until the GPU touches each page, which then faults it in. A matmul touches its whole weight
-    on its first pass, but an embedding lookup touches only the rows of its token ids: each new
-    id faulted its rows in. Measured on the lent H200 (ncu, 2026-12-02, Llama-3-8B shape, a 24-row
-    pass after a prefix-cache hit with 16 new token ids): the lookup's three gathers (packed
-    words, scales, biases) took 0.26, 0.13 and 0.13 ms, a twentieth of the pass's GPU time, where
-    the rows themselves are a few KB. Page faults are the likely cause (not confirmed by a
-    counter), and the effect of this function is not measured yet. A reduction over each array
-    reads every page once, here, before any request: on the H200 the faulting then happens at
-    load, not in the first passes that read each page."""
+    MLX 0.32's CUDA backend allocates an array built from host data (the loader's
+    ``mx.array(numpy)``) in managed memory (``cudaMallocManaged``, ``mlx/backend/cuda/
+    allocator.cpp``; arrays that GPU operations write get device memory), and its pages stay on
+    the host until the GPU touches each one, which then faults it in. A matmul touches its whole
+    weight on its first pass, but an embedding lookup touches only the rows of its token ids.
+    Measured on the lent H200 (ncu, 2026-12-02, Llama-3-8B shape, a pass of 24 tokens, 16 of them
+    new ids, padded to 32 rows, after a prefix-cache hit): the lookup's gather of packed words
+    took 0.261 ms and two float16 gathers 0.247 and 0.003 ms, where the rows read are about 60 KB.
+    Page faults would explain the first two, not the third; the cause is not established, and
+    the effect of this function is not measured yet (``bench/pass_kernels.py`` measures it). A
+    reduction over each array reads every page once, here, before any request."""
     if not mx.cuda.is_available():
         return
     arrays = [a for w in weights for a in (w.parts if isinstance(w, QuantLinear) else (w,))]

@@ -53,11 +53,15 @@ def temporary_beside(target: Path) -> Path:
     ``GGUFWriter``); the caller renames it over ``target`` (``os.replace``) or removes it.
 
     Raises:
-        OSError: the file cannot be created (a missing or read-only folder).
+        OSError: the file cannot be created (a missing or read-only folder) or given its
+            permissions (then it is removed).
     """
     fd, name = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=".partial")
     try:
         os.fchmod(fd, _MODE)
-    finally:
+    except BaseException:
         os.close(fd)
+        Path(name).unlink(missing_ok=True)
+        raise
+    os.close(fd)
     return Path(name)

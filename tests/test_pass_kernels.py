@@ -23,17 +23,27 @@ REPORT = f"""==PROF== Connected to process 707 (/usr/bin/python3.12)
   void rope<__half, 1, 1>(const __half *, __half *, int) (64, 1, 1)x(128, 1, 1){CONTEXT}
     gpu__time_duration.sum                        ns       750.00
   void (anonymous namespace)::fill<float>(float *, int) (1, 1, 1)x(32, 1, 1){CONTEXT}
-    gpu__time_duration.sum                        us         2,000.00
+    Warning: Data collection happened without fixed GPU frequencies.
+    Section: Command line profiler metrics
+    ---------------------- ----------- ------------
+    Metric Name            Metric Unit Metric Value
+    ---------------------- ----------- ------------
+    gpu__time_duration.sum          us     2,000.00
+    ---------------------- ----------- ------------
+
+  sm90_xmma_gemm_f16f16_f32_tn_n_tilesize128x128x64_cublas (264, 1, 1)x(384, 1, 1){CONTEXT}
+    gpu__time_duration.sum                    msecond         0.25
 """
 
 
 def test_kernels_are_summed_by_name_longest_first():
     res = summarize(REPORT)
-    assert res["kernels"] == 4
-    assert res["gpu_us"] == pytest.approx(5.25 + 1500 + 0.75 + 2000)
+    assert res["kernels"] == 5
+    assert res["gpu_us"] == pytest.approx(5.25 + 1500 + 0.75 + 2000 + 250)
     assert res["by_kernel"] == [
         ["void (anonymous namespace)::fill<float>", pytest.approx(2000.0), 1],
         ["custom_kernel_strata_a_float16_t_4", pytest.approx(1500.0), 1],
+        ["sm90_xmma_gemm_f16f16_f32_tn_n_tilesize128x128x64_cublas", pytest.approx(250.0), 1],
         ["void rope<__half, 1, 1>", pytest.approx(6.0), 2],
     ]
 
@@ -43,6 +53,8 @@ def test_a_report_without_the_metric_is_refused(tmp_path):
         summarize("==PROF== Connected to process 1\n")
     with pytest.raises(ValueError, match="unknown time unit"):
         summarize(REPORT.replace("ns       750.00", "fortnights 3.00"))
+    with pytest.raises(ValueError, match="no kernel line before it"):
+        summarize(REPORT.replace(f"x(384, 1, 1){CONTEXT}", "x(384, 1, 1)"))
     empty = tmp_path / "ncu.txt"
     empty.write_text("no kernels here\n")
     script = Path(__file__).resolve().parent.parent / "bench" / "pass_kernels.py"

@@ -144,3 +144,20 @@ def test_gpu_tier_weights_are_faulted_in_on_cuda_only(monkeypatch):
     monkeypatch.setattr(weights.mx.cuda, "is_available", lambda: True)
     weights.fault_in([quant, plain])
     assert [id(a) for a in read] == [id(a) for a in (*quant.parts, plain)]
+
+
+def test_the_store_faults_in_exactly_its_gpu_tier_weights_at_load(monkeypatch, budget_plans):
+    """``WeightStore`` hands ``fault_in`` its GPU-tier weights once, at load, and no RAM-tier
+    one (a plan with units on both tiers)."""
+    from executor import weights
+    from executor.plan_loader import load_plan
+
+    handed: list[list] = []
+    monkeypatch.setattr(weights, "fault_in", lambda ws: handed.append(list(ws)))
+    loaded = load_plan(budget_plans["gpu-ram"])
+    tiers = loaded.plan.tier_of()
+    assert {"gpu", "ram"} <= set(tiers.values())
+    store = weights.WeightStore(loaded.gguf, loaded.desc, tiers, mx.float32)
+    assert len(handed) == 1
+    assert {id(w) for w in handed[0]} == {id(w) for w in store._gpu.values()}
+    assert store._gpu and store._ram
