@@ -27,7 +27,10 @@ version of this loop, the first two settings run beside a CPU-bound job), us per
 24 / 32 rows: 2048:32 (the defaults) 178 / 220 / 212; 2048:16 173 / 209 / 227; 2048:64 216 /
 198 / 238; 4096:32 209 / 258 / 270; 4096:64 235 / 252 / 274; 8192:32 220 / 256 / 297; 8192:64
 243 / 258 / 293 (1024 splits Q/K/V weights of one block differently: ``matmul3`` refuses it).
-No setting is better at every row count: the defaults stay.
+No setting is better at every row count: the defaults stay. These times are wall clock per call
+in a chain, MLX's host cost of each call included: Nsight Compute gave the defaults' four calls
+124 us of GPU time a block at 24 rows (2026-12-02,
+``bench/results/2026-12-02.mma-profile.h200.json``).
 
 Measured on the lent H200 (MLX 0.32.4, 2026-12-01) with this script's first version (the
 ``matmul`` part; the WMMA kernel it replaced timed beside it), us per call, this kernel / WMMA /

@@ -400,9 +400,10 @@ def fault_in(weights: Sequence[Weight]) -> None:
     """Move GPU-tier weights into the GPU's memory now, on MLX's CUDA backend (elsewhere: nothing).
 
     MLX 0.32's CUDA backend allocates an array built from host data (the loader's
-    ``mx.array(numpy)``) in managed memory (``cudaMallocManaged``, ``mlx/backend/cuda/
-    allocator.cpp``; arrays that GPU operations write get device memory), and its pages stay on
-    the host until the GPU touches each one, which then faults it in. A matmul touches its whole
+    ``mx.array(numpy)``) in managed memory (``mlx/backend/cuda/allocator.h``: ``malloc`` gives
+    unified memory, ``CudaBuffer.device`` -1; arrays that GPU operations write come from
+    ``malloc_async`` on a device), and its pages stay on the host until the GPU touches each
+    one, which then faults it in. A matmul touches its whole
     weight on its first pass, but an embedding lookup touches only the rows of its token ids.
     Measured on the lent H200 (ncu, 2026-12-02, Llama-3-8B shape, a pass of 24 tokens, 16 of them
     new ids, padded to 32 rows, after a prefix-cache hit): the lookup's gather of packed words
