@@ -70,6 +70,12 @@ def main(argv: list[str] | None = None) -> int:
         help="serving bench: shared-prefix tokens of the prefix-cache TTFT test (1000; 0 skips it)",
     )
     b.add_argument(
+        "--prefix-trials",
+        type=int,
+        help="serving bench: cold/warm pairs of the prefix-cache test, medians reported "
+        "(3 on a GPU, 1 on the CPU)",
+    )
+    b.add_argument(
         "--prompt-tokens",
         help="serving bench: prompt lengths in tokens, cycled over the requests "
         "(default 48,96,160,256,64,128,200,32)",

@@ -15,7 +15,9 @@ Measured on the lent H200 on 2026-12-01 (``bench/results/2026-12-01.chunk-attent
 kernel / cuDNN per call): 8B heads, 24x1,016: 90.7 / 76.1 us; 5x1,016: 61.2 / 76.2; 2x300: 39.9
 / 49.9; 64x2,000: 230.0 / 107.9; SmolLM2 heads 24x1,016: 47.6 / 57.2; a first call at a new
 shape 0.2-0.9 ms against 47-70 ms. (Earlier the same day, as a scratch script on another
-machine: 76 / 51, 47 / 49, 29 / 41, 210 / 76 on the 8B heads.)
+machine: 76 / 51, 47 / 49, 29 / 41, 210 / 76 on the 8B heads.) Those are the kernel before the
+split design; the split kernels against it: ``bench/results/2026-12-02.attention-split-ab.h200.
+json``.
 
 usage: python bench/chunk_attention.py OUT.json   (needs MLX's CUDA backend)
 """
@@ -67,9 +69,24 @@ def chunk_rows(t: int, length: int) -> mx.array:
     return mx.array(np.stack([np.zeros_like(pos), pos], axis=1))
 
 
+@functools.cache
+def chunk_groups(t: int, length: int) -> cuda_attention.QueryGroups:
+    """The chunk's query groups, as ``Chunk.kernel_groups`` makes them."""
+    pos = np.arange(length - t, length)
+    return cuda_attention.query_groups(np.zeros_like(pos), pos)
+
+
 def kernel(q, pool_k, pool_v, table, scale):
-    rows = chunk_rows(q.shape[1], table.shape[0])
-    return cuda_attention.attention(q.transpose(1, 0, 2), pool_k, pool_v, table[None], rows, scale)
+    t, length = q.shape[1], table.shape[0]
+    return cuda_attention.attention(
+        q.transpose(1, 0, 2),
+        pool_k,
+        pool_v,
+        table[None],
+        chunk_rows(t, length),
+        scale,
+        groups=chunk_groups(t, length),
+    )
 
 
 def chain_us(fn, q, *args) -> float:

@@ -1,5 +1,5 @@
-"""Paged attention of a pass's short chunks and decodes on MLX's CUDA backend, one kernel for every
-shape.
+"""Paged attention of a pass's short chunks and decodes on MLX's CUDA backend, one kernel pair for
+every shape.
 
 A chunk of a few queries (a prompt's suffix after a prefix-cache hit, a speculative verification
 of K + 1 tokens) attends over its sequence's cached keys. MLX sends a multi-query
@@ -9,39 +9,48 @@ exact (query length, key length, mask) shape (``mlx/backend/cuda/scaled_dot_prod
 (2026-12-01, Llama-3-8B shape, the serving engine in-process): a warm request whose suffix length
 was new took 62-107 ms against about 20 ms for a seen one, the difference being cuDNN's plan
 build; padded into buckets with an additive mask, the shapes were few but cuDNN took 0.2-1.7 s
-to build each bucket's plan. The plain-operations path that stood in for SDPA at 2-32 queries
-cost 175 us per layer at 24 queries by 1,016 keys, cuDNN 51 us once built (scratch scripts;
-``bench/chunk_attention.py`` repeats the kernel's and cuDNN's timings).
+to build each bucket's plan. ``bench/chunk_attention.py`` times these kernels against cuDNN.
 
-This kernel is compiled once per (dtype, query heads per key head, head dimension, sliding
-window) and takes any query count and key length at run time. Each query row names its slot
+The kernels are compiled once per (dtype, query heads per key head, head dimension, sliding
+window) and take any query count and key length at run time. Each query row names its slot
 table and its position, so one call serves every sequence of a pass: a decode group (which MLX
 otherwise attends with a padded gather, a boolean mask and its unfused fallback, since cuDNN and
 its vector kernel refuse array masks), prompt suffixes and verifications, and the zero rows that
-pad the pass to its row bucket. It reads keys and values straight from the paged KV pool through
-the slot tables (no gathered copy), and writes the output in the ``[R, heads, head_dim]`` layout
-the output projection reads. Measured there for one chunk (``bench/chunk_attention.py``,
-``bench/results/2026-12-01.chunk-attention.h200.json``; 8B heads, per call in a chain): 24
-queries by 1,016 keys 90.7 us (cuDNN, its plan built: 76.1), 5 queries 61.2 us (76.2), 2 queries
-by 300 keys 39.9 us (49.9); a first call at a new shape 0.2-0.9 ms, cuDNN's 47-70 ms. In a
-serving pass, see ``executor.models.llama.kernel_attention``:
+pad the pass to its row bucket. They read keys and values straight from the paged pool through
+the slot tables (no gathered copy), and write the output in the ``[R, heads, head_dim]`` layout
+the output projection reads. In a serving pass, see ``executor.models.llama.kernel_attention``.
 
-- a block of ``WARPS`` (8, or 4) warps owns one query and one key/value head, for all the query
-  heads that share it (grouped-query attention reads each key once for the group);
-- each warp takes tiles of 32 keys, one key per lane: the lane computes its key's scores for the
-  group's heads (float32, against the scaled queries in shared memory, read in 16-byte vectors:
-  a quarter of the key loop's shared-memory instructions of one read per element, by the PTX;
-  the tests pass on the H200, 2026-12-02, not yet timed), the warp updates a running
-  max and sum per head (online softmax), then accumulates the values of the tile's keys, ``PV``
-  keys' loads issued together, each lane owning ``head_dim / 32`` output dimensions;
-- the warps' partial results meet in shared memory and are combined in warp order, so results are
-  deterministic and a query's output does not depend on the other queries of the pass.
+Flash-decoding in two kernels (Dao et al., "Flash-Decoding for long-context inference", 2023):
 
-In a warm 24-token pass of the Llama-3-8B shape (Nsight Compute, H200, 2026-12-02, before the
-vector reads; ``bench/pass_kernels.py``, each kernel alone with emptied caches) the kernel took
-74 us a layer, 2.36 ms of the pass's 8.61 ms of kernel time: the blocks of each of the 24
-queries read all of the sequence's keys and values. Reading them once for a chunk's queries is
-the lever there.
+- **split**: a block owns a group of up to ``QT`` queries of one sequence (:func:`query_groups`:
+  a chunk's rows, 8 at a time; a decode is a group of one), one key/value head and one split of
+  ``SPLIT_KEYS`` keys. Tile by tile (32 keys), the block copies the keys and values its queries
+  see into shared memory, coalesced and once for all of them (grouped-query attention: once for
+  the query heads that share the key head too); then each warp, one query, gives each lane one
+  key: its scores for the group's heads (float32, against the scaled queries in shared memory),
+  a running max and sum per head (online softmax), then the values of the keys it sees, each
+  lane owning ``head_dim / 32`` output dimensions. The split's unnormalized output, max and sum
+  go to float32 scratch.
+- **combine**: each output element adds its query's splits in split order.
+
+A query's arithmetic depends only on its own position and keys: tiles and splits sit at fixed
+key positions (multiples of 32 and ``SPLIT_KEYS``), a warp walks its tiles in order, and a key
+its query does not see adds no operation. Outputs are deterministic, and a query's output is the
+same bit for bit alone, in any group and in any pass (batch invariance). The groups only decide
+which queries share the copies of keys into shared memory.
+
+Before this design (one block per query and key/value head, each warp reading its keys straight
+from the pool), a warm 24-token pass of the Llama-3-8B shape spent 74 us a layer here, 2.36 ms
+of its 8.61 ms of kernel time (Nsight Compute, H200, 2026-12-02, ``bench/pass_kernels.py``,
+each kernel alone with emptied caches): the blocks of each of the 24 queries read all of the
+sequence's keys and values, and each of a warp's key loads touched 32 cache lines. With it, the
+same pass spent 2.06 ms (split 1.78, combine 0.28; ``bench/results/2026-12-02.pass-kernels-split.
+h200.llama3-8b-shape.json``). Per call in a chain of 100, wall clock, old kernel against these
+(``bench/results/2026-12-02.attention-split-ab.h200.json``, 8B heads): 24 queries by 1,016 keys
+77.6 / 66.1 us, 64 by 2,000 219.1 / 176.1, 16 decodes of about 1,016 keys 75.9 / 80.5, 5 by
+1,016 54.5 / 59.4, 2 by 300 32.9 / 41.9: the split's gain is in chunks of many queries, and a
+short call pays for the second kernel. Without asynchronous copies a block of one warp (a
+decode) waited for each round of its loads in turn: 16 decodes took 134 us.
 
 A query at position p sees keys ``j <= p`` of its table (and ``p - j < window`` with a sliding
 window): for a chunk, MLX's bottom-right causal mask.
@@ -50,67 +59,147 @@ window): for a chunk, MLX's bottom-right causal mask.
 from __future__ import annotations
 
 import functools
+from typing import NamedTuple
 
 import mlx.core as mx
+import numpy as np
 
 from executor.cuda_source import compact
 
-__all__ = ["MAX_QUERIES", "attention", "supported"]
+__all__ = ["GROUP_QUERIES", "MAX_QUERIES", "QueryGroups", "attention", "query_groups", "supported"]
 
 MAX_QUERIES = 64
 """Most queries of a chunk this kernel takes; longer chunks (prefill) keep cuDNN's flash kernel,
 whose tensor cores win there (64 queries by 2,000 keys, 8B shape: 230 us here, 108 us for cuDNN
-once its plan is built) and whose per-shape plan is paid once per prompt chunk."""
+once its plan is built, with the kernel before the split design) and whose per-shape plan is paid
+once per prompt chunk."""
 
-WARPS = 8
-"""Warps per block, splitting the keys (32 per warp per step); 4 where the warps' partial sums
-(``WARPS * group * head_dim`` floats) would not fit ``SMEM_BYTES``."""
+GROUP_QUERIES = 8
+"""Most queries of one sequence that share a block's copies of keys (:func:`query_groups`)."""
+
+TILES = 2
+"""Tiles of 32 keys per split: ``SPLIT_KEYS`` keys. Fixed, since a query's rounding depends on
+it. 2 against 4 and 8 on the H200 (2026-12-02, ``bench/results/2026-12-02.attention-split-ab.
+h200.json``): as fast or faster in every case timed."""
+
+SPLIT_KEYS = TILES * 32
+"""Keys per split (blocks per query and key/value head: its keys / ``SPLIT_KEYS``)."""
 
 SMEM_BYTES = 46 * 1024
-"""Shared memory a block may use (under the 48 KiB of a static allocation): the scaled queries,
-each warp's running max and sum, and each warp's partial output (:func:`_smem_bytes`)."""
-
-PV = 8
-"""Keys whose values a lane loads before using any (32 is the tile: a multiple of it)."""
+"""Shared memory a block may use (under the 48 KiB of a static allocation): the scaled queries
+and one tile of keys and values (:func:`_smem_bytes`)."""
 
 HEAD_DIMS = (64, 96, 128, 256)
 """Head dimensions handled (multiples of 32: each lane owns ``head_dim / 32`` output dimensions;
-multiples of 8: keys are read in 16-byte vectors)."""
+multiples of 8: keys are copied in 16-byte vectors)."""
 
 MAX_GROUP = 8
 """Most query heads per key/value head (their scores and sums live in registers)."""
 
 DTYPES = (mx.float16, mx.bfloat16)
 
+
+class QueryGroups(NamedTuple):
+    """Which query rows share a block (:func:`query_groups`).
+
+    Attributes:
+        array: int32 ``[NG, 2]``: each group's first row and row count; the rows of a group
+            follow each other and belong to one sequence (one table row).
+        largest: the most rows of a group (the blocks' warps).
+    """
+
+    array: mx.array
+    largest: int
+
+
+def query_groups(inputs: np.ndarray, positions: np.ndarray) -> QueryGroups:
+    """The query rows of a pass in groups of at most ``GROUP_QUERIES`` consecutive rows of one
+    input; padding rows (position < 0) belong to none.
+
+    Args:
+        inputs: int ``[R]``, each row's input (its table row).
+        positions: int ``[R]``, each row's position (< 0: padding).
+
+    Returns:
+        the groups (a pass without query rows gets one empty group of row 0).
+    """
+    idx = np.flatnonzero(np.asarray(positions) >= 0)
+    if not len(idx):
+        return QueryGroups(mx.array(np.zeros((1, 2), dtype=np.int32)), 1)
+    inputs = np.asarray(inputs)[idx]
+    run = np.ones(len(idx), dtype=bool)  # a row that starts a run of one input's rows
+    run[1:] = (inputs[1:] != inputs[:-1]) | (idx[1:] != idx[:-1] + 1)
+    starts = np.flatnonzero(run)
+    offset = np.arange(len(idx)) - starts[np.cumsum(run) - 1]  # the row's place in its run
+    first = np.flatnonzero(offset % GROUP_QUERIES == 0)
+    counts = np.diff(np.append(first, len(idx)))
+    # A group never crosses a run: a run's rows are consecutive and each starts at offset 0.
+    groups = np.stack([idx[first], counts], axis=1).astype(np.int32)
+    return QueryGroups(mx.array(groups), int(counts.max()))
+
+
+@functools.cache
+def _single(rows: int) -> QueryGroups:
+    """Every row its own group (:func:`attention` without groups)."""
+    rows = max(rows, 1)
+    groups = np.stack([np.arange(rows), np.ones(rows)], axis=1).astype(np.int32)
+    return QueryGroups(mx.array(groups), 1)
+
+
 _SOURCE = r"""
     constexpr int E = D / 32;                    // output dimensions per lane
+    constexpr int KS = D + 8;                    // a key's row in shared memory: see below
+    constexpr int SPLIT = TILES * 32;
     const int HEADS = q_shape[1];
     const int KVH = kp_shape[1];
     const int W = tables_shape[1];
-    const int g = blockIdx.x % KVH;
-    const int t = blockIdx.x / KVH;
+    const int NS = (W + SPLIT - 1) / SPLIT;      // splits of the table (part's third axis)
+    const int NG = groups_shape[0];
+    int b = blockIdx.x;
+    const int s = b % NS;
+    b /= NS;
+    const int g = b % KVH;
+    b /= KVH;
+    const int pieces = gridDim.x / (NG * KVH * NS);
+    const int r0 = groups[2 * (b / pieces)] + (b % pieces) * QT;
+    const int nq = min(QT, groups[2 * (b / pieces) + 1] - (b % pieces) * QT);
+    if (nq <= 0) return;
     const int warp = threadIdx.x / 32;
     const int lane = threadIdx.x % 32;
-    const int last = rows[2 * t + 1];            // this query's position: it sees keys <= last
-    if (last < 0) {                              // a padding row: zeros (the whole block)
-        for (int i = threadIdx.x; i < G * D; i += blockDim.x)
-            out[((size_t)t * HEADS + g * G) * D + i] = static_cast<T>(0.0f);
-        return;
-    }
-    const int* table = tables + (size_t)rows[2 * t] * W;
-    const int first = WINDOW > 0 ? max(0, last - WINDOW + 1) : 0;
-    const size_t stride = (size_t)KVH * D;       // elements per KV slot
 
-    __shared__ __align__(16) float qs[G][D];
-    __shared__ float ms[WARPS][G];
-    __shared__ float ls[WARPS][G];
-    __shared__ float accs[WARPS][G][D];
-    const float scale = scale_in[0];
-    for (int i = threadIdx.x; i < G * D; i += blockDim.x) {
-        const int h = i / D, d = i % D;
-        qs[h][d] = static_cast<float>(q[((size_t)t * HEADS + g * G + h) * D + d]) * scale;
+    // The keys any query of the block sees in this split (the whole block returns, or none).
+    int lo = 0x7fffffff, hi = -1;
+    for (int i = 0; i < nq; ++i) {
+        const int p = rows[2 * (r0 + i) + 1];
+        if (p >= 0) {
+            hi = max(hi, p);
+            lo = min(lo, WINDOW > 0 ? max(0, p - WINDOW + 1) : 0);
+        }
     }
-    __syncthreads();
+    const int k0 = s * SPLIT;
+    const int klo = max(lo, k0), khi = min(hi, k0 + SPLIT - 1);
+    if (klo > khi) return;
+    const int* table = tables + (size_t)rows[2 * r0] * W;   // the group's: one sequence
+
+    // This warp's query (row r0 + warp) and the keys mf..ml it sees in this split.
+    const int r = r0 + warp;
+    const int pos = warp < nq ? rows[2 * r + 1] : -1;
+    const int mf = max(k0, WINDOW > 0 ? max(0, pos - WINDOW + 1) : 0);
+    const int ml = min(pos, k0 + SPLIT - 1);
+    const bool active = pos >= 0 && mf <= ml;
+
+    __shared__ __align__(16) float qs[QT][G][D];
+    // Key rows padded by 16 bytes: a quarter-warp's 16-byte reads of 8 lanes' keys land on
+    // distinct banks (a row of D halfs would put them all on the same four).
+    __shared__ __align__(16) T ks[32][KS];
+    __shared__ __align__(16) T vs[32][D];
+    const float scale = scale_in[0];
+    if (active) {
+        for (int i = lane; i < G * D; i += 32) {
+            const int h = i / D, d = i % D;
+            qs[warp][h][d] = static_cast<float>(q[((size_t)r * HEADS + g * G + h) * D + d]) * scale;
+        }
+    }
 
     float m[G], l[G], acc[G][E];
     #pragma unroll
@@ -121,120 +210,171 @@ _SOURCE = r"""
         for (int e = 0; e < E; ++e) acc[h][e] = 0.0f;
     }
 
-    for (int base = first + warp * 32; base <= last; base += WARPS * 32) {
-        const int j = base + lane;
-        const bool valid = j <= last;
-        const int slot = valid ? table[j] : 0;
-        float s[G];
-        #pragma unroll
-        for (int h = 0; h < G; ++h) s[h] = 0.0f;
-        if (valid) {
-            const uint4* kr = reinterpret_cast<const uint4*>(kp + slot * stride + g * D);
-            #pragma unroll 4
-            for (int c = 0; c < D / 8; ++c) {
-                const uint4 u = kr[c];
-                const T* kv8 = reinterpret_cast<const T*>(&u);
-                float kf[8];
-                #pragma unroll
-                for (int e = 0; e < 8; ++e) kf[e] = static_cast<float>(kv8[e]);
-                // The scaled queries in two 16-byte reads per head (a quarter of the shared
-                // memory instructions of one read per element); each head's sum adds the
-                // elements in the same order.
-                #pragma unroll
-                for (int h = 0; h < G; ++h) {
-                    const float4 qa = *reinterpret_cast<const float4*>(&qs[h][c * 8]);
-                    const float4 qb = *reinterpret_cast<const float4*>(&qs[h][c * 8 + 4]);
-                    s[h] += kf[0] * qa.x; s[h] += kf[1] * qa.y;
-                    s[h] += kf[2] * qa.z; s[h] += kf[3] * qa.w;
-                    s[h] += kf[4] * qb.x; s[h] += kf[5] * qb.y;
-                    s[h] += kf[6] * qb.z; s[h] += kf[7] * qb.w;
-                }
+    const size_t stride = (size_t)KVH * D;       // elements per KV slot
+    for (int kb = klo & ~31; kb <= khi; kb += 32) {
+        // The tile's keys and values into shared memory, 16 bytes a thread per copy: a key's
+        // D / 8 vectors are copied by neighbouring threads (coalesced), once for the block's
+        // queries, all copies in flight together (asynchronous copies on sm_80 and later: a
+        // block of one warp otherwise waits for each of its 32 rounds of loads in turn). Keys
+        // no query of the block sees are not copied, and never read.
+        for (int i = threadIdx.x; i < 32 * (D / 8); i += blockDim.x) {
+            const int key = i / (D / 8), c = i % (D / 8);
+            const int j = kb + key;
+            if (j >= klo && j <= khi) {
+                const size_t off = (size_t)table[j] * stride + g * D + c * 8;
+                strata_copy16(&ks[key][c * 8], kp + off);
+                strata_copy16(&vs[key][c * 8], vp + off);
             }
         }
-        float p[G];
-        #pragma unroll
-        for (int h = 0; h < G; ++h) {
-            const float x = valid ? s[h] : -INFINITY;
-            float mt = x;
+        strata_copies_wait();
+        __syncthreads();
+        if (active && kb <= ml && kb + 31 >= mf) {
+            // One key per lane: its scores for the group's heads, float32.
+            const int j = kb + lane;
+            const bool valid = j >= mf && j <= ml;
+            float sc[G];
             #pragma unroll
-            for (int o = 16; o > 0; o >>= 1) mt = fmaxf(mt, __shfl_xor_sync(0xffffffffu, mt, o));
-            const float mn = fmaxf(m[h], mt);    // finite: lane 0's key is always valid
-            const float corr = expf(m[h] - mn);
-            p[h] = valid ? expf(x - mn) : 0.0f;
-            float ps = p[h];
-            #pragma unroll
-            for (int o = 16; o > 0; o >>= 1) ps += __shfl_xor_sync(0xffffffffu, ps, o);
-            l[h] = l[h] * corr + ps;
-            #pragma unroll
-            for (int e = 0; e < E; ++e) acc[h][e] *= corr;
-            m[h] = mn;
-        }
-        // Values of the tile's keys, PV keys at a time: their loads are issued together. A key
-        // past the last has p = 0 and is not read.
-        const int n = min(32, last - base + 1);
-        for (int k0 = 0; k0 < n; k0 += PV) {
-            float vf[PV][E];
-            #pragma unroll
-            for (int u = 0; u < PV; ++u) {
-                const int sl = __shfl_sync(0xffffffffu, slot, k0 + u);
-                const T* vr = vp + sl * stride + g * D + lane * E;
-                #pragma unroll
-                for (int e = 0; e < E; ++e)
-                    vf[u][e] = k0 + u < n ? static_cast<float>(vr[e]) : 0.0f;
-            }
-            #pragma unroll
-            for (int u = 0; u < PV; ++u) {
-                #pragma unroll
-                for (int h = 0; h < G; ++h) {
-                    const float ph = __shfl_sync(0xffffffffu, p[h], k0 + u);
+            for (int h = 0; h < G; ++h) sc[h] = 0.0f;
+            if (valid) {
+                #pragma unroll 4
+                for (int c = 0; c < D / 8; ++c) {
+                    const uint4 u = *reinterpret_cast<const uint4*>(&ks[lane][c * 8]);
+                    const T* k8 = reinterpret_cast<const T*>(&u);
+                    float kf[8];
                     #pragma unroll
-                    for (int e = 0; e < E; ++e) acc[h][e] += ph * vf[u][e];
+                    for (int e = 0; e < 8; ++e) kf[e] = static_cast<float>(k8[e]);
+                    #pragma unroll
+                    for (int h = 0; h < G; ++h) {
+                        const float4 qa = *reinterpret_cast<const float4*>(&qs[warp][h][c * 8]);
+                        const float4 qb = *reinterpret_cast<const float4*>(&qs[warp][h][c * 8 + 4]);
+                        sc[h] += kf[0] * qa.x; sc[h] += kf[1] * qa.y;
+                        sc[h] += kf[2] * qa.z; sc[h] += kf[3] * qa.w;
+                        sc[h] += kf[4] * qb.x; sc[h] += kf[5] * qb.y;
+                        sc[h] += kf[6] * qb.z; sc[h] += kf[7] * qb.w;
+                    }
+                }
+            }
+            // Online softmax over the tile (a running max and sum per head); the tile holds a
+            // key this query sees, so the max is finite.
+            float p[G];
+            #pragma unroll
+            for (int h = 0; h < G; ++h) {
+                const float x = valid ? sc[h] : -INFINITY;
+                float mt = x;
+                #pragma unroll
+                for (int o = 16; o > 0; o >>= 1)
+                    mt = fmaxf(mt, __shfl_xor_sync(0xffffffffu, mt, o));
+                const float mn = fmaxf(m[h], mt);
+                const float corr = expf(m[h] - mn);
+                p[h] = valid ? expf(x - mn) : 0.0f;
+                float ps = p[h];
+                #pragma unroll
+                for (int o = 16; o > 0; o >>= 1) ps += __shfl_xor_sync(0xffffffffu, ps, o);
+                l[h] = l[h] * corr + ps;
+                #pragma unroll
+                for (int e = 0; e < E; ++e) acc[h][e] *= corr;
+                m[h] = mn;
+            }
+            // The values of the keys this query sees, in key order (the same operations
+            // whichever other queries share the block).
+            const int ua = max(mf - kb, 0), ub = min(ml - kb, 31);
+            #pragma unroll 4
+            for (int u = ua; u <= ub; ++u) {
+                float vf[E];
+                #pragma unroll
+                for (int e = 0; e < E; ++e) vf[e] = static_cast<float>(vs[u][lane * E + e]);
+                #pragma unroll
+                for (int h = 0; h < G; ++h) {
+                    const float ph = __shfl_sync(0xffffffffu, p[h], u);
+                    #pragma unroll
+                    for (int e = 0; e < E; ++e) acc[h][e] += ph * vf[e];
                 }
             }
         }
+        __syncthreads();
     }
 
-    if (lane == 0) {
+    if (active) {
         #pragma unroll
         for (int h = 0; h < G; ++h) {
-            ms[warp][h] = m[h];
-            ls[warp][h] = l[h];
-        }
-    }
-    #pragma unroll
-    for (int h = 0; h < G; ++h)
-        #pragma unroll
-        for (int e = 0; e < E; ++e) accs[warp][h][lane * E + e] = acc[h][e];
-    __syncthreads();
-    for (int i = threadIdx.x; i < G * D; i += blockDim.x) {
-        const int h = i / D, d = i % D;
-        float mx_ = -INFINITY;
-        #pragma unroll
-        for (int w = 0; w < WARPS; ++w) mx_ = fmaxf(mx_, ms[w][h]);
-        float num = 0.0f, den = 0.0f;
-        #pragma unroll
-        for (int w = 0; w < WARPS; ++w) {
-            if (ms[w][h] > -INFINITY) {          // a warp that met no key adds nothing
-                const float f = expf(ms[w][h] - mx_);
-                num += accs[w][h][d] * f;
-                den += ls[w][h] * f;
+            const size_t at = ((size_t)r * HEADS + g * G + h) * NS + s;
+            #pragma unroll
+            for (int e = 0; e < E; ++e) part[at * D + lane * E + e] = acc[h][e];
+            if (lane == 0) {
+                stats[2 * at] = m[h];
+                stats[2 * at + 1] = l[h];
             }
         }
-        out[((size_t)t * HEADS + g * G + h) * D + d] = static_cast<T>(num / den);
     }
+"""
+
+_COMBINE = r"""
+    constexpr int SPLIT = TILES * 32;
+    const int HEADS = part_shape[1];
+    const int NS = part_shape[2];
+    const size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= (size_t)rows_shape[0] * HEADS * D) return;
+    const size_t rh = i / D;                     // row * HEADS + head
+    const int d = i % D;
+    const int pos = rows[2 * (rh / HEADS) + 1];
+    if (pos < 0) {                               // a padding row: zeros
+        out[i] = static_cast<T>(0.0f);
+        return;
+    }
+    const int first = WINDOW > 0 ? max(0, pos - WINDOW + 1) : 0;
+    const int sf = first / SPLIT, sl = pos / SPLIT;   // every split between holds a key it sees
+    const float* st = stats + rh * NS * 2;
+    float top = -INFINITY;
+    for (int s = sf; s <= sl; ++s) top = fmaxf(top, st[2 * s]);
+    float num = 0.0f, den = 0.0f;
+    for (int s = sf; s <= sl; ++s) {
+        const float f = expf(st[2 * s] - top);
+        num += part[(rh * NS + s) * D + d] * f;
+        den += st[2 * s + 1] * f;
+    }
+    out[i] = static_cast<T>(num / den);
+"""
+
+
+_HEADER = r"""#include <cuda_fp16.h>
+#include <cuda_bf16.h>
+// 16 bytes from global to shared memory: asynchronous (cp.async) on sm_80 and later.
+__device__ __forceinline__ void strata_copy16(void* dst, const void* src) {
+#if __CUDA_ARCH__ >= 800
+    const unsigned d = static_cast<unsigned>(__cvta_generic_to_shared(dst));
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" :: "r"(d), "l"(src));
+#else
+    *reinterpret_cast<uint4*>(dst) = *reinterpret_cast<const uint4*>(src);
+#endif
+}
+// Wait for this thread's asynchronous copies (a __syncthreads() must follow).
+__device__ __forceinline__ void strata_copies_wait() {
+#if __CUDA_ARCH__ >= 800
+    asm volatile("cp.async.commit_group;\ncp.async.wait_group 0;\n" ::);
+#endif
+}
 """
 
 
 @functools.cache
-def _kernel():
-    """The kernel, built on first use (MLX compiles it per template instantiation)."""
-    return mx.fast.cuda_kernel(
-        name="strata_chunk_attention",
-        input_names=["q", "kp", "vp", "tables", "rows", "scale_in"],
-        output_names=["out"],
+def _kernels():
+    """The split and combine kernels, built on first use (MLX compiles each per template
+    instantiation)."""
+    split = mx.fast.cuda_kernel(
+        name="strata_attention_split",
+        input_names=["q", "kp", "vp", "tables", "rows", "groups", "scale_in"],
+        output_names=["part", "stats"],
         source=compact(_SOURCE),
-        header="#include <cuda_fp16.h>\n#include <cuda_bf16.h>\n",
+        header=_HEADER,
     )
+    combine = mx.fast.cuda_kernel(
+        name="strata_attention_combine",
+        input_names=["part", "stats", "rows"],
+        output_names=["out"],
+        source=compact(_COMBINE),
+        header=_HEADER,
+    )
+    return split, combine
 
 
 @functools.cache
@@ -242,15 +382,17 @@ def _scale(scale: float) -> mx.array:
     return mx.array([scale], dtype=mx.float32)
 
 
-def _smem_bytes(warps: int, group: int, head_dim: int) -> int:
-    """Shared memory of a block (the kernel's ``qs``, ``ms``, ``ls`` and ``accs``), bytes."""
-    return 4 * (group * head_dim + 2 * warps * group + warps * group * head_dim)
+def _smem_bytes(queries: int, group: int, head_dim: int) -> int:
+    """Shared memory of a split block (the kernel's ``qs``, ``ks`` and ``vs``), bytes."""
+    return 4 * queries * group * head_dim + 2 * 32 * (2 * head_dim + 8)
 
 
-def _warps(group: int, head_dim: int) -> int:
-    """Warps per block: ``WARPS``, or 4 where ``WARPS`` warps' partial sums exceed
-    ``SMEM_BYTES``."""
-    return WARPS if _smem_bytes(WARPS, group, head_dim) <= SMEM_BYTES else 4
+def _block_queries(group: int, head_dim: int) -> int:
+    """Queries a split block holds (``QT``): ``GROUP_QUERIES``, or fewer where their scaled
+    queries would not fit ``SMEM_BYTES`` beside a tile (a larger group then takes several
+    blocks)."""
+    room = (SMEM_BYTES - _smem_bytes(0, group, head_dim)) // (4 * group * head_dim)
+    return max(1, min(GROUP_QUERIES, room))
 
 
 def supported(queries: int, heads: int, kv_heads: int, head_dim: int, dtype: mx.Dtype) -> bool:
@@ -277,6 +419,7 @@ def attention(
     scale: float,
     window: int = 0,
     flat: bool = False,
+    groups: QueryGroups | None = None,
 ) -> mx.array:
     """Causal attention of R query rows, each over its own sequence's cached keys (its own token
     included), read from the paged pool: a chunk's queries, a decode group's, or a whole pass's.
@@ -296,6 +439,9 @@ def attention(
         window: a sliding window in tokens (0: none).
         flat: return ``[R, heads * head_dim]`` (the same layout), as the output projection
             reads it, with no reshape in the graph.
+        groups: rows that share blocks (:func:`query_groups` over ``rows``; each group's rows
+            must read one table row). None: each row alone. They change the speed, not the
+            result.
 
     Returns:
         ``[R, heads, head_dim]`` (or ``flat``) of ``q``'s dtype: softmax(scale * q k^T) v per
@@ -304,33 +450,34 @@ def attention(
     Raises:
         ValueError: a shape or dtype :func:`supported` refuses (R is not limited here: the
             limit on a chunk's queries is the caller's choice of kernel), or a malformed
-            ``tables``/``rows``. Positions are not checked against ``W`` (that would cost a
-            device sync): the caller builds them.
+            ``tables``/``rows``/``groups``. Positions and groups are not checked against ``W``
+            and the tables (that would cost a device sync): the caller builds them.
     """
+    if groups is None:
+        groups = _single(q.shape[0] if q.ndim else 0)
+    g = groups.array
     key = (q.shape, q.dtype, keys.shape, keys.dtype, values.shape, values.dtype)
     key += (tables.shape, tables.dtype, rows.shape, rows.dtype, float(scale), int(window), flat)
+    key += (g.shape, g.dtype, groups.largest)
     launch = _LAUNCHES.get(key)
     if launch is None:
         if len(_LAUNCHES) >= _MAX_LAUNCHES:
             _LAUNCHES.clear()
-        launch = _LAUNCHES[key] = _prepare(q, keys, values, tables, rows, scale, window, flat)
-    template, grid, threadgroup, shape = launch
-    (out,) = _kernel()(
-        inputs=[q, keys, values, tables, rows, _scale(float(scale))],
-        template=template,
-        grid=grid,
-        threadgroup=threadgroup,
-        output_shapes=[shape],
-        output_dtypes=[q.dtype],
+        launch = _LAUNCHES[key] = _prepare(q, keys, values, tables, rows, window, flat, groups)
+    split_launch, combine_launch = launch
+    split, combine = _kernels()
+    part, stats = split(
+        inputs=[q, keys, values, tables, rows, g, _scale(float(scale))], **split_launch
     )
+    (out,) = combine(inputs=[part, stats, rows], **combine_launch, output_dtypes=[q.dtype])
     return out
 
 
 _LAUNCHES: dict[tuple, tuple] = {}
-"""Call signature (the arrays' shapes and dtypes, scale, window, ``flat``) -> the kernel's
-template, grid, block and output shape, validated on the signature's first call: a pass's
-blocks repeat one signature, and validating each call cost the host several us of the few tens
-a pass's block may take (H200 host, 2026-12-01)."""
+"""Call signature (the arrays' shapes and dtypes, scale, window, ``flat``, groups) -> the
+kernels' launch arguments, validated on the signature's first call: a pass's blocks repeat one
+signature, and validating each call cost the host several us of the few tens a pass's block may
+take (H200 host, 2026-12-01)."""
 
 _MAX_LAUNCHES = 1024
 """Signatures kept (emptied past this: the key length of ``tables`` changes from pass to pass)."""
@@ -342,11 +489,11 @@ def _prepare(
     values: mx.array,
     tables: mx.array,
     rows: mx.array,
-    scale: float,
     window: int,
     flat: bool,
-) -> tuple[list, tuple[int, int, int], tuple[int, int, int], tuple[int, ...]]:
-    """Validate a call of :func:`attention` and work out its kernel's arguments.
+    groups: QueryGroups,
+) -> tuple[dict, dict]:
+    """Validate a call of :func:`attention` and work out its kernels' launch arguments.
 
     Raises:
         ValueError: as :func:`attention` says.
@@ -355,6 +502,7 @@ def _prepare(
     r, d = q.shape[0] if q.ndim else 0, q.shape[-1] if q.ndim else 0
     heads = q.shape[1] if q.ndim in (3, 4) else 0
     kv_heads = keys.shape[1] if keys.ndim == 3 else 0
+    g = groups.array
     if (
         q.ndim not in (3, 4)
         or (q.ndim == 4 and q.shape[2] != 1)
@@ -367,23 +515,50 @@ def _prepare(
         or tables.dtype != mx.int32
         or rows.shape != (r, 2)
         or rows.dtype != mx.int32
+        or g.ndim != 2
+        or g.shape[0] < 1
+        or g.shape[1] != 2
+        or g.dtype != mx.int32
+        or not 1 <= groups.largest <= GROUP_QUERIES
     ):
         raise ValueError(
             f"cuda_attention: queries {tuple(q.shape)} {q.dtype}, keys {tuple(keys.shape)} "
             f"{keys.dtype}, tables {tuple(tables.shape)} {tables.dtype}, rows "
-            f"{tuple(rows.shape)} {rows.dtype} are not handled here (MLX CUDA, head_dim in "
-            f"{HEAD_DIMS}, 16-bit floats, int32 tables [S, W] and rows [R, 2]); use "
-            "mx.fast.scaled_dot_product_attention"
+            f"{tuple(rows.shape)} {rows.dtype}, groups {tuple(g.shape)} {g.dtype} of at most "
+            f"{groups.largest} rows are not handled here (MLX CUDA, head_dim in {HEAD_DIMS}, "
+            f"16-bit floats, int32 tables [S, W], rows [R, 2] and groups [NG, 2] of 1.."
+            f"{GROUP_QUERIES} rows); use mx.fast.scaled_dot_product_attention"
         )
     group = heads // kv_heads
-    warps = _warps(group, d)
-    template = [
-        ("T", q.dtype),
-        ("G", group),
-        ("D", d),
-        ("WINDOW", int(window)),
-        ("WARPS", warps),
-        ("PV", PV),
-    ]
-    shape = (r, heads * d) if flat else (r, heads, d)
-    return template, (r * kv_heads * warps * 32, 1, 1), (warps * 32, 1, 1), shape
+    fit = _block_queries(group, d)
+    # The template's queries: the largest group's rounded up to a power of two (few builds),
+    # at most what fits; a block of a pass of decodes then holds one query's shared memory,
+    # not eight, and more blocks share a multiprocessor.
+    qt = min(fit, 1 << (min(fit, groups.largest) - 1).bit_length())
+    warps = min(qt, groups.largest)
+    pieces = -(-groups.largest // qt)  # blocks per group and split
+    splits = -(-tables.shape[1] // SPLIT_KEYS)
+    blocks = g.shape[0] * pieces * kv_heads * splits
+    split = {
+        "template": [
+            ("T", q.dtype),
+            ("G", group),
+            ("D", d),
+            ("WINDOW", int(window)),
+            ("QT", qt),
+            ("TILES", TILES),
+        ],
+        "grid": (blocks * warps * 32, 1, 1),
+        "threadgroup": (warps * 32, 1, 1),
+        "output_shapes": [(r, heads, splits, d), (r, heads, splits, 2)],
+        "output_dtypes": [mx.float32, mx.float32],
+    }
+    threads = 256
+    elements = r * heads * d
+    combine = {
+        "template": [("T", q.dtype), ("D", d), ("WINDOW", int(window)), ("TILES", TILES)],
+        "grid": (max(1, -(-elements // threads)) * threads, 1, 1),
+        "threadgroup": (threads, 1, 1),
+        "output_shapes": [(r, heads * d) if flat else (r, heads, d)],
+    }
+    return split, combine

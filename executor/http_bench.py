@@ -110,7 +110,8 @@ JSON (``-o``; every time in seconds, every rate in tokens/s):
 - ``prefix_cache`` (None when skipped): ``prefix_tokens`` (the document's tokens, exact),
   ``cold_prompt_tokens``, ``warm_prompt_tokens``, ``shared_prefix_tokens``,
   ``expected_hit_tokens`` (the shared prefix in whole KV blocks), ``cold_ttft_s`` and
-  ``warm_ttft_s`` (medians over ``PREFIX_TRIALS`` trials on a GPU, one on the CPU),
+  ``warm_ttft_s`` (medians over ``--prefix-trials`` pairs: ``PREFIX_TRIALS`` on a GPU, one on
+  the CPU),
   ``warm_over_cold``, ``cold_hit_tokens``, ``warm_hit_tokens`` (counter deltas, first trial),
   ``warm_cached_tokens`` (from ``usage``), ``trials`` (each trial's TTFTs, hit tokens and the
   warm request's ``warm_compiled_traces`` and ``warm_compiled_replays``),
@@ -1194,6 +1195,7 @@ def http_bench(
     log: TextIO | None = None,
     batch_invariant: bool = False,
     near_tie_gap: float | None = None,
+    prefix_trials: int | None = None,
 ) -> dict[str, Any]:
     """Run the serving bench and return its JSON-ready result (schema: the module docstring).
 
@@ -1209,6 +1211,8 @@ def http_bench(
         near_tie_gap: a text that leaves its concurrency-1 text by a near-tie flip with a top-2
             gap below this passes (``classify_divergence``); 0: every difference fails; None:
             ``default_near_tie_gap`` of the plan's model.
+        prefix_trials: cold/warm pairs of the prefix-cache test; None: ``PREFIX_TRIALS`` on a
+            GPU, 1 on the CPU.
 
     Raises:
         StrataError: a bad plan; prompts or a prefix that do not fit the plan's context; a
@@ -1227,6 +1231,8 @@ def http_bench(
         raise StrataError("--max-tokens must be at least 2 for a decode measurement")
     if prefix_tokens < 0:
         raise StrataError(f"--prefix-tokens {prefix_tokens}: give a token count, or 0 to skip")
+    if prefix_trials is not None and prefix_trials < 1:
+        raise StrataError(f"--prefix-trials {prefix_trials}: give at least 1 cold/warm pair")
     levels = sorted({1, *concurrency})
     per_level = requests_per_level(levels, requests)
     if near_tie_gap is not None and near_tie_gap < 0:
@@ -1339,10 +1345,9 @@ def http_bench(
         if work.prefix is not None:
             p = work.prefix
             gpu = "cpu" not in result["machine"]["mlx_device"]
+            pairs = prefix_trials or (PREFIX_TRIALS if gpu else 1)
             trials = _on_server(
-                srv,
-                "prefix-cache test",
-                run_prefix_test(srv, p["cold"], p["warm"], gpu, PREFIX_TRIALS if gpu else 1),
+                srv, "prefix-cache test", run_prefix_test(srv, p["cold"], p["warm"], gpu, pairs)
             )
             result["prefix_cache"] = _prefix_result(p, trials, batch.kv_block_size)
             _log_prefix(result["prefix_cache"], log)
@@ -1554,10 +1559,11 @@ def refuse_serving_options(args: argparse.Namespace) -> None:
     """Refuse the serving bench's options in a single-stream bench (no ``--concurrency``).
 
     Raises:
-        StrataError: ``--requests``, ``--prefix-tokens``, ``--prompt-tokens`` or
-            ``--batch-invariant`` was given.
+        StrataError: ``--requests``, ``--prefix-tokens``, ``--prefix-trials``,
+            ``--prompt-tokens``, ``--batch-invariant`` or ``--near-tie-gap`` was given.
     """
-    for option in ("requests", "prefix_tokens", "prompt_tokens", "batch_invariant", "near_tie_gap"):
+    options = ("requests", "prefix_tokens", "prefix_trials", "prompt_tokens", "batch_invariant")
+    for option in (*options, "near_tie_gap"):
         if getattr(args, option, None) not in (None, False):
             name = "--" + option.replace("_", "-")
             raise StrataError(
@@ -1598,6 +1604,7 @@ def cmd_http_bench(args: argparse.Namespace) -> None:
         lengths,
         batch_invariant=args.batch_invariant,
         near_tie_gap=args.near_tie_gap,
+        prefix_trials=args.prefix_trials,
     )
     from executor.bench import write_result
 

@@ -109,8 +109,19 @@ decode step's products are bound by reading the weights, not by rows. Elsewhere:
 
 
 def bucket_rows(rows: int) -> int:
-    """The padded row count of a product of ``rows`` rows: the next power of two up to 256,
-    then the next multiple of 256 (at most 2x the rows, at most 256 extra rows)."""
+    """The padded row count of a product of ``rows`` rows: the next power of two up to 16, 24
+    for 17 to 24 rows, the next power of two up to 256, then the next multiple of 256 (at most
+    2x the rows, at most 256 extra rows).
+
+    24 is a bucket because the tensor-core kernel (``executor.cuda_mma``, the plans' path for
+    2-32 rows on the H200) computes whole 8-row column tiles, padding or not: a 24-token pass
+    padded to 32 rows spent 141 us a block in its four calls against 124 at 24 (Nsight Compute,
+    H200, 2026-12-02, Llama-3-8B shape, ``bench/results/2026-12-02.mma-profile.h200.json``),
+    0.54 ms a pass. Not 40, 48 or 56: those rows take MLX's quantized matmul there, whose first
+    call at a new row count built kernels for up to a minute (``executor.serving.
+    WARM_UP_ROW_BUCKETS``)."""
+    if 16 < rows <= 24:
+        return 24
     if rows <= 256:
         return 1 << (rows - 1).bit_length()
     return -(-rows // 256) * 256

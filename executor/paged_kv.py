@@ -40,6 +40,7 @@ from dataclasses import dataclass, field
 import mlx.core as mx
 import numpy as np
 
+from executor import cuda_attention
 from planner.errors import StrataError
 
 
@@ -145,6 +146,7 @@ class Chunk:
     _masks: dict[int, tuple[int, mx.array | str | None]] = field(default_factory=dict)
     _table: mx.array | None = None
     _kernel_rows: mx.array | None = None
+    _kernel_groups: cuda_attention.QueryGroups | None = None
 
     @property
     def table(self) -> mx.array:
@@ -161,6 +163,14 @@ class Chunk:
             pos = np.arange(self.start, self.start + self.length, dtype=np.int32)
             self._kernel_rows = mx.array(np.stack([np.zeros_like(pos), pos], axis=1))
         return self._kernel_rows
+
+    def kernel_groups(self) -> cuda_attention.QueryGroups:
+        """The chunk's queries in groups that share the kernel's copies of keys
+        (``executor.cuda_attention.query_groups``). Made once, for every layer."""
+        if self._kernel_groups is None:
+            pos = np.arange(self.start, self.start + self.length)
+            self._kernel_groups = cuda_attention.query_groups(np.zeros_like(pos), pos)
+        return self._kernel_groups
 
     def attention_mask(self, window: int) -> tuple[int, mx.array | str | None]:
         """Which of ``table``'s keys the chunk's queries attend and how: ``(first, mask)`` for
@@ -222,6 +232,7 @@ class ForwardBatch:
     _masks: dict[int, mx.array | None] = field(default_factory=dict)
     _positions: dict[int, mx.array] = field(default_factory=dict)
     _layouts: dict[int, tuple[mx.array, mx.array]] = field(default_factory=dict)
+    _groups: cuda_attention.QueryGroups | None = None
     _decode_table: mx.array | None = None
 
     @classmethod
@@ -351,6 +362,15 @@ class ForwardBatch:
             meta[:n, 0], meta[:n, 1] = self.row_inputs, self.row_positions
             self._layouts[rows] = (mx.array(tables), mx.array(meta))
         return self._layouts[rows]
+
+    def kernel_groups(self) -> cuda_attention.QueryGroups:
+        """The pass's query rows in groups of one input's consecutive rows, as
+        ``executor.cuda_attention.attention`` shares its copies of keys among them
+        (``executor.cuda_attention.query_groups``; padding rows belong to none, so one answer
+        serves every ``rows`` of ``kernel_layout``). Made once per pass, for every layer."""
+        if self._groups is None:
+            self._groups = cuda_attention.query_groups(self.row_inputs, self.row_positions)
+        return self._groups
 
     def _check_rows(self, rows: int) -> None:
         if rows < self.num_tokens:

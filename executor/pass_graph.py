@@ -10,11 +10,12 @@ Here such a pass is traced once by ``mx.compile`` (the model's ordinary ``_pass`
 placeholder arrays) and later passes of the same layout replay the traced graph from C++, with
 no Python per operation. What varies between passes of one layout enters as arrays: the
 embedded rows, each row's position, the KV slots written, the attention tables and row
-metadata (``ForwardBatch.kernel_layout``), the rows whose logits are returned, and every
+metadata (``ForwardBatch.kernel_layout``) and query groups (``ForwardBatch.kernel_groups``), the
+rows whose logits are returned, and every
 layer's key and value pool (the updated pools come back as outputs). What fixes the graph's
 shape is the layout key (:func:`layout_key`): the pass's rows, tokens, sequences, table width
 (padded to a multiple of ``TABLE_SLOTS`` so that a growing sequence keeps its graph for that
-many tokens) and logit rows.
+many tokens), logit rows, and the number and largest of the query groups.
 
 Which passes: a dense model (no MoE router, whose choice is read on the host) with every unit
 resident on the device tier (a streamed unit's read is host work per pass), no row tile (the
@@ -51,6 +52,7 @@ from typing import TYPE_CHECKING
 
 import mlx.core as mx
 
+from executor import cuda_attention
 from executor.ops import row_tile, settings_epoch
 
 if TYPE_CHECKING:
@@ -166,7 +168,9 @@ class PassGraphs:
         tables, meta = batch.kernel_layout(rows, width)
         if tables.shape[1] != width:  # laid out before, unpadded: not this key's shape
             return None
-        inputs = (x, batch.positions(rows), batch.write_slots, tables, meta, batch.logit_rows)
+        groups = batch.kernel_groups().array
+        inputs = (x, batch.positions(rows), batch.write_slots, tables, meta, groups)
+        inputs += (batch.logit_rows,)
         fresh = not graph.ready  # this call traces
         graph.batch = batch
         read = dict(self.model.store.bytes_read)
@@ -199,15 +203,17 @@ class PassGraphs:
         return logits
 
     def _tracer(self, key: tuple, rows: int):
-        def trace(x, positions, write_slots, tables, meta, logit_rows, keys, values):
+        def trace(x, positions, write_slots, tables, meta, groups, logit_rows, keys, values):
             graph = self._graphs[key]
             assert graph.batch is not None  # set by run() around the call
+            largest = graph.batch.kernel_groups().largest  # in the key: the same for every pass
             batch = dataclasses.replace(
                 graph.batch,
                 write_slots=write_slots,
                 logit_rows=logit_rows,
                 _positions={rows: positions},
                 _layouts={rows: (tables, meta)},
+                _groups=cuda_attention.QueryGroups(groups, largest),
                 _masks=dict(graph.batch._masks),
                 _decode_table=None,
             )
@@ -229,9 +235,12 @@ def table_width(batch: ForwardBatch) -> int:
 
 
 def layout_key(batch: ForwardBatch, rows: int, width: int) -> tuple[int, ...]:
-    """What fixes a compiled pass's graph: rows, tokens, sequences, table width (slots) and
-    logit rows. Two passes of one key differ only in their arrays' values."""
-    return (rows, batch.num_tokens, len(batch.seq_slots), width, batch.logit_rows.shape[0])
+    """What fixes a compiled pass's graph: rows, tokens, sequences, table width (slots), logit
+    rows, and the attention kernel's query groups (their number and the largest's rows, which
+    sizes its blocks). Two passes of one key differ only in their arrays' values."""
+    groups = batch.kernel_groups()
+    key = (rows, batch.num_tokens, len(batch.seq_slots), width, batch.logit_rows.shape[0])
+    return (*key, groups.array.shape[0], groups.largest)
 
 
 _BY_CACHE: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()

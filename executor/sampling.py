@@ -89,8 +89,17 @@ class Sampler:
 
     def __init__(self, params: SamplingParams):
         self.params = params
-        self.rng = np.random.Generator(np.random.PCG64(params.seed))
+        self._rng: np.random.Generator | None = None
         self.counts: dict[int, int] = {}  # generated token -> times (the penalties' counts)
+
+    @property
+    def rng(self) -> np.random.Generator:
+        """The request's random generator (PCG64 from ``params.seed``), made on its first draw:
+        a greedy request never draws, and seeding from the OS's entropy cost the engine thread
+        0.04-0.2 ms of each request's admission (dev CPU, 2026-12-02)."""
+        if self._rng is None:
+            self._rng = np.random.Generator(np.random.PCG64(self.params.seed))
+        return self._rng
 
     def observe(self, tokens: list[int]) -> None:
         """Count ``tokens`` as generated (the penalties apply to them from the next pick; without

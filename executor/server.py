@@ -1134,9 +1134,9 @@ async def chat_completions(request: Request) -> Response:
             param="messages",
         )
     messages = [m.for_template() for m in body.messages]
+    chars = sum(len(str(m.get("content") or "")) for m in messages)
     try:
-        # Rendering and tokenizing a long chat takes milliseconds: not on the event loop.
-        ids = await run_in_threadpool(messages_to_ids, tok, messages)
+        ids = await _tokenize(chars, messages_to_ids, tok, messages)
     except StrataError as e:  # ChatError, or a TokenizerError
         raise APIError(400, str(e), param="messages") from None
     gen = await _start(state, body, ids, body.max_new_tokens(), None, "messages")
@@ -1190,6 +1190,22 @@ async def _chat_chunks(
         yield {**head, "choices": [], "usage": gen.usage()}
 
 
+INLINE_TOKENIZE_CHARS = 16_384
+"""Prompts (or chats' message contents) of at most this many characters are tokenized on the
+event loop; longer ones in a worker thread, so that the loop keeps serving the other streams.
+A worker-thread round trip cost 0.33 ms of a prefix-cache hit's TTFT, and encoding a
+1,000-token prompt 0.65 ms (dev CPU, 2026-12-02, server instrumented stage by stage); 16 K
+characters, about 4,000 tokens, keep the loop's pause to a few ms."""
+
+
+async def _tokenize(chars: int, fn: Callable[..., list[int]], *args: Any) -> list[int]:
+    """``fn(*args)`` on the event loop for ``chars`` up to ``INLINE_TOKENIZE_CHARS``, else in a
+    worker thread."""
+    if chars <= INLINE_TOKENIZE_CHARS:
+        return fn(*args)
+    return await run_in_threadpool(fn, *args)
+
+
 async def completions(request: Request) -> Response:
     """``POST /v1/completions``."""
     state = _state(request)
@@ -1202,7 +1218,8 @@ async def completions(request: Request) -> Response:
         try:
             # Control tokens written in the text (a hand-rendered chat prompt's <|im_start|>)
             # are those tokens, as llama.cpp's server and vLLM read a completion prompt.
-            ids = await run_in_threadpool(functools.partial(tok.encode, parse_special=True), prompt)
+            encode = functools.partial(tok.encode, parse_special=True)
+            ids = await _tokenize(len(prompt), encode, prompt)
         except StrataError as e:
             raise APIError(400, str(e), param="prompt") from None
     else:

@@ -668,8 +668,8 @@ class ServingEngine:
 
 def warm_up_sizes(limit: int) -> list[int]:
     """Token counts whose passes meet every row bucket of ``executor.ops.bucket_rows`` up to
-    ``limit`` rows: each bucket's size, the last capped at ``limit`` (40: 1, 2, ..., 32, 40;
-    600: 1, ..., 256, 512, 600). Empty below 1."""
+    ``limit`` rows: each bucket's size, the last capped at ``limit`` (36: 1, 2, 4, 8, 16, 24,
+    32, 36; 600: 1, ..., 32, 64, 128, 256, 512, 600). Empty below 1."""
     out = []
     n = 1
     while n < limit:

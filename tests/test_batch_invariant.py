@@ -134,8 +134,8 @@ def test_cuda_row_buckets(monkeypatch) -> None:
     unpadded one's, sliced (checked here on the CPU with the padding forced on)."""
     from executor import ops
 
-    assert [ops.bucket_rows(r) for r in (1, 2, 3, 5, 16, 17, 256, 257, 600)] == [
-        1, 2, 4, 8, 16, 32, 256, 512, 768,
+    assert [ops.bucket_rows(r) for r in (1, 2, 3, 5, 9, 16, 17, 24, 25, 64, 65, 257, 600)] == [
+        1, 2, 4, 8, 16, 16, 24, 24, 32, 64, 128, 512, 768,
     ]  # fmt: skip
     rng = np.random.default_rng(7)
     w = mx.array(rng.standard_normal((48, 64)).astype(np.float32))

@@ -96,7 +96,13 @@ def test_paged_kernel_rows_do_not_depend_on_the_chunk(dtype):
     kv, chunk, q, _ = _chunk_case(32, 8, 24, 500, 0, 128, dtype, seed=3)
     rows = q[0].transpose(1, 0, 2)  # [T, heads, head_dim]
     whole = cuda_attention.attention(
-        rows, kv.keys[0], kv.values[0], chunk.table, chunk.kernel_rows(), 0.088
+        rows,
+        kv.keys[0],
+        kv.values[0],
+        chunk.table,
+        chunk.kernel_rows(),
+        0.088,
+        groups=chunk.kernel_groups(),  # three groups of 8 rows
     )
     for i in (0, 7, 23):
         alone = cuda_attention.attention(
@@ -130,15 +136,37 @@ def test_paged_kernel_scope_and_refusals():
     assert not cuda_attention.supported(24, 32, 2, 128, mx.float16)  # 16 heads per kv head
     assert not cuda_attention.supported(24, 32, 8, 128, mx.float32)
     assert not cuda_attention.supported(24, 32, 0, 128, mx.float16)
-    assert cuda_attention._warps(8, 256) == 4 and cuda_attention._warps(4, 128) == 8
+    assert cuda_attention._block_queries(4, 128) == 8  # Llama-3-8B: a group's 8 in one block
+    assert cuda_attention._block_queries(8, 256) == 1
     assert (
         max(
-            cuda_attention._smem_bytes(cuda_attention._warps(g, d), g, d)
+            cuda_attention._smem_bytes(cuda_attention._block_queries(g, d), g, d)
             for g in range(1, cuda_attention.MAX_GROUP + 1)
             for d in cuda_attention.HEAD_DIMS
         )
         <= cuda_attention.SMEM_BYTES
     )
+
+
+def test_query_groups_hold_consecutive_rows_of_one_input():
+    """Groups never mix inputs or skip a row, hold at most ``GROUP_QUERIES`` rows, and leave
+    padding rows out; every query row is in exactly one."""
+    inputs = np.array([1, 2, 3] + [0] * 19 + [4, 4, 0, 0])
+    positions = np.array([30, 90, 3, *range(40, 59), 61, 62, -1, -1])
+    g = cuda_attention.query_groups(inputs, positions)
+    got = np.array(g.array).tolist()
+    assert got == [[0, 1], [1, 1], [2, 1], [3, 8], [11, 8], [19, 3], [22, 2]]
+    assert g.largest == 8
+    covered = [r for first, n in got for r in range(first, first + n)]
+    assert covered == list(range(24))  # the two padding rows are in none
+    for first, n in got:
+        assert len(set(inputs[first : first + n])) == 1
+    # one input's rows split by another's are two runs
+    g = cuda_attention.query_groups(np.array([0, 1, 0]), np.array([5, 2, 6]))
+    assert np.array(g.array).tolist() == [[0, 1], [1, 1], [2, 1]] and g.largest == 1
+    # a pass of padding only: one empty group
+    g = cuda_attention.query_groups(np.array([0, 0]), np.array([-1, -1]))
+    assert np.array(g.array).tolist() == [[0, 0]]
 
 
 @pytest.mark.parametrize(
@@ -242,7 +270,13 @@ def test_paged_kernel_attends_a_whole_pass(dtype, window):
     n = batch.num_tokens
     tables, meta = batch.kernel_layout(n + 6)
     qq = mx.concatenate([mx.array(q), mx.ones((6, *q.shape[1:]))]).astype(dtype)
-    got = cuda_attention.attention(qq, kv.keys[0], kv.values[0], tables, meta, 128**-0.5, window)
+    groups = batch.kernel_groups()
+    assert groups.largest == 5  # the 5-token chunk shares its blocks
+    got = cuda_attention.attention(
+        qq, kv.keys[0], kv.values[0], tables, meta, 128**-0.5, window, groups=groups
+    )
+    alone = cuda_attention.attention(qq, kv.keys[0], kv.values[0], tables, meta, 128**-0.5, window)
+    assert mx.array_equal(got, alone)  # groups change which blocks copy keys, not the result
     got = np.array(got.astype(mx.float32))
     tol = 1e-2 if dtype == mx.float16 else 3e-2
     np.testing.assert_allclose(got[:n], want, rtol=tol, atol=tol)

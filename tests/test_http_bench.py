@@ -55,7 +55,9 @@ def _bench_args(plan: Path, *extra: str) -> list[str]:
 def test_serving_bench_end_to_end(serving_plan, tmp_path):
     out, png = tmp_path / "serving.json", tmp_path / "serving.png"
     args = _bench_args(serving_plan, "--concurrency", "2,1", "--prompt-tokens", "16,24")
-    done = cli(*args, "--prefix-tokens", "96", "-o", str(out), "--plot", str(png))
+    done = cli(
+        *args, "--prefix-tokens", "96", "--prefix-trials", "2", "-o", str(out), "--plot", str(png)
+    )
     assert "Traceback" not in done.stderr
     r = json.loads(out.read_text())
     assert r["kind"] == "serving" and r["model"] == "smollm2-135m"
@@ -109,9 +111,12 @@ def test_serving_bench_end_to_end(serving_plan, tmp_path):
     assert 90 <= p["prefix_tokens"] <= 96 and p["shared_prefix_tokens"] >= p["prefix_tokens"]
     assert p["warm_ttft_s"] < p["cold_ttft_s"]  # ~3x less prefill on a CPU that prefills slowly
     assert p["warm_over_cold"] == pytest.approx(p["warm_ttft_s"] / p["cold_ttft_s"], 1e-2)
-    trial = p["trials"][0]  # no compiled pass on the CPU
-    assert len(p["trials"]) == 1 and trial["warm_compiled_traces"] == 0
-    assert trial["warm_compiled_replays"] == 0
+    assert len(p["trials"]) == 2  # --prefix-trials (1 by default on the CPU)
+    for trial in p["trials"]:  # each pair after a reset; no compiled pass on the CPU
+        assert (
+            trial["cold_hit_tokens"] == 0 and trial["warm_hit_tokens"] == p["expected_hit_tokens"]
+        )
+        assert trial["warm_compiled_traces"] == trial["warm_compiled_replays"] == 0
     assert one["server"]["compiled_pass_traces"] == one["server"]["compiled_pass_replays"] == 0
 
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
@@ -176,6 +181,7 @@ def _run(capsys, *args: str) -> str:
         (["--concurrency", "1", "--plot", "x.txt"], ["--plot", ".png"]),
         (["--requests", "3"], ["--requests applies to the serving bench", "--concurrency"]),
         (["--prefix-tokens", "10"], ["--prefix-tokens applies to the serving bench"]),
+        (["--prefix-trials", "5"], ["--prefix-trials applies to the serving bench"]),
         (["--batch-invariant"], ["--batch-invariant applies to the serving bench"]),
     ],
 )
@@ -192,6 +198,7 @@ def test_argument_errors(capsys, tmp_path, extra, words):
         (["--max-tokens", "1195"], ["--max-tokens 1195", "context is 1200", "--context"]),
         (["--prefix-tokens", "8"], ["below the plan's KV block size", "0 to skip"]),
         (["--prefix-tokens", "-1"], ["--prefix-tokens -1"]),
+        (["--prefix-trials", "0"], ["--prefix-trials 0", "at least 1"]),
     ],
 )
 def test_workload_must_fit_the_plan(capsys, serving_plan, extra, words):

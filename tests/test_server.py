@@ -516,6 +516,13 @@ def test_bad_requests(server):
     long = {"model": MODEL, "prompt": list(range(10, 10 + CONTEXT)), "max_tokens": 1}
     err = error_of(server.post("/v1/completions", long), 400, str(CONTEXT), "context")
     assert err["code"] == "context_length_exceeded"
+    # a text past INLINE_TOKENIZE_CHARS, tokenized in a worker thread, and a chat the same
+    text = {**long, "prompt": "word " * 4000}
+    err = error_of(server.post("/v1/completions", text), 400, str(CONTEXT), "context")
+    assert err["code"] == "context_length_exceeded"
+    chat = {**ok, "messages": [{"role": "user", "content": "word " * 4000}]}
+    err = error_of(server.post(chat_path, chat), 400, str(CONTEXT), "context")
+    assert err["code"] == "context_length_exceeded"
     err = error_of(server.post(chat_path, {**ok, "max_tokens": CONTEXT}), 400, str(CONTEXT))
     assert err["param"] == "max_tokens"
     error_of(server.post("/v1/completions", {**long, "prompt": [1 << 30]}), 400, "vocabulary")

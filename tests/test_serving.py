@@ -415,7 +415,7 @@ def test_warm_up_runs_every_row_bucket_and_leaves_no_state(models, tmp_path):
             took = se.start(warm_up=warm)
             assert (took > 0) == warm
             # chunks of 1..40 tokens, then decode groups of 2..8 sequences (the plan's max)
-            buckets = [1, 2, 4, 8, 16, 32, 40, 2, 4, 8]
+            buckets = [1, 2, 4, 8, 16, 24, 32, 40, 2, 4, 8]
             assert seen == (buckets if warm else [])
             assert se.pool.num_used_blocks() == 0 and se.pool.prefix_query_tokens == 0
             outs.append({r: ev.token_ids for r, ev in run_all(se, reqs).items()})
@@ -425,11 +425,12 @@ def test_warm_up_runs_every_row_bucket_and_leaves_no_state(models, tmp_path):
 
 
 def test_warm_up_sizes_meet_every_row_bucket():
-    """One pass per bucket of ``bucket_rows``: powers of two to 256, then multiples of 256."""
+    """One pass per bucket of ``bucket_rows``: powers of two and 24 to 256, then multiples of
+    256."""
     from executor.ops import bucket_rows
 
-    assert warm_up_sizes(40) == [1, 2, 4, 8, 16, 32, 40]
-    assert warm_up_sizes(600) == [1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 600]
+    assert warm_up_sizes(36) == [1, 2, 4, 8, 16, 24, 32, 36]
+    assert warm_up_sizes(600) == [1, 2, 4, 8, 16, 24, 32, 64, 128, 256, 512, 600]
     assert warm_up_sizes(1) == [1] and warm_up_sizes(0) == []
     sizes = warm_up_sizes(2048)
     assert sizes[-4:] == [1280, 1536, 1792, 2048]
@@ -580,9 +581,9 @@ def test_pass_padding_and_whole_pass_attention_change_no_row(name, models, tmp_p
     if name == "mixtral":
         assert model.pass_rows(21) == 21
     else:
-        assert model.pass_rows(21) == 32
+        assert model.pass_rows(21) == 24
         # every block's products at the bucket's rows; the head at the 21 rows asked for
-        assert set(padded_rows[:-1]) == {32} and padded_rows[-1] == 21
+        assert set(padded_rows[:-1]) == {24} and padded_rows[-1] == 21
 
     taken = []
     decide = llama.kernel_attention

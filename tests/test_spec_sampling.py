@@ -94,6 +94,17 @@ def test_a_temperature_too_small_to_divide_by_is_greedy():
     assert SamplingParams(1e-5).temperature == 1e-5
 
 
+def test_a_greedy_request_never_seeds_a_generator():
+    """The random generator is made on the first draw (seeding it from the OS's entropy costs
+    the engine thread at admission); a greedy request draws nothing."""
+    s = Sampler(SamplingParams())
+    assert s(np.array([0.0, 2.0, 1.0])) == 1 and s.verify(np.zeros((1, 3)), []) == [0]
+    assert s._rng is None
+    seeded = Sampler(SamplingParams(1.0, seed=5))
+    assert seeded.rng is seeded.rng  # made once
+    assert seeded.rng.random() == np.random.Generator(np.random.PCG64(5)).random()
+
+
 def test_greedy_verify_accepts_every_matching_draft_and_adds_the_bonus():
     s = Sampler(SamplingParams())
     assert s.verify(_rows(3, 1, 4, 7), [3, 1, 4]) == [3, 1, 4, 7]

@@ -500,7 +500,15 @@ class LlamaModel:
         if kernel_attention(batch, kv, layer, heads, q.dtype, la.window):
             tables, meta = batch.kernel_layout(rows)
             o = cuda_attention.attention(
-                q, kv.keys[layer], kv.values[layer], tables, meta, self.scale, la.window, flat=True
+                q,
+                kv.keys[layer],
+                kv.values[layer],
+                tables,
+                meta,
+                self.scale,
+                la.window,
+                flat=True,
+                groups=batch.kernel_groups(),
             )  # [R, heads * head_dim], as the output projection reads it
         else:
             q = q.reshape(rows, heads, d)
@@ -753,9 +761,10 @@ def kernel_attention(
     pass in block ``layer`` (sliding ``window``, 0: none): on MLX's CUDA backend, for a pool of
     the compute ``dtype``, ``heads`` query heads and a pool the kernel takes, every chunk at most
     ``cuda_attention.MAX_QUERIES`` queries, and anything but a lone decode that MLX's SDPA takes
-    unmasked (its fused vector kernel splits the keys over many blocks; the paged kernel's grid
-    is one block per query and key/value head, 8 for a decode of the Llama-3-8B shape, too few
-    to fill a GPU). Longer prefill chunks keep cuDNN (``chunk_attention``). Measured on the H200
+    unmasked (its fused vector kernel; the lone decode was measured against the paged kernel's
+    first design, a block per query and key/value head, 8 for a decode of the Llama-3-8B shape,
+    too few to fill a GPU, and not against the split design since). Longer prefill chunks keep
+    cuDNN (``chunk_attention``). Measured on the H200
     (2026-12-01, Llama-3-8B shape, in-process, pass padding on, one process, medians of 5): the
     warm 24-token chunk 21.8 -> 17.2 ms, a 16-sequence decode step 17.8 -> 14.5 ms (whose
     decodes MLX otherwise attends with a padded gather, a boolean mask and its unfused fallback;
@@ -796,7 +805,7 @@ def chunk_attention(
     if pool_k.dtype == q.dtype and cuda_attention.supported(t, heads, pool_k.shape[1], d, q.dtype):
         rows = q[0].transpose(1, 0, 2)  # [T, heads, head_dim] (the kernel makes it contiguous)
         return cuda_attention.attention(
-            rows, pool_k, pool_v, c.table, c.kernel_rows(), scale, window
+            rows, pool_k, pool_v, c.table, c.kernel_rows(), scale, window, groups=c.kernel_groups()
         )
     keys, values = kv.gather(layer, c.table)
     first, mask = c.attention_mask(window)
