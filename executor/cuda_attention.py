@@ -12,11 +12,12 @@ build; padded into buckets with an additive mask, the shapes were few but cuDNN 
 to build each bucket's plan. ``bench/chunk_attention.py`` times these kernels against cuDNN.
 
 The kernels are compiled once per (dtype, query heads per key head, head dimension, sliding
-window) and take any query count and key length at run time. Each query row names its slot
-table and its position, so one call serves every sequence of a pass: a decode group (which MLX
-otherwise attends with a padded gather, a boolean mask and its unfused fallback, since cuDNN and
-its vector kernel refuse array masks), prompt suffixes and verifications, and the zero rows that
-pad the pass to its row bucket. They read keys and values straight from the paged pool through
+window, and for the split kernel the queries a block holds: 1, 2, 4 or 8, or fewer where they do
+not fit; serving's warm-up meets each) and take any query count and key length at run time.
+Each query row names its slot table and its position, so one call serves every sequence of a
+pass: a decode group (which MLX otherwise attends with a padded gather, a boolean mask and its
+unfused fallback, since cuDNN and its vector kernel refuse array masks), prompt suffixes and
+verifications, and the zero rows that pad the pass to its row bucket. They read keys and values straight from the paged pool through
 the slot tables (no gathered copy), and write the output in the ``[R, heads, head_dim]`` layout
 the output projection reads. In a serving pass, see ``executor.models.llama.kernel_attention``.
 
@@ -36,8 +37,13 @@ Flash-decoding in two kernels (Dao et al., "Flash-Decoding for long-context infe
 A query's arithmetic depends only on its own position and keys: tiles and splits sit at fixed
 key positions (multiples of 32 and ``SPLIT_KEYS``), a warp walks its tiles in order, and a key
 its query does not see adds no operation. Outputs are deterministic, and a query's output is the
-same bit for bit alone, in any group and in any pass (batch invariance). The groups only decide
-which queries share the copies of keys into shared memory.
+same bit for bit alone, in any group and in any pass (batch invariance): the builds for 1 and 8
+queries a block gave equal outputs on the H200 (``tests/test_chunk_attention.py``). The groups
+only decide which queries share the copies of keys into shared memory.
+
+The split kernel's float32 scratch holds ``head_dim + 2`` floats per row, query head and split of
+the longest sequence's table, whatever each row's own length: :func:`fits` bounds it
+(``MAX_SCRATCH_BYTES``), and callers attend larger passes otherwise.
 
 Before this design (one block per query and key/value head, each warp reading its keys straight
 from the pool), a warm 24-token pass of the Llama-3-8B shape spent 74 us a layer here, 2.36 ms
@@ -84,6 +90,10 @@ h200.json``): as fast or faster in every case timed."""
 
 SPLIT_KEYS = TILES * 32
 """Keys per split (blocks per query and key/value head: its keys / ``SPLIT_KEYS``)."""
+
+MAX_SCRATCH_BYTES = 256 * 1024 * 1024
+"""Most bytes of a call's split scratch (:func:`scratch_bytes`): 64 decodes beside one sequence
+of 8,000 tokens (Llama-3-8B heads) need 134 MB; 256 beside 32,000 would need 2.1 GB."""
 
 SMEM_BYTES = 46 * 1024
 """Shared memory a block may use (under the 48 KiB of a static allocation): the scaled queries
@@ -395,6 +405,17 @@ def _block_queries(group: int, head_dim: int) -> int:
     return max(1, min(GROUP_QUERIES, room))
 
 
+def scratch_bytes(rows: int, heads: int, width: int, head_dim: int) -> int:
+    """Bytes of the split kernel's float32 scratch for ``rows`` query rows of ``heads`` heads
+    over tables of ``width`` slots: partial outputs and their max and sum per split."""
+    return 4 * rows * heads * -(-width // SPLIT_KEYS) * (head_dim + 2)
+
+
+def fits(rows: int, heads: int, width: int, head_dim: int) -> bool:
+    """Whether a call's scratch stays within ``MAX_SCRATCH_BYTES``."""
+    return scratch_bytes(rows, heads, width, head_dim) <= MAX_SCRATCH_BYTES
+
+
 def supported(queries: int, heads: int, kv_heads: int, head_dim: int, dtype: mx.Dtype) -> bool:
     """Whether :func:`attention` takes a chunk of ``queries`` queries with these heads and
     ``dtype`` on this process's backend (MLX CUDA, 1..``MAX_QUERIES`` queries, 16-bit floats,
@@ -449,9 +470,11 @@ def attention(
 
     Raises:
         ValueError: a shape or dtype :func:`supported` refuses (R is not limited here: the
-            limit on a chunk's queries is the caller's choice of kernel), or a malformed
-            ``tables``/``rows``/``groups``. Positions and groups are not checked against ``W``
-            and the tables (that would cost a device sync): the caller builds them.
+            limit on a chunk's queries is the caller's choice of kernel), no query rows, an
+            empty or malformed ``tables``, or malformed ``rows``/``groups``. Positions and
+            groups are not checked against ``W`` and the tables (that would cost a device
+            sync): the caller builds them, groups by :func:`query_groups` (a group whose rows
+            are of two sequences, or larger than ``largest``, gives wrong rows).
     """
     if groups is None:
         groups = _single(q.shape[0] if q.ndim else 0)
@@ -511,7 +534,10 @@ def _prepare(
         or values.shape != keys.shape
         or values.dtype != q.dtype
         or keys.shape[2] != d
+        or r < 1
         or tables.ndim != 2
+        or tables.shape[0] < 1
+        or tables.shape[1] < 1
         or tables.dtype != mx.int32
         or rows.shape != (r, 2)
         or rows.dtype != mx.int32
@@ -526,7 +552,8 @@ def _prepare(
             f"{keys.dtype}, tables {tuple(tables.shape)} {tables.dtype}, rows "
             f"{tuple(rows.shape)} {rows.dtype}, groups {tuple(g.shape)} {g.dtype} of at most "
             f"{groups.largest} rows are not handled here (MLX CUDA, head_dim in {HEAD_DIMS}, "
-            f"16-bit floats, int32 tables [S, W], rows [R, 2] and groups [NG, 2] of 1.."
+            f"16-bit floats, R >= 1 query rows, int32 tables [S >= 1, W >= 1], rows [R, 2] and "
+            f"groups [NG, 2] of 1.."
             f"{GROUP_QUERIES} rows); use mx.fast.scaled_dot_product_attention"
         )
     group = heads // kv_heads

@@ -1233,6 +1233,11 @@ def http_bench(
         raise StrataError(f"--prefix-tokens {prefix_tokens}: give a token count, or 0 to skip")
     if prefix_trials is not None and prefix_trials < 1:
         raise StrataError(f"--prefix-trials {prefix_trials}: give at least 1 cold/warm pair")
+    if prefix_trials is not None and not prefix_tokens:
+        raise StrataError(
+            "--prefix-trials applies to the prefix-cache test: drop it, or give "
+            "--prefix-tokens above 0"
+        )
     levels = sorted({1, *concurrency})
     per_level = requests_per_level(levels, requests)
     if near_tie_gap is not None and near_tie_gap < 0:

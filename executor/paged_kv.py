@@ -35,6 +35,7 @@ in the batch and however the scheduler cut the prompt, provided chunks end on mu
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 
 import mlx.core as mx
@@ -354,7 +355,7 @@ class ForwardBatch:
         if rows not in self._layouts:
             self._check_rows(rows)
             n = self.num_tokens
-            width = max(width, *(len(t) for t in self.seq_slots))
+            width = max(width, self.table_width)
             tables = np.zeros((len(self.seq_slots), width), dtype=np.int32)
             for i, t in enumerate(self.seq_slots):
                 tables[i, : len(t)] = t
@@ -362,6 +363,11 @@ class ForwardBatch:
             meta[:n, 0], meta[:n, 1] = self.row_inputs, self.row_positions
             self._layouts[rows] = (mx.array(tables), mx.array(meta))
         return self._layouts[rows]
+
+    @functools.cached_property
+    def table_width(self) -> int:
+        """Slots of the longest input's table (``kernel_layout``'s W without a ``width``)."""
+        return max(len(t) for t in self.seq_slots)
 
     def kernel_groups(self) -> cuda_attention.QueryGroups:
         """The pass's query rows in groups of one input's consecutive rows, as

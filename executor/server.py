@@ -1134,7 +1134,8 @@ async def chat_completions(request: Request) -> Response:
             param="messages",
         )
     messages = [m.for_template() for m in body.messages]
-    chars = sum(len(str(m.get("content") or "")) for m in messages)
+    # the template's text per message counts too: many tiny messages are a long render
+    chars = sum(len(str(m.get("content") or "")) + 64 for m in messages)
     try:
         ids = await _tokenize(chars, messages_to_ids, tok, messages)
     except StrataError as e:  # ChatError, or a TokenizerError

@@ -449,7 +449,9 @@ class ServingEngine:
         them out (the batch-invariant tile included): passes of 1, 2, 4, ... tokens in every
         bucket of ``executor.ops.bucket_rows`` up to the plan's ``max_num_batched_tokens`` (and
         the KV pool), as prefill chunks of at most ``cuda_attention.MAX_QUERIES`` tokens (the
-        attention kernel's, which builds nothing per shape), then decode groups of 2, 4, ...
+        attention kernel's, which builds nothing per key length and one split kernel per
+        queries a block holds: chunks of 2, 4 and 8 tokens and the decode groups meet each),
+        then decode groups of 2, 4, ...
         sequences of different lengths up to ``max_num_seqs`` (the output head at those row
         counts). They write KV slots of free blocks only and touch neither the block pool nor
         the prefix cache."""

@@ -631,7 +631,7 @@ def _mma_figures(backend: str, shape, dtype_name: str, repeats: int) -> dict:
     return {"mma_matmul_min_rows": lo, "mma_matmul_max_rows": hi}
 
 
-MMA_ROWS = (2, 4, 8, 16, 32, 64)
+MMA_ROWS = (2, 4, 8, 16, 24, 32, 64)
 """Row counts :func:`measure_mma_rows` times: the bucketed row counts (``executor.ops.bucket_rows``)
 of decode batches and short chunks that Strata's tensor-core kernel takes (at most
 ``executor.cuda_mma.MAX_ROWS``)."""

@@ -46,7 +46,7 @@ CASES = [
     (4, 1, 24, 992, 600, 256),  # Gemma-3's head size with a window inside the prefix
     (16, 2, 64, 130, 0, 96),
     (2, 1, 1, 70, 16, 64),  # one query
-    (8, 1, 7, 40, 4, 256),  # a window shorter than the chunk; 4 warps (their sums fill smem)
+    (8, 1, 7, 40, 4, 256),  # a window shorter than the chunk; a block holds one query of 7
 ]
 
 
@@ -177,6 +177,8 @@ def test_query_groups_hold_consecutive_rows_of_one_input():
         (mx.float16, mx.float16, mx.zeros((5,), mx.int32), mx.zeros((4, 2), mx.int32), "1-D"),
         (mx.float16, mx.float16, mx.zeros((1, 5), mx.int64), mx.zeros((4, 2), mx.int32), "i64"),
         (mx.float16, mx.float16, mx.zeros((1, 5), mx.int32), mx.zeros((3, 2), mx.int32), "rows"),
+        (mx.float16, mx.float16, mx.zeros((1, 0), mx.int32), mx.zeros((4, 2), mx.int32), "W=0"),
+        (mx.float16, mx.float16, mx.zeros((0, 5), mx.int32), mx.zeros((4, 2), mx.int32), "S=0"),
     ],
 )
 def test_paged_kernel_refuses_what_it_cannot_take(
@@ -189,6 +191,41 @@ def test_paged_kernel_refuses_what_it_cannot_take(
     pool = mx.zeros((10, 2, 64), dtype=pool_dtype)
     with pytest.raises(ValueError, match="not handled here"):
         cuda_attention.attention(q, pool, pool, tables, rows, 0.125)
+
+
+@pytest.mark.parametrize(
+    ("groups", "why"),
+    [
+        (cuda_attention.QueryGroups(mx.zeros((2, 2), mx.int64), 1), "int64"),
+        (cuda_attention.QueryGroups(mx.zeros((2, 3), mx.int32), 1), "3 columns"),
+        (cuda_attention.QueryGroups(mx.zeros((0, 2), mx.int32), 1), "no group"),
+        (cuda_attention.QueryGroups(mx.zeros((2, 2), mx.int32), 0), "largest 0"),
+        (cuda_attention.QueryGroups(mx.zeros((2, 2), mx.int32), 9), "largest 9"),
+    ],
+)
+def test_paged_kernel_refuses_malformed_groups(groups, why, monkeypatch):
+    monkeypatch.setattr(mx.cuda, "is_available", lambda: True)
+    q, pool = mx.zeros((4, 4, 64), dtype=mx.float16), mx.zeros((10, 2, 64), dtype=mx.float16)
+    tables, rows = mx.zeros((1, 5), mx.int32), mx.zeros((4, 2), mx.int32)
+    with pytest.raises(ValueError, match="not handled here"):
+        cuda_attention.attention(q, pool, pool, tables, rows, 0.125, groups=groups)
+    with pytest.raises(ValueError, match="not handled here"):  # and a call without rows
+        cuda_attention.attention(q[:0], pool, pool, tables, rows[:0], 0.125)
+
+
+def test_a_pass_whose_scratch_is_too_large_takes_the_per_chunk_path(monkeypatch):
+    """``kernel_attention`` declines a pass whose split scratch (rows x heads x splits of the
+    longest table x (head_dim + 2) floats) exceeds ``MAX_SCRATCH_BYTES``."""
+    from executor.models.llama import kernel_attention
+
+    monkeypatch.setattr(mx.cuda, "is_available", lambda: True)
+    batch, kv, _, _ = _pass_case(mx.float16, 0)
+    need = cuda_attention.scratch_bytes(16, 8, 91, 128)  # 10 tokens in a bucket of 16; W 91
+    assert need == 4 * 16 * 8 * 2 * 130 and batch.table_width == 91
+    monkeypatch.setattr(cuda_attention, "MAX_SCRATCH_BYTES", need)
+    assert kernel_attention(batch, kv, 0, 8, mx.float16)
+    monkeypatch.setattr(cuda_attention, "MAX_SCRATCH_BYTES", need - 1)
+    assert not kernel_attention(batch, kv, 0, 8, mx.float16)
 
 
 # A pass whose inputs are not in row order: a 5-token suffix after 40 cached tokens, three

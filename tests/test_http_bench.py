@@ -199,6 +199,7 @@ def test_argument_errors(capsys, tmp_path, extra, words):
         (["--prefix-tokens", "8"], ["below the plan's KV block size", "0 to skip"]),
         (["--prefix-tokens", "-1"], ["--prefix-tokens -1"]),
         (["--prefix-trials", "0"], ["--prefix-trials 0", "at least 1"]),
+        (["--prefix-tokens", "0", "--prefix-trials", "2"], ["--prefix-trials applies"]),
     ],
 )
 def test_workload_must_fit_the_plan(capsys, serving_plan, extra, words):

@@ -124,6 +124,22 @@ def test_layout_key_pads_the_table_width():
     assert keys[0] == keys[1] == keys[2] != keys[3]
 
 
+def test_layout_key_tells_apart_passes_grouped_differently():
+    """The attention kernel's launch depends on the number of query groups and the largest
+    (``executor.cuda_attention``): passes of the same tokens and sequences whose chunks group
+    differently get their own graphs; those that group alike share one (the groups enter as
+    an array)."""
+    slots = np.arange(64, dtype=np.int32)
+
+    def key(a: int, b: int) -> tuple:
+        batch = ForwardBatch.build([SeqInput([1] * a, 20, slots), SeqInput([2] * b, 30, slots)])
+        return pass_graph.layout_key(batch, 16, pass_graph.table_width(batch))
+
+    assert key(9, 3) != key(6, 6)  # groups 8 + 1 + 3 against 6 + 6
+    assert key(9, 3)[-2:] == (3, 8) and key(6, 6)[-2:] == (2, 6)
+    assert key(5, 7) == key(7, 5)
+
+
 def test_a_pass_that_cannot_be_traced_runs_eagerly(models, tmp_path, monkeypatch, capsys):
     """Tracing that raises (an operation ``mx.compile`` refuses) turns compiled passes off for
     the KV cache, with one warning: the same logits, KV pool and bytes read as eager passes."""

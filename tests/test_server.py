@@ -820,3 +820,25 @@ def test_engine_errors_and_missing_template(tokenizer):
         big = {"model": "m", "prompt": "x" * (17 << 20)}
         error_of(client.post("/v1/completions", json=big), 413, "MiB")
     assert engine.aborted == []  # errors end requests in the engine already: nothing to abort
+
+
+def test_short_prompts_are_tokenized_on_the_event_loop(monkeypatch):
+    """Up to ``INLINE_TOKENIZE_CHARS`` characters the prompt is encoded in the calling task
+    (a worker-thread round trip costs a prefix-cache hit's TTFT); longer ones in a worker
+    thread, so that the loop keeps serving other streams."""
+    import asyncio
+
+    import executor.server as server
+
+    hops = []
+
+    async def threadpool(fn, *args):
+        hops.append(len(args[0]))
+        return fn(*args)
+
+    monkeypatch.setattr(server, "run_in_threadpool", threadpool)
+    limit = server.INLINE_TOKENIZE_CHARS
+    for n in (10, limit, limit + 1):
+        got = asyncio.run(server._tokenize(n, lambda text: [len(text)], "x" * n))
+        assert got == [n]
+    assert hops == [limit + 1]

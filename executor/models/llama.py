@@ -760,7 +760,8 @@ def kernel_attention(
     """Whether one call of Strata's paged kernel (``executor.cuda_attention``) attends the whole
     pass in block ``layer`` (sliding ``window``, 0: none): on MLX's CUDA backend, for a pool of
     the compute ``dtype``, ``heads`` query heads and a pool the kernel takes, every chunk at most
-    ``cuda_attention.MAX_QUERIES`` queries, and anything but a lone decode that MLX's SDPA takes
+    ``cuda_attention.MAX_QUERIES`` queries, its scratch within ``cuda_attention.fits`` (a pass
+    too large takes the per-chunk path), and anything but a lone decode that MLX's SDPA takes
     unmasked (its fused vector kernel; the lone decode was measured against the paged kernel's
     first design, a block per query and key/value head, 8 for a decode of the Llama-3-8B shape,
     too few to fill a GPU, and not against the split design since). Longer prefill chunks keep
@@ -776,6 +777,9 @@ def kernel_attention(
         pool.dtype == dtype
         and all(c.length <= cuda_attention.MAX_QUERIES for c in batch.chunks)
         and cuda_attention.supported(1, heads, pool.shape[1], pool.shape[2], dtype)
+        and cuda_attention.fits(
+            bucket_rows(batch.num_tokens), heads, batch.table_width, pool.shape[2]
+        )
     )
 
 
@@ -802,7 +806,11 @@ def chunk_attention(
     and ``mx.fast.scaled_dot_product_attention`` runs with ``Chunk.attention_mask``."""
     _, heads, t, d = q.shape
     pool_k, pool_v = kv.keys[layer], kv.values[layer]
-    if pool_k.dtype == q.dtype and cuda_attention.supported(t, heads, pool_k.shape[1], d, q.dtype):
+    if (
+        pool_k.dtype == q.dtype
+        and cuda_attention.supported(t, heads, pool_k.shape[1], d, q.dtype)
+        and cuda_attention.fits(t, heads, c.start + c.length, d)
+    ):
         rows = q[0].transpose(1, 0, 2)  # [T, heads, head_dim] (the kernel makes it contiguous)
         return cuda_attention.attention(
             rows, pool_k, pool_v, c.table, c.kernel_rows(), scale, window, groups=c.kernel_groups()
