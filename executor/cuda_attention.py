@@ -17,9 +17,10 @@ not fit; serving's warm-up meets each) and take any query count and key length a
 Each query row names its slot table and its position, so one call serves every sequence of a
 pass: a decode group (which MLX otherwise attends with a padded gather, a boolean mask and its
 unfused fallback, since cuDNN and its vector kernel refuse array masks), prompt suffixes and
-verifications, and the zero rows that pad the pass to its row bucket. They read keys and values straight from the paged pool through
-the slot tables (no gathered copy), and write the output in the ``[R, heads, head_dim]`` layout
-the output projection reads. In a serving pass, see ``executor.models.llama.kernel_attention``.
+verifications, and the zero rows that pad the pass to its row bucket. They read keys and
+values straight from the paged pool through the slot tables (no gathered copy), and write the
+output in the ``[R, heads, head_dim]`` layout the output projection reads. In a serving pass,
+see ``executor.models.llama.kernel_attention``.
 
 Flash-decoding in two kernels (Dao et al., "Flash-Decoding for long-context inference", 2023):
 
