@@ -151,8 +151,8 @@ def query_groups(inputs: np.ndarray, positions: np.ndarray) -> QueryGroups:
 
 @functools.cache
 def _single(rows: int) -> QueryGroups:
-    """Every row its own group (:func:`attention` without groups)."""
-    rows = max(rows, 1)
+    """Every row its own group (:func:`attention` without groups; no rows: no group, which
+    ``_prepare`` refuses)."""
     groups = np.stack([np.arange(rows), np.ones(rows)], axis=1).astype(np.int32)
     return QueryGroups(mx.array(groups), 1)
 
@@ -554,8 +554,7 @@ def _prepare(
             f"{tuple(rows.shape)} {rows.dtype}, groups {tuple(g.shape)} {g.dtype} of at most "
             f"{groups.largest} rows are not handled here (MLX CUDA, head_dim in {HEAD_DIMS}, "
             f"16-bit floats, R >= 1 query rows, int32 tables [S >= 1, W >= 1], rows [R, 2] and "
-            f"groups [NG, 2] of 1.."
-            f"{GROUP_QUERIES} rows); use mx.fast.scaled_dot_product_attention"
+            f"groups [NG, 2] of 1..{GROUP_QUERIES} rows); use mx.fast.scaled_dot_product_attention"
         )
     group = heads // kv_heads
     fit = _block_queries(group, d)
@@ -585,7 +584,7 @@ def _prepare(
     elements = r * heads * d
     combine = {
         "template": [("T", q.dtype), ("D", d), ("WINDOW", int(window)), ("TILES", TILES)],
-        "grid": (max(1, -(-elements // threads)) * threads, 1, 1),
+        "grid": (-(-elements // threads) * threads, 1, 1),
         "threadgroup": (threads, 1, 1),
         "output_shapes": [(r, heads * d) if flat else (r, heads, d)],
     }

@@ -209,8 +209,15 @@ def test_paged_kernel_refuses_malformed_groups(groups, why, monkeypatch):
     tables, rows = mx.zeros((1, 5), mx.int32), mx.zeros((4, 2), mx.int32)
     with pytest.raises(ValueError, match="not handled here"):
         cuda_attention.attention(q, pool, pool, tables, rows, 0.125, groups=groups)
-    with pytest.raises(ValueError, match="not handled here"):  # and a call without rows
-        cuda_attention.attention(q[:0], pool, pool, tables, rows[:0], 0.125)
+
+
+def test_paged_kernel_refuses_a_call_without_rows(monkeypatch):
+    monkeypatch.setattr(mx.cuda, "is_available", lambda: True)
+    q, pool = mx.zeros((0, 4, 64), dtype=mx.float16), mx.zeros((10, 2, 64), dtype=mx.float16)
+    with pytest.raises(ValueError, match="R >= 1 query rows"):
+        cuda_attention.attention(
+            q, pool, pool, mx.zeros((1, 5), mx.int32), mx.zeros((0, 2), mx.int32), 0.125
+        )
 
 
 def test_a_pass_whose_scratch_is_too_large_takes_the_per_chunk_path(monkeypatch):
