@@ -12,8 +12,8 @@ build; padded into buckets with an additive mask, the shapes were few but cuDNN 
 to build each bucket's plan. ``bench/chunk_attention.py`` times these kernels against cuDNN.
 
 The kernels are compiled once per (dtype, query heads per key head, head dimension, sliding
-window, and for the split kernel the queries a block holds: 1, 2, 4 or 8, or fewer where they do
-not fit; serving's warm-up meets each) and take any query count and key length at run time.
+window, and for the split kernel the queries a block holds: 1, 2, 4 or 8; serving's warm-up
+meets each) and take any query count and key length at run time.
 Each query row names its slot table and its position, so one call serves every sequence of a
 pass: a decode group (which MLX otherwise attends with a padded gather, a boolean mask and its
 unfused fallback, since cuDNN and its vector kernel refuse array masks), prompt suffixes and
@@ -26,38 +26,42 @@ Flash-decoding in two kernels (Dao et al., "Flash-Decoding for long-context infe
 
 - **split**: a block owns a group of up to ``QT`` queries of one sequence (:func:`query_groups`:
   a chunk's rows, 8 at a time; a decode is a group of one), one key/value head and one split of
-  ``SPLIT_KEYS`` keys. Tile by tile (32 keys), the block copies the keys and values its queries
-  see into shared memory, coalesced and once for all of them (grouped-query attention: once for
-  the query heads that share the key head too); then each warp, one query, gives each lane one
-  key: its scores for the group's heads (float32, against the scaled queries in shared memory),
-  a running max and sum per head (online softmax), then the values of the keys it sees, each
-  lane owning ``head_dim / 32`` output dimensions. The split's unnormalized output, max and sum
-  go to float32 scratch.
+  ``SPLIT_KEYS`` keys. Its query rows are the group's queries times the heads that share the
+  key/value head (grouped-query attention), 16 rows per warp: one tensor-core tile. Tile by
+  tile (32 keys), the block copies the keys and values its queries see into shared memory,
+  coalesced and once for all of them; then each warp takes its rows' scores on tensor cores
+  (PTX ``mma.sync.m16n8k16``: 16-bit queries and keys, float32 sums; the queries' fragments
+  stay in registers), scales and masks them, keeps a running max and sum per row (online
+  softmax, Milakov and Gimelshein 2018), rounds the weights to the 16-bit type and multiplies
+  them by the values on tensor cores too (the values' fragments by ``ldmatrix.trans``), as
+  FlashAttention-2 does (Dao 2023). The split's unnormalized output, max and sum go to float32
+  scratch.
 - **combine**: each output element adds its query's splits in split order.
 
 A query's arithmetic depends only on its own position and keys: tiles and splits sit at fixed
-key positions (multiples of 32 and ``SPLIT_KEYS``), a warp walks its tiles in order, and a key
-its query does not see adds no operation. Outputs are deterministic, and a query's output is the
-same bit for bit alone, in any group and in any pass (batch invariance): the builds for 1 and 8
-queries a block gave equal outputs on the H200 (``tests/test_chunk_attention.py``). The groups
-only decide which queries share the copies of keys into shared memory.
+key positions (multiples of 32 and ``SPLIT_KEYS``), a warp walks its tiles in order, a tensor-core
+product's row depends on that row's inputs alone, and a tile with no key a row sees leaves the
+row as it was (weights of zero, a factor of one). Outputs are deterministic, and a query's output
+is the same bit for bit alone, in any group and in any pass (batch invariance): on the H200 a
+query alone and in a group of 8 gave equal outputs (``tests/test_chunk_attention.py``). The
+groups only decide which queries share a block's copies of keys and its tensor-core tiles.
 
 The split kernel's float32 scratch holds ``head_dim + 2`` floats per row, query head and split of
 the longest sequence's table, whatever each row's own length: :func:`fits` bounds it
 (``MAX_SCRATCH_BYTES``), and callers attend larger passes otherwise.
 
-Before this design (one block per query and key/value head, each warp reading its keys straight
-from the pool), a warm 24-token pass of the Llama-3-8B shape spent 74 us a layer here, 2.36 ms
-of its 8.61 ms of kernel time (Nsight Compute, H200, 2026-12-02, ``bench/pass_kernels.py``,
-each kernel alone with emptied caches): the blocks of each of the 24 queries read all of the
-sequence's keys and values, and each of a warp's key loads touched 32 cache lines. With it, the
-same pass spent 2.06 ms (split 1.78, combine 0.28; ``bench/results/2026-12-02.pass-kernels-split.
-h200.llama3-8b-shape.json``). Per call in a chain of 100, wall clock, old kernel against these
-(``bench/results/2026-12-02.attention-split-ab.h200.json``, 8B heads): 24 queries by 1,016 keys
-77.6 / 66.1 us, 64 by 2,000 219.1 / 176.1, 16 decodes of about 1,016 keys 75.9 / 80.5, 5 by
-1,016 54.5 / 59.4, 2 by 300 32.9 / 41.9: the split's gain is in chunks of many queries, and a
-short call pays for the second kernel. Without asynchronous copies a block of one warp (a
-decode) waited for each round of its loads in turn: 16 decodes took 134 us.
+History, measured on the lent H200 (8B heads: 32 query heads, 8 key/value heads of 128; per call
+in a chain of 100 dependent calls, wall clock, so each call also pays MLX's cost of launching
+two kernels, about 35 us by the shortest case). One block per query and key/value head, each
+warp reading keys straight from the pool: a warm 24-token pass spent 2.36 ms of its 8.61 ms of
+kernel time here (Nsight Compute, 2026-12-02, ``bench/pass_kernels.py``). The split design with
+CUDA-core arithmetic (one warp per query, each lane one key; every warp converted the tile's
+16-bit keys and values to float32 itself): 2.06 ms of 7.18 (split 1.78, combine 0.28;
+``bench/results/2026-12-02.pass-kernels-split.h200.llama3-8b-shape.json``). These tensor-core
+splits against it, same machine, two runs each (``bench/results/2026-12-02.attention-tc-ab.h200.
+json``; outputs within 6.1e-5 of each other): 24 queries by 1,016 keys 72.9-77.3 / 62.9-64.8 us,
+64 by 2,000 178.9-179.3 / 78.4-79.0, 16 decodes of about 1,016 keys 74.3-74.4 / 65.1-66.0, 5 by
+1,016 58.7-67.7 / 59.8-61.2, 2 by 300 39.9-40.4 / 36.6-38.5.
 
 A query at position p sees keys ``j <= p`` of its table (and ``p - j < window`` with a sliding
 window): for a chunk, MLX's bottom-right causal mask.
@@ -78,8 +82,9 @@ __all__ = ["GROUP_QUERIES", "MAX_QUERIES", "QueryGroups", "attention", "query_gr
 MAX_QUERIES = 64
 """Most queries of a chunk this kernel takes; longer chunks (prefill) keep cuDNN's flash kernel,
 whose tensor cores win there (64 queries by 2,000 keys, 8B shape: 230 us here, 108 us for cuDNN
-once its plan is built, with the kernel before the split design) and whose per-shape plan is paid
-once per prompt chunk."""
+once its plan is built, with the kernel before the split design; 79 us for the tensor-core splits,
+in a chain of calls: a longer chunk may gain here too, unmeasured) and whose per-shape plan is
+paid once per prompt chunk."""
 
 GROUP_QUERIES = 8
 """Most queries of one sequence that share a block's copies of keys (:func:`query_groups`)."""
@@ -97,15 +102,16 @@ MAX_SCRATCH_BYTES = 256 * 1024 * 1024
 of 8,000 tokens (Llama-3-8B heads) need 134 MB; 256 beside 32,000 would need 2.1 GB."""
 
 SMEM_BYTES = 46 * 1024
-"""Shared memory a block may use (under the 48 KiB of a static allocation): the scaled queries
-and one tile of keys and values (:func:`_smem_bytes`)."""
+"""Shared memory a block may use (under the 48 KiB of a static allocation): one tile of keys and
+values (:func:`_smem_bytes`; the queries stay in registers)."""
 
 HEAD_DIMS = (64, 96, 128, 256)
 """Head dimensions handled (multiples of 32: each lane owns ``head_dim / 32`` output dimensions;
 multiples of 8: keys are copied in 16-byte vectors)."""
 
 MAX_GROUP = 8
-"""Most query heads per key/value head (their scores and sums live in registers)."""
+"""Most query heads per key/value head (a block's ``GROUP_QUERIES`` queries then make 64 rows:
+four warps, each holding its rows' output sums in registers)."""
 
 DTYPES = (mx.float16, mx.bfloat16)
 
@@ -158,9 +164,9 @@ def _single(rows: int) -> QueryGroups:
 
 
 _SOURCE = r"""
-    constexpr int E = D / 32;                    // output dimensions per lane
-    constexpr int KS = D + 8;                    // a key's row in shared memory: see below
+    constexpr int ROWS = QT * G;                 // query rows of a block: QT queries x G heads
     constexpr int SPLIT = TILES * 32;
+    constexpr int KS = D + 8;                    // a key's row in shared memory: see below
     const int HEADS = q_shape[1];
     const int KVH = kp_shape[1];
     const int W = tables_shape[1];
@@ -169,7 +175,7 @@ _SOURCE = r"""
     int b = blockIdx.x;
     const int s = b % NS;
     b /= NS;
-    const int g = b % KVH;
+    const int kvh = b % KVH;
     b /= KVH;
     const int pieces = gridDim.x / (NG * KVH * NS);
     const int r0 = groups[2 * (b / pieces)] + (b % pieces) * QT;
@@ -177,6 +183,7 @@ _SOURCE = r"""
     if (nq <= 0) return;
     const int warp = threadIdx.x / 32;
     const int lane = threadIdx.x % 32;
+    const int gq = lane >> 2, t = lane & 3;      // mma fragment coordinates
 
     // The keys any query of the block sees in this split (the whole block returns, or none).
     int lo = 0x7fffffff, hi = -1;
@@ -192,126 +199,157 @@ _SOURCE = r"""
     if (klo > khi) return;
     const int* table = tables + (size_t)rows[2 * r0] * W;   // the group's: one sequence
 
-    // This warp's query (row r0 + warp) and the keys mf..ml it sees in this split.
-    const int r = r0 + warp;
-    const int pos = warp < nq ? rows[2 * r + 1] : -1;
-    const int mf = max(k0, WINDOW > 0 ? max(0, pos - WINDOW + 1) : 0);
-    const int ml = min(pos, k0 + SPLIT - 1);
-    const bool active = pos >= 0 && mf <= ml;
-
-    __shared__ __align__(16) float qs[QT][G][D];
-    // Key rows padded by 16 bytes: a quarter-warp's 16-byte reads of 8 lanes' keys land on
-    // distinct banks (a row of D halfs would put them all on the same four).
-    __shared__ __align__(16) T ks[32][KS];
-    __shared__ __align__(16) T vs[32][D];
-    const float scale = scale_in[0];
-    if (active) {
-        for (int i = lane; i < G * D; i += 32) {
-            const int h = i / D, d = i % D;
-            qs[warp][h][d] = static_cast<float>(q[((size_t)r * HEADS + g * G + h) * D + d]) * scale;
+    // This lane's two rows of the warp's 16 (row = query * G + head): gq and gq + 8. Each
+    // sees keys mf..ml of this split; its query's a-fragments (16-bit pairs) stay in registers.
+    int mf[2], ml[2], head[2], query[2];
+    bool live[2];
+    uint32_t qa[D / 16][4];
+    #pragma unroll
+    for (int h = 0; h < 2; ++h) {
+        const int row = 16 * warp + gq + 8 * h;
+        query[h] = row / G;
+        head[h] = kvh * G + row % G;
+        const int pos = row < ROWS && query[h] < nq ? rows[2 * (r0 + query[h]) + 1] : -1;
+        mf[h] = max(k0, WINDOW > 0 ? max(0, pos - WINDOW + 1) : 0);
+        ml[h] = min(pos, k0 + SPLIT - 1);
+        live[h] = pos >= 0 && mf[h] <= ml[h];
+        const uint32_t* qw = reinterpret_cast<const uint32_t*>(
+            q + ((size_t)(r0 + query[h]) * HEADS + head[h]) * D);
+        #pragma unroll
+        for (int kk = 0; kk < D / 16; ++kk) {
+            qa[kk][h] = pos >= 0 ? qw[8 * kk + t] : 0u;          // columns 2t, 2t + 1
+            qa[kk][2 + h] = pos >= 0 ? qw[8 * kk + 4 + t] : 0u;  // columns 2t + 8, 2t + 9
         }
     }
+    const bool wlive = __any_sync(0xffffffffu, live[0] || live[1]);
 
-    float m[G], l[G], acc[G][E];
+    float o[D / 8][4], m[2], l[2];
     #pragma unroll
-    for (int h = 0; h < G; ++h) {
+    for (int n = 0; n < D / 8; ++n)
+        #pragma unroll
+        for (int e = 0; e < 4; ++e) o[n][e] = 0.0f;
+    #pragma unroll
+    for (int h = 0; h < 2; ++h) {
         m[h] = -INFINITY;
         l[h] = 0.0f;
-        #pragma unroll
-        for (int e = 0; e < E; ++e) acc[h][e] = 0.0f;
     }
+    const float scale = scale_in[0];
+    const T* tag = nullptr;
 
+    // Key rows padded by 16 bytes: the 8 rows of an ldmatrix (and the 8 keys of a b-fragment's
+    // loads) then start on distinct banks.
+    __shared__ __align__(16) T ks[32][KS];
+    __shared__ __align__(16) T vs[32][KS];
     const size_t stride = (size_t)KVH * D;       // elements per KV slot
     for (int kb = klo & ~31; kb <= khi; kb += 32) {
         // The tile's keys and values into shared memory, 16 bytes a thread per copy: a key's
         // D / 8 vectors are copied by neighbouring threads (coalesced), once for the block's
-        // queries, all copies in flight together (asynchronous copies on sm_80 and later: a
-        // block of one warp otherwise waits for each of its 32 rounds of loads in turn). Keys
-        // no query of the block sees are not copied, and never read.
+        // queries, all copies in flight together (asynchronous copies on sm_80 and later). Keys
+        // no query of the block sees are zeros: their scores are masked, and a zero value
+        // times a zero weight adds nothing (a stale value could be a NaN).
         for (int i = threadIdx.x; i < 32 * (D / 8); i += blockDim.x) {
             const int key = i / (D / 8), c = i % (D / 8);
             const int j = kb + key;
             if (j >= klo && j <= khi) {
-                const size_t off = (size_t)table[j] * stride + g * D + c * 8;
+                const size_t off = (size_t)table[j] * stride + kvh * D + c * 8;
                 strata_copy16(&ks[key][c * 8], kp + off);
                 strata_copy16(&vs[key][c * 8], vp + off);
+            } else {
+                *reinterpret_cast<uint4*>(&ks[key][c * 8]) = make_uint4(0u, 0u, 0u, 0u);
+                *reinterpret_cast<uint4*>(&vs[key][c * 8]) = make_uint4(0u, 0u, 0u, 0u);
             }
         }
         strata_copies_wait();
         __syncthreads();
-        if (active && kb <= ml && kb + 31 >= mf) {
-            // One key per lane: its scores for the group's heads, float32.
-            const int j = kb + lane;
-            const bool valid = j >= mf && j <= ml;
-            float sc[G];
+        if (wlive) {
+            // Scores of the tile's 32 keys on tensor cores: sc[n] is the c-fragment of keys
+            // kb + 8n .. + 7 (rows gq and gq + 8, keys 2t and 2t + 1), float32.
+            float sc[4][4];
             #pragma unroll
-            for (int h = 0; h < G; ++h) sc[h] = 0.0f;
-            if (valid) {
-                #pragma unroll 4
-                for (int c = 0; c < D / 8; ++c) {
-                    const uint4 u = *reinterpret_cast<const uint4*>(&ks[lane][c * 8]);
-                    const T* k8 = reinterpret_cast<const T*>(&u);
-                    float kf[8];
-                    #pragma unroll
-                    for (int e = 0; e < 8; ++e) kf[e] = static_cast<float>(k8[e]);
-                    #pragma unroll
-                    for (int h = 0; h < G; ++h) {
-                        const float4 qa = *reinterpret_cast<const float4*>(&qs[warp][h][c * 8]);
-                        const float4 qb = *reinterpret_cast<const float4*>(&qs[warp][h][c * 8 + 4]);
-                        sc[h] += kf[0] * qa.x; sc[h] += kf[1] * qa.y;
-                        sc[h] += kf[2] * qa.z; sc[h] += kf[3] * qa.w;
-                        sc[h] += kf[4] * qb.x; sc[h] += kf[5] * qb.y;
-                        sc[h] += kf[6] * qb.z; sc[h] += kf[7] * qb.w;
-                    }
+            for (int n = 0; n < 4; ++n) {
+                #pragma unroll
+                for (int e = 0; e < 4; ++e) sc[n][e] = 0.0f;
+                const uint32_t* kw = reinterpret_cast<const uint32_t*>(&ks[8 * n + gq][0]);
+                #pragma unroll
+                for (int kk = 0; kk < D / 16; ++kk) {
+                    const uint32_t b0 = kw[8 * kk + t], b1 = kw[8 * kk + 4 + t];
+                    strata_mma(sc[n], make_uint4(qa[kk][0], qa[kk][1], qa[kk][2], qa[kk][3]),
+                               make_uint2(b0, b1), tag);
                 }
             }
-            // Online softmax over the tile (a running max and sum per head); the tile holds a
-            // key this query sees, so the max is finite.
-            float p[G];
+            // Online softmax per row: the tile's max over the row's visible keys (the quad's
+            // four lanes hold the row's 32 scores), then the weights. A row that sees no key
+            // of the tile changes nothing (its weights are zeros, its factor 1).
+            float mt[2] = {-INFINITY, -INFINITY};
             #pragma unroll
-            for (int h = 0; h < G; ++h) {
-                const float x = valid ? sc[h] : -INFINITY;
-                float mt = x;
+            for (int n = 0; n < 4; ++n)
                 #pragma unroll
-                for (int o = 16; o > 0; o >>= 1)
-                    mt = fmaxf(mt, __shfl_xor_sync(0xffffffffu, mt, o));
-                const float mn = fmaxf(m[h], mt);
-                const float corr = expf(m[h] - mn);
-                p[h] = valid ? expf(x - mn) : 0.0f;
-                float ps = p[h];
-                #pragma unroll
-                for (int o = 16; o > 0; o >>= 1) ps += __shfl_xor_sync(0xffffffffu, ps, o);
-                l[h] = l[h] * corr + ps;
-                #pragma unroll
-                for (int e = 0; e < E; ++e) acc[h][e] *= corr;
+                for (int e = 0; e < 4; ++e) {
+                    const int h = e >> 1, j = kb + 8 * n + 2 * t + (e & 1);
+                    const bool seen = live[h] && j >= mf[h] && j <= ml[h];
+                    sc[n][e] = seen ? sc[n][e] * scale : -INFINITY;
+                    mt[h] = fmaxf(mt[h], sc[n][e]);
+                }
+            float corr[2];
+            #pragma unroll
+            for (int h = 0; h < 2; ++h) {
+                mt[h] = fmaxf(mt[h], __shfl_xor_sync(0xffffffffu, mt[h], 1));
+                mt[h] = fmaxf(mt[h], __shfl_xor_sync(0xffffffffu, mt[h], 2));
+                const float mn = fmaxf(m[h], mt[h]);
+                corr[h] = mt[h] == -INFINITY ? 1.0f : expf(m[h] - mn);
                 m[h] = mn;
             }
-            // The values of the keys this query sees, in key order (the same operations
-            // whichever other queries share the block).
-            const int ua = max(mf - kb, 0), ub = min(ml - kb, 31);
-            #pragma unroll 4
-            for (int u = ua; u <= ub; ++u) {
-                float vf[E];
+            float ls[2] = {0.0f, 0.0f};
+            #pragma unroll
+            for (int n = 0; n < 4; ++n)
                 #pragma unroll
-                for (int e = 0; e < E; ++e) vf[e] = static_cast<float>(vs[u][lane * E + e]);
+                for (int e = 0; e < 4; ++e) {
+                    const int h = e >> 1;
+                    sc[n][e] = sc[n][e] == -INFINITY ? 0.0f : expf(sc[n][e] - m[h]);
+                    ls[h] += sc[n][e];
+                }
+            #pragma unroll
+            for (int h = 0; h < 2; ++h) l[h] = l[h] * corr[h] + ls[h];
+            #pragma unroll
+            for (int n = 0; n < D / 8; ++n) {
+                o[n][0] *= corr[0]; o[n][1] *= corr[0];
+                o[n][2] *= corr[1]; o[n][3] *= corr[1];
+            }
+            // The weights (rounded to T: the a-fragments of 16 keys are the c-fragments of
+            // two 8-key tiles) times the values: b-fragments by ldmatrix.trans, two 8-wide
+            // tiles of the head dimension per load.
+            #pragma unroll
+            for (int k = 0; k < 2; ++k) {
+                const uint4 pa = make_uint4(strata_pack(sc[2 * k][0], sc[2 * k][1], tag),
+                                            strata_pack(sc[2 * k][2], sc[2 * k][3], tag),
+                                            strata_pack(sc[2 * k + 1][0], sc[2 * k + 1][1], tag),
+                                            strata_pack(sc[2 * k + 1][2], sc[2 * k + 1][3], tag));
                 #pragma unroll
-                for (int h = 0; h < G; ++h) {
-                    const float ph = __shfl_sync(0xffffffffu, p[h], u);
-                    #pragma unroll
-                    for (int e = 0; e < E; ++e) acc[h][e] += ph * vf[e];
+                for (int n = 0; n < D / 16; ++n) {
+                    uint32_t v0, v1, v2, v3;
+                    const T* vrow = &vs[16 * k + (lane & 15)][16 * n + 8 * (lane >> 4)];
+                    strata_ldmatrix_t(v0, v1, v2, v3, vrow);
+                    strata_mma(o[2 * n], pa, make_uint2(v0, v1), tag);
+                    strata_mma(o[2 * n + 1], pa, make_uint2(v2, v3), tag);
                 }
             }
         }
         __syncthreads();
     }
 
-    if (active) {
-        #pragma unroll
-        for (int h = 0; h < G; ++h) {
-            const size_t at = ((size_t)r * HEADS + g * G + h) * NS + s;
+    // Each row's sum over its quad (the lanes' partial sums, in a fixed order), then the
+    // split's unnormalized output, max and sum.
+    #pragma unroll
+    for (int h = 0; h < 2; ++h) {
+        l[h] += __shfl_xor_sync(0xffffffffu, l[h], 1);
+        l[h] += __shfl_xor_sync(0xffffffffu, l[h], 2);
+        if (live[h]) {
+            const size_t at = ((size_t)(r0 + query[h]) * HEADS + head[h]) * NS + s;
             #pragma unroll
-            for (int e = 0; e < E; ++e) part[at * D + lane * E + e] = acc[h][e];
-            if (lane == 0) {
+            for (int n = 0; n < D / 8; ++n)
+                *reinterpret_cast<float2*>(&part[at * D + 8 * n + 2 * t]) =
+                    make_float2(o[n][2 * h], o[n][2 * h + 1]);
+            if (t == 0) {
                 stats[2 * at] = m[h];
                 stats[2 * at + 1] = l[h];
             }
@@ -364,6 +402,40 @@ __device__ __forceinline__ void strata_copies_wait() {
     asm volatile("cp.async.commit_group;\ncp.async.wait_group 0;\n" ::);
 #endif
 }
+// One m16n8k16 tensor-core product with float32 accumulators, c += a * b, in the register
+// layout of PTX's mma.sync (PTX ISA, "Matrix Fragments for mma.m16n8k16"): lane (g, t) =
+// (lane / 4, lane % 4) holds a's rows g and g + 8 at columns 2t, 2t + 1 and 2t + 8, 2t + 9, b's
+// column g at rows 2t, 2t + 1 and 2t + 8, 2t + 9, c's rows g and g + 8 at columns 2t, 2t + 1.
+// One overload per 16-bit type (the pointer argument selects it; PTX names the type).
+#define STRATA_MMA(TYPE, PTX)                                                                  \
+    __device__ __forceinline__ void strata_mma(float* c, uint4 a, uint2 b, const TYPE*) {      \
+        asm volatile(                                                                          \
+            "mma.sync.aligned.m16n8k16.row.col.f32." PTX "." PTX ".f32 "                       \
+            "{%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};\n"                \
+            : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])                                   \
+            : "r"(a.x), "r"(a.y), "r"(a.z), "r"(a.w), "r"(b.x), "r"(b.y));                     \
+    }
+STRATA_MMA(__half, "f16")
+STRATA_MMA(__nv_bfloat16, "bf16")
+#undef STRATA_MMA
+// Two floats as one 16-bit pair (x in the low half), rounded to nearest.
+__device__ __forceinline__ uint32_t strata_pack(float x, float y, const __half*) {
+    __half2 v = __floats2half2_rn(x, y);
+    return *reinterpret_cast<uint32_t*>(&v);
+}
+__device__ __forceinline__ uint32_t strata_pack(float x, float y, const __nv_bfloat16*) {
+    __nv_bfloat162 v = __floats2bfloat162_rn(x, y);
+    return *reinterpret_cast<uint32_t*>(&v);
+}
+// Four 8x8 16-bit matrices from shared memory, transposed (ldmatrix .trans): lanes 8i .. 8i + 7
+// give the rows of matrix i; lane (g, t) receives rows 2t, 2t + 1 of column g of each, a
+// b-fragment's half when the rows are keys and the columns head dimensions.
+__device__ __forceinline__ void strata_ldmatrix_t(uint32_t& r0, uint32_t& r1, uint32_t& r2,
+                                                  uint32_t& r3, const void* row) {
+    const unsigned a = static_cast<unsigned>(__cvta_generic_to_shared(row));
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+                 : "=r"(r0), "=r"(r1), "=r"(r2), "=r"(r3) : "r"(a));
+}
 """
 
 
@@ -393,17 +465,22 @@ def _scale(scale: float) -> mx.array:
     return mx.array([scale], dtype=mx.float32)
 
 
-def _smem_bytes(queries: int, group: int, head_dim: int) -> int:
-    """Shared memory of a split block (the kernel's ``qs``, ``ks`` and ``vs``), bytes."""
-    return 4 * queries * group * head_dim + 2 * 32 * (2 * head_dim + 8)
+def _smem_bytes(head_dim: int) -> int:
+    """Shared memory of a split block (the kernel's ``ks`` and ``vs``: one tile of keys and
+    values), bytes."""
+    return 2 * 2 * 32 * (head_dim + 8)
 
 
-def _block_queries(group: int, head_dim: int) -> int:
-    """Queries a split block holds (``QT``): ``GROUP_QUERIES``, or fewer where their scaled
-    queries would not fit ``SMEM_BYTES`` beside a tile (a larger group then takes several
-    blocks)."""
-    room = (SMEM_BYTES - _smem_bytes(0, group, head_dim)) // (4 * group * head_dim)
-    return max(1, min(GROUP_QUERIES, room))
+def _block_queries(largest: int) -> int:
+    """Queries a split block holds (``QT``): the largest group's, rounded up to a power of two
+    (few builds: 1, 2, 4, 8), at most ``GROUP_QUERIES``."""
+    return min(GROUP_QUERIES, 1 << (min(GROUP_QUERIES, largest) - 1).bit_length())
+
+
+def _block_warps(queries: int, group: int) -> int:
+    """Warps of a split block: one per 16 query rows (a tensor-core tile) of ``queries``
+    queries of ``group`` heads."""
+    return -(-queries * group // 16)
 
 
 def scratch_bytes(rows: int, heads: int, width: int, head_dim: int) -> int:
@@ -557,12 +634,10 @@ def _prepare(
             f"groups [NG, 2] of 1..{GROUP_QUERIES} rows); use mx.fast.scaled_dot_product_attention"
         )
     group = heads // kv_heads
-    fit = _block_queries(group, d)
-    # The template's queries: the largest group's rounded up to a power of two (few builds),
-    # at most what fits; a block of a pass of decodes then holds one query's shared memory,
-    # not eight, and more blocks share a multiprocessor.
-    qt = min(fit, 1 << (min(fit, groups.largest) - 1).bit_length())
-    warps = min(qt, groups.largest)
+    # A block of a pass of decodes holds one query (its heads' rows), not eight: fewer idle
+    # tensor-core rows and warps.
+    qt = _block_queries(groups.largest)
+    warps = _block_warps(qt, group)
     pieces = -(-groups.largest // qt)  # blocks per group and split
     splits = -(-tables.shape[1] // SPLIT_KEYS)
     blocks = g.shape[0] * pieces * kv_heads * splits

@@ -112,9 +112,11 @@ JSON (``-o``; every time in seconds, every rate in tokens/s):
   ``expected_hit_tokens`` (the shared prefix in whole KV blocks), ``cold_ttft_s`` and
   ``warm_ttft_s`` (medians over ``--prefix-trials`` pairs: ``PREFIX_TRIALS`` on a GPU, one on
   the CPU),
-  ``warm_over_cold``, ``cold_hit_tokens``, ``warm_hit_tokens`` (counter deltas, first trial),
+  ``warm_over_cold``, ``cold_server_ttft_s`` and ``warm_server_ttft_s`` (the server's own
+  TTFTs, submission to first token, from its histogram: medians; the client's less these is
+  the HTTP path's cost), ``cold_hit_tokens``, ``warm_hit_tokens`` (counter deltas, first trial),
   ``warm_cached_tokens`` (from ``usage``), ``trials`` (each trial's TTFTs, hit tokens and the
-  warm request's ``warm_compiled_traces`` and ``warm_compiled_replays``),
+  warm request's ``warm_compiled_traces`` and ``warm_compiled_replays``, the server TTFTs),
   ``check_passed`` (every warm request hit).
 - ``mismatches``: ``[{"concurrency", "prompt", "first_difference" (character offset),
   "expected", "got", "reference_reproduced", "token_index", "reference_token", "runner_up",
@@ -674,6 +676,10 @@ GAUGES = {
 """Gauges reported per level as their sampled maximum."""
 
 
+SERVER_TTFT = "strata_time_to_first_token_seconds"
+"""The server's TTFT histogram (submission to the engine's first token)."""
+
+
 def _delta(before: dict, after: dict, name: str) -> int | None:
     if name not in before or name not in after:
         return None
@@ -692,7 +698,7 @@ def server_summary(before: dict, after: dict, samples: list[dict]) -> dict[str, 
     out: dict[str, Any] = {k: _delta(before, after, n) for k, n in COUNTERS.items()}
     steps, tokens = out["engine_steps"], out["batched_tokens"]
     out["mean_batched_tokens_per_step"] = round(tokens / steps, 3) if steps else None
-    out["server_ttft_mean_s"] = _hist_mean(before, after, "strata_time_to_first_token_seconds")
+    out["server_ttft_mean_s"] = _hist_mean(before, after, SERVER_TTFT)
     out["server_tpot_mean_s"] = _hist_mean(before, after, "strata_time_per_output_token_seconds")
     total = after.get("strata_kv_blocks_total")
     out["kv_blocks_total"] = None if total is None else round(total)
@@ -833,6 +839,12 @@ class PrefixTrial(NamedTuple):
     """Compiled passes traced for the warm request (``executor.pass_graph``)."""
     warm_compiled_replays: int | None
     """Compiled passes replayed for the warm request."""
+    cold_server_ttft_s: float | None = None
+    """The server's own TTFT of the cold request (its ``/metrics`` histogram: submission to
+    the engine's first token, seconds); the client's TTFT less this is the HTTP path's cost
+    (parsing, tokenization, delivery of the token, the client's reading)."""
+    warm_server_ttft_s: float | None = None
+    """The same for the warm request."""
 
 
 async def run_prefix_test(
@@ -867,6 +879,8 @@ async def run_prefix_test(
                 warm_hit_tokens=_delta(m1, m2, name),
                 warm_compiled_traces=_delta(m1, m2, traces),
                 warm_compiled_replays=_delta(m1, m2, replays),
+                cold_server_ttft_s=_hist_mean(m0, m1, SERVER_TTFT),
+                warm_server_ttft_s=_hist_mean(m1, m2, SERVER_TTFT),
             )
             out.append(trial)
     return out
@@ -1445,6 +1459,8 @@ def _prefix_result(
         "cold_ttft_s": round(cold, 6),
         "warm_ttft_s": round(warm, 6),
         "warm_over_cold": round(warm / cold, 4) if cold > 0 else None,
+        "cold_server_ttft_s": _median([t.cold_server_ttft_s for t in trials]),
+        "warm_server_ttft_s": _median([t.warm_server_ttft_s for t in trials]),
         "cold_hit_tokens": trials[0].cold_hit_tokens,
         "warm_hit_tokens": hits_warm[0],
         "warm_cached_tokens": b.cached_tokens,
@@ -1456,6 +1472,8 @@ def _prefix_result(
                 "warm_hit_tokens": t.warm_hit_tokens,
                 "warm_compiled_traces": t.warm_compiled_traces,
                 "warm_compiled_replays": t.warm_compiled_replays,
+                "cold_server_ttft_s": t.cold_server_ttft_s,
+                "warm_server_ttft_s": t.warm_server_ttft_s,
             }
             for t in trials
         ],
@@ -1463,8 +1481,16 @@ def _prefix_result(
     }
 
 
+def _median(values: list[float | None]) -> float | None:
+    """The median of the values given (None: none was)."""
+    import numpy as np
+
+    v = [x for x in values if x is not None]
+    return round(float(np.median(v)), 6) if v else None
+
+
 def _ms(x: float | None) -> str:
-    return "-" if x is None else f"{x * 1000:.0f} ms"
+    return "-" if x is None else f"{x * 1000:.1f} ms" if x < 0.1 else f"{x * 1000:.0f} ms"
 
 
 def _peak(value: int | None) -> str:
@@ -1500,7 +1526,8 @@ def _log_prefix(p: dict, log: TextIO) -> None:
     ratio = "-" if p["warm_over_cold"] is None else f"x{p['warm_over_cold']:.3f}"
     print(
         f"bench: prefix cache: {p['prefix_tokens']}-token prefix, TTFT cold "
-        f"{_ms(p['cold_ttft_s'])}, warm {_ms(p['warm_ttft_s'])} ({ratio}), "
+        f"{_ms(p['cold_ttft_s'])}, warm {_ms(p['warm_ttft_s'])} ({ratio}; in the server "
+        f"{_ms(p['cold_server_ttft_s'])}, {_ms(p['warm_server_ttft_s'])}), "
         f"{p['warm_hit_tokens']} hit tokens" + ("" if p["check_passed"] else " — NO HIT"),
         file=log,
         flush=True,

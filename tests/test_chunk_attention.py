@@ -136,14 +136,13 @@ def test_paged_kernel_scope_and_refusals():
     assert not cuda_attention.supported(24, 32, 2, 128, mx.float16)  # 16 heads per kv head
     assert not cuda_attention.supported(24, 32, 8, 128, mx.float32)
     assert not cuda_attention.supported(24, 32, 0, 128, mx.float16)
-    assert cuda_attention._block_queries(4, 128) == 8  # Llama-3-8B: a group's 8 in one block
-    assert cuda_attention._block_queries(8, 256) == 1
+    # a block holds the largest group's queries rounded up to a power of two (1, 2, 4, 8)
+    assert [cuda_attention._block_queries(n) for n in (1, 2, 3, 5, 8)] == [1, 2, 4, 8, 8]
+    assert cuda_attention._block_warps(8, 4) == 2  # Llama-3-8B: 32 rows, two tensor-core tiles
+    assert cuda_attention._block_warps(1, 4) == 1 and cuda_attention._block_warps(8, 3) == 2
+    assert cuda_attention._block_warps(8, 8) == 4
     assert (
-        max(
-            cuda_attention._smem_bytes(cuda_attention._block_queries(g, d), g, d)
-            for g in range(1, cuda_attention.MAX_GROUP + 1)
-            for d in cuda_attention.HEAD_DIMS
-        )
+        max(cuda_attention._smem_bytes(d) for d in cuda_attention.HEAD_DIMS)
         <= cuda_attention.SMEM_BYTES
     )
 

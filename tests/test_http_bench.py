@@ -117,6 +117,13 @@ def test_serving_bench_end_to_end(serving_plan, tmp_path):
             trial["cold_hit_tokens"] == 0 and trial["warm_hit_tokens"] == p["expected_hit_tokens"]
         )
         assert trial["warm_compiled_traces"] == trial["warm_compiled_replays"] == 0
+        # the server's own TTFT (submission to first token) is inside the client's
+        for kind in ("cold", "warm"):
+            assert 0 < trial[f"{kind}_server_ttft_s"] < trial[f"{kind}_ttft_s"]
+    for kind in ("cold", "warm"):
+        servers = sorted(t[f"{kind}_server_ttft_s"] for t in p["trials"])
+        assert p[f"{kind}_server_ttft_s"] == pytest.approx(sum(servers) / 2, abs=2e-6)
+    assert "in the server" in done.stderr
     assert one["server"]["compiled_pass_traces"] == one["server"]["compiled_pass_replays"] == 0
 
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
