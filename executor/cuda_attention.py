@@ -43,7 +43,12 @@ key positions (multiples of 32 and ``SPLIT_KEYS``), a warp walks its tiles in or
 product's row depends on that row's inputs alone, and a tile with no key a row sees leaves the
 row as it was (weights of zero, a factor of one). Outputs are deterministic, and a query's output
 is the same bit for bit alone, in any group and in any pass (batch invariance): on the H200 a
-query alone and in a group of 8 gave equal outputs (``tests/test_chunk_attention.py``). The
+query alone and in a group of 8 gave equal outputs (``tests/test_chunk_attention.py``). One
+caveat: a key another query of the group sees enters the row's product as zero weight times its
+value, so a non-finite value there (a float16 overflow in a later token) would reach the row,
+where alone it would not. The sum of the weights is taken in float32 before they are rounded for
+the product with the values, as FlashAttention-2 does: weights and sum differ by that rounding
+(under 2^-9 relative in bfloat16). The
 groups only decide which queries share a block's copies of keys and its tensor-core tiles.
 
 The split kernel's float32 scratch holds ``head_dim + 2`` floats per row, query head and split of
@@ -52,16 +57,18 @@ the longest sequence's table, whatever each row's own length: :func:`fits` bound
 
 History, measured on the lent H200 (8B heads: 32 query heads, 8 key/value heads of 128; per call
 in a chain of 100 dependent calls, wall clock, so each call also pays MLX's cost of launching
-two kernels, about 35 us by the shortest case). One block per query and key/value head, each
-warp reading keys straight from the pool: a warm 24-token pass spent 2.36 ms of its 8.61 ms of
-kernel time here (Nsight Compute, 2026-12-02, ``bench/pass_kernels.py``). The split design with
-CUDA-core arithmetic (one warp per query, each lane one key; every warp converted the tile's
-16-bit keys and values to float32 itself): 2.06 ms of 7.18 (split 1.78, combine 0.28;
-``bench/results/2026-12-02.pass-kernels-split.h200.llama3-8b-shape.json``). These tensor-core
-splits against it, same machine, two runs each (``bench/results/2026-12-02.attention-tc-ab.h200.
-json``; outputs within 6.1e-5 of each other): 24 queries by 1,016 keys 72.9-77.3 / 62.9-64.8 us,
-64 by 2,000 178.9-179.3 / 78.4-79.0, 16 decodes of about 1,016 keys 74.3-74.4 / 65.1-66.0, 5 by
-1,016 58.7-67.7 / 59.8-61.2, 2 by 300 39.9-40.4 / 36.6-38.5.
+two kernels: the shortest case, 2 queries by 300 keys, took 37-40 us in all). One block per
+query and key/value head, each warp reading keys straight from the pool: a warm 24-token pass
+spent 2.36 ms of its 8.61 ms of kernel time here (Nsight Compute, 2026-12-02,
+``bench/pass_kernels.py``). The split design with CUDA-core arithmetic (one warp per query, each
+lane one key; every warp converted the tile's 16-bit keys and values to float32 itself): 2.06 ms
+of 7.18 (split 1.78, combine 0.28; ``bench/results/2026-12-02.pass-kernels-split.h200.llama3-8b-
+shape.json``). These tensor-core splits against it, same machine, two runs each
+(``bench/results/2026-12-02.attention-tc-ab.h200.json``; float16 outputs within 6.1e-5 of each
+other): 24 queries by 1,016 keys 72.9-77.3 / 62.9-64.8 us, 64 by 2,000 178.9-179.3 / 78.4-79.0,
+16 decodes of about 1,016 keys 74.3-74.4 / 65.1-66.0, 5 by 1,016 58.7-67.7 / 59.8-61.2, 2 by 300
+39.9-40.4 / 36.6-38.5. In a serving pass the gain did not show clearly end to end
+(``bench/results/2026-12-02.prefix-tc-http.*``).
 
 A query at position p sees keys ``j <= p`` of its table (and ``p - j < window`` with a sliding
 window): for a chunk, MLX's bottom-right causal mask.
@@ -75,7 +82,7 @@ from typing import NamedTuple
 import mlx.core as mx
 import numpy as np
 
-from executor.cuda_source import compact
+from executor.cuda_source import MMA_M16N8K16, compact, tensor_cores
 
 __all__ = ["GROUP_QUERIES", "MAX_QUERIES", "QueryGroups", "attention", "query_groups", "supported"]
 
@@ -106,8 +113,9 @@ SMEM_BYTES = 46 * 1024
 values (:func:`_smem_bytes`; the queries stay in registers)."""
 
 HEAD_DIMS = (64, 96, 128, 256)
-"""Head dimensions handled (multiples of 32: each lane owns ``head_dim / 32`` output dimensions;
-multiples of 8: keys are copied in 16-byte vectors)."""
+"""Head dimensions handled (multiples of 16: the tensor-core products step through the head
+dimension 16 at a time, and ``ldmatrix`` reads two 8-wide output tiles at once; keys are copied
+in 16-byte vectors)."""
 
 MAX_GROUP = 8
 """Most query heads per key/value head (a block's ``GROUP_QUERIES`` queries then make 64 rows:
@@ -122,7 +130,8 @@ class QueryGroups(NamedTuple):
     Attributes:
         array: int32 ``[NG, 2]``: each group's first row and row count; the rows of a group
             follow each other and belong to one sequence (one table row).
-        largest: the most rows of a group (the blocks' warps).
+        largest: the most rows of a group (a block then holds that many queries, rounded up to
+            a power of two: :func:`_block_queries`).
     """
 
     array: mx.array
@@ -387,37 +396,15 @@ _COMBINE = r"""
 
 _HEADER = r"""#include <cuda_fp16.h>
 #include <cuda_bf16.h>
-// 16 bytes from global to shared memory: asynchronous (cp.async) on sm_80 and later.
+// 16 bytes from global to shared memory, asynchronously (cp.async, sm_80 and later: supported()).
 __device__ __forceinline__ void strata_copy16(void* dst, const void* src) {
-#if __CUDA_ARCH__ >= 800
     const unsigned d = static_cast<unsigned>(__cvta_generic_to_shared(dst));
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" :: "r"(d), "l"(src));
-#else
-    *reinterpret_cast<uint4*>(dst) = *reinterpret_cast<const uint4*>(src);
-#endif
 }
 // Wait for this thread's asynchronous copies (a __syncthreads() must follow).
 __device__ __forceinline__ void strata_copies_wait() {
-#if __CUDA_ARCH__ >= 800
     asm volatile("cp.async.commit_group;\ncp.async.wait_group 0;\n" ::);
-#endif
 }
-// One m16n8k16 tensor-core product with float32 accumulators, c += a * b, in the register
-// layout of PTX's mma.sync (PTX ISA, "Matrix Fragments for mma.m16n8k16"): lane (g, t) =
-// (lane / 4, lane % 4) holds a's rows g and g + 8 at columns 2t, 2t + 1 and 2t + 8, 2t + 9, b's
-// column g at rows 2t, 2t + 1 and 2t + 8, 2t + 9, c's rows g and g + 8 at columns 2t, 2t + 1.
-// One overload per 16-bit type (the pointer argument selects it; PTX names the type).
-#define STRATA_MMA(TYPE, PTX)                                                                  \
-    __device__ __forceinline__ void strata_mma(float* c, uint4 a, uint2 b, const TYPE*) {      \
-        asm volatile(                                                                          \
-            "mma.sync.aligned.m16n8k16.row.col.f32." PTX "." PTX ".f32 "                       \
-            "{%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};\n"                \
-            : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])                                   \
-            : "r"(a.x), "r"(a.y), "r"(a.z), "r"(a.w), "r"(b.x), "r"(b.y));                     \
-    }
-STRATA_MMA(__half, "f16")
-STRATA_MMA(__nv_bfloat16, "bf16")
-#undef STRATA_MMA
 // Two floats as one 16-bit pair (x in the low half), rounded to nearest.
 __device__ __forceinline__ uint32_t strata_pack(float x, float y, const __half*) {
     __half2 v = __floats2half2_rn(x, y);
@@ -448,14 +435,14 @@ def _kernels():
         input_names=["q", "kp", "vp", "tables", "rows", "groups", "scale_in"],
         output_names=["part", "stats"],
         source=compact(_SOURCE),
-        header=_HEADER,
+        header=compact(_HEADER + MMA_M16N8K16),
     )
     combine = mx.fast.cuda_kernel(
         name="strata_attention_combine",
         input_names=["part", "stats", "rows"],
         output_names=["out"],
         source=compact(_COMBINE),
-        header=_HEADER,
+        header=compact(_HEADER),
     )
     return split, combine
 
@@ -496,10 +483,11 @@ def fits(rows: int, heads: int, width: int, head_dim: int) -> bool:
 
 def supported(queries: int, heads: int, kv_heads: int, head_dim: int, dtype: mx.Dtype) -> bool:
     """Whether :func:`attention` takes a chunk of ``queries`` queries with these heads and
-    ``dtype`` on this process's backend (MLX CUDA, 1..``MAX_QUERIES`` queries, 16-bit floats,
-    ``HEAD_DIMS``, at most ``MAX_GROUP`` query heads per key/value head)."""
+    ``dtype`` on this process's backend (MLX CUDA on sm_80 or later: ``tensor_cores``,
+    1..``MAX_QUERIES`` queries, 16-bit floats, ``HEAD_DIMS``, at most ``MAX_GROUP`` query heads
+    per key/value head)."""
     return (
-        mx.cuda.is_available()
+        tensor_cores()
         and 1 <= queries <= MAX_QUERIES
         and dtype in DTYPES
         and head_dim in HEAD_DIMS
@@ -544,7 +532,8 @@ def attention(
 
     Returns:
         ``[R, heads, head_dim]`` (or ``flat``) of ``q``'s dtype: softmax(scale * q k^T) v per
-        head, float32 inside, rounded once.
+        head, with float32 scores, sums and outputs (the weights rounded to the 16-bit type for
+            their product with the values), the output rounded once.
 
     Raises:
         ValueError: a shape or dtype :func:`supported` refuses (R is not limited here: the

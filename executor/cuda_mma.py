@@ -86,7 +86,7 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 
-from executor.cuda_source import compact
+from executor.cuda_source import MMA_M16N8K16, compact, tensor_cores
 
 __all__ = ["MAX_ROWS", "fusable", "matmul", "matmul3", "supported", "swiglu"]
 
@@ -156,24 +156,6 @@ __device__ __forceinline__ uint4 strata_dq8(uint32_t w, __nv_bfloat16 s, __nv_bf
 """
 
 _MMA = r"""
-// One m16n8k16 tensor-core product with float32 accumulators: c += a (16x16, row-major) * b
-// (16x8, column-major), in the register layout of PTX's mma.sync (PTX ISA, "Matrix Fragments
-// for mma.m16n8k16"): lane (g, t) = (lane / 4, lane % 4) holds a's rows g and g + 8 at
-// columns 2t, 2t + 1 and 2t + 8, 2t + 9, b's column g at rows 2t, 2t + 1 and 2t + 8, 2t + 9, and
-// c's rows g and g + 8 at columns 2t, 2t + 1.
-// One overload per 16-bit type (the pointer argument selects it; PTX names the type).
-#define STRATA_MMA(TYPE, PTX)                                                                  \
-    __device__ __forceinline__ void strata_mma(float* c, uint4 a, uint2 b, const TYPE*) {      \
-        asm volatile(                                                                          \
-            "mma.sync.aligned.m16n8k16.row.col.f32." PTX "." PTX ".f32 "                       \
-            "{%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};\n"                \
-            : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])                                   \
-            : "r"(a.x), "r"(a.y), "r"(a.z), "r"(a.w), "r"(b.x), "r"(b.y));                     \
-    }
-STRATA_MMA(__half, "f16")
-STRATA_MMA(__nv_bfloat16, "bf16")
-#undef STRATA_MMA
-
 // XW 16-byte vectors (8 elements each, from element kx on) of each of NTOK rows 8j + g of the
 // row-major [rows, K] activations x.
 template <int XW, int NTOK, typename T>
@@ -405,7 +387,7 @@ def _get_kernel(store: str):
         input_names=_INPUTS[store],
         output_names=_OUTPUTS[store],
         source=compact(source + _STORE[store]),
-        header=compact(_HEADER + _MMA),
+        header=compact(_HEADER + MMA_M16N8K16 + _MMA),
     )
 
 
@@ -431,9 +413,10 @@ def warps_per_block(n: int, k: int) -> int:
 
 def supported(rows: int, n: int, k: int, bits: int, group_size: int, dtype: mx.Dtype) -> bool:
     """Whether :func:`matmul` computes ``rows`` rows by an ``[n, k]`` weight of ``bits`` bits in
-    groups of ``group_size`` with ``dtype`` activations on this process's backend."""
+    groups of ``group_size`` with ``dtype`` activations on this process's backend (MLX CUDA on
+    sm_80 or later: ``tensor_cores``)."""
     return (
-        mx.cuda.is_available()
+        tensor_cores()
         and 1 <= rows <= MAX_ROWS
         and bits == 4
         and group_size in (32, 64, 128)

@@ -113,8 +113,9 @@ JSON (``-o``; every time in seconds, every rate in tokens/s):
   ``warm_ttft_s`` (medians over ``--prefix-trials`` pairs: ``PREFIX_TRIALS`` on a GPU, one on
   the CPU),
   ``warm_over_cold``, ``cold_server_ttft_s`` and ``warm_server_ttft_s`` (the server's own
-  TTFTs, submission to first token, from its histogram: medians; the client's less these is
-  the HTTP path's cost), ``cold_hit_tokens``, ``warm_hit_tokens`` (counter deltas, first trial),
+  TTFTs, submission to first token, from its histogram: medians of the trials that have one;
+  per trial, the client's less the server's is what the HTTP path added), ``cold_hit_tokens``,
+  ``warm_hit_tokens`` (counter deltas, first trial),
   ``warm_cached_tokens`` (from ``usage``), ``trials`` (each trial's TTFTs, hit tokens and the
   warm request's ``warm_compiled_traces`` and ``warm_compiled_replays``, the server TTFTs),
   ``check_passed`` (every warm request hit).
@@ -841,8 +842,8 @@ class PrefixTrial(NamedTuple):
     """Compiled passes replayed for the warm request."""
     cold_server_ttft_s: float | None = None
     """The server's own TTFT of the cold request (its ``/metrics`` histogram: submission to
-    the engine's first token, seconds); the client's TTFT less this is the HTTP path's cost
-    (parsing, tokenization, delivery of the token, the client's reading)."""
+    the engine's first token, seconds); the client's TTFT less this is what the HTTP path
+    added to the request (parsing, tokenization, delivery of the token, the client's reading)."""
     warm_server_ttft_s: float | None = None
     """The same for the warm request."""
 
@@ -1526,8 +1527,8 @@ def _log_prefix(p: dict, log: TextIO) -> None:
     ratio = "-" if p["warm_over_cold"] is None else f"x{p['warm_over_cold']:.3f}"
     print(
         f"bench: prefix cache: {p['prefix_tokens']}-token prefix, TTFT cold "
-        f"{_ms(p['cold_ttft_s'])}, warm {_ms(p['warm_ttft_s'])} ({ratio}; in the server "
-        f"{_ms(p['cold_server_ttft_s'])}, {_ms(p['warm_server_ttft_s'])}), "
+        f"{_ms(p['cold_ttft_s'])}, warm {_ms(p['warm_ttft_s'])} ({ratio}; in the server: cold "
+        f"{_ms(p['cold_server_ttft_s'])}, warm {_ms(p['warm_server_ttft_s'])}), "
         f"{p['warm_hit_tokens']} hit tokens" + ("" if p["check_passed"] else " — NO HIT"),
         file=log,
         flush=True,

@@ -46,7 +46,7 @@ CASES = [
     (4, 1, 24, 992, 600, 256),  # Gemma-3's head size with a window inside the prefix
     (16, 2, 64, 130, 0, 96),
     (2, 1, 1, 70, 16, 64),  # one query
-    (8, 1, 7, 40, 4, 256),  # a window shorter than the chunk; a block holds one query of 7
+    (8, 1, 7, 40, 4, 256),  # a window shorter than the chunk; a block of 8 holds its 7 queries
 ]
 
 
