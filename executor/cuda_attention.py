@@ -48,8 +48,8 @@ caveat: a key another query of the group sees enters the row's product as zero w
 value, so a non-finite value there (a float16 overflow in a later token) would reach the row,
 where alone it would not. The sum of the weights is taken in float32 before they are rounded for
 the product with the values, as FlashAttention-2 does: weights and sum differ by that rounding
-(under 2^-9 relative in bfloat16). The
-groups only decide which queries share a block's copies of keys and its tensor-core tiles.
+(under 2^-9 relative in bfloat16). The groups only decide which queries share a block's copies
+of keys and its tensor-core tiles.
 
 The split kernel's float32 scratch holds ``head_dim + 2`` floats per row, query head and split of
 the longest sequence's table, whatever each row's own length: :func:`fits` bounds it
@@ -180,15 +180,13 @@ _SOURCE = r"""
     const int KVH = kp_shape[1];
     const int W = tables_shape[1];
     const int NS = (W + SPLIT - 1) / SPLIT;      // splits of the table (part's third axis)
-    const int NG = groups_shape[0];
     int b = blockIdx.x;
     const int s = b % NS;
     b /= NS;
     const int kvh = b % KVH;
     b /= KVH;
-    const int pieces = gridDim.x / (NG * KVH * NS);
-    const int r0 = groups[2 * (b / pieces)] + (b % pieces) * QT;
-    const int nq = min(QT, groups[2 * (b / pieces) + 1] - (b % pieces) * QT);
+    const int r0 = groups[2 * b];                // the block's group: QT >= its rows
+    const int nq = min(QT, groups[2 * b + 1]);
     if (nq <= 0) return;
     const int warp = threadIdx.x / 32;
     const int lane = threadIdx.x % 32;
@@ -533,7 +531,7 @@ def attention(
     Returns:
         ``[R, heads, head_dim]`` (or ``flat``) of ``q``'s dtype: softmax(scale * q k^T) v per
         head, with float32 scores, sums and outputs (the weights rounded to the 16-bit type for
-            their product with the values), the output rounded once.
+        their product with the values), the output rounded once.
 
     Raises:
         ValueError: a shape or dtype :func:`supported` refuses (R is not limited here: the
@@ -625,11 +623,10 @@ def _prepare(
     group = heads // kv_heads
     # A block of a pass of decodes holds one query (its heads' rows), not eight: fewer idle
     # tensor-core rows and warps.
-    qt = _block_queries(groups.largest)
+    qt = _block_queries(groups.largest)  # >= every group's rows: a block per group and split
     warps = _block_warps(qt, group)
-    pieces = -(-groups.largest // qt)  # blocks per group and split
     splits = -(-tables.shape[1] // SPLIT_KEYS)
-    blocks = g.shape[0] * pieces * kv_heads * splits
+    blocks = g.shape[0] * kv_heads * splits
     split = {
         "template": [
             ("T", q.dtype),

@@ -1460,8 +1460,8 @@ def _prefix_result(
         "cold_ttft_s": round(cold, 6),
         "warm_ttft_s": round(warm, 6),
         "warm_over_cold": round(warm / cold, 4) if cold > 0 else None,
-        "cold_server_ttft_s": _median([t.cold_server_ttft_s for t in trials]),
-        "warm_server_ttft_s": _median([t.warm_server_ttft_s for t in trials]),
+        "cold_server_ttft_s": _stats([t.cold_server_ttft_s for t in trials])["p50"],
+        "warm_server_ttft_s": _stats([t.warm_server_ttft_s for t in trials])["p50"],
         "cold_hit_tokens": trials[0].cold_hit_tokens,
         "warm_hit_tokens": hits_warm[0],
         "warm_cached_tokens": b.cached_tokens,
@@ -1480,14 +1480,6 @@ def _prefix_result(
         ],
         "check_passed": all(h and h > 0 for h in hits_warm),
     }
-
-
-def _median(values: list[float | None]) -> float | None:
-    """The median of the values given (None: none was)."""
-    import numpy as np
-
-    v = [x for x in values if x is not None]
-    return round(float(np.median(v)), 6) if v else None
 
 
 def _ms(x: float | None) -> str:

@@ -381,6 +381,39 @@ def test_kernel_source_is_compacted_without_changing_code():
     for store in cuda_mma._STORE:  # Strata's own sources pass, and shrink
         body = cuda_mma._BODY.replace("STRATA_TILES", cuda_mma._TILES[store])
         assert len(compact(body + cuda_mma._STORE[store])) < 0.7 * len(body)
+    from executor import cuda_attention
+    from executor.cuda_source import MMA_M16N8K16
+
+    for header in (cuda_attention._HEADER + MMA_M16N8K16, cuda_mma._HEADER + MMA_M16N8K16):
+        assert "strata_mma(" in compact(header)  # the shared tensor-core product survives
+
+
+@pytest.mark.parametrize(
+    ("info", "ok"),
+    [
+        ({"architecture": "sm_90"}, True),
+        ({"architecture": "sm_80"}, True),
+        ({"architecture": "sm_90a"}, True),
+        ({"architecture": "sm_75"}, False),  # no mma.m16n8k16 of bfloat16, no cp.async
+        ({}, True),  # an MLX that does not report it: assumed
+    ],
+)
+def test_kernels_need_sm_80(info, ok, monkeypatch):
+    """Strata's tensor-core kernels are offered only on a GPU that runs them, by the
+    architecture MLX reports; never off MLX's CUDA backend."""
+    from executor import cuda_attention, cuda_source
+
+    monkeypatch.setattr(mx, "device_info", lambda *a: info)
+    cuda_source._compute_capability.cache_clear()
+    try:
+        monkeypatch.setattr(mx.cuda, "is_available", lambda: True)
+        assert cuda_source.tensor_cores() is ok
+        assert cuda_attention.supported(24, 32, 8, 128, mx.float16) is ok
+        assert cuda_mma.supported(24, 4096, 4096, 4, 32, mx.float16) is ok
+        monkeypatch.setattr(mx.cuda, "is_available", lambda: False)
+        assert not cuda_source.tensor_cores()
+    finally:
+        cuda_source._compute_capability.cache_clear()
 
 
 def test_only_the_models_own_silu_takes_the_fused_swiglu():
