@@ -65,9 +65,12 @@ in shared memory for blocks of warps sharing K chunks and split K over blocks, t
 adding the float32 partial sums in split order, cut SwiGLU's L1 sectors 2.8-fold in its first
 version (x copied through registers) and was not faster in any of six settings of its
 double-buffered version (asynchronous copies): 129-141 us a block at 24 rows, each warp then
-waiting on its own weight loads. More weight bytes in flight per warp without registers
-(asynchronous copies of the weight into shared memory, as in Frantar et al. 2024, "MARLIN:
-Mixed-Precision Auto-Regressive Parallel Inference on Large Language Models") is the next lever.
+waiting on its own weight loads. A second variant (not shipped, 2026-12-02) also copied the
+weights, scales and biases into shared memory asynchronously, two or three 128-element stages
+ahead, as in Frantar et al. 2024 ("MARLIN: Mixed-Precision Auto-Regressive Parallel Inference on
+Large Language Models"), with 8 warps of 16 rows per block, so that no weight load held
+registers (62-84 a thread at 8-24 rows). Its GPU times at 24 rows were no better: SwiGLU 59-61
+us, down 33-34, Q/K/V 24-25, O 17. See ``bench/results/2026-12-02.mma-splitk-variant.h200.json``.
 
 ``matmul(..., residual=r)`` adds the residual in the store (``plain_add``: ``r + T(sum)`` by the
 dtype's own ``+``, bit for bit the separate add), one operation of the graph fewer per block
