@@ -50,9 +50,11 @@ prefix-cache hit 11.5 ms unfused, 10.1 ms with the fused forms, a 16-sequence de
 and 10.2 ms (that run's fused forms read weights stacked at load time). The version here reads
 each weight where it lies; its tests pass on the H200 (2026-12-01, later session), where a warm
 24-token pass took 9.3-13.4 ms in-process; the calls of a block cost 12-28 us each to build
-(after the launch cache below), MLX's evaluation about 100 us a block. The pass is mostly the
-GPU's work all the same (2026-12-02: 8.61 ms of kernel time, each kernel alone with emptied
-caches, ``bench/pass_kernels.py``), these calls 4.72 ms of it at 32 rows.
+(after the launch cache below), MLX's evaluation about 100 us a block. Its kernels summed to
+8.61 ms with emptied caches (2026-12-02, each kernel alone, ``bench/pass_kernels.py``), these
+calls 4.72 ms of it at 32 rows. With the caches as the pass leaves them a later profile gave 6.53
+ms, in a pass of 11.2-13.7 ms in-process: the GPU idles between kernels a third to a half of the
+pass (``bench/results/2026-12-02.pass-host-vs-gpu.h200.llama3-8b-shape.json``).
 
 Profiled with Nsight Compute on the lent H200 (2026-12-02, one call each, GPU time;
 ``bench/results/2026-12-02.mma-profile.h200.json``): a Llama-3-8B block's four calls (SwiGLU,
@@ -69,8 +71,8 @@ waiting on its own weight loads. A second variant (not shipped, 2026-12-02) also
 weights, scales and biases into shared memory asynchronously, two or three 128-element stages
 ahead, as in Frantar et al. 2024 ("MARLIN: Mixed-Precision Auto-Regressive Parallel Inference on
 Large Language Models"), with 8 warps of 16 rows per block, so that no weight load held
-registers (62-84 a thread at 8-24 rows). Its GPU times at 24 rows were no better: SwiGLU 59-61
-us, down 33-34, Q/K/V 24-25, O 17. See ``bench/results/2026-12-02.mma-splitk-variant.h200.json``.
+registers. At 24 rows it was no faster for SwiGLU (59-61 us) and slower for the others: down
+33-34, Q/K/V 24-25, O 17 (``bench/results/2026-12-02.mma-splitk-variant.h200.json``).
 
 ``matmul(..., residual=r)`` adds the residual in the store (``plain_add``: ``r + T(sum)`` by the
 dtype's own ``+``, bit for bit the separate add), one operation of the graph fewer per block
