@@ -93,7 +93,7 @@ import mlx.core as mx
 
 from executor.cuda_source import MMA_M16N8K16, compact, tensor_cores
 
-__all__ = ["MAX_ROWS", "fusable", "matmul", "matmul3", "supported", "swiglu"]
+__all__ = ["MAX_ROWS", "Rope", "fusable", "matmul", "matmul3", "supported", "swiglu"]
 
 MAX_ROWS = 64
 """Most rows one call computes: eight 8-token column tiles of the mma products."""
@@ -190,6 +190,7 @@ _BODY = r"""
     int rr[RT];
     T* o;
     int ld, base;
+    bool rot = false;                            // split3_rope: Q's or K's columns (RoPE'd)
     STRATA_TILES
     const int chunks = K / CK;
     const int per = (chunks + WARPS - 1) / WARPS;
@@ -295,9 +296,9 @@ _TILES = {
     {
         const int n0 = blockIdx.x * 16 * RT, e0 = w0_shape[0], e1 = e0 + w1_shape[0];
         const uint32_t* pw = w0; const T* ps = s0; const T* pb = b0;
-        o = out0; ld = e0; base = n0;
+        o = out0; ld = e0; base = n0; rot = true;
         if (n0 >= e1) {
-            pw = w2; ps = s2; pb = b2; o = out2; ld = w2_shape[0]; base = n0 - e1;
+            pw = w2; ps = s2; pb = b2; o = out2; ld = w2_shape[0]; base = n0 - e1; rot = false;
         } else if (n0 >= e0) {
             pw = w1; ps = s1; pb = b1; o = out1; ld = w1_shape[0]; base = n0 - e0;
         }
@@ -335,10 +336,53 @@ _SUMS_ADD = _SUMS.replace(
 """As ``_SUMS``, each result then added to the residual's element in its place by ``T``'s own
 ``+`` (as MLX's add of two ``T`` arrays: the same bits as adding the rounded product after)."""
 
+_ROPE_SUMS = r"""
+        for (int i = threadIdx.x; i < 8 * 8 * RT; i += blockDim.x) {
+            const int tok = i / (8 * RT), col = 2 * (i % (8 * RT));
+            float s0 = 0.0f, s1 = 0.0f;
+            #pragma unroll
+            for (int v = 0; v < WARPS; ++v) {
+                s0 += red[v][tok][col];
+                s1 += red[v][tok][col + 1];
+            }
+            T y0 = static_cast<T>(s0), y1 = static_cast<T>(s1);
+            const int row = 8 * j + tok, pair = ((base + col) % HD) / 2;
+            if (rot && 2 * pair < RD) {
+                // MLX's rope kernel's arithmetic (mlx/backend/cuda/rope.cu, rope_impl and
+                // rope_freqs / rope) on the rounded product, step for step.
+                float inv;
+                if constexpr (FREQS) {
+                    inv = 1.0 / freqs[pair];
+                } else {
+                    const float d = static_cast<float>(pair) / static_cast<float>(RD / 2);
+                    inv = exp2(-d * rope[1]);
+                }
+                const int p = row < positions_shape[0] ? positions[row] : 0;
+                const float L = rope[0] * static_cast<float>(p);
+                const float theta = L * inv;
+                const float ct = cos(theta), st = sin(theta);
+                const float x1 = static_cast<float>(y0), x2 = static_cast<float>(y1);
+                y0 = static_cast<T>(x1 * ct - x2 * st);
+                y1 = static_cast<T>(x1 * st + x2 * ct);
+            }
+            T* dst = o + (size_t)row * ld + base + col;
+            dst[0] = y0;
+            dst[1] = y1;
+        }
+        __syncthreads();
+    }
+"""
+"""As ``_SUMS`` for adjacent column pairs, each pair of Q's and K's first ``RD`` columns of a
+head (``HD`` columns) then rotated as MLX's ``mx.fast.rope`` with ``traditional=True`` rotates
+the rounded product (its offset the row's ``positions`` entry, its inverse frequency
+``1 / freqs[pair]`` with ``FREQS``, else ``2 ** (-pair / (RD / 2) * log2(base))``, ``rope`` =
+[scale, log2(base)]); V's columns as ``_SUMS`` writes them."""
+
 _STORE = {
     "plain": _SUMS,
     "plain_add": _SUMS_ADD,
     "split3": _SUMS,
+    "split3_rope": _ROPE_SUMS,
     # silu(gate) * up of the float32 sums of the two row tiles, rounded once.
     "swiglu": r"""
         for (int i = threadIdx.x; i < 8 * 16; i += blockDim.x) {
@@ -358,6 +402,7 @@ _STORE = {
 }
 
 _TILES["plain_add"] = _TILES["plain"]
+_TILES["split3_rope"] = _TILES["split3"]
 
 _INPUTS = {
     "plain": ["x", "w", "scales", "biases"],
@@ -365,10 +410,12 @@ _INPUTS = {
     "split3": ["x", "w0", "s0", "b0", "w1", "s1", "b1", "w2", "s2", "b2"],
     "swiglu": ["x", "wg", "sg", "bg", "wu", "su", "bu"],
 }
+_INPUTS["split3_rope"] = [*_INPUTS["split3"], "positions", "freqs", "rope"]
 _OUTPUTS = {
     "plain": ["out"],
     "plain_add": ["out"],
     "split3": ["out0", "out1", "out2"],
+    "split3_rope": ["out0", "out1", "out2"],
     "swiglu": ["out"],
 }
 
@@ -377,6 +424,7 @@ _K = {
     "plain": "w_shape[1] * 8",
     "plain_add": "w_shape[1] * 8",
     "split3": "w0_shape[1] * 8",
+    "split3_rope": "w0_shape[1] * 8",
     "swiglu": "wg_shape[1] * 8",
 }
 """K of each kernel, from its (first) weight's packed words: ``x`` may be of any rank."""
@@ -461,6 +509,31 @@ Quant = tuple[mx.array, mx.array, mx.array]
 
 
 @dataclass(frozen=True)
+class Rope:
+    """Rotary position embedding (Su et al. 2021, "RoFormer") of Q and K in :func:`matmul3`'s
+    store, rotating adjacent pairs (MLX's ``traditional=True``, llama.cpp's NORM RoPE), with
+    ``mx.fast.rope``'s arithmetic: a rounded product's pair ``(x1, x2)`` of head column pair
+    ``i < dims / 2`` at position ``p`` becomes ``(x1 cos t - x2 sin t, x1 sin t + x2 cos t)``,
+    ``t = scale * p * inv``, ``inv = 1 / freqs[i]`` where ``freqs`` is given, else
+    ``2 ** (-(i / (dims / 2)) * log2(base))``; the rest of a head passes as it is.
+
+    Attributes:
+        positions: int32 ``[m]``, each row's position (MLX's ``offset``).
+        params: float32 ``[2]``: ``scale`` and ``log2(base)`` (as MLX rounds it: the float32
+            ``log2`` of the float32 base; unused with ``freqs``).
+        freqs: float32 ``[dims / 2]``, MLX's ``freqs`` (periods), or None.
+        head_dim: columns of a head (Q's and K's widths are multiples of it).
+        dims: rotated columns of a head (even, at most ``head_dim``).
+    """
+
+    positions: mx.array
+    params: mx.array
+    freqs: mx.array | None
+    head_dim: int
+    dims: int
+
+
+@dataclass(frozen=True)
 class _Launch:
     """One call's arguments to MLX, worked out once per signature (:func:`_call`).
 
@@ -508,9 +581,10 @@ def _prepare(
     group_size: int,
     shapes: list[tuple[int, ...]] | None,
     residual: tuple[tuple[int, ...], mx.Dtype] | None = None,
+    rope: tuple | None = None,
 ) -> _Launch:
     """Validate a call of the ``store`` kernel and work out its arguments (``residual``: the
-    shape and dtype of ``plain_add``'s residual).
+    shape and dtype of ``plain_add``'s residual; ``rope``: ``split3_rope``'s :func:`_rope_key`).
 
     Raises:
         ValueError: as :func:`matmul`, :func:`matmul3` and :func:`swiglu` say.
@@ -521,7 +595,7 @@ def _prepare(
     for w in weights:
         _check(m, k, dtype, w, group_size)
     widths = [w[0].shape[0] for w in weights]
-    if store == "split3" and (len(weights) != 3 or not fusable(weights, k)):
+    if store.startswith("split3") and (len(weights) != 3 or not fusable(weights, k)):
         raise ValueError(
             "cuda_mma.matmul3: needs three weights with the same K split (cuda_mma.fusable); "
             "call matmul per weight"
@@ -533,7 +607,7 @@ def _prepare(
         )
     if store == "swiglu":
         widths, rt = widths[:1], 2
-    elif store == "split3":
+    elif store.startswith("split3"):
         rt = _row_tiles(sum(widths), k, m) if all(n % 32 == 0 for n in widths) else 1
     else:
         rt = _row_tiles(widths[0], k, m)
@@ -561,17 +635,20 @@ def _prepare(
     # A swiglu block's two row tiles are the same rows of gate and up.
     blocks = widths[0] // 16 if store == "swiglu" else sum(widths) // (16 * rt)
     pad = ntok * 8 - m
+    template = [
+        ("T", dtype),
+        ("GS", group_size),
+        ("NTOK", ntok),
+        ("RT", rt),
+        ("WARPS", warps),
+        ("WPL", wpl),
+        ("U", LOAD_WORDS // (rt * 2 * wpl)),
+    ]
+    if store == "split3_rope":
+        template += _rope_template(rope, m, widths)
     return _Launch(
         kernel=_get_kernel(store),
-        template=[
-            ("T", dtype),
-            ("GS", group_size),
-            ("NTOK", ntok),
-            ("RT", rt),
-            ("WARPS", warps),
-            ("WPL", wpl),
-            ("U", LOAD_WORDS // (rt * 2 * wpl)),
-        ],
+        template=template,
         grid=(blocks * warps * 32, 1, 1),
         threadgroup=(warps * 32, 1, 1),
         shapes=[tuple(s) for s in out],
@@ -583,6 +660,47 @@ def _prepare(
     )
 
 
+def _rope_key(rope: Rope) -> tuple:
+    """What of a :class:`Rope` a launch depends on: the arrays' shapes and dtypes, the head's
+    columns and the rotated ones."""
+    arrays = (rope.positions, rope.params, rope.freqs)
+    return (
+        *((None, None) if a is None else (a.shape, a.dtype) for a in arrays),
+        rope.head_dim,
+        rope.dims,
+    )
+
+
+def _rope_template(key: tuple | None, m: int, widths: list[int]) -> list[tuple[str, object]]:
+    """``split3_rope``'s template arguments (``HD``, ``RD``, ``FREQS``) for a :func:`_rope_key`.
+
+    Raises:
+        ValueError: arrays of the wrong shape or dtype; dims odd or above ``head_dim``; Q's or
+            K's width not a multiple of ``head_dim``.
+    """
+    assert key is not None  # matmul3 passes it with the store
+    (pos_shape, pos_dtype), (par_shape, par_dtype), (fr_shape, fr_dtype), hd, dims = key
+    if not (0 < dims <= hd and dims % 2 == 0 and hd % 2 == 0):
+        raise ValueError(
+            f"cuda_mma.matmul3: RoPE of {dims} of {hd} columns: give an even dims <= head_dim"
+        )
+    if any(n % hd for n in widths[:2]):
+        raise ValueError(
+            f"cuda_mma.matmul3: Q and K widths {widths[:2]} are not whole heads of {hd}"
+        )
+    if pos_dtype != mx.int32 or pos_shape != (m,):
+        raise ValueError(
+            f"cuda_mma.matmul3: RoPE positions must be int32 [{m}], got {pos_dtype} {pos_shape}"
+        )
+    if par_dtype != mx.float32 or par_shape != (2,):
+        raise ValueError("cuda_mma.matmul3: RoPE params must be float32 [2] (scale, log2(base))")
+    if fr_shape is not None and (fr_dtype != mx.float32 or fr_shape != (dims // 2,)):
+        raise ValueError(
+            f"cuda_mma.matmul3: RoPE freqs must be float32 [{dims // 2}], got {fr_dtype} {fr_shape}"
+        )
+    return [("HD", hd), ("RD", dims), ("FREQS", fr_shape is not None)]
+
+
 def _call(
     store: str,
     x: mx.array,
@@ -591,6 +709,7 @@ def _call(
     shapes: list[tuple[int, ...]] | None = None,
     signature: Hashable | None = None,
     residual: mx.array | None = None,
+    rope: Rope | None = None,
 ) -> list[mx.array]:
     """One call of the ``store`` kernel (a key of ``_STORE``), its arguments from the
     signature's :class:`_Launch` (validated and worked out on its first call). ``signature``
@@ -599,15 +718,18 @@ def _call(
     if signature is None:
         signature = tuple((w.shape, s.shape, s.dtype, b.shape, b.dtype) for w, s, b in weights)
     res = None if residual is None else (residual.shape, residual.dtype)
+    rk = None if rope is None else _rope_key(rope)
     key = (store, x.shape, x.dtype, group_size, None if shapes is None else tuple(shapes))
-    key += (res, signature)
+    key += (res, signature, rk)
     launch = _LAUNCHES.get(key)
     if launch is None:
         if len(_LAUNCHES) >= _MAX_LAUNCHES:
             _LAUNCHES.clear()
-        launch = _prepare(store, x.shape, x.dtype, weights, group_size, shapes, res)
+        launch = _prepare(store, x.shape, x.dtype, weights, group_size, shapes, res, rk)
         _LAUNCHES[key] = launch
     extra = [] if residual is None else [residual]
+    if rope is not None:  # freqs unused without FREQS: any float32 array stands in
+        extra = [rope.positions, rope.params if rope.freqs is None else rope.freqs, rope.params]
     if launch.pad:  # whole 8-row column tiles: zero rows appended, dropped below
         zeros = mx.zeros((launch.pad, launch.k), dtype=x.dtype)
         x = mx.concatenate([x.reshape(launch.m, launch.k), zeros])
@@ -686,6 +808,7 @@ def matmul3(
     group_size: int,
     shapes: list[tuple[int, ...]] | None = None,
     signature: Hashable | None = None,
+    rope: Rope | None = None,
 ) -> list[mx.array]:
     """:func:`matmul` of ``x`` by three weights of the same input (an attention block's Q, K
     and V) in one kernel call, where three calls would each pay MLX's per-call cost: each result
@@ -697,6 +820,9 @@ def matmul3(
         shapes: each result's shape, of ``m * n_i`` elements (the row-major ``[m, n_i]``
             viewed so, e.g. ``[m, heads, 1, head_dim]`` for RoPE); None: ``[..., n_i]``.
         signature: as :func:`matmul`'s, for the three weights.
+        rope: None, or the RoPE of the first two results (Q and K), applied in the store as
+            ``mx.fast.rope(..., traditional=True)`` would apply it to them (:class:`Rope`): two
+            operations of the graph fewer per attention block.
         others: as :func:`matmul`.
 
     Returns:
@@ -704,9 +830,11 @@ def matmul3(
 
     Raises:
         ValueError: as :func:`matmul` for any of them; not three, or not :func:`fusable`;
-            ``shapes`` of the wrong sizes.
+            ``shapes`` of the wrong sizes; a ``rope`` :func:`_rope_template` refuses.
     """
-    return _call("split3", x, weights, group_size, shapes, signature)
+    if rope is None:
+        return _call("split3", x, weights, group_size, shapes, signature)
+    return _call("split3_rope", x, weights, group_size, shapes, signature, rope=rope)
 
 
 def swiglu(

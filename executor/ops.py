@@ -283,18 +283,23 @@ def _fusable_shapes(x: mx.array, ws: list[QuantLinear]) -> bool:
 
 
 def fused_qkv(
-    x: mx.array, ws: list[QuantLinear], shapes: list[tuple[int, ...]] | None = None
+    x: mx.array,
+    ws: list[QuantLinear],
+    shapes: list[tuple[int, ...]] | None = None,
+    rope: cuda_mma.Rope | None = None,
 ) -> list[mx.array] | None:
     """Q, K and V of ``x`` ``[..., in]`` by their three weights in one tensor-core call
     (``executor.cuda_mma.matmul3``), each ``[..., n_i]`` (or ``shapes``, the same elements
     viewed so) and equal to its :func:`linear` bit for bit; None where that call does not apply
-    (see ``_fusable``): project each through :func:`linear` then. On MLX's CUDA backend each
-    call costs about 8 us beside its work (a chain of trivial custom kernels on the H200,
-    2026-12-01): a block of a few dozen rows made seven projection calls."""
+    (see ``_fusable``): project each through :func:`linear` then. With ``rope``, Q and K come
+    RoPE'd as ``mx.fast.rope`` would rotate those products (``cuda_mma.Rope``). On MLX's CUDA
+    backend each call costs about 8 us beside its work (a chain of trivial custom kernels on the
+    H200, 2026-12-01): a block of a few dozen rows made seven projection calls."""
     if not _fusable(x, ws):
         return None
     signature = (ws[0].signature, ws[1].signature, ws[2].signature)
-    return cuda_mma.matmul3(x, [w.parts for w in ws], ws[0].group_size, shapes, signature)
+    parts = [w.parts for w in ws]
+    return cuda_mma.matmul3(x, parts, ws[0].group_size, shapes, signature, rope)
 
 
 def fused_swiglu(x: mx.array, gate: QuantLinear, up: QuantLinear) -> mx.array | None:

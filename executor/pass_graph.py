@@ -6,16 +6,18 @@ about 10 operations a block) is a large part of its time. On the lent H200 (2026
 Llama-3-8B shape, Q4_0) the warm 24-token chunk after 992 cached tokens took 9.1 ms in-process,
 of which about 3 ms was this Python and 3.3 ms MLX's own scheduling of the graph.
 
-Here such a pass is traced once by ``mx.compile`` (the model's ordinary ``_pass``, run on
-placeholder arrays) and later passes of the same layout replay the traced graph from C++, with
-no Python per operation. What varies between passes of one layout enters as arrays: the
-embedded rows, each row's position, the KV slots written, the attention tables and row
-metadata (``ForwardBatch.kernel_layout``) and query groups (``ForwardBatch.kernel_groups``), the
-rows whose logits are returned, and every
-layer's key and value pool (the updated pools come back as outputs). What fixes the graph's
-shape is the layout key (:func:`layout_key`): the pass's rows, tokens, sequences, table width
-(padded to a multiple of ``TABLE_SLOTS`` so that a growing sequence keeps its graph for that
-many tokens), logit rows, and the number and largest of the query groups.
+Here such a pass is traced once by ``mx.compile``, in segments of ``SEGMENT_BLOCKS`` blocks (the
+model's ordinary ``LlamaModel.blocks``, and ``LlamaModel.head`` in the last, run on placeholder
+arrays), and later passes of the same layout replay the traced graphs from C++, with no Python
+per operation, each segment handed to ``mx.async_eval`` as soon as it is replayed. What varies
+between passes of one layout enters as arrays: the embedded rows, each row's position, the KV
+slots written, the attention tables and row metadata (``ForwardBatch.kernel_layout``) and query
+groups (``ForwardBatch.kernel_groups``), the rows whose logits are returned, and each segment's
+key and value pools (the updated pools come back as outputs, and replace the live ones before
+the segment is evaluated, so that MLX updates a pool in place rather than copying it). What
+fixes the graph's shape is the layout key (:func:`layout_key`): the pass's rows, tokens,
+sequences, table width (padded to a multiple of ``TABLE_SLOTS`` so that a growing sequence keeps
+its graph for that many tokens), logit rows, and the number and largest of the query groups.
 
 Which passes: a dense model (no MoE router, whose choice is read on the host) with every unit
 resident on the device tier (a streamed unit's read is host work per pass), no row tile (the
@@ -61,11 +63,17 @@ if TYPE_CHECKING:
 
 COMPILED_PASSES = os.environ.get("STRATA_COMPILED_PASSES", "0") == "1"
 """Replay compiled graphs for the passes this module takes (False: every pass eager). Off unless
-the environment sets ``STRATA_COMPILED_PASSES=1``: on the lent H200 (2026-12-02, README) the
-replayed passes gave the eager passes' greedy tokens and a faster 16-sequence decode step, but
-not a faster warm prefill chunk, which the GPU's 4-bit products bound. ``/metrics`` counts the
-target model's traces and replays (``strata_compiled_pass_traces_total``,
-``strata_compiled_pass_replays_total``)."""
+the environment sets ``STRATA_COMPILED_PASSES=1``. On the lent H200 (2026-12-02, Llama-3-8B
+shape) the replayed passes gave the eager passes' greedy tokens (an earlier session) and the
+fastest warm 24-token pass after a 992-token prefix-cache hit (one process, interleaved, medians
+of 9; ``bench/results/2026-12-02.warm-pass-segments.h200.llama3-8b-shape.json``): eager 10.38
+ms, compiled in one graph 9.23, in segments of 8 / 4 blocks (``SEGMENT_BLOCKS``) 8.55 / 8.33.
+But with them on by default, in segments of 4, the serving bench's 16-sequence decode steps took
+61 ms each (TPOT p50 61.5 ms against 8.9 ms at concurrency 1; 58 of its 68 steps replayed one
+traced layout; ``bench/results/2026-12-02.serving-compiled-seg4.h200.llama3-8b-shape.json``),
+where one graph per pass gave 1,486 tok/s at 16 in an earlier session: not explained yet, so
+they stay off. ``/metrics`` counts the target model's traces and replays
+(``strata_compiled_pass_traces_total``, ``strata_compiled_pass_replays_total``)."""
 
 MAX_ROWS = 64
 """Passes of at most this many rows are compiled: those whose host work is a large part (decode
@@ -85,12 +93,23 @@ MAX_GRAPHS = 256
 only its tape: the weights are the model's own arrays)."""
 
 
+SEGMENT_BLOCKS = 4
+"""Blocks per compiled segment: a pass is traced and replayed as consecutive segments of this
+many blocks (the last also runs the output head), each handed to ``mx.async_eval`` as soon as it
+is replayed, so that the GPU computes segment i while the host replays and encodes segment i + 1.
+One graph for the whole pass left the GPU idle while the host replayed it (1.0-1.5 ms of a warm
+24-token pass of the Llama-3-8B shape on the H200, 2026-12-02, ``bench/results/
+2026-12-02.warm-pass-variants.h200.llama3-8b-shape.json``). Segments of 32 (one graph), 8 and 4
+blocks on the H200 (same pass, one process, interleaved, medians of 9): 9.23 / 8.55 / 8.33 ms
+(``bench/results/2026-12-02.warm-pass-segments.h200.llama3-8b-shape.json``)."""
+
+
 @dataclasses.dataclass
 class _Graph:
-    """One layout's compiled pass: ``fn`` (``mx.compile`` of the tracer), the bytes the traced
-    pass counted per tier, and the batch being traced (set per call)."""
+    """One layout's compiled pass: ``fns`` (``mx.compile`` of each segment's tracer), the bytes
+    the traced segments counted per tier, and the batch being traced (set per call)."""
 
-    fn: object
+    fns: list
     bytes_read: dict[str, int] = dataclasses.field(default_factory=dict)
     batch: ForwardBatch | None = None
     ready: bool = False  # a call has traced it: later calls replay
@@ -152,14 +171,15 @@ class PassGraphs:
         if self.disabled or not self.eligible(batch, rows):
             return None
         width = table_width(batch)
-        key = (*layout_key(batch, rows, width), settings_epoch())
+        key = (*layout_key(batch, rows, width), settings_epoch(), SEGMENT_BLOCKS)
         graph = self._graphs.get(key)
         if graph is None:
             self._seen[key] = self._seen.get(key, 0) + 1
             if self._seen[key] < COMPILE_AFTER:
                 return None
             del self._seen[key]
-            graph = self._graphs[key] = _Graph(mx.compile(self._tracer(key, rows)))
+            fns = [mx.compile(self._tracer(key, rows, a, b)) for a, b in self._segments()]
+            graph = self._graphs[key] = _Graph(fns)
             while len(self._graphs) > MAX_GRAPHS:
                 self._graphs.popitem(last=False)
             if len(self._seen) > 4 * MAX_GRAPHS:  # layouts seen once, long ago
@@ -173,16 +193,28 @@ class PassGraphs:
         inputs += (batch.logit_rows,)
         fresh = not graph.ready  # this call traces
         graph.batch = batch
-        read = dict(self.model.store.bytes_read)
+        store = self.model.store
+        read = dict(store.bytes_read)
+        kv, blocks = self.kv, self.model.arch.block_count
         try:
-            logits, keys, values = graph.fn(*inputs, self.kv.keys, self.kv.values)
+            out, rope = x, []
+            for fn, (a, b) in zip(graph.fns, self._segments(), strict=True):
+                out, rope, keys, values = fn(out, *inputs[1:], rope, kv.keys[a:b], kv.values[a:b])
+                # The segment's updated pools replace the live ones before anything is
+                # evaluated: an old pool that nothing else holds is written in place (MLX
+                # donates it to the scatter), where one still held would be copied whole.
+                kv.keys[a:b], kv.values[a:b] = keys, values
+                del keys, values
+                if b < blocks:
+                    mx.async_eval(out)  # the GPU starts on this segment
+            logits = out
         except Exception as e:
             if not fresh:
                 del self._graphs[key]  # not replayed again
                 raise
             # A pass that cannot be traced (an operation mx.compile refuses) runs eagerly, and
             # so does every later pass over this cache: said once, never a failed request.
-            self.model.store.bytes_read.update(read)  # the failed trace read nothing
+            store.bytes_read.update(read)  # the failed trace read nothing
             self.disabled = f"{type(e).__name__}: {e}"
             self._graphs.clear()
             print(
@@ -192,18 +224,29 @@ class PassGraphs:
             return None
         finally:
             graph.batch = None
-        self.kv.keys, self.kv.values = list(keys), list(values)
         graph.ready = True
         if fresh:
             self.traces += 1
         else:  # the replay ran no Python: count the reads the traced pass counted
             self.replays += 1
             for tier, n in graph.bytes_read.items():
-                self.model.store.bytes_read[tier] += n
+                store.bytes_read[tier] += n
         return logits
 
-    def _tracer(self, key: tuple, rows: int):
-        def trace(x, positions, write_slots, tables, meta, groups, logit_rows, keys, values):
+    def _segments(self) -> list[tuple[int, int]]:
+        """The compiled segments' blocks, ``(first, end)`` each (``SEGMENT_BLOCKS`` blocks)."""
+        n = self.model.arch.block_count
+        return [(a, min(a + SEGMENT_BLOCKS, n)) for a in range(0, n, SEGMENT_BLOCKS)]
+
+    def _tracer(self, key: tuple, rows: int, first: int, end: int):
+        """The function ``mx.compile`` traces for blocks ``first .. end - 1`` of the pass: from
+        the residual stream (the embedded rows for the first segment), the pass's arrays, the
+        RoPE factors (a list: empty where the model has none; the first segment reads them from
+        the store and returns them) and the segment's key and value pools, to the stream (the
+        logits for the last segment), the factors and the updated pools."""
+        last = end == self.model.arch.block_count
+
+        def trace(x, positions, write_slots, tables, meta, groups, logit_rows, rope, keys, values):
             graph = self._graphs[key]
             assert graph.batch is not None  # set by run() around the call
             largest = graph.batch.kernel_groups().largest  # in the key: the same for every pass
@@ -217,13 +260,23 @@ class PassGraphs:
                 _masks=dict(graph.batch._masks),
                 _decode_table=None,
             )
-            kv = copy.copy(self.kv)
-            kv.keys, kv.values = list(keys), list(values)
-            store = self.model.store
+            kv = copy.copy(self.kv)  # the segment's pools in place of the live ones
+            kv.keys, kv.values = list(self.kv.keys), list(self.kv.values)
+            kv.keys[first:end], kv.values[first:end] = keys, values
+            model, store = self.model, self.model.store
             before = dict(store.bytes_read)
-            logits = self.model._pass(x, batch, kv, rows, None, frozenset(), schedule=False)
-            graph.bytes_read = {t: store.bytes_read[t] - before[t] for t in before}
-            return logits, kv.keys, kv.values
+            if first == 0:
+                factors = model.rope_factors()
+                rope = [] if factors is None else [factors]
+            x = model.blocks(x, batch, kv, rope[0] if rope else None, first, end)
+            if last:
+                x = model.head(x, batch)
+            read = {t: store.bytes_read[t] - before[t] for t in before}
+            if first == 0:
+                graph.bytes_read = read
+            else:
+                graph.bytes_read = {t: graph.bytes_read[t] + n for t, n in read.items()}
+            return x, rope, kv.keys[first:end], kv.values[first:end]
 
         return trace
 

@@ -468,6 +468,11 @@ class ServingEngine:
         for b in warm_up_sizes(min(self.batch.max_num_seqs, limit - 1)):
             if b > 1:  # sequence i: one token at position i
                 run([SeqInput([0], i, slots[: i + 1]) for i in range(b)])
+        if pass_graph.COMPILED_PASSES and limit >= 2:
+            # One layout traced (seen COMPILE_AFTER times): the kernels mx.compile fuses are
+            # built here (3-4 s on the H200 the first time on a machine), not in a request.
+            for _ in range(pass_graph.COMPILE_AFTER):
+                run([SeqInput([0, 0], 0, slots[:2])])
 
     def _reset_if_idle(self) -> bool:
         if self.scheduler.has_work():

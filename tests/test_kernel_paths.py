@@ -308,7 +308,7 @@ def test_fused_products_answer_only_where_the_tensor_core_path_applies(monkeypat
 
     calls: list[str] = []
 
-    def matmul3(x, parts, group, shapes=None, signature=None):
+    def matmul3(x, parts, group, shapes=None, signature=None, rope=None):
         calls.append("qkv")
         shapes = shapes or [(*x.shape[:-1], p[0].shape[0]) for p in parts]
         return [mx.zeros(s, x.dtype) for s in shapes]
@@ -380,7 +380,8 @@ def test_kernel_source_is_compacted_without_changing_code():
     assert compact("#define M(a) \\\n  a + 1 // sum") == "#define M(a) \\\na + 1\n"
     for store in cuda_mma._STORE:  # Strata's own sources pass, and shrink
         body = cuda_mma._BODY.replace("STRATA_TILES", cuda_mma._TILES[store])
-        assert len(compact(body + cuda_mma._STORE[store])) < 0.7 * len(body)
+        body += cuda_mma._STORE[store]
+        assert len(compact(body)) < 0.7 * len(body)
     from executor import cuda_attention
     from executor.cuda_source import MMA_M16N8K16
 
@@ -426,3 +427,125 @@ def test_only_the_models_own_silu_takes_the_fused_swiglu():
     assert object.__new__(LlamaModel).swiglu
     assert object.__new__(Qwen3Model).swiglu
     assert not object.__new__(Gemma3Model).swiglu
+
+
+@pytest.mark.skipif(not CUDA, reason="needs MLX's CUDA backend")
+@pytest.mark.parametrize("rows", [1, 5, 24])
+@pytest.mark.parametrize("dtype", [mx.float16, mx.bfloat16])
+@pytest.mark.parametrize(
+    "freqs, dims, scale", [(True, 128, 1.0), (False, 128, 1.0), (False, 64, 0.25)]
+)
+def test_rope_in_the_qkv_store_is_mlx_rope(rows, dtype, freqs, dims, scale):
+    """``matmul3(..., rope=Rope(...))`` gives Q and K as ``mx.fast.rope(traditional=True)``
+    rotates ``matmul3``'s products, bit for bit (Llama 3's frequencies, a base alone, a partial
+    rotation with a linear position scale), and V untouched; K written ``[m, kv_heads, d]``."""
+    from executor.models.llama import _log2f
+
+    rng = np.random.default_rng(7)
+    k, hd, base = 4096, 128, 500000.0
+    x = mx.array(rng.standard_normal((rows, k)).astype(np.float32)).astype(dtype)
+    parts = [_weight(n, k, 4, 32, dtype, seed=i) for i, n in enumerate((4096, 1024, 1024))]
+    quants = [(p.weight, p.scales, p.biases) for p in parts]
+    positions = mx.array(rng.integers(0, 6000, rows).astype(np.int32))
+    inv = None
+    if freqs:  # as LlamaModel._inverse_freqs makes them: base ** (2i / dims) times the factors
+        factors = mx.array(rng.uniform(1.0, 8.0, dims // 2).astype(np.float32))
+        inv = (base ** (mx.arange(0, dims, 2, dtype=mx.float32) / dims)) * factors
+    params = mx.array([scale, _log2f(base)], dtype=mx.float32)
+    rope = cuda_mma.Rope(positions, params, inv, hd, dims)
+    shapes = [(rows, 32, 1, hd), (rows, 8, hd), (rows, 8, hd)]
+    q, kk, v = cuda_mma.matmul3(x, quants, 32, shapes, rope=rope)
+    q0, k0, v0 = cuda_mma.matmul3(x, quants, 32, [(rows, 32, 1, hd), (rows, 8, 1, hd), shapes[2]])
+
+    def mlx_rope(a):
+        return mx.fast.rope(
+            a, dims, traditional=True, base=None if freqs else base, scale=scale,
+            offset=positions, freqs=inv,
+        )  # fmt: skip
+
+    assert mx.array_equal(v, v0)
+    assert q.shape == shapes[0] and mx.array_equal(q, mlx_rope(q0))
+    assert kk.shape == shapes[1] and mx.array_equal(kk, mlx_rope(k0).reshape(shapes[1]))
+    with pytest.raises(ValueError, match="positions must be int32"):
+        bad = cuda_mma.Rope(positions.astype(mx.int64), params, inv, hd, dims)
+        cuda_mma.matmul3(x, quants, 32, shapes, rope=bad)
+    with pytest.raises(ValueError, match="whole heads"):
+        cuda_mma.matmul3(x, quants, 32, shapes, rope=cuda_mma.Rope(positions, params, None, 96, 96))
+
+
+@pytest.mark.parametrize("rope_freqs", [True, False], ids=["llama3-factors", "base"])
+def test_the_model_hands_the_qkv_product_its_own_rope(
+    rope_freqs, monkeypatch, tmp_path, smollm2_gguf
+):
+    """Where the fused Q/K/V product applies, the model gives it the RoPE it would apply itself
+    (``LlamaModel._fused_rope``) and skips its own: with the fused product replaced by its
+    definition (the three products, then ``mx.fast.rope`` from the ``cuda_mma.Rope`` received),
+    a pass's logits and KV pool equal those of the pass that RoPEs in the model, bit for bit.
+    Each Rope carries the pass's positions, Llama 3's frequencies (or none) and the base's
+    float32 log2. Runs on every backend."""
+    import dataclasses
+
+    import gguf
+    from conftest import make_plan_file
+    from gguf_factory import ARCH_MODELS, write_arch_model
+
+    import executor.models.llama as llama
+    from executor.engine import Engine
+    from executor.paged_kv import ForwardBatch, SeqInput
+    from executor.plan_loader import load_plan
+
+    # Q4_0 block matrices: quantized weights, which the fused product takes.
+    arch = dataclasses.replace(ARCH_MODELS["llama3"], matrix_type=gguf.GGMLQuantizationType.Q4_0)
+    if not rope_freqs:
+        arch = dataclasses.replace(arch, rope_freqs=0)
+    gguf = write_arch_model(tmp_path / "m.gguf", "llama3", smollm2_gguf, model=arch)
+    model = Engine(load_plan(make_plan_file(str(gguf), tmp_path / "p.yaml"))).model
+    hd, base = model.arch.head_dim, model.arch.rope_freq_base
+    received: list = []
+
+    def fused_by_definition(x, ws, shapes=None, rope=None):
+        outs = [linear(x, w).reshape(s) for w, s in zip(ws, shapes, strict=True)]
+        received.append(rope)
+        if rope is None:
+            return outs
+        rows = shapes[0][0]
+
+        def rotate(a, shape):
+            a = a.reshape(rows, -1, 1, hd)
+            scale = rope.params[0].item()
+            b = None if rope.freqs is not None else base
+            r = mx.fast.rope(a, rope.dims, traditional=True, base=b, scale=scale,
+                             offset=rope.positions, freqs=rope.freqs)  # fmt: skip
+            return r.reshape(shape)
+
+        return [rotate(outs[0], shapes[0]), rotate(outs[1], shapes[1]), outs[2]]
+
+    monkeypatch.setattr(llama, "fused_qkv", fused_by_definition)
+    monkeypatch.setattr(llama, "fused_swiglu", lambda *a: None)
+    vocab = model.arch.vocab_size
+    rng = np.random.default_rng(1)
+    seqs = [
+        SeqInput(rng.integers(0, vocab, 7).tolist(), 0, np.arange(7, dtype=np.int32), "all"),
+        SeqInput(rng.integers(0, vocab, 5).tolist(), 0, np.arange(40, 45, dtype=np.int32), "all"),
+    ]
+
+    def run(fused: bool):
+        monkeypatch.setattr(llama, "FUSED_ROPE", fused)
+        received.clear()
+        kv = model.make_paged_cache(16, 4)
+        batch = ForwardBatch.build(seqs)
+        logits = model.forward_batch(batch, kv)
+        return np.array(logits), [np.array(a) for a in kv.keys + kv.values], batch
+
+    want, want_kv, _ = run(False)
+    assert received and all(r is None for r in received)
+    got, got_kv, batch = run(True)
+    assert len(received) == model.arch.block_count and all(received)
+    rows = model.pass_rows(batch.num_tokens)
+    for r in received:
+        assert np.array_equal(np.array(r.positions), np.array(batch.positions(rows)))
+        assert (r.freqs is not None) == rope_freqs and (r.head_dim, r.dims) == (hd, hd)
+        assert r.params.tolist() == pytest.approx([1.0, np.log2(base)], rel=1e-6)
+    np.testing.assert_array_equal(got, want)
+    for a, b in zip(got_kv, want_kv, strict=True):
+        np.testing.assert_array_equal(a, b)

@@ -79,12 +79,16 @@ def _run(model, compiled: bool, monkeypatch) -> tuple[list, list, int, PagedKVCa
     )
 
 
-@pytest.mark.parametrize("name", NAMES)
-def test_replayed_pass_equals_eager(name, models, tmp_path, monkeypatch):
+@pytest.mark.parametrize(
+    "name, segment", [*((n, pass_graph.SEGMENT_BLOCKS) for n in NAMES), ("llama3", 2)]
+)
+def test_replayed_pass_equals_eager(name, segment, models, tmp_path, monkeypatch):
     """The same steps eager and compiled: identical logits, KV pool and bytes read; on the dense
     models the decode layout is traced once and replayed (a MoE model is never compiled: its
-    router's choice is read on the host)."""
+    router's choice is read on the host). The 3-block model in segments of 2 blocks: its pass
+    traced and replayed in two graphs (the second runs the head), the same again."""
     _force_kernel_path(monkeypatch)
+    monkeypatch.setattr(pass_graph, "SEGMENT_BLOCKS", segment)
     plan = make_plan_file(str(models[name]), tmp_path / "p.yaml", context=256, concurrency=4)
     model = Engine(load_plan(plan)).model
     want, want_kv, want_read, eager_kv = _run(model, False, monkeypatch)
@@ -93,6 +97,9 @@ def test_replayed_pass_equals_eager(name, models, tmp_path, monkeypatch):
     assert pass_graph.counters(eager_kv) == pass_graph.counters(None) == (0, 0)
     assert pass_graph.counters(kv) == ((0, 0) if name == "mixtral" else (1, 3))
     graphs = pass_graph.graphs_for(model, kv)
+    if name != "mixtral":
+        (graph,) = graphs._graphs.values()
+        assert len(graph.fns) == -(-model.arch.block_count // segment)
     for a, b in zip(got, want, strict=True):
         np.testing.assert_array_equal(a, b)
     for a, b in zip(got_kv, want_kv, strict=True):

@@ -36,6 +36,8 @@ not depend on how the store grouped them.
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import math
 import sys
 from dataclasses import dataclass, replace
@@ -44,6 +46,7 @@ import mlx.core as mx
 import numpy as np
 
 from executor import cuda_attention, pass_graph
+from executor.cuda_mma import Rope
 from executor.ops import (
     PAD_ROWS,
     QuantLinear,
@@ -238,6 +241,9 @@ class LlamaModel:
         self.layers = [self.layer_attention(i) for i in range(arch.block_count)]
         self.routing = self.moe_routing.for_model(arch) if arch.expert_count else None
         self._inv_freqs: tuple[mx.array, float, mx.array] | None = None
+        self._rope_params: dict[tuple[float, float], mx.array] = {}
+        # The last pass's batch and its kernel_attention answers (_kernel_attention).
+        self._kernel_memo: tuple[ForwardBatch, dict] | None = None
 
     # ----------------------------------------------------------------- architecture hooks
 
@@ -442,6 +448,46 @@ class LlamaModel:
         self._inv_freqs = (freqs, base, inv)
         return inv
 
+    def _fused_rope(
+        self, la: LayerAttention, positions: mx.array, freqs: mx.array | None
+    ) -> Rope | None:
+        """The RoPE of Q and K for the Q/K/V product's store (``executor.cuda_mma.Rope``: the
+        arithmetic of ``mx.fast.rope``, two operations of the graph fewer per block), or None
+        where the block RoPEs them itself: ``FUSED_ROPE`` off, rotation of halves (NEOX), Q/K
+        norms between the product and RoPE, or an odd rotated width."""
+        dims, d = self.arch.rope_dimension_count, self.arch.head_dim
+        if not FUSED_ROPE or not self.rope_traditional or self.qk_norm or dims % 2 or dims > d:
+            return None
+        params = self._rope_params.get((la.rope_scale, la.rope_base))
+        if params is None:
+            params = self._rope_params[(la.rope_scale, la.rope_base)] = mx.array(
+                [la.rope_scale, _log2f(la.rope_base)], dtype=mx.float32
+            )
+        inv = None
+        if la.use_rope_freqs and freqs is not None:
+            inv = self._inverse_freqs(freqs, la.rope_base)
+        return Rope(positions, params, inv, d, dims)
+
+    def _kernel_attention(
+        self,
+        batch: ForwardBatch,
+        kv: PagedKVCache,
+        layer: int,
+        heads: int,
+        dtype: mx.Dtype,
+        window: int,
+    ) -> bool:
+        """:func:`kernel_attention`, asked once per pass and window (every block's pool has one
+        shape and dtype; each ask cost about 6 us of host time per block on the H200)."""
+        memo = self._kernel_memo
+        if memo is None or memo[0] is not batch:
+            memo = self._kernel_memo = (batch, {})
+        key = (id(kv), heads, dtype, window)
+        ok = memo[1].get(key)
+        if ok is None:
+            ok = memo[1][key] = kernel_attention(batch, kv, layer, heads, dtype, window)
+        return ok
+
     def attention(
         self,
         w: dict[str, Weight],
@@ -467,18 +513,22 @@ class LlamaModel:
         h = self._norm(x, w[p + "attn_norm.weight"])
         projs = [p + name for name in ("attn_q", "attn_k", "attn_v")]
         ws = [w[name + ".weight"] for name in projs]
-        qkv = None
+        positions = batch.positions(rows)
+        qkv, rope = None, None
         if all(isinstance(wt, QuantLinear) for wt in ws) and not any(
             name + ".bias" in w for name in projs
         ):
-            # One tensor-core call where it applies, writing Q and K as RoPE takes them and V as
-            # the cache stores it (no reshape in the graph: each costs the host a few us).
+            # One tensor-core call where it applies, writing Q and K as RoPE takes them (or
+            # RoPE'd already, as the cache stores K) and V as the cache stores it (no reshape in
+            # the graph: each costs the host a few us).
             shapes = None
             if not self.qk_norm_full:
-                shapes = [(rows, heads, 1, d), (rows, kv_heads, 1, d), (rows, kv_heads, d)]
-            qkv = fused_qkv(h, ws, shapes)
+                rope = self._fused_rope(la, positions, rope_freqs)
+                k_shape = (rows, kv_heads, d) if rope else (rows, kv_heads, 1, d)
+                shapes = [(rows, heads, 1, d), k_shape, (rows, kv_heads, d)]
+            qkv = fused_qkv(h, ws, shapes, rope)
         if qkv is None:
-            qkv = [self._proj(w, name, h) for name in projs]
+            qkv, rope = [self._proj(w, name, h) for name in projs], None
         q, k, v = qkv
         if self.qk_norm_full:
             q = self._norm(q, w[p + "attn_q_norm.weight"])
@@ -486,18 +536,18 @@ class LlamaModel:
         # [R, heads, 1, head_dim]: each row its own batch entry at its own offset, so a token's
         # RoPE is the same call whatever else is in the pass and whichever path attends it.
         q = _shaped(q, (rows, heads, 1, d))
-        k = _shaped(k, (rows, kv_heads, 1, d))
         v = _shaped(v, (rows, kv_heads, d))
-        if self.qk_norm and not self.qk_norm_full:  # per head: the last axis
-            q = self._norm(q, w[p + "attn_q_norm.weight"])
-            k = self._norm(k, w[p + "attn_k_norm.weight"])
-        positions = batch.positions(rows)
-        q = self._rope(q, la, positions, rope_freqs)
-        k = self._rope(k, la, positions, rope_freqs).reshape(rows, kv_heads, d)
+        if rope is None:  # not RoPE'd in the product's store
+            k = _shaped(k, (rows, kv_heads, 1, d))
+            if self.qk_norm and not self.qk_norm_full:  # per head: the last axis
+                q = self._norm(q, w[p + "attn_q_norm.weight"])
+                k = self._norm(k, w[p + "attn_k_norm.weight"])
+            q = self._rope(q, la, positions, rope_freqs)
+            k = self._rope(k, la, positions, rope_freqs).reshape(rows, kv_heads, d)
         # Every token's K/V goes in before anyone attends: a chunk sees its own tokens. The
         # padding rows write nothing (no-copy row views).
         kv.write(layer, batch.write_slots, k[:n] if rows > n else k, v[:n] if rows > n else v)
-        if kernel_attention(batch, kv, layer, heads, q.dtype, la.window):
+        if self._kernel_attention(batch, kv, layer, heads, q.dtype, la.window):
             tables, meta = batch.kernel_layout(rows)
             o = cuda_attention.attention(
                 q,
@@ -673,20 +723,42 @@ class LlamaModel:
         rows: int,
         layers: int | None,
         skip: frozenset[str],
-        schedule: bool = True,
     ) -> mx.array:
         """:meth:`forward_batch` from the embedded rows ``x`` [1, rows, d] on: the blocks and the
-        output head. ``schedule``: hand the residual stream to ``mx.async_eval`` every
-        ``ASYNC_EVAL_BLOCKS`` blocks (not while ``executor.pass_graph`` traces the pass, when
-        nothing may be evaluated)."""
+        output head, the residual stream handed to ``mx.async_eval`` every ``ASYNC_EVAL_BLOCKS``
+        blocks."""
+        end = self.arch.block_count if layers is None else layers
+        x = self.blocks(x, batch, kv, self.rope_factors(), 0, end, skip, schedule=True)
+        return self.head(x, batch)
+
+    def rope_factors(self) -> mx.array | None:
+        """Llama 3's RoPE frequency factors (the ``globals`` unit), float32, or None where the
+        model has none: asked of the store once per pass. Read and released at once: a new
+        array (``* 1.0``), as a streamed unit's slot is reused once released."""
+        if not self.has_globals:
+            return None
         s = self.store
-        rope_freqs = None
-        if self.has_globals:
-            # Read once per pass and released at once: a new array (``* 1.0``), as a streamed
-            # unit's slot is reused once released.
-            factors = s.unit("globals")["rope_freqs.weight"]
-            rope_freqs = s.release("globals", factors.astype(mx.float32) * 1.0)
-        for i in range(self.arch.block_count if layers is None else layers):
+        factors = s.unit("globals")["rope_freqs.weight"]
+        return s.release("globals", factors.astype(mx.float32) * 1.0)
+
+    def blocks(
+        self,
+        x: mx.array,
+        batch: ForwardBatch,
+        kv: PagedKVCache,
+        rope_freqs: mx.array | None,
+        first: int,
+        end: int,
+        skip: frozenset[str] = frozenset(),
+        schedule: bool = False,
+    ) -> mx.array:
+        """The residual stream ``x`` [1, rows, d] through blocks ``first .. end - 1``, each unit
+        asked of the store as it is needed (``skip``: units left out, their residual passing
+        through). ``schedule``: hand the stream to ``mx.async_eval`` every
+        ``ASYNC_EVAL_BLOCKS`` blocks (not while ``executor.pass_graph`` traces, when nothing may
+        be evaluated)."""
+        s = self.store
+        for i in range(first, end):
             attn, ffn = f"blk.{i}.attn", f"blk.{i}.ffn"
             if attn not in skip:
                 x = s.release(attn, self.attention(s.unit(attn), i, x, batch, kv, rope_freqs))
@@ -697,6 +769,12 @@ class LlamaModel:
                     x = s.release(ffn, x + self.moe_ffn(s.unit(ffn), i, x))
             if schedule and ASYNC_EVAL_BLOCKS and (i + 1) % ASYNC_EVAL_BLOCKS == 0:
                 mx.async_eval(x)
+        return x
+
+    def head(self, x: mx.array, batch: ForwardBatch) -> mx.array:
+        """float32 logits [S, vocab] of ``batch.logit_rows`` of the residual stream ``x``
+        [1, rows, d]: the final norm and the output head (the token embedding where tied)."""
+        s = self.store
         out = s.unit("output")
         x = self._norm(x[:, batch.logit_rows], out["output_norm.weight"])
         head = out.get("output.weight")
@@ -735,7 +813,7 @@ where ``executor.ops.PAD_ROWS`` pads products (MLX's CUDA backend). Measured on 
 cached tokens 24.9 -> 21.8 ms (every operation costs the host 5-10 us to encode, and a pass of
 24 tokens padded per product had two more per product, 448 in all)."""
 
-ASYNC_EVAL_BLOCKS = 1 if mx.cuda.is_available() else 0
+ASYNC_EVAL_BLOCKS = 2 if mx.cuda.is_available() else 0
 """Schedule the residual stream (``mx.async_eval``) after every this many blocks (0: never), as
 soon as it is built, so that the GPU computes block i while Python builds block i + 1
 (``mx.eval`` at the end otherwise starts the GPU only once the whole pass is built). Measured on
@@ -744,9 +822,31 @@ decode step 8.8 -> 6.3 ms, a 16-sequence step 14.5 -> 8.8 ms, the warm 24-token 
 12.6 ms, the cold 1,016-token prefill 55 -> 45 ms. On the CPU it changed nothing (SmolLM2, 24
 tokens: 5.34-5.41 against 5.43-5.49 s), so it is off there; Metal was not measured. Every 1, 2 or
 4 blocks (H200, same shape, one process, interleaved, medians of 4): warm chunk 13.4 / 11.6 /
-13.6 ms, cold 66.8 / 56.8 / 60.1 ms, a 16-sequence step 13.3 / 11.2 / 11.3 ms: 2 ahead on all
-three, by less than one setting's own spread on that machine (a warm chunk 11.8-15.9 ms at 1), so
-it stays 1 until a run with more rounds says otherwise."""
+13.6 ms, cold 66.8 / 56.8 / 60.1 ms, a 16-sequence step 13.3 / 11.2 / 11.3 ms. A second run
+(2026-12-02, another machine start, one process, the warm chunk alone, interleaved, medians of 9,
+``bench/results/2026-12-02.warm-pass-variants.h200.llama3-8b-shape.json``): every 1 / 2 / 4 /
+never 9.85 / 8.01 / 8.36 / 10.92 ms. Each ``mx.async_eval`` commits the CUDA graph MLX has built
+since the last (``mlx/backend/cuda/device.cpp``, ``CommandEncoder::commit``), a fixed cost per
+call: the pass's Python took 3.3 ms and its ``mx.async_eval`` calls 5.5 ms at 1, 3.6 ms at 2."""
+
+FUSED_ROPE = True
+"""RoPE Q and K in the fused Q/K/V product's store (``executor.cuda_mma.Rope``) where it applies
+(:meth:`LlamaModel._fused_rope`): two operations of the graph and one reshape fewer per block.
+The arithmetic is ``mx.fast.rope``'s on the same rounded products."""
+
+
+def _log2f(x: float) -> float:
+    """``log2`` of ``x`` as float32, as MLX's RoPE computes it on the host (C's ``log2f`` of the
+    float32 ``x``: ``std::log2`` of its float ``base``), so that a RoPE applied in a product's
+    store uses MLX's exact constant; Python's double ``log2`` rounded where the C library is
+    not found."""
+    x32 = float(np.float32(x))
+    try:
+        lib = ctypes.CDLL(ctypes.util.find_library("m") or "libm.so.6")
+        lib.log2f.restype, lib.log2f.argtypes = ctypes.c_float, [ctypes.c_float]
+        return float(lib.log2f(x32))
+    except (OSError, AttributeError):
+        return float(np.float32(math.log2(x32)))
 
 
 def kernel_attention(
