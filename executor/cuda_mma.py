@@ -556,8 +556,8 @@ class _Launch:
 
 _LAUNCHES: dict[tuple, _Launch] = {}
 """Signature (kernel, ``x``'s shape and dtype, group size, output shapes, the residual's shape
-and dtype, the weights' shapes and dtypes or the caller's ``signature`` for them) -> its
-:class:`_Launch`. Validating and working out a call took about 12 us of
+and dtype, the weights' shapes and dtypes or the caller's ``signature`` for them, and a RoPE's
+:func:`_rope_key`) -> its :class:`_Launch`. Validating and working out a call took about 12 us of
 Python per call on the H200 host (2026-12-01), more than MLX's own cost of a call; a pass of the
 Llama-3-8B shape makes 160 of them."""
 

@@ -34,8 +34,11 @@ the kernel replaced by its definition in MLX operations; on the lent H200 the gr
 (``WeightStore.bytes_read``) are counted per replay as the traced pass counted them. The
 process's kernel-path settings are part of the key (``ops.settings_epoch``). A trace that raises
 in Python turns compiled passes off for the KV cache (one warning on stderr) and the pass runs
-eagerly; a replay whose call raises drops its graph. Evaluation is lazy: a graph that fails when
-its outputs are evaluated fails that step like any failed forward pass, and stays cached.
+eagerly (segments traced before it have written this pass's keys and values already: the eager
+pass writes the same ones again); a replay whose call raises drops its graph and fails the step,
+its earlier segments' writes left in the slots of that step's sequences. Evaluation is lazy: a
+graph that fails when its outputs are evaluated fails that step like any failed forward pass, and
+stays cached.
 
 What it gains is measured in the README (Serving, "The graph replayed per shape"):
 ``bench/prefix_inprocess.py --variants eager,compiled`` and ``execute.py bench`` with
@@ -71,8 +74,9 @@ ms, compiled in one graph 9.23, in segments of 8 / 4 blocks (``SEGMENT_BLOCKS``)
 But with them on by default, in segments of 4, the serving bench's 16-sequence decode steps took
 61 ms each (TPOT p50 61.5 ms against 8.9 ms at concurrency 1; 58 of its 68 steps replayed one
 traced layout; ``bench/results/2026-12-02.serving-compiled-seg4.h200.llama3-8b-shape.json``),
-where one graph per pass gave 1,486 tok/s at 16 in an earlier session: not explained yet, so
-they stay off. ``/metrics`` counts the target model's traces and replays
+where one graph per pass gave a TPOT p50 of 10.0 ms at 16 (250 replays) in an earlier session
+(``2026-12-02.serving-compiled.*``): not explained yet, so they stay off, and one graph stays
+their default (``SEGMENT_BLOCKS``). ``/metrics`` counts the target model's traces and replays
 (``strata_compiled_pass_traces_total``, ``strata_compiled_pass_replays_total``)."""
 
 MAX_ROWS = 64
@@ -93,24 +97,31 @@ MAX_GRAPHS = 256
 only its tape: the weights are the model's own arrays)."""
 
 
-SEGMENT_BLOCKS = 4
-"""Blocks per compiled segment: a pass is traced and replayed as consecutive segments of this
-many blocks (the last also runs the output head), each handed to ``mx.async_eval`` as soon as it
-is replayed, so that the GPU computes segment i while the host replays and encodes segment i + 1.
-One graph for the whole pass left the GPU idle while the host replayed it (1.0-1.5 ms of a warm
-24-token pass of the Llama-3-8B shape on the H200, 2026-12-02, ``bench/results/
-2026-12-02.warm-pass-variants.h200.llama3-8b-shape.json``). Segments of 32 (one graph), 8 and 4
-blocks on the H200 (same pass, one process, interleaved, medians of 9): 9.23 / 8.55 / 8.33 ms
-(``bench/results/2026-12-02.warm-pass-segments.h200.llama3-8b-shape.json``)."""
+SEGMENT_BLOCKS = 0
+"""Blocks per compiled segment (0: the whole pass in one graph). With N > 0 a pass is traced and
+replayed as consecutive segments of N blocks (the last also runs the output head), each handed to
+``mx.async_eval`` as soon as it is replayed, so that the GPU can compute segment i while the host
+replays and encodes segment i + 1. On the H200 (2026-12-02, the warm 24-token pass of the
+Llama-3-8B shape after a 992-token hit, one process, interleaved, medians of 9;
+``bench/results/2026-12-02.warm-pass-segments.h200.llama3-8b-shape.json``): one graph / segments
+of 8 / of 4 blocks 9.23 / 8.55 / 8.33 ms, the host's replay (with the segments' ``mx.async_eval``
+calls) 1.17 / 4.01 / 4.38 ms. But with segments of 4 on by default, a serving bench's
+16-sequence decode steps took about 61 ms each
+(``bench/results/2026-12-02.serving-compiled-seg4.h200.llama3-8b-shape.json``), not explained
+yet, where one graph per pass served 16 sequences at a TPOT of 10 ms in an earlier session: so
+one graph stays the default."""
 
 
 @dataclasses.dataclass
 class _Graph:
     """One layout's compiled pass: ``fns`` (``mx.compile`` of each segment's tracer), the bytes
-    the traced segments counted per tier, and the batch being traced (set per call)."""
+    each segment counted per tier when it was traced (``reads``), the number of segment traces
+    so far (``traced``: MLX may trace a segment again by itself), and the batch being traced
+    (set per call)."""
 
     fns: list
-    bytes_read: dict[str, int] = dataclasses.field(default_factory=dict)
+    reads: list = dataclasses.field(default_factory=list)
+    traced: int = 0
     batch: ForwardBatch | None = None
     ready: bool = False  # a call has traced it: later calls replay
 
@@ -119,7 +130,7 @@ class PassGraphs:
     """The compiled passes of one model over one paged KV cache.
 
     Args:
-        model: the model (its ``_pass`` is what is traced).
+        model: the model (its ``blocks`` and ``head`` are what is traced).
         kv: the KV cache every pass reads and writes (its ``keys``/``values`` lists are
             replaced by the replayed graph's outputs).
     """
@@ -178,8 +189,9 @@ class PassGraphs:
             if self._seen[key] < COMPILE_AFTER:
                 return None
             del self._seen[key]
-            fns = [mx.compile(self._tracer(key, rows, a, b)) for a, b in self._segments()]
-            graph = self._graphs[key] = _Graph(fns)
+            segments = self._segments()
+            fns = [mx.compile(self._tracer(key, rows, i, *ab)) for i, ab in enumerate(segments)]
+            graph = self._graphs[key] = _Graph(fns, [{} for _ in segments])
             while len(self._graphs) > MAX_GRAPHS:
                 self._graphs.popitem(last=False)
             if len(self._seen) > 4 * MAX_GRAPHS:  # layouts seen once, long ago
@@ -196,10 +208,14 @@ class PassGraphs:
         store = self.model.store
         read = dict(store.bytes_read)
         kv, blocks = self.kv, self.model.arch.block_count
+        traced, replayed = graph.traced, []  # the segments this call replays
         try:
             out, rope = x, []
-            for fn, (a, b) in zip(graph.fns, self._segments(), strict=True):
+            for i, (fn, (a, b)) in enumerate(zip(graph.fns, self._segments(), strict=True)):
+                before = graph.traced
                 out, rope, keys, values = fn(out, *inputs[1:], rope, kv.keys[a:b], kv.values[a:b])
+                if graph.traced == before:
+                    replayed.append(i)
                 # The segment's updated pools replace the live ones before anything is
                 # evaluated: an old pool that nothing else holds is written in place (MLX
                 # donates it to the scatter), where one still held would be copied whole.
@@ -225,20 +241,23 @@ class PassGraphs:
         finally:
             graph.batch = None
         graph.ready = True
-        if fresh:
+        if graph.traced != traced:  # a trace counted its own reads
             self.traces += 1
-        else:  # the replay ran no Python: count the reads the traced pass counted
+        else:
             self.replays += 1
-            for tier, n in graph.bytes_read.items():
+        for i in replayed:  # a replay runs no Python: count the reads its trace counted
+            for tier, n in graph.reads[i].items():
                 store.bytes_read[tier] += n
         return logits
 
     def _segments(self) -> list[tuple[int, int]]:
-        """The compiled segments' blocks, ``(first, end)`` each (``SEGMENT_BLOCKS`` blocks)."""
+        """The compiled segments' blocks, ``(first, end)`` each: ``SEGMENT_BLOCKS`` blocks, or
+        the whole pass where it is 0."""
         n = self.model.arch.block_count
-        return [(a, min(a + SEGMENT_BLOCKS, n)) for a in range(0, n, SEGMENT_BLOCKS)]
+        step = SEGMENT_BLOCKS if SEGMENT_BLOCKS > 0 else n
+        return [(a, min(a + step, n)) for a in range(0, n, step)]
 
-    def _tracer(self, key: tuple, rows: int, first: int, end: int):
+    def _tracer(self, key: tuple, rows: int, index: int, first: int, end: int):
         """The function ``mx.compile`` traces for blocks ``first .. end - 1`` of the pass: from
         the residual stream (the embedded rows for the first segment), the pass's arrays, the
         RoPE factors (a list: empty where the model has none; the first segment reads them from
@@ -271,11 +290,8 @@ class PassGraphs:
             x = model.blocks(x, batch, kv, rope[0] if rope else None, first, end)
             if last:
                 x = model.head(x, batch)
-            read = {t: store.bytes_read[t] - before[t] for t in before}
-            if first == 0:
-                graph.bytes_read = read
-            else:
-                graph.bytes_read = {t: graph.bytes_read[t] + n for t, n in read.items()}
+            graph.reads[index] = {t: store.bytes_read[t] - before[t] for t in before}
+            graph.traced += 1
             return x, rope, kv.keys[first:end], kv.values[first:end]
 
         return trace

@@ -28,10 +28,11 @@ Time of one decode step (seconds):
   fixed cost per graph operation (building it in Python, dispatching and launching it), which
   is what bounds small models on fast GPUs. Every unit is read from device memory by the kernels
   wherever it is stored, so compute does not depend on placement. On backends where the executor
-  schedules each block as soon as it is built (``OVERLAPPED_BACKENDS``: CUDA, where
-  ``executor.models.llama.ASYNC_EVAL_BLOCKS`` is on), the host builds block i + 1 while the
-  device computes block i, so a dense model's step compute is ``max(sum_u roofline_u, sum_u
-  k_u op_s)`` instead of their sum (``host_overlaps``, ``step_compute_s``).
+  schedules the blocks as they are built (``OVERLAPPED_BACKENDS``: CUDA, where
+  ``executor.models.llama.ASYNC_EVAL_BLOCKS`` is on: every 2 blocks), the host builds the next
+  blocks while the device computes the last ones, so a dense model's step compute is
+  ``max(sum_u roofline_u, sum_u k_u op_s)`` instead of their sum (``host_overlaps``,
+  ``step_compute_s``).
 - ``host_copy_s = sum_{u on ram} a_u(B) * b_u / h2d_bw``
   ``          [+ sum_{u on nvme} a_u(B) * b_u / h2d_bw  when memory is not unified]`` — a direct-I/O
   read lands in host memory and must then be copied to the device; on unified memory the pool slot
@@ -289,9 +290,9 @@ class UnitCost:
 
 
 OVERLAPPED_BACKENDS = ("cuda",)
-"""Backends on which the executor schedules each block with ``mx.async_eval`` as soon as it is
-built (``executor.models.llama.ASYNC_EVAL_BLOCKS``), so that the host's operations overlap the
-device's work (``step_compute_s``)."""
+"""Backends on which the executor schedules the blocks with ``mx.async_eval`` as they are built
+(every ``executor.models.llama.ASYNC_EVAL_BLOCKS`` blocks), so that the host's operations overlap
+the device's work (``step_compute_s``)."""
 
 
 def host_overlaps(desc: ModelDescription, profile: HardwareProfile) -> bool:

@@ -433,18 +433,23 @@ def test_only_the_models_own_silu_takes_the_fused_swiglu():
 @pytest.mark.parametrize("rows", [1, 5, 24])
 @pytest.mark.parametrize("dtype", [mx.float16, mx.bfloat16])
 @pytest.mark.parametrize(
-    "freqs, dims, scale", [(True, 128, 1.0), (False, 128, 1.0), (False, 64, 0.25)]
+    "freqs, dims, scale, hd",
+    [(True, 128, 1.0, 128), (False, 128, 1.0, 128), (False, 64, 0.25, 128), (True, 72, 1.0, 72)],
 )
-def test_rope_in_the_qkv_store_is_mlx_rope(rows, dtype, freqs, dims, scale):
+def test_rope_in_the_qkv_store_is_mlx_rope(rows, dtype, freqs, dims, scale, hd):
     """``matmul3(..., rope=Rope(...))`` gives Q and K as ``mx.fast.rope(traditional=True)``
     rotates ``matmul3``'s products, bit for bit (Llama 3's frequencies, a base alone, a partial
-    rotation with a linear position scale), and V untouched; K written ``[m, kv_heads, d]``."""
+    rotation with a linear position scale, heads of 72 columns that a block's 16-column tiles
+    straddle), and V untouched; K written ``[m, kv_heads, d]``. The heads-of-72 case was added
+    after the H200 run that passed the others (2026-12-02) and has not run there yet."""
     from executor.models.llama import _log2f
 
     rng = np.random.default_rng(7)
-    k, hd, base = 4096, 128, 500000.0
+    k, base = 4096, 500000.0
+    heads, kv_heads = (32, 8) if hd == 128 else (16, 4)
     x = mx.array(rng.standard_normal((rows, k)).astype(np.float32)).astype(dtype)
-    parts = [_weight(n, k, 4, 32, dtype, seed=i) for i, n in enumerate((4096, 1024, 1024))]
+    widths = (heads * hd, kv_heads * hd, kv_heads * hd)
+    parts = [_weight(n, k, 4, 32, dtype, seed=i) for i, n in enumerate(widths)]
     quants = [(p.weight, p.scales, p.biases) for p in parts]
     positions = mx.array(rng.integers(0, 6000, rows).astype(np.int32))
     inv = None
@@ -453,9 +458,10 @@ def test_rope_in_the_qkv_store_is_mlx_rope(rows, dtype, freqs, dims, scale):
         inv = (base ** (mx.arange(0, dims, 2, dtype=mx.float32) / dims)) * factors
     params = mx.array([scale, _log2f(base)], dtype=mx.float32)
     rope = cuda_mma.Rope(positions, params, inv, hd, dims)
-    shapes = [(rows, 32, 1, hd), (rows, 8, hd), (rows, 8, hd)]
+    shapes = [(rows, heads, 1, hd), (rows, kv_heads, hd), (rows, kv_heads, hd)]
     q, kk, v = cuda_mma.matmul3(x, quants, 32, shapes, rope=rope)
-    q0, k0, v0 = cuda_mma.matmul3(x, quants, 32, [(rows, 32, 1, hd), (rows, 8, 1, hd), shapes[2]])
+    unrotated = [shapes[0], (rows, kv_heads, 1, hd), shapes[2]]
+    q0, k0, v0 = cuda_mma.matmul3(x, quants, 32, unrotated)
 
     def mlx_rope(a):
         return mx.fast.rope(
@@ -470,7 +476,8 @@ def test_rope_in_the_qkv_store_is_mlx_rope(rows, dtype, freqs, dims, scale):
         bad = cuda_mma.Rope(positions.astype(mx.int64), params, inv, hd, dims)
         cuda_mma.matmul3(x, quants, 32, shapes, rope=bad)
     with pytest.raises(ValueError, match="whole heads"):
-        cuda_mma.matmul3(x, quants, 32, shapes, rope=cuda_mma.Rope(positions, params, None, 96, 96))
+        odd = cuda_mma.Rope(positions, params, None, 96 if hd == 128 else 128, 96)
+        cuda_mma.matmul3(x, quants, 32, shapes, rope=odd)
 
 
 @pytest.mark.parametrize("rope_freqs", [True, False], ids=["llama3-factors", "base"])

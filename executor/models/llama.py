@@ -40,6 +40,7 @@ import ctypes
 import ctypes.util
 import math
 import sys
+import weakref
 from dataclasses import dataclass, replace
 
 import mlx.core as mx
@@ -242,8 +243,8 @@ class LlamaModel:
         self.routing = self.moe_routing.for_model(arch) if arch.expert_count else None
         self._inv_freqs: tuple[mx.array, float, mx.array] | None = None
         self._rope_params: dict[tuple[float, float], mx.array] = {}
-        # The last pass's batch and its kernel_attention answers (_kernel_attention).
-        self._kernel_memo: tuple[ForwardBatch, dict] | None = None
+        # The last pass's batch (weakly) and its kernel_attention answers (_kernel_attention).
+        self._kernel_memo: tuple[weakref.ref, dict] | None = None
 
     # ----------------------------------------------------------------- architecture hooks
 
@@ -454,9 +455,12 @@ class LlamaModel:
         """The RoPE of Q and K for the Q/K/V product's store (``executor.cuda_mma.Rope``: the
         arithmetic of ``mx.fast.rope``, two operations of the graph fewer per block), or None
         where the block RoPEs them itself: ``FUSED_ROPE`` off, rotation of halves (NEOX), Q/K
-        norms between the product and RoPE, or an odd rotated width."""
+        norms between the product and RoPE, a rotated width that is not even and within the
+        head, or a subclass with its own ``_rope`` or ``_inverse_freqs``."""
         dims, d = self.arch.rope_dimension_count, self.arch.head_dim
-        if not FUSED_ROPE or not self.rope_traditional or self.qk_norm or dims % 2 or dims > d:
+        if not FUSED_ROPE or not self.rope_traditional or self.qk_norm:
+            return None
+        if dims <= 0 or dims % 2 or dims > d or not self._own_rope:
             return None
         params = self._rope_params.get((la.rope_scale, la.rope_base))
         if params is None:
@@ -468,6 +472,13 @@ class LlamaModel:
             inv = self._inverse_freqs(freqs, la.rope_base)
         return Rope(positions, params, inv, d, dims)
 
+    @property
+    def _own_rope(self) -> bool:
+        """Whether the architecture RoPEs as this class does (``_rope`` and ``_inverse_freqs``
+        not overridden), which the Q/K/V product's store reproduces."""
+        cls = type(self)
+        return cls._rope is LlamaModel._rope and cls._inverse_freqs is LlamaModel._inverse_freqs
+
     def _kernel_attention(
         self,
         batch: ForwardBatch,
@@ -477,12 +488,14 @@ class LlamaModel:
         dtype: mx.Dtype,
         window: int,
     ) -> bool:
-        """:func:`kernel_attention`, asked once per pass and window (every block's pool has one
-        shape and dtype; each ask cost about 6 us of host time per block on the H200)."""
+        """:func:`kernel_attention`, asked once per pass, pool shape and dtype, and window (every
+        block's pool has one shape and dtype; each ask cost about 6 us of host time per block on
+        the H200). The pass's batch is held weakly."""
         memo = self._kernel_memo
-        if memo is None or memo[0] is not batch:
-            memo = self._kernel_memo = (batch, {})
-        key = (id(kv), heads, dtype, window)
+        if memo is None or memo[0]() is not batch:
+            memo = self._kernel_memo = (weakref.ref(batch), {})
+        pool = kv.keys[layer]
+        key = (pool.dtype, tuple(pool.shape), heads, dtype, window)
         ok = memo[1].get(key)
         if ok is None:
             ok = memo[1][key] = kernel_attention(batch, kv, layer, heads, dtype, window)
@@ -825,9 +838,10 @@ tokens: 5.34-5.41 against 5.43-5.49 s), so it is off there; Metal was not measur
 13.6 ms, cold 66.8 / 56.8 / 60.1 ms, a 16-sequence step 13.3 / 11.2 / 11.3 ms. A second run
 (2026-12-02, another machine start, one process, the warm chunk alone, interleaved, medians of 9,
 ``bench/results/2026-12-02.warm-pass-variants.h200.llama3-8b-shape.json``): every 1 / 2 / 4 /
-never 9.85 / 8.01 / 8.36 / 10.92 ms. Each ``mx.async_eval`` commits the CUDA graph MLX has built
-since the last (``mlx/backend/cuda/device.cpp``, ``CommandEncoder::commit``), a fixed cost per
-call: the pass's Python took 3.3 ms and its ``mx.async_eval`` calls 5.5 ms at 1, 3.6 ms at 2."""
+never 9.85 / 8.01 / 8.36 / 10.92 ms. Each ``mx.async_eval`` encodes the operations built since
+the last and commits them (``mlx/backend/cuda/device.cpp``, ``CommandEncoder::commit``). The
+pass's build took 3.3 ms without any call (never) and 8.8 / 7.0 / 6.9 ms with them (every 1 / 2 /
+4): 5.5, 3.6 and 3.6 ms by difference, so fewer calls cost less, down to 16 of them."""
 
 FUSED_ROPE = True
 """RoPE Q and K in the fused Q/K/V product's store (``executor.cuda_mma.Rope``) where it applies
