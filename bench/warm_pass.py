@@ -64,7 +64,8 @@ def use(variant: str) -> None:
             n = int(name[len(kind) :])
             llama.ASYNC_EVAL_BLOCKS = pi._ASYNC if compiled else n
             pass_graph.COMPILED_PASSES = compiled
-            pass_graph.SEGMENT_BLOCKS = n if compiled else pass_graph.SEGMENT_BLOCKS
+            if compiled:
+                pass_graph.SEGMENT_BLOCKS = n
             llama.FUSED_ROPE = rope
             return
     raise SystemExit(f"unknown variant {variant!r}: eagerN[-rope-off] or compiledN[-rope-off]")

@@ -470,8 +470,9 @@ class ServingEngine:
                 run([SeqInput([0], i, slots[: i + 1]) for i in range(b)])
         if pass_graph.COMPILED_PASSES and limit >= 2:
             # One layout traced (seen COMPILE_AFTER times): the kernels mx.compile fuses are
-            # built here, not in a request (a request whose pass was the first trace on a fresh
-            # H200 took 3.2-4.2 s, later traced ones 17-35 ms: 2026-12-02.warm-pass-* results).
+            # built here, not in a request. Without it, a request whose pass was the first trace
+            # on a fresh H200 took 3.2-4.2 s (2026-12-02.warm-pass-* results); with it, no
+            # request of a serving bench took over 0.28 s (2026-12-02.serving-compiled-seg4.*).
             for _ in range(pass_graph.COMPILE_AFTER):
                 run([SeqInput([0, 0], 0, slots[:2])])
 

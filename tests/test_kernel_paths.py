@@ -556,3 +556,38 @@ def test_the_model_hands_the_qkv_product_its_own_rope(
     np.testing.assert_array_equal(got, want)
     for a, b in zip(got_kv, want_kv, strict=True):
         np.testing.assert_array_equal(a, b)
+
+
+def test_the_rope_in_the_store_is_declined_where_the_model_ropes_otherwise(monkeypatch):
+    """``LlamaModel._fused_rope`` hands the Q/K/V product a RoPE only for llama's own adjacent-pair
+    RoPE of an even width within the head: none for NEOX RoPE (qwen2), Q/K norms (qwen3), a
+    subclass with its own ``_rope``, a width of 0, odd or wider than the head, or with
+    ``FUSED_ROPE`` off."""
+    from types import SimpleNamespace
+
+    import executor.models.llama as llama
+    from executor.models.llama import LayerAttention, LlamaModel
+    from executor.models.qwen2 import Qwen2Model
+    from executor.models.qwen3 import Qwen3Model
+
+    class OwnRope(LlamaModel):
+        def _rope(self, x, la, offset, freqs):
+            return x
+
+    def model(cls, dims: int = 64, head_dim: int = 64):
+        m = object.__new__(cls)
+        m.arch = SimpleNamespace(rope_dimension_count=dims, head_dim=head_dim)
+        m._rope_params = {}
+        return m
+
+    la = LayerAttention(10000.0, 1.0, False, 0)
+    positions = mx.array(np.arange(4, dtype=np.int32))
+    rope = model(LlamaModel)._fused_rope(la, positions, None)
+    assert rope is not None and (rope.head_dim, rope.dims, rope.freqs) == (64, 64, None)
+    assert rope.params.tolist() == pytest.approx([1.0, np.log2(10000.0)], rel=1e-6)
+    for m in (model(Qwen2Model), model(Qwen3Model), model(OwnRope)):
+        assert m._fused_rope(la, positions, None) is None
+    for dims in (0, 63, 66):
+        assert model(LlamaModel, dims)._fused_rope(la, positions, None) is None
+    monkeypatch.setattr(llama, "FUSED_ROPE", False)
+    assert model(LlamaModel)._fused_rope(la, positions, None) is None

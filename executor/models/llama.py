@@ -828,7 +828,7 @@ cached tokens 24.9 -> 21.8 ms (every operation costs the host 5-10 us to encode,
 
 ASYNC_EVAL_BLOCKS = 2 if mx.cuda.is_available() else 0
 """Schedule the residual stream (``mx.async_eval``) after every this many blocks (0: never), as
-soon as it is built, so that the GPU computes block i while Python builds block i + 1
+soon as it is built, so that the GPU computes those blocks while Python builds the next ones
 (``mx.eval`` at the end otherwise starts the GPU only once the whole pass is built). Measured on
 the H200 (2026-12-01, Llama-3-8B shape, in-process, with the whole-pass attention kernel): one
 decode step 8.8 -> 6.3 ms, a 16-sequence step 14.5 -> 8.8 ms, the warm 24-token chunk 17.2 ->
