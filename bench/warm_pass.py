@@ -11,21 +11,32 @@ to the token event), ``fwd`` (the forward pass and sampling, ``ServingEngine._fo
 ``replay`` (``pass_graph.PassGraphs.run``), in ms. The first ``--skip`` rounds are not counted
 (kernel builds, compiled traces); compiled rows count only where the pass replayed.
 
+With ``--step16 N`` each variant then also decodes 16 sequences together (8-token prompts, ``N``
+tokens each, ``N`` >= 8): ``step16`` is the median over the sequences of the median time between
+a sequence's token events after its first 4 (a 16-row decode step), ``peak_mb`` MLX's peak
+memory during those decodes above the memory in use before them (their prefill's transient
+arrays included; compare variants: a KV pool copied whole by a step would add its size, 268 MB
+for a Llama-3-8B block's pools of 4,096 blocks), and
+``step16_replayed`` the compiled passes replayed in them.
+
 Variants (``--variants``, comma-separated):
 
-- ``eagerN`` / ``eagerN-rope-off``: eager, ``mx.async_eval`` every N blocks (0: never,
-  ``executor.models.llama.ASYNC_EVAL_BLOCKS``), RoPE in the Q/K/V product's store or by
-  ``mx.fast.rope`` (``FUSED_ROPE``);
+- ``eagerN``: eager, ``mx.async_eval`` every N blocks (0: never,
+  ``executor.models.llama.ASYNC_EVAL_BLOCKS``);
 - ``compiledN``: ``executor.pass_graph``'s compiled pass in segments of N blocks
-  (``SEGMENT_BLOCKS``; 0: one graph).
+  (``SEGMENT_BLOCKS``; 0: one graph);
+- either with ``-rope-off``: RoPE by ``mx.fast.rope`` rather than in the Q/K/V product's store
+  (``executor.models.llama.FUSED_ROPE``).
 
 usage: python bench/warm_pass.py PLAN [--rounds 12] [--skip 3]
-       [--variants eager2,eager2-rope-off,compiled0,compiled4] [-o FILE.json]
+       [--variants eager2,eager2-rope-off,compiled0,compiled4] [--step16 N] [-o FILE.json]
 
 Measured on the lent H200 with a scratch version of this script (2026-12-02, synthetic
 Llama-3-8B shape Q4_0; ``bench/results/2026-12-02.warm-pass-*.h200.llama3-8b-shape.json``):
 eager every 1 / 2 / 4 / never 9.85 / 8.01 / 8.36 / 10.92 ms; RoPE in the store off / on 11.74 /
-10.38; compiled in one graph / segments of 8 / of 4 9.23 / 8.55 / 8.33.
+10.38; compiled in one graph / segments of 8 / of 4 9.23 / 8.55 / 8.33. This file, a later
+session, another machine start (``...warm-pass-step16.*``): warm pass eager2 8.91,
+eager2-rope-off 8.00, compiled0 8.84, compiled4 8.77; 16-sequence step 6.88 / 9.84 / 7.64 / 6.86.
 """
 
 from __future__ import annotations
@@ -37,6 +48,7 @@ import sys
 import time
 from pathlib import Path
 
+import mlx.core as mx
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -68,7 +80,53 @@ def use(variant: str) -> None:
                 pass_graph.SEGMENT_BLOCKS = n
             llama.FUSED_ROPE = rope
             return
-    raise SystemExit(f"unknown variant {variant!r}: eagerN[-rope-off] or compiledN[-rope-off]")
+    raise SystemExit(
+        f"unknown variant {variant!r}: eagerN or compiledN, each with or without -rope-off"
+    )
+
+
+def _settings() -> tuple:
+    """The settings a variant changes (``use``), to put back."""
+    return (
+        llama.ASYNC_EVAL_BLOCKS,
+        llama.FUSED_ROPE,
+        pass_graph.COMPILED_PASSES,
+        pass_graph.SEGMENT_BLOCKS,
+    )
+
+
+def _restore(settings: tuple) -> None:
+    (
+        llama.ASYNC_EVAL_BLOCKS,
+        llama.FUSED_ROPE,
+        pass_graph.COMPILED_PASSES,
+        pass_graph.SEGMENT_BLOCKS,
+    ) = settings
+
+
+def step16(serving: ServingEngine, rng: np.random.Generator, tokens: int) -> dict:
+    """16 sequences of random 8-token prompts decoding ``tokens`` tokens together: the median
+    over them of the median gap between a sequence's token events after its first 4 (ms), the
+    peak memory above what was in use before (MB), and the compiled passes replayed."""
+    vocab = serving.vocab_size
+    prompts = [rng.integers(0, vocab, 8).tolist() for _ in range(16)]
+    c0 = pass_graph.counters(serving.kv)
+    mx.synchronize()
+    before = mx.get_active_memory()
+    mx.reset_peak_memory()
+    _, times, _ = pi.run(serving, prompts, tokens)
+    peak = mx.get_peak_memory() - before
+    gaps = [statistics.median(np.diff(t[4:])) for t in times.values() if len(t) > 5]
+    return {
+        "step16": round(statistics.median(gaps) * 1e3, 3),
+        "peak_mb": round(peak / 1e6, 1),
+        "step16_replayed": pass_graph.counters(serving.kv)[1] - c0[1],
+    }
+
+
+def _line(row: dict) -> str:
+    extra = f" / step16 {row['step16']:.2f} ({row['peak_mb']:.0f} MB)" if "step16" in row else ""
+    return f"{row['ttft']:.2f}{extra}"
 
 
 def main() -> None:
@@ -78,11 +136,13 @@ def main() -> None:
     ap.add_argument("--skip", type=int, default=3, help="first rounds not counted (3)")
     ap.add_argument("--variants", default="eager2,eager2-rope-off,compiled0,compiled4")
     ap.add_argument("--document-tokens", type=int, default=1000)
+    ap.add_argument("--step16", type=int, default=0, help="tokens of the 16-sequence decodes")
     ap.add_argument("-o", "--output")
     args = ap.parse_args()
+    if args.step16 and args.step16 < 8:
+        ap.error("--step16 must be 0 (off) or at least 8")
     names = args.variants.split(",")
-    defaults = (llama.ASYNC_EVAL_BLOCKS, llama.FUSED_ROPE, pass_graph.COMPILED_PASSES)
-    segments = pass_graph.SEGMENT_BLOCKS
+    defaults = _settings()
     for v in names:
         use(v)  # refuses an unknown one before the engine loads
     if args.rounds <= args.skip:
@@ -105,7 +165,7 @@ def main() -> None:
     cold = []
     try:
         for rnd in range(args.rounds):
-            llama.ASYNC_EVAL_BLOCKS, llama.FUSED_ROPE, pass_graph.COMPILED_PASSES = defaults
+            _restore(defaults)
             serving.reset_prefix_cache()
             t, ev, _ = pi.run(serving, [doc + rng.integers(0, vocab, 16).tolist()], 1)
             cold.append(next(iter(ev.values()))[0] - t)
@@ -124,16 +184,16 @@ def main() -> None:
                     {"ttft": round(ttft * 1e3, 3), "fwd": ms("fwd"), "build": ms("build")}
                     | {"replay": ms("replay"), "traced": c1[0] - c0[0]}
                     | {"replayed": c1[1] - c0[1]}
+                    | (step16(serving, rng, args.step16) if args.step16 else {})
                 )
             print(
                 f"round {rnd}: cold {cold[-1] * 1e3:.1f} ms; "
-                + ", ".join(f"{v} {rows[v][-1]['ttft']:.2f}" for v in names)
+                + ", ".join(f"{v} {_line(rows[v][-1])}" for v in names)
             )
     finally:
         for undo in reversed(restore):
             undo()
-        llama.ASYNC_EVAL_BLOCKS, llama.FUSED_ROPE, pass_graph.COMPILED_PASSES = defaults
-        pass_graph.SEGMENT_BLOCKS = segments
+        _restore(defaults)
         serving.close()
     out = {
         "plan": args.plan,
@@ -146,8 +206,8 @@ def main() -> None:
             out["median_ms"][v] = {"n": 0}
             print(f"{v:20s} no pass replayed")
             continue
-        keys = ("ttft", "fwd", "build", "replay")
-        med = {k: statistics.median(r[k] for r in counted) for k in keys}
+        keys = ("ttft", "fwd", "build", "replay", "step16", "peak_mb")
+        med = {k: statistics.median(r[k] for r in counted) for k in keys if k in counted[0]}
         out["median_ms"][v] = med | {"n": len(counted)}
         line = ", ".join(f"{k} {x:.2f}" for k, x in med.items())
         print(f"{v:20s} {line} (n={len(counted)})")

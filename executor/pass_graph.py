@@ -76,8 +76,11 @@ But with them on by default, in segments of 4, the serving bench's 16-sequence d
 traced layout; ``bench/results/2026-12-02.serving-compiled-seg4.h200.llama3-8b-shape.json``),
 where one graph per pass gave a TPOT p50 of 10.0 ms at 16 (250 replays) in an earlier session
 (``2026-12-02.serving-compiled.*``): not explained yet, so they stay off, and one graph stays
-their default (``SEGMENT_BLOCKS``). ``/metrics`` counts the target model's traces and replays
-(``strata_compiled_pass_traces_total``, ``strata_compiled_pass_replays_total``)."""
+their default (``SEGMENT_BLOCKS``). In-process (a later session, ``bench/warm_pass.py --step16``,
+``bench/results/2026-12-02.warm-pass-step16.h200.*``) segments of 4 decoded 16 sequences in 6.86
+ms a step against eager's 6.88, no KV pool copied: the slow steps come from the server process.
+``/metrics`` counts the target model's traces and replays (``strata_compiled_pass_traces_total``,
+``strata_compiled_pass_replays_total``)."""
 
 MAX_ROWS = 64
 """Passes of at most this many rows are compiled: those whose host work is a large part (decode
@@ -182,7 +185,11 @@ class PassGraphs:
         if self.disabled or not self.eligible(batch, rows):
             return None
         width = table_width(batch)
-        key = (*layout_key(batch, rows, width), settings_epoch(), SEGMENT_BLOCKS)
+        from executor.models import llama
+
+        # What the trace depends on beside the layout: the kernel paths' settings, the
+        # segments, and whether Q/K/V's store RoPEs them (``llama.FUSED_ROPE``).
+        key = (*layout_key(batch, rows, width), settings_epoch(), SEGMENT_BLOCKS, llama.FUSED_ROPE)
         graph = self._graphs.get(key)
         if graph is None:
             self._seen[key] = self._seen.get(key, 0) + 1

@@ -114,6 +114,25 @@ def test_replayed_pass_equals_eager(name, segment, models, tmp_path, monkeypatch
     assert not [g for g in pass_graph._BY_CACHE.values() if g.model is model]
 
 
+def test_the_rope_setting_keys_the_graph(models, tmp_path, monkeypatch):
+    """A pass traced with RoPE in the Q/K/V product's store is not replayed with it off (nor the
+    other way round): the setting is part of the key, so each gets its own trace."""
+    from executor.models import llama
+
+    _force_kernel_path(monkeypatch)
+    plan = make_plan_file(str(models["llama3"]), tmp_path / "p.yaml", context=256, concurrency=4)
+    model = Engine(load_plan(plan)).model
+    monkeypatch.setattr(llama, "FUSED_ROPE", True)
+    *_, kv = _run(model, True, monkeypatch)
+    graphs = pass_graph.graphs_for(model, kv)
+    assert (graphs.traces, graphs.replays) == (1, 3)
+    monkeypatch.setattr(llama, "FUSED_ROPE", False)
+    for batch in _steps(model, model.arch.vocab_size)[1:3]:  # the decode layout, twice more
+        mx.eval(model.forward_batch(batch, kv))
+    assert (graphs.traces, graphs.replays) == (2, 3)  # seen once eager, then traced anew
+    assert len(graphs._graphs) == 2
+
+
 def test_layout_key_pads_the_table_width():
     """A decoding sequence keeps its layout (and graph) within ``TABLE_SLOTS`` slots; the padded
     table's extra slots are zeros the kernel never reads."""
