@@ -3,37 +3,50 @@
 between them, from CUPTI through PyTorch's profiler (an NVIDIA machine with PyTorch installed).
 
 A serving engine of a plan (``executor.serving.ServingEngine``) is driven from this thread, as in
-``bench/warm_pass.py``: per round, a prefix-cache reset, a cold request (a ``--document-tokens``
-document and a 16-token suffix) and a warm one (the document, another suffix: its whole KV blocks
-hit). CUPTI records every kernel of the process, MLX's included, whatever library launched
-it. The first ``--skip`` rounds run unrecorded (kernel builds). For each recorded warm request
-(submission to its token event, host clock) the script reports:
+``bench/warm_pass.py``: per round and variant, a prefix-cache reset, a cold request (a
+``--document-tokens`` document and a 16-token suffix, the process's own settings) and a warm one
+(the document, another suffix: its whole KV blocks hit; the variant's settings). CUPTI records
+every kernel, copy and fill of the process, MLX's included, whatever library launched it. The
+first ``--skip`` rounds run unrecorded (kernel builds; a compiled layout is traced on its second
+pass). Each recorded warm request is a span on the trace's clock, from just before its
+submission to this thread's return from waiting for its token; per span (ms):
 
-- ``host_ms``: the request's time (submission to the token event);
-- ``lead_ms``: submission to its first kernel's start (the host's work before the GPU has any);
-- ``busy_ms``: the union of its kernels' execution intervals;
-- ``idle_ms``: the GPU idle between its first kernel's start and its last kernel's end;
-- ``tail_ms``: its last kernel's end to the token event (the logits' transfer, sampling, events);
-- ``kernels``: how many ran, and the largest idle gaps with the kernels either side.
+- ``ttft_ms``: submission to the token event (the engine thread's clock, not the trace's);
+- ``span_ms``: the span (about 0.25 ms longer: the waiting thread's wake-up);
+- ``first_call_ms``: the span's start to its first CUDA API call (the host's work before
+  anything reaches CUDA: scheduling, the batch's arrays, the graph of the first blocks);
+- ``lead_ms``: the span's start to the first kernel (before it the GPU has nothing to compute);
+- ``busy_ms``: the union of the GPU's work (kernels, copies, fills) from the first kernel on;
+- ``idle_ms``: the GPU idle between the first kernel's start and the last work's end;
+- ``tail_ms``: the last work's end to the span's end (the logits' transfer, sampling, the event,
+  the waiting thread's wake-up);
+- ``kernels``, ``gaps`` (idle gaps of ``GAP_US`` or more), the largest gaps with the work either
+  side, and the costliest kernel names (``by_kernel``);
+- ``replayed``: compiled passes replayed (compiled variants' medians count only those rows).
 
-Variants as in ``bench/warm_pass.py`` (``eagerN``, ``compiledN``...), interleaved round by round.
+Variants as in ``bench/warm_pass.py`` (``eagerN``, ``compiledN``, ``-rope-off``), interleaved.
 
 usage: python bench/pass_timeline.py PLAN [--rounds 6] [--skip 2] [--variants eager2]
        [--trace DIR] [-o FILE.json]
 
-Measured on the lent H200 (2026-12-02, synthetic Llama-3-8B shape Q4_0, medians of 5;
-``bench/results/2026-12-02.pass-timeline.h200.llama3-8b-shape.json``): compiled in segments of 4
-host 8.85 ms, lead 2.07, GPU busy 6.04, idle 0.25, tail 0.40; on another start 8.36 / 1.74 /
-5.87 / 0.26 / 0.40, and eager (every 2 blocks) 8.91 / 1.78 / 6.06 / 0.60 / 0.38. The first
-kernels of a warm pass are the embedding lookup's gathers, 80-160 us for 24 rows.
+Measured on the lent H200 (2026-12-02, synthetic Llama-3-8B shape Q4_0, medians of 5 warm
+passes, 333 kernels each; ``bench/results/2026-12-02.pass-timeline.h200.llama3-8b-shape.json``,
+an earlier version of this script whose spans were the same): compiled in segments of 4, ttft
+8.62 ms, lead 2.07, GPU busy 6.04, idle 0.25; compiled in one graph 9.65 / 3.26 / 6.01 / 0.21;
+eager every 2 blocks 13.38 / 2.25 / 6.18 / 4.92, its idle time in 15 gaps of 170-400 us, each
+after an output projection and before the next norm (the GPU waiting for the host's next
+``mx.async_eval``; 0.60 ms idle on another start, ``...pass-timeline-devcopies.*``). The warm
+pass's first kernels are the embedding lookup's gathers, 80-160 us.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import statistics
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -45,50 +58,90 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import prefix_inprocess as pi  # noqa: E402
 import warm_pass as wp  # noqa: E402
 
+from executor import pass_graph  # noqa: E402
 from executor.engine import Engine  # noqa: E402
 from executor.plan_loader import load_plan  # noqa: E402
 from executor.serving import ServingEngine  # noqa: E402
 
 GAP_US = 2.0
-"""Idle gaps shorter than this (microseconds) are not listed among the largest."""
+"""Idle gaps of at least this many microseconds are counted and listed (shorter ones are the
+GPU's own spacing between back-to-back kernels)."""
+
+GPU_CATEGORIES = ("kernel", "gpu_memcpy", "gpu_memset")
+"""Trace categories of GPU work: kernels, copies and fills all count as busy."""
+
+API_CATEGORIES = ("cuda_runtime", "cuda_driver")
+"""Trace categories of the host's CUDA API calls."""
 
 
 def summarize(events: list[dict], spans: list[tuple[str, float, float]], top: int = 8) -> list:
-    """Per warm request span ``(variant, start_us, end_us)`` of the trace's clock: its kernels'
-    busy and idle time, lead and tail (ms), and its ``top`` largest idle gaps."""
-    kernels = sorted(
-        (e["ts"], e["ts"] + e["dur"], e["name"])
+    """The GPU's work within each warm request's span, from a Chrome trace's events.
+
+    Args:
+        events: the trace's ``traceEvents`` (complete events, ``"ph": "X"``, with ``ts`` and
+            ``dur`` in microseconds on one clock for host and GPU, as PyTorch's profiler
+            exports them).
+        spans: ``(variant, start_us, end_us)`` of each warm request on that clock.
+        top: how many gaps and kernel names to list per span.
+
+    Returns:
+        one dict per span, in ms: ``span_ms`` (the span), ``first_call_ms`` (its start to the
+        first CUDA API call in it: the host's work before anything reaches CUDA; None without
+        one), ``lead_ms`` (its start to the first kernel's start), ``busy_ms`` (the union of
+        the GPU work's intervals from the first kernel on), ``idle_ms`` (the GPU idle between
+        the first kernel's start and the last work's end), ``tail_ms`` (the last work's end to
+        the span's end), ``kernels``,
+        ``gaps`` (idle gaps of at least ``GAP_US``), ``largest_gaps`` (``us``, and the work that
+        ended last before the gap and the work after it) and ``by_kernel`` (``[name, count, us]``
+        of the costliest kernel names); GPU work is cut at the span's end. A span with no kernel
+        gets ``variant``, ``span_ms`` and ``kernels`` (0) only.
+    """
+    work = sorted(
+        (e["ts"], e["ts"] + e["dur"], e["name"], e.get("cat"))
         for e in events
-        if e.get("ph") == "X" and e.get("cat") == "kernel"
+        if e.get("ph") == "X" and e.get("cat") in GPU_CATEGORIES
     )
+    calls = sorted(e["ts"] for e in events if e.get("ph") == "X" and e.get("cat") in API_CATEGORIES)
     out = []
     for variant, s, t in spans:
-        ks = [k for k in kernels if s <= k[0] <= t]
-        if not ks:
-            out.append({"variant": variant, "kernels": 0, "host_ms": (t - s) / 1e3})
+        ws = [(a, min(b, t), n, c) for a, b, n, c in work if s <= a < t]
+        row: dict = {"variant": variant, "span_ms": round((t - s) / 1e3, 3)}
+        k0 = next((w[0] for w in ws if w[3] == "kernel"), None)
+        if k0 is None:
+            out.append(row | {"kernels": 0})
             continue
-        busy, gaps, end = 0.0, [], ks[0][0]
-        for i, (a, b, name) in enumerate(ks):
-            if a > end:
-                gaps.append((a - end, ks[i - 1][2] if i else "", name))
+        ws = [w for w in ws if w[0] >= k0]  # a copy before the first kernel is in the lead
+        busy, gaps, end, last = 0.0, [], ws[0][0], ws[0][2]
+        by_name: dict[str, list] = {}
+        for a, b, name, cat in ws:
+            if a - end >= GAP_US:
+                gaps.append((a - end, last, name))
             busy += max(0.0, b - max(a, end))
-            end = max(end, b)
-        gaps.sort(reverse=True)
-        out.append(
-            {
-                "variant": variant,
-                "host_ms": round((t - s) / 1e3, 3),
-                "lead_ms": round((ks[0][0] - s) / 1e3, 3),
-                "busy_ms": round(busy / 1e3, 3),
-                "idle_ms": round(sum(g[0] for g in gaps) / 1e3, 3),
-                "tail_ms": round((t - end) / 1e3, 3),
-                "kernels": len(ks),
-                "gaps_over_2us": sum(1 for g in gaps if g[0] >= GAP_US),
-                "largest_gaps": [
-                    {"us": round(g, 1), "after": a[:60], "before": b[:60]} for g, a, b in gaps[:top]
-                ],
-            }
-        )
+            if b > end:
+                end, last = b, name
+            if cat == "kernel":
+                entry = by_name.setdefault(name[:80], [0, 0.0])
+                entry[0] += 1
+                entry[1] += b - a
+        first_call = next((c for c in calls if s <= c < t), None)
+        gaps.sort(key=lambda g: -g[0])
+        row |= {
+            "first_call_ms": None if first_call is None else round((first_call - s) / 1e3, 3),
+            "lead_ms": round((k0 - s) / 1e3, 3),
+            "busy_ms": round(busy / 1e3, 3),
+            "idle_ms": round((end - ws[0][0] - busy) / 1e3, 3),
+            "tail_ms": round((t - end) / 1e3, 3),
+            "kernels": sum(1 for w in ws if w[3] == "kernel"),
+            "gaps": len(gaps),
+            "largest_gaps": [
+                {"us": round(g, 1), "after": a[:60], "before": b[:60]} for g, a, b in gaps[:top]
+            ],
+            "by_kernel": [
+                [n, c, round(us, 1)]
+                for n, (c, us) in sorted(by_name.items(), key=lambda kv: -kv[1][1])[:top]
+            ],
+        }
+        out.append(row)
     return out
 
 
@@ -108,10 +161,12 @@ def main() -> None:
     except ImportError:
         raise SystemExit("pass_timeline.py needs PyTorch (its profiler reads CUPTI)") from None
     names = args.variants.split(",")
+    defaults = wp._settings()
     for v in names:
         wp.use(v)  # refuses an unknown one before the engine loads
-    if args.rounds <= args.skip:
-        ap.error("--rounds must exceed --skip")
+    wp._restore(defaults)
+    if args.skip < 0 or args.rounds <= args.skip:
+        ap.error("--skip must be 0 or more and --rounds above it")
     serving = ServingEngine(Engine(load_plan(args.plan)))
     serving.start(None)
     rng = np.random.default_rng(0)
@@ -120,13 +175,16 @@ def main() -> None:
 
     def round_(recorded: list | None) -> None:
         for v in names:
-            wp.use(v)
+            wp._restore(defaults)  # the cold request as the process's settings run it
             serving.reset_prefix_cache()
             pi.run(serving, [doc + rng.integers(0, vocab, 16).tolist()], 1)
+            wp.use(v)
+            c0 = pass_graph.counters(serving.kv)
             with record_function(f"warm:{v}"):
                 t, ev, _ = pi.run(serving, [doc + rng.integers(0, vocab, 16).tolist()], 1)
+            replayed = pass_graph.counters(serving.kv)[1] - c0[1]
             if recorded is not None:
-                recorded.append((v, (next(iter(ev.values()))[0] - t) * 1e3))
+                recorded.append((v, (next(iter(ev.values()))[0] - t) * 1e3, replayed))
 
     try:
         for _ in range(args.skip):
@@ -136,32 +194,46 @@ def main() -> None:
         with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
             for _ in range(args.rounds - args.skip):
                 round_(host)
+        folder = Path(args.trace) if args.trace else Path(tempfile.mkdtemp())
+        folder.mkdir(parents=True, exist_ok=True)
+        trace = folder / f"pass_timeline.{int(time.time())}.json"
+        prof.export_chrome_trace(str(trace))
     finally:
+        wp._restore(defaults)
         serving.close()
-    folder = Path(args.trace) if args.trace else Path("/tmp")
-    folder.mkdir(parents=True, exist_ok=True)
-    trace = folder / f"pass_timeline.{int(time.time())}.json"
-    prof.export_chrome_trace(str(trace))
     events = json.loads(trace.read_text())["traceEvents"]
     if not args.trace:
-        trace.unlink()
+        shutil.rmtree(folder)
     spans = [
         (e["name"].split(":", 1)[1], e["ts"], e["ts"] + e["dur"])
         for e in events
-        if e.get("ph") == "X" and str(e.get("name", "")).startswith("warm:")
+        if e.get("ph") == "X"
+        and e.get("cat") == "user_annotation"
+        and str(e.get("name", "")).startswith("warm:")
     ]
     spans.sort(key=lambda span: span[1])  # in the order they ran, as ``host`` is
     rows = summarize(events, spans)
-    for r, (_, ms) in zip(rows, host, strict=False):
-        r["ttft_ms"] = round(ms, 3)  # submission to the event, this script's own clock
+    for r, (_, ms, replayed) in zip(rows, host, strict=True):
+        r["ttft_ms"] = round(ms, 3)  # submission to the token event (the engine thread's clock)
+        r["replayed"] = replayed
     out = {"plan": args.plan, "rows": rows, "median": {}}
+    keys = ("ttft_ms", "span_ms", "first_call_ms", "lead_ms", "busy_ms", "idle_ms", "tail_ms")
     for v in names:
-        mine = [r for r in rows if r["variant"] == v and r.get("kernels")]
-        keys = ("host_ms", "lead_ms", "busy_ms", "idle_ms", "tail_ms", "kernels")
-        out["median"][v] = {k: statistics.median(r[k] for r in mine) for k in keys} if mine else {}
+        compiled = v.startswith("compiled")
+        mine = [r for r in rows if r["variant"] == v and r["kernels"]]
+        mine = [r for r in mine if r["replayed"] or not compiled]  # a trace is not a replay
+        med = {
+            k: statistics.median(r[k] for r in mine)
+            for k in (*keys, "kernels")
+            if mine and all(r.get(k) is not None for r in mine)
+        }
+        out["median"][v] = med | {"n": len(mine)}
         print(f"{v}: " + ", ".join(f"{k} {x}" for k, x in out["median"][v].items()))
-    for r in rows[: len(names)]:
-        print(f"{r['variant']} largest gaps: {r.get('largest_gaps')}")
+    for v in names:
+        first = next((r for r in rows if r["variant"] == v and r["kernels"]), None)
+        if first is not None:
+            print(f"{v} largest gaps: {first['largest_gaps']}")
+            print(f"{v} kernels by time: {first['by_kernel']}")
     if args.output:
         Path(args.output).write_text(json.dumps(out, indent=1))
 

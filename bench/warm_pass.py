@@ -15,9 +15,11 @@ With ``--step16 N`` each variant then also decodes 16 sequences together (8-toke
 tokens each, ``N`` >= 8): ``step16`` is the median over the sequences of the median time between
 a sequence's token events after its first 4 (a 16-row decode step), ``peak_mb`` MLX's peak
 memory during those decodes above the memory in use before them (their prefill's transient
-arrays included; compare variants: a KV pool copied whole by a step would add its size, 268 MB
-for a Llama-3-8B block's pools of 4,096 blocks), and
-``step16_replayed`` the compiled passes replayed in them.
+arrays included: compare variants; one layer's K+V pools copied whole would add their size,
+268 MB for Llama-3-8B's heads and 4,096 KV blocks of 16 tokens, but single rounds of one variant
+varied by more than that on the H200), and ``step16_replayed`` the compiled passes replayed in
+them. The next variant's warm pass then follows these decodes. Medians are taken column by
+column.
 
 Variants (``--variants``, comma-separated):
 
@@ -37,6 +39,8 @@ eager every 1 / 2 / 4 / never 9.85 / 8.01 / 8.36 / 10.92 ms; RoPE in the store o
 10.38; compiled in one graph / segments of 8 / of 4 9.23 / 8.55 / 8.33. This file, a later
 session, another machine start (``...warm-pass-step16.*``): warm pass eager2 8.91,
 eager2-rope-off 8.00, compiled0 8.84, compiled4 8.77; 16-sequence step 6.88 / 9.84 / 7.64 / 6.86.
+RoPE by ``mx.fast.rope`` was faster there and slower on the earlier start: within the noise
+between machine starts.
 """
 
 from __future__ import annotations
@@ -145,8 +149,9 @@ def main() -> None:
     defaults = _settings()
     for v in names:
         use(v)  # refuses an unknown one before the engine loads
-    if args.rounds <= args.skip:
-        ap.error("--rounds must exceed --skip")
+    _restore(defaults)  # the engine's warm-up under the process's own settings
+    if args.skip < 0 or args.rounds <= args.skip:
+        ap.error("--skip must be 0 or more and --rounds above it")
     serving = ServingEngine(Engine(load_plan(args.plan)))
     t0 = time.perf_counter()
     serving.start(None)

@@ -76,9 +76,9 @@ But with them on by default, in segments of 4, the serving bench's 16-sequence d
 traced layout; ``bench/results/2026-12-02.serving-compiled-seg4.h200.llama3-8b-shape.json``),
 where one graph per pass gave a TPOT p50 of 10.0 ms at 16 (250 replays) in an earlier session
 (``2026-12-02.serving-compiled.*``): not explained yet, so they stay off, and one graph stays
-their default (``SEGMENT_BLOCKS``). In-process (a later session, ``bench/warm_pass.py --step16``,
-``bench/results/2026-12-02.warm-pass-step16.h200.*``) segments of 4 decoded 16 sequences in 6.86
-ms a step against eager's 6.88, no KV pool copied: the slow steps come from the server process.
+their default (``SEGMENT_BLOCKS``). In-process, with short sequences started together (a later
+session, ``bench/warm_pass.py --step16``, ``bench/results/2026-12-02.warm-pass-step16.h200.*``),
+segments of 4 decoded 16 sequences in 6.86 ms a step against eager's 6.88: not reproduced.
 ``/metrics`` counts the target model's traces and replays (``strata_compiled_pass_traces_total``,
 ``strata_compiled_pass_replays_total``)."""
 

@@ -10,35 +10,51 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
 from pass_timeline import summarize  # noqa: E402
 
 
-def _kernel(ts: float, dur: float, name: str) -> dict:
-    return {"ph": "X", "cat": "kernel", "ts": ts, "dur": dur, "name": name}
+def _gpu(ts: float, dur: float, name: str, cat: str = "kernel") -> dict:
+    return {"ph": "X", "cat": cat, "ts": ts, "dur": dur, "name": name}
 
 
 EVENTS = [
-    _kernel(50.0, 5.0, "before"),  # outside the span: not counted
-    {"ph": "X", "cat": "cuda_runtime", "ts": 101.0, "dur": 4.0, "name": "cudaGraphLaunch"},
-    _kernel(110.0, 10.0, "embed"),  # lead: 110 - 100 us
-    _kernel(125.0, 5.0, "norm"),  # idle 5 us after embed
-    _kernel(128.0, 10.0, "mma"),  # overlaps norm by 2 us: busy adds 8
-    _kernel(148.0, 2.0, "argmax"),  # idle 10 us after mma
-    _kernel(300.0, 5.0, "after"),  # outside the span
+    _gpu(50.0, 5.0, "before"),  # outside the span: not counted
+    {"ph": "X", "cat": "cuda_runtime", "ts": 104.0, "dur": 4.0, "name": "cudaGraphLaunch"},
+    _gpu(106.0, 1.0, "Memcpy HtoD", "gpu_memcpy"),  # before the first kernel: in the lead
+    _gpu(110.0, 10.0, "embed"),  # lead: 110 - 100 us
+    _gpu(125.0, 5.0, "norm"),  # idle 5 us after embed
+    _gpu(128.0, 10.0, "mma"),  # overlaps norm by 2 us: busy adds 8
+    _gpu(129.0, 2.0, "inner"),  # inside mma: adds nothing, and the next gap follows mma
+    _gpu(139.0, 1.0, "Memset", "gpu_memset"),  # a 1 us gap: idle, but under GAP_US
+    _gpu(150.0, 2.0, "argmax"),  # idle 10 us after the memset
+    _gpu(158.0, 5.0, "late"),  # runs past the span's end (160): cut there
+    _gpu(300.0, 5.0, "after"),  # outside the span
 ]
 
 
 def test_busy_idle_lead_and_tail_on_the_gpu_clock():
     (row,) = summarize(EVENTS, [("eager2", 100.0, 160.0)])
     assert row["variant"] == "eager2"
-    assert row["kernels"] == 4
-    assert row["host_ms"] == 0.06
+    assert row["kernels"] == 6  # embed, norm, mma, inner, argmax, late
+    assert row["span_ms"] == 0.06
+    assert row["first_call_ms"] == 0.004
     assert row["lead_ms"] == 0.01
-    assert row["busy_ms"] == 0.025  # 10 + 5 + 8 + 2 us: an overlap counted once
-    assert row["idle_ms"] == 0.015
-    assert row["tail_ms"] == 0.01  # the span's end less the last kernel's end
-    assert row["gaps_over_2us"] == 2
-    assert [g["us"] for g in row["largest_gaps"]] == [10.0, 5.0]
-    assert row["largest_gaps"][0] == {"us": 10.0, "after": "mma", "before": "argmax"}
+    # 10 + 5 + 8 (mma past norm) + 0 (inner) + 1 (memset) + 2 + 2 (late, cut at 160) us
+    assert row["busy_ms"] == 0.028
+    assert row["idle_ms"] == 0.022  # 5 + 1 + 10 + 6 (argmax to late)
+    assert row["tail_ms"] == 0.0
+    assert row["gaps"] == 3  # the 1 us gap is under GAP_US
+    assert [g["us"] for g in row["largest_gaps"]] == [10.0, 6.0, 5.0]
+    assert row["largest_gaps"][0] == {"us": 10.0, "after": "Memset", "before": "argmax"}
+    assert row["largest_gaps"][2] == {"us": 5.0, "after": "embed", "before": "norm"}
+    assert row["by_kernel"][0] == ["embed", 1, 10.0]
+    assert ["Memset", 1, 1.0] not in row["by_kernel"]  # kernels only
+
+
+def test_the_gap_after_a_nested_kernel_names_the_one_that_ended_last():
+    events = [_gpu(0.0, 20.0, "outer"), _gpu(2.0, 3.0, "inner"), _gpu(30.0, 1.0, "next")]
+    (row,) = summarize(events, [("v", 0.0, 40.0)])
+    assert row["largest_gaps"] == [{"us": 10.0, "after": "outer", "before": "next"}]
+    assert row["busy_ms"] == 0.021 and row["idle_ms"] == 0.01 and row["tail_ms"] == 0.009
 
 
 def test_a_span_without_kernels_reports_its_host_time_only():
     (row,) = summarize(EVENTS, [("compiled4", 200.0, 250.0)])
-    assert row == {"variant": "compiled4", "kernels": 0, "host_ms": 0.05}
+    assert row == {"variant": "compiled4", "span_ms": 0.05, "kernels": 0}
