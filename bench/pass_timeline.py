@@ -24,6 +24,9 @@ submission to this thread's return from waiting for its token; per span (ms):
   side, and the costliest kernel names (``by_kernel``);
 - ``replayed``: compiled passes replayed (compiled variants' medians count only those rows).
 
+The medians are taken column by column, so a variant's median lead, busy, idle and tail need
+not add up to its median span.
+
 Variants as in ``bench/warm_pass.py`` (``eagerN``, ``compiledN``, ``-rope-off``), interleaved.
 
 usage: python bench/pass_timeline.py PLAN [--rounds 6] [--skip 2] [--variants eager2]
@@ -33,10 +36,10 @@ Measured on the lent H200 (2026-12-02, synthetic Llama-3-8B shape Q4_0, medians 
 passes, 333 kernels each; ``bench/results/2026-12-02.pass-timeline.h200.llama3-8b-shape.json``,
 an earlier version of this script whose spans were the same): compiled in segments of 4, ttft
 8.62 ms, lead 2.07, GPU busy 6.04, idle 0.25; compiled in one graph 9.65 / 3.26 / 6.01 / 0.21;
-eager every 2 blocks 13.38 / 2.25 / 6.18 / 4.92, its idle time in 15 gaps of 170-400 us, each
-after an output projection and before the next norm (the GPU waiting for the host's next
-``mx.async_eval``; 0.60 ms idle on another start, ``...pass-timeline-devcopies.*``). The warm
-pass's first kernels are the embedding lookup's gathers, 80-160 us.
+eager every 2 blocks 13.38 / 2.25 / 6.18 / 4.92, its idle time in 15 gaps of 167-403 us a pass,
+each after a block's down projection (where ``mx.async_eval`` is called every 2 blocks) and
+before the next norm (0.60 ms idle on another start, ``...pass-timeline-devcopies.*``). The
+warm pass's first kernels are the embedding lookup's three gathers, side by side for 72-526 us.
 """
 
 from __future__ import annotations
@@ -168,7 +171,6 @@ def main() -> None:
     if args.skip < 0 or args.rounds <= args.skip:
         ap.error("--skip must be 0 or more and --rounds above it")
     serving = ServingEngine(Engine(load_plan(args.plan)))
-    serving.start(None)
     rng = np.random.default_rng(0)
     vocab = serving.vocab_size
     doc = rng.integers(0, vocab, args.document_tokens).tolist()
@@ -187,6 +189,7 @@ def main() -> None:
                 recorded.append((v, (next(iter(ev.values()))[0] - t) * 1e3, replayed))
 
     try:
+        serving.start(None)
         for _ in range(args.skip):
             round_(None)
         torch.cuda.init()
@@ -202,8 +205,6 @@ def main() -> None:
         wp._restore(defaults)
         serving.close()
     events = json.loads(trace.read_text())["traceEvents"]
-    if not args.trace:
-        shutil.rmtree(folder)
     spans = [
         (e["name"].split(":", 1)[1], e["ts"], e["ts"] + e["dur"])
         for e in events
@@ -216,6 +217,8 @@ def main() -> None:
     for r, (_, ms, replayed) in zip(rows, host, strict=True):
         r["ttft_ms"] = round(ms, 3)  # submission to the token event (the engine thread's clock)
         r["replayed"] = replayed
+    if not args.trace:  # kept until the spans matched the requests
+        shutil.rmtree(folder)
     out = {"plan": args.plan, "rows": rows, "median": {}}
     keys = ("ttft_ms", "span_ms", "first_call_ms", "lead_ms", "busy_ms", "idle_ms", "tail_ms")
     for v in names:
