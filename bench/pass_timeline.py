@@ -150,26 +150,16 @@ def summarize(events: list[dict], spans: list[tuple[str, float, float]], top: in
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("plan")
-    ap.add_argument("--rounds", type=int, default=6)
-    ap.add_argument("--skip", type=int, default=2, help="first rounds not recorded (2)")
-    ap.add_argument("--variants", default="eager2")
-    ap.add_argument("--document-tokens", type=int, default=1000)
+    wp.add_arguments(ap, 6, 2, "eager2")
     ap.add_argument("--trace", help="write the profiler's Chrome trace into this folder")
-    ap.add_argument("-o", "--output")
     args = ap.parse_args()
     try:
         import torch
         from torch.profiler import ProfilerActivity, profile, record_function
     except ImportError:
         raise SystemExit("pass_timeline.py needs PyTorch (its profiler reads CUPTI)") from None
-    names = args.variants.split(",")
-    defaults = wp._settings()
-    for v in names:
-        wp.use(v)  # refuses an unknown one before the engine loads
-    wp._restore(defaults)
-    if args.skip < 0 or args.rounds <= args.skip:
-        ap.error("--skip must be 0 or more and --rounds above it")
+    names = wp.checked_variants(ap, args)
+    defaults = wp.settings()
     serving = ServingEngine(Engine(load_plan(args.plan)))
     rng = np.random.default_rng(0)
     vocab = serving.vocab_size
@@ -177,7 +167,7 @@ def main() -> None:
 
     def round_(recorded: list | None) -> None:
         for v in names:
-            wp._restore(defaults)  # the cold request as the process's settings run it
+            wp.restore(defaults)  # the cold request as the process's settings run it
             serving.reset_prefix_cache()
             pi.run(serving, [doc + rng.integers(0, vocab, 16).tolist()], 1)
             wp.use(v)
@@ -202,7 +192,7 @@ def main() -> None:
         trace = folder / f"pass_timeline.{int(time.time())}.json"
         prof.export_chrome_trace(str(trace))
     finally:
-        wp._restore(defaults)
+        wp.restore(defaults)
         serving.close()
     events = json.loads(trace.read_text())["traceEvents"]
     spans = [

@@ -89,8 +89,8 @@ def use(variant: str) -> None:
     )
 
 
-def _settings() -> tuple:
-    """The settings a variant changes (``use``), to put back."""
+def settings() -> tuple:
+    """The settings a variant changes (:func:`use`), to put back with :func:`restore`."""
     return (
         llama.ASYNC_EVAL_BLOCKS,
         llama.FUSED_ROPE,
@@ -99,13 +99,14 @@ def _settings() -> tuple:
     )
 
 
-def _restore(settings: tuple) -> None:
+def restore(saved: tuple) -> None:
+    """Put back what :func:`settings` returned."""
     (
         llama.ASYNC_EVAL_BLOCKS,
         llama.FUSED_ROPE,
         pass_graph.COMPILED_PASSES,
         pass_graph.SEGMENT_BLOCKS,
-    ) = settings
+    ) = saved
 
 
 def step16(serving: ServingEngine, rng: np.random.Generator, tokens: int) -> dict:
@@ -133,25 +134,39 @@ def _line(row: dict) -> str:
     return f"{row['ttft']:.2f}{extra}"
 
 
+def add_arguments(ap: argparse.ArgumentParser, rounds: int, skip: int, variants: str) -> None:
+    """The arguments this script shares with ``bench/pass_timeline.py``: the plan, ``--rounds``,
+    ``--skip``, ``--variants``, ``--document-tokens`` and ``-o``."""
+    ap.add_argument("plan")
+    ap.add_argument("--rounds", type=int, default=rounds)
+    ap.add_argument("--skip", type=int, default=skip, help=f"first rounds not counted ({skip})")
+    ap.add_argument("--variants", default=variants)
+    ap.add_argument("--document-tokens", type=int, default=1000)
+    ap.add_argument("-o", "--output")
+
+
+def checked_variants(ap: argparse.ArgumentParser, args: argparse.Namespace) -> list[str]:
+    """``--variants`` as a list, each tried by :func:`use` (an unknown one ends the program) and
+    the process's settings put back; ``--skip`` and ``--rounds`` refused out of range."""
+    if args.skip < 0 or args.rounds <= args.skip:
+        ap.error("--skip must be 0 or more and --rounds above it")
+    names = args.variants.split(",")
+    defaults = settings()
+    for v in names:
+        use(v)
+    restore(defaults)
+    return names
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("plan")
-    ap.add_argument("--rounds", type=int, default=12)
-    ap.add_argument("--skip", type=int, default=3, help="first rounds not counted (3)")
-    ap.add_argument("--variants", default="eager2,eager2-rope-off,compiled0,compiled4")
-    ap.add_argument("--document-tokens", type=int, default=1000)
+    add_arguments(ap, 12, 3, "eager2,eager2-rope-off,compiled0,compiled4")
     ap.add_argument("--step16", type=int, default=0, help="tokens of the 16-sequence decodes")
-    ap.add_argument("-o", "--output")
     args = ap.parse_args()
     if args.step16 and args.step16 < 8:
         ap.error("--step16 must be 0 (off) or at least 8")
-    names = args.variants.split(",")
-    defaults = _settings()
-    for v in names:
-        use(v)  # refuses an unknown one before the engine loads
-    _restore(defaults)  # the engine's warm-up under the process's own settings
-    if args.skip < 0 or args.rounds <= args.skip:
-        ap.error("--skip must be 0 or more and --rounds above it")
+    names = checked_variants(ap, args)  # before the engine loads, whose warm-up they leave alone
+    defaults = settings()
     serving = ServingEngine(Engine(load_plan(args.plan)))
     t0 = time.perf_counter()
     serving.start(None)
@@ -161,7 +176,7 @@ def main() -> None:
     doc = rng.integers(0, vocab, args.document_tokens).tolist()
     totals: dict[str, list] = {}
     model = serving.engine.model
-    restore = [
+    timers = [
         pi._timed(serving, "_forward", "fwd", totals),
         pi._timed(model, "forward_batch", "build", totals),
         pi._timed(pass_graph.PassGraphs, "run", "replay", totals),
@@ -170,7 +185,7 @@ def main() -> None:
     cold = []
     try:
         for rnd in range(args.rounds):
-            _restore(defaults)
+            restore(defaults)
             serving.reset_prefix_cache()
             t, ev, _ = pi.run(serving, [doc + rng.integers(0, vocab, 16).tolist()], 1)
             cold.append(next(iter(ev.values()))[0] - t)
@@ -196,9 +211,9 @@ def main() -> None:
                 + ", ".join(f"{v} {_line(rows[v][-1])}" for v in names)
             )
     finally:
-        for undo in reversed(restore):
+        for undo in reversed(timers):
             undo()
-        _restore(defaults)
+        restore(defaults)
         serving.close()
     out = {
         "plan": args.plan,
