@@ -90,7 +90,10 @@ def summarize(events: list[dict], spans: list[tuple[str, float, float]], top: in
     Returns:
         one dict per span, in ms: ``span_ms`` (the span), ``first_call_ms`` (its start to the
         first CUDA API call in it: the host's work before anything reaches CUDA; None without
-        one), ``lead_ms`` (its start to the first kernel's start), ``busy_ms`` (the union of
+        one), ``lead_api_ms`` and ``lead_calls`` (the summed duration and the number of the
+        CUDA API calls from its start to the first kernel's start), ``longest_lead_calls``
+        (``[name, ms from the span's start, us]`` of the longest of them), ``lead_ms`` (its
+        start to the first kernel's start), ``busy_ms`` (the union of
         the GPU work's intervals from the first kernel on), ``idle_ms`` (the GPU idle between
         the first kernel's start and the last work's end), ``tail_ms`` (the last work's end to
         the span's end), ``kernels``,
@@ -104,7 +107,11 @@ def summarize(events: list[dict], spans: list[tuple[str, float, float]], top: in
         for e in events
         if e.get("ph") == "X" and e.get("cat") in GPU_CATEGORIES
     )
-    calls = sorted(e["ts"] for e in events if e.get("ph") == "X" and e.get("cat") in API_CATEGORIES)
+    calls = sorted(
+        (e["ts"], e["dur"], e["name"])
+        for e in events
+        if e.get("ph") == "X" and e.get("cat") in API_CATEGORIES
+    )
     out = []
     for variant, s, t in spans:
         ws = [(a, min(b, t), n, c) for a, b, n, c in work if s <= a < t]
@@ -126,10 +133,17 @@ def summarize(events: list[dict], spans: list[tuple[str, float, float]], top: in
                 entry = by_name.setdefault(name[:80], [0, 0.0])
                 entry[0] += 1
                 entry[1] += b - a
-        first_call = next((c for c in calls if s <= c < t), None)
+        first_call = next((c for c, _, _ in calls if s <= c < t), None)
+        lead_calls = [(c, d, n) for c, d, n in calls if s <= c < k0]
         gaps.sort(key=lambda g: -g[0])
         row |= {
             "first_call_ms": None if first_call is None else round((first_call - s) / 1e3, 3),
+            "lead_api_ms": round(sum(d for _, d, _ in lead_calls) / 1e3, 3),
+            "lead_calls": len(lead_calls),
+            "longest_lead_calls": [
+                [n[:60], round((c - s) / 1e3, 3), round(d, 1)]
+                for c, d, n in sorted(lead_calls, key=lambda x: -x[1])[:top]
+            ],
             "lead_ms": round((k0 - s) / 1e3, 3),
             "busy_ms": round(busy / 1e3, 3),
             "idle_ms": round((end - ws[0][0] - busy) / 1e3, 3),

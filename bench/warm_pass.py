@@ -28,7 +28,12 @@ Variants (``--variants``, comma-separated):
 - ``compiledN``: ``executor.pass_graph``'s compiled pass in segments of N blocks
   (``SEGMENT_BLOCKS``; 0: one graph);
 - either with ``-rope-off``: RoPE by ``mx.fast.rope`` rather than in the Q/K/V product's store
-  (``executor.models.llama.FUSED_ROPE``).
+  (``executor.models.llama.FUSED_ROPE``);
+- then with ``-nocache``: MLX's buffer cache off (``mx.set_cache_limit(0)``), so that a freed
+  buffer is never handed to a later array (on MLX's CUDA backend one cache serves host-built
+  arrays in managed memory and GPU outputs alike);
+- and with ``-fresh``: each pass's integer inputs as new arrays rather than written into the
+  engine's kept buffers (``executor.serving.STAGE_INPUTS``, ``executor.host_inputs``).
 
 usage: python bench/warm_pass.py PLAN [--rounds 12] [--skip 3]
        [--variants eager2,eager2-rope-off,compiled0,compiled4] [--step16 N] [-o FILE.json]
@@ -61,6 +66,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import prefix_inprocess as pi  # noqa: E402
 
 import executor.models.llama as llama  # noqa: E402
+import executor.serving as serving_module  # noqa: E402
 from executor import pass_graph  # noqa: E402
 from executor.engine import Engine  # noqa: E402
 from executor.plan_loader import load_plan  # noqa: E402
@@ -68,25 +74,43 @@ from executor.serving import ServingEngine  # noqa: E402
 
 
 def use(variant: str) -> None:
-    """Set the model module and ``pass_graph`` as ``variant`` says (see the module docstring).
+    """Set the model module, ``pass_graph``, the serving engine and MLX's buffer cache as
+    ``variant`` says (see the module docstring).
 
     Raises:
         SystemExit: an unknown variant.
     """
-    rope = not variant.endswith("-rope-off")
-    name = variant.removesuffix("-rope-off")
+    name, *flags = variant.split("-", 1)
+    options = set(flags[0].replace("rope-off", "ropeoff").split("-")) if flags else set()
     for kind, compiled in (("eager", False), ("compiled", True)):
-        if name.startswith(kind) and name[len(kind) :].isdigit():
+        if (
+            name.startswith(kind)
+            and name[len(kind) :].isdigit()
+            and options <= {"ropeoff", "nocache", "fresh"}
+        ):
             n = int(name[len(kind) :])
             llama.ASYNC_EVAL_BLOCKS = pi._ASYNC if compiled else n
             pass_graph.COMPILED_PASSES = compiled
             if compiled:
                 pass_graph.SEGMENT_BLOCKS = n
-            llama.FUSED_ROPE = rope
+            llama.FUSED_ROPE = "ropeoff" not in options
+            mx.set_cache_limit(0 if "nocache" in options else _CACHE_LIMIT)
+            serving_module.STAGE_INPUTS = "fresh" not in options
             return
     raise SystemExit(
-        f"unknown variant {variant!r}: eagerN or compiledN, each with or without -rope-off"
+        f"unknown variant {variant!r}: eagerN or compiledN, then any of -rope-off, -nocache, -fresh"
     )
+
+
+def _cache_limit() -> int:
+    """MLX's buffer-cache limit now (bytes)."""
+    limit = mx.set_cache_limit(0)
+    mx.set_cache_limit(limit)
+    return limit
+
+
+_CACHE_LIMIT = _cache_limit()
+"""MLX's buffer-cache limit at import (bytes), which the variants without ``-nocache`` keep."""
 
 
 def settings() -> tuple:
@@ -96,6 +120,8 @@ def settings() -> tuple:
         llama.FUSED_ROPE,
         pass_graph.COMPILED_PASSES,
         pass_graph.SEGMENT_BLOCKS,
+        _cache_limit(),
+        serving_module.STAGE_INPUTS,
     )
 
 
@@ -106,7 +132,10 @@ def restore(saved: tuple) -> None:
         llama.FUSED_ROPE,
         pass_graph.COMPILED_PASSES,
         pass_graph.SEGMENT_BLOCKS,
+        limit,
+        serving_module.STAGE_INPUTS,
     ) = saved
+    mx.set_cache_limit(limit)
 
 
 def step16(serving: ServingEngine, rng: np.random.Generator, tokens: int) -> dict:

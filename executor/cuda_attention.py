@@ -77,6 +77,7 @@ window): for a chunk, MLX's bottom-right causal mask.
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from typing import NamedTuple
 
 import mlx.core as mx
@@ -138,20 +139,26 @@ class QueryGroups(NamedTuple):
     largest: int
 
 
-def query_groups(inputs: np.ndarray, positions: np.ndarray) -> QueryGroups:
+def query_groups(
+    inputs: np.ndarray,
+    positions: np.ndarray,
+    to_device: Callable[[np.ndarray], mx.array] = mx.array,
+) -> QueryGroups:
     """The query rows of a pass in groups of at most ``GROUP_QUERIES`` consecutive rows of one
     input; padding rows (position < 0) belong to none.
 
     Args:
         inputs: int ``[R]``, each row's input (its table row).
         positions: int ``[R]``, each row's position (< 0: padding).
+        to_device: how the groups' int32 array becomes an array (``mx.array``, or a staged
+            pass's ``put``: ``executor.host_inputs``).
 
     Returns:
         the groups (a pass without query rows gets one empty group of row 0).
     """
     idx = np.flatnonzero(np.asarray(positions) >= 0)
     if not len(idx):
-        return QueryGroups(mx.array(np.zeros((1, 2), dtype=np.int32)), 1)
+        return QueryGroups(to_device(np.zeros((1, 2), dtype=np.int32)), 1)
     inputs = np.asarray(inputs)[idx]
     run = np.ones(len(idx), dtype=bool)  # a row that starts a run of one input's rows
     run[1:] = (inputs[1:] != inputs[:-1]) | (idx[1:] != idx[:-1] + 1)
@@ -161,7 +168,7 @@ def query_groups(inputs: np.ndarray, positions: np.ndarray) -> QueryGroups:
     counts = np.diff(np.append(first, len(idx)))
     # A group never crosses a run: a run's rows are consecutive and each starts at offset 0.
     groups = np.stack([idx[first], counts], axis=1).astype(np.int32)
-    return QueryGroups(mx.array(groups), int(counts.max()))
+    return QueryGroups(to_device(groups), int(counts.max()))
 
 
 @functools.cache

@@ -36,13 +36,19 @@ in the batch and however the scheduler cut the prompt, provided chunks end on mu
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import mlx.core as mx
 import numpy as np
 
 from executor import cuda_attention
+from executor.host_inputs import StagedPass
 from planner.errors import StrataError
+
+ToDevice = Callable[[np.ndarray], mx.array]
+"""How a pass's integer inputs become arrays: ``mx.array``, or a staged pass's ``put``
+(``executor.host_inputs``: written into a buffer kept for the engine's life)."""
 
 
 class PagedKVCache:
@@ -144,6 +150,7 @@ class Chunk:
     length: int
     start: int
     slots: np.ndarray
+    to_device: ToDevice = mx.array
     _masks: dict[int, tuple[int, mx.array | str | None]] = field(default_factory=dict)
     _table: mx.array | None = None
     _kernel_rows: mx.array | None = None
@@ -154,7 +161,7 @@ class Chunk:
         """``slots`` on the device, int32 [1, start + length]: made on first use (a pass that
         attends through ``ForwardBatch.kernel_layout`` never needs it), then kept."""
         if self._table is None:
-            self._table = mx.array(self.slots[None])
+            self._table = self.to_device(self.slots[None])
         return self._table
 
     def kernel_rows(self) -> mx.array:
@@ -162,7 +169,7 @@ class Chunk:
         ``executor.cuda_attention.attention`` reads them. Made once, for every layer."""
         if self._kernel_rows is None:
             pos = np.arange(self.start, self.start + self.length, dtype=np.int32)
-            self._kernel_rows = mx.array(np.stack([np.zeros_like(pos), pos], axis=1))
+            self._kernel_rows = self.to_device(np.stack([np.zeros_like(pos), pos], axis=1))
         return self._kernel_rows
 
     def kernel_groups(self) -> cuda_attention.QueryGroups:
@@ -170,7 +177,9 @@ class Chunk:
         (``executor.cuda_attention.query_groups``). Made once, for every layer."""
         if self._kernel_groups is None:
             pos = np.arange(self.start, self.start + self.length)
-            self._kernel_groups = cuda_attention.query_groups(np.zeros_like(pos), pos)
+            self._kernel_groups = cuda_attention.query_groups(
+                np.zeros_like(pos), pos, self.to_device
+            )
         return self._kernel_groups
 
     def attention_mask(self, window: int) -> tuple[int, mx.array | str | None]:
@@ -217,6 +226,8 @@ class ForwardBatch:
         seq_slots: per input, the slots of its positions up to its last new token.
         row_inputs: int32 [N], the input each row belongs to (its index in ``seq_slots``).
         row_positions: int32 [N], each row's position in its sequence.
+        to_device: how the pass's integer inputs become arrays (``mx.array``, or a staged
+            pass's ``put``).
     """
 
     ids: list[int]
@@ -230,6 +241,8 @@ class ForwardBatch:
     seq_slots: list[np.ndarray] = field(default_factory=list)
     row_inputs: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int32))
     row_positions: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int32))
+    to_device: ToDevice = mx.array
+    _ids: mx.array | None = None
     _masks: dict[int, mx.array | None] = field(default_factory=dict)
     _positions: dict[int, mx.array] = field(default_factory=dict)
     _layouts: dict[int, tuple[mx.array, mx.array]] = field(default_factory=dict)
@@ -237,7 +250,9 @@ class ForwardBatch:
     _decode_table: mx.array | None = None
 
     @classmethod
-    def build(cls, seqs: list[SeqInput], tile: int = 0) -> ForwardBatch:
+    def build(
+        cls, seqs: list[SeqInput], tile: int = 0, staged: StagedPass | None = None
+    ) -> ForwardBatch:
         """Lay ``seqs`` out: one-token inputs form the decode group, the others are chunks.
 
         Args:
@@ -248,6 +263,8 @@ class ForwardBatch:
                 to the slots of its sequence up to its own end; an input with
                 ``one_per_piece`` is cut at every token. ``write_slots`` and ``logit_rows`` are
                 the same as without tiles.
+            staged: where the pass's integer inputs are written (``executor.host_inputs``);
+                None: a new array each.
 
         Raises:
             StrataError: an input without tokens, or with fewer slots than its positions; a
@@ -264,6 +281,7 @@ class ForwardBatch:
                 )
         if tile < 0:
             raise StrataError(f"attention tile {tile} is negative; give 0 (none) or a block size")
+        to_device = mx.array if staged is None else staged.put
         grouped = [len(s.ids) == 1 and not tile for s in seqs]  # in the decode group
         decodes = [i for i, g in enumerate(grouped) if g]
         prefills = [i for i, g in enumerate(grouped) if not g]
@@ -285,7 +303,7 @@ class ForwardBatch:
             row_of[i] = len(ids)
             end = s.start + len(s.ids)
             for lo, hi in _pieces(s.start, end, 1 if tile and s.one_per_piece else tile):
-                chunks.append(Chunk(row_of[i] + lo - s.start, hi - lo, lo, s.slots[:hi]))
+                chunks.append(Chunk(row_of[i] + lo - s.start, hi - lo, lo, s.slots[:hi], to_device))
             ids.extend(s.ids)
             writes.append(s.slots[s.start : end])
         rows: list[int] = []
@@ -301,16 +319,17 @@ class ForwardBatch:
             row_positions[mine] = np.arange(s.start, s.start + len(s.ids))
         return cls(
             ids=ids,
-            write_slots=mx.array(np.concatenate(writes).astype(np.int32)),
+            write_slots=to_device(np.concatenate(writes)),
             decode_rows=len(decodes),
             decode_slots=padded,
             decode_lengths=lengths,
             chunks=chunks,
-            logit_rows=mx.array(np.array(rows, dtype=np.int32)),
+            logit_rows=to_device(np.array(rows, dtype=np.int32)),
             logit_counts=counts,
             seq_slots=[s.slots[: s.start + len(s.ids)] for s in seqs],
             row_inputs=row_inputs,
             row_positions=row_positions,
+            to_device=to_device,
         )
 
     @property
@@ -319,10 +338,17 @@ class ForwardBatch:
         return len(self.ids)
 
     @property
+    def id_array(self) -> mx.array:
+        """``ids`` on the device, int32 [N]: made on first use, then kept."""
+        if self._ids is None:
+            self._ids = self.to_device(np.asarray(self.ids, dtype=np.int32))
+        return self._ids
+
+    @property
     def decode_table(self) -> mx.array:
         """``decode_slots`` on the device, int32 [B, L]: made on first use, then kept."""
         if self._decode_table is None:
-            self._decode_table = mx.array(self.decode_slots)
+            self._decode_table = self.to_device(self.decode_slots)
         return self._decode_table
 
     def positions(self, rows: int) -> mx.array:
@@ -336,7 +362,7 @@ class ForwardBatch:
             self._check_rows(rows)
             positions = np.zeros(rows, dtype=np.int32)
             positions[: self.num_tokens] = self.row_positions
-            self._positions[rows] = mx.array(positions)
+            self._positions[rows] = self.to_device(positions)
         return self._positions[rows]
 
     def kernel_layout(self, rows: int, width: int = 0) -> tuple[mx.array, mx.array]:
@@ -361,7 +387,7 @@ class ForwardBatch:
                 tables[i, : len(t)] = t
             meta = np.full((rows, 2), -1, dtype=np.int32)
             meta[:n, 0], meta[:n, 1] = self.row_inputs, self.row_positions
-            self._layouts[rows] = (mx.array(tables), mx.array(meta))
+            self._layouts[rows] = (self.to_device(tables), self.to_device(meta))
         return self._layouts[rows]
 
     @functools.cached_property
@@ -375,7 +401,9 @@ class ForwardBatch:
         (``executor.cuda_attention.query_groups``; padding rows belong to none, so one answer
         serves every ``rows`` of ``kernel_layout``). Made once per pass, for every layer."""
         if self._groups is None:
-            self._groups = cuda_attention.query_groups(self.row_inputs, self.row_positions)
+            self._groups = cuda_attention.query_groups(
+                self.row_inputs, self.row_positions, self.to_device
+            )
         return self._groups
 
     def _check_rows(self, rows: int) -> None:

@@ -66,6 +66,7 @@ from executor import cuda_attention, pass_graph
 from executor.block_pool import BlockPool
 from executor.drafters import Drafter, DraftInput, DraftModelDrafter, PromptLookupDrafter
 from executor.engine import Engine
+from executor.host_inputs import InputStaging
 from executor.ops import bucket_rows, set_row_tile
 from executor.paged_kv import ForwardBatch, SeqInput, slot_table
 from executor.plan_loader import load_draft
@@ -100,6 +101,12 @@ before the server accepts requests (a first version, single chunks up to 512 tok
 for the Llama-3-8B shape on a fresh H200; MLX keeps what it compiles on disk,
 ``MLX_PTX_CACHE_DIR``, so later starts on one machine pay less). The CPU builds nothing per
 shape: off there."""
+
+STAGE_INPUTS = True
+"""Write each pass's integer inputs (token ids, KV slots, positions, attention tables) into the
+engine thread's kept buffers (``executor.host_inputs``) rather than new arrays. On MLX's CUDA
+backend new arrays cost managed-memory allocations, at times a synchronous copy, and page
+faults when GPU outputs later take their buffers (measured there: see that module)."""
 
 MAX_LOGPROBS = 20
 """Most alternatives per generated token a request may ask log-probabilities of (vLLM's default
@@ -221,6 +228,7 @@ class ServingEngine:
         # prefix-cache hits end too.
         self._tile = b.kv_block_size if batch_invariant else 0
         self.kv = None  # made on the engine thread: MLX streams belong to the thread that made them
+        self._staging = InputStaging()  # its buffers are made by the first pass that stages
         self.scheduler = Scheduler(
             self.pool,
             b.max_num_seqs,
@@ -460,8 +468,7 @@ class ServingEngine:
         piece = cuda_attention.MAX_QUERIES
 
         def run(inputs: list[SeqInput]) -> None:
-            batch = ForwardBatch.build(inputs, tile=self._tile)
-            mx.eval(self.engine.model.forward_batch(batch, self.kv))
+            mx.eval(self._pass(inputs)[1])
 
         for n in warm_up_sizes(limit):  # chunk j: positions 0.. in slots from j * piece on
             run([SeqInput([0] * min(piece, n - j), 0, slots[j:n]) for j in range(0, n, piece)])
@@ -582,8 +589,7 @@ class ServingEngine:
             # something to evaluate); only sampling chunks use them; verification needs all.
             wanted = "all" if c.draft else "last"
             inputs.append(SeqInput(c.ids, c.start, slots, wanted, one_per_piece=bool(c.draft)))
-        batch = ForwardBatch.build(inputs, tile=self._tile)
-        logits = self.engine.model.forward_batch(batch, self.kv)
+        batch, logits = self._pass(inputs)
         want = [i for i, c in enumerate(step.chunks) if c.sample]
         if not want:
             mx.eval(logits)
@@ -629,6 +635,16 @@ class ServingEngine:
                 self.spec_accepted += len(toks) - 1
                 self.spec_verifications += 1
         return out, logprobs, failed
+
+    def _pass(self, inputs: list[SeqInput]) -> tuple[ForwardBatch, mx.array]:
+        """One batched forward pass of ``inputs`` over the KV cache: its layout and its logits
+        (unevaluated), its integer inputs staged where ``STAGE_INPUTS`` says."""
+        staged = self._staging.begin() if STAGE_INPUTS else None
+        batch = ForwardBatch.build(inputs, tile=self._tile, staged=staged)
+        logits = self.engine.model.forward_batch(batch, self.kv)
+        if staged is not None:
+            staged.fence(logits)  # the buffer is rewritten once these are computed
+        return batch, logits
 
     def _emit(
         self,

@@ -344,18 +344,24 @@ class WeightStore:
             mx.eval(result)
         return result
 
-    def rows(self, name: str, unit: str, ids: Sequence[int]) -> mx.array:
+    def rows(
+        self, name: str, unit: str, ids: Sequence[int], device_ids: mx.array | None = None
+    ) -> mx.array:
         """Rows ``ids`` of a (possibly quantized) table, dequantized to the compute dtype.
 
         Only the rows asked for are read (and, on ``ram``, copied): an embedding lookup never
-        touches the whole table. Returns shape [len(ids), d].
+        touches the whole table. ``device_ids``: the same ids as an int32 array [len(ids)]
+        (``executor.host_inputs``), looked up where the table is on the device tier; None: one
+        is made. Returns shape [len(ids), d].
         """
         idx = np.asarray(ids, dtype=np.int64)
         if self._tier_of_unit[unit] == "gpu":
             w = self._gpu[name]
             table_rows = w.shape[0] if isinstance(w, mx.array) else w.weight.shape[0]
             self.bytes_read["gpu"] += _weight_nbytes(w) * len(idx) // table_rows
-            return embedding(mx.array(idx.astype(np.int32)), w, self.dtype)
+            if device_ids is None:
+                device_ids = mx.array(idx.astype(np.int32))
+            return embedding(device_ids, w, self.dtype)
         if self._tier_of_unit[unit] == "nvme":
             host = self._read_rows(name, unit, idx)
             self.bytes_read["nvme"] += _host_nbytes(host)

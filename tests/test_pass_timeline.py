@@ -40,6 +40,9 @@ def test_busy_idle_lead_and_tail_on_the_gpu_clock():
     assert row["span_ms"] == 0.06
     assert row["first_call_ms"] == 0.004  # the call before the span is not its first
     assert row["lead_ms"] == 0.01
+    # the lead's calls: cudaGraphLaunch only (the cudaMalloc is before the span)
+    assert row["lead_calls"] == 1 and row["lead_api_ms"] == 0.004
+    assert row["longest_lead_calls"] == [["cudaGraphLaunch", 0.004, 4.0]]
     # embed 10 + copy 2 + norm 5 + mma 9 + inner 0 + memset 1 + argmax 2 + norm 1 + late 2 us
     assert row["busy_ms"] == 0.032
     assert row["idle_ms"] == 0.018  # gaps 1 + 2 + 10 + 1 + 4 us

@@ -175,6 +175,28 @@ def test_prefix_cache_hit_gives_the_same_ids(models, tmp_path):
     assert fresh.cached_tokens == 0 and fresh.token_ids == other.token_ids
 
 
+def test_staged_inputs_give_the_ids_of_fresh_arrays(models, tmp_path, monkeypatch):
+    """A batch of 16 mixed requests whose passes write their integer inputs into the engine's
+    kept buffers (``executor.host_inputs``, the default) gives the ids of the same batch with a
+    new array per input, on a fresh engine each, and the buffers were used (their fences:
+    ``tests/test_host_inputs.py``)."""
+    plan = make_plan_file(
+        str(models["llama3"]), tmp_path / "p.yaml", context=CONTEXT, concurrency=BATCH
+    )
+    out = {}
+    for staged in (True, False):
+        monkeypatch.setattr(serving_module, "STAGE_INPUTS", staged)
+        se = _serve(plan)
+        try:
+            out[staged] = run_all(se, _requests("s", se.vocab_size, BATCH, seed=3))
+            grown = se._staging.grown
+        finally:
+            se.close()
+        assert (grown > 0) == staged
+    for rid, ev in out[True].items():
+        assert ev.token_ids == out[False][rid].token_ids, rid
+
+
 def test_reset_prefix_cache(models, tmp_path):
     """Refused while a request is live (the cache still serves the next one); applied once idle:
     the same prompt is then computed in full, with the same ids."""

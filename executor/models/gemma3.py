@@ -52,8 +52,8 @@ class Gemma3Model(LlamaModel):
             return LayerAttention(base, 1.0, False, a.sliding_window)
         return LayerAttention(a.rope_freq_base, a.rope_freq_scale, False, 0)
 
-    def embed(self, ids: list[int]) -> mx.array:
-        x = super().embed(ids)
+    def embed(self, ids: list[int], device_ids: mx.array | None = None) -> mx.array:
+        x = super().embed(ids, device_ids)
         return x * mx.array(math.sqrt(self.arch.embedding_length), dtype=x.dtype)
 
     def activation(self, gate: mx.array) -> mx.array:

@@ -259,9 +259,11 @@ class LlamaModel:
         window = a.sliding_window if layer in a.sliding_window_layers else 0
         return LayerAttention(a.rope_freq_base, a.rope_freq_scale, self.has_globals, window)
 
-    def embed(self, ids: list[int]) -> mx.array:
-        """The token embeddings of ``ids``, [1, T, d] in the compute dtype."""
-        return self.store.rows("token_embd.weight", "token_embd", ids)[None].astype(self.dtype)
+    def embed(self, ids: list[int], device_ids: mx.array | None = None) -> mx.array:
+        """The token embeddings of ``ids``, [1, T, d] in the compute dtype (``device_ids``: the
+        same ids as an int32 array, used where the table is on the device tier)."""
+        rows = self.store.rows("token_embd.weight", "token_embd", ids, device_ids)
+        return rows[None].astype(self.dtype)
 
     @property
     def swiglu(self) -> bool:
@@ -716,7 +718,7 @@ class LlamaModel:
         """
         n = batch.num_tokens
         rows = self.pass_rows(n)
-        x = self.embed(batch.ids)
+        x = self.embed(batch.ids, batch.id_array)
         if rows > n:
             # Zero rows pad the pass (no row-wise operation mixes rows, attention gives them
             # zeros, they write no KV slot, and their logits are never asked for). Not embedded:

@@ -1,0 +1,141 @@
+"""A forward pass's small integer inputs (token ids, KV slots, positions, attention tables)
+written in place into host buffers kept for the engine's life, instead of new arrays per pass.
+
+Why, on MLX's CUDA backend (0.32): an array built from host data (``mx.array(numpy)``) lives in
+managed memory, and one buffer cache serves those arrays and the GPU's outputs alike
+(``mlx/backend/cuda/allocator.cpp``: ``malloc_async`` reuses any cached buffer of a close size,
+and moves a device buffer it hands to a host array into managed memory with a synchronous
+``cudaMemcpy``). A pass that builds its inputs afresh therefore pays, before its first kernel:
+
+- a ``cudaMallocManaged`` for each input the cache cannot serve (15-63 us each on the lent
+  H200's host), and where the cache hands a host array a buffer that a GPU operation wrote, the
+  synchronous copy of that buffer into managed memory (213-277 us in each warm pass profiled) and
+  the device buffer's ``cudaFreeAsync`` (about 42 us);
+- and at its end it frees them into the cache, where a later GPU operation's output can land in
+  pages the CPU wrote last: the GPU's write then faults them over. On the H200 a gather whose
+  48 KB output took such a buffer ran 124 us against 33 us (p50, 2026-12-02), and the warm pass's
+  embedding gathers, its first kernels, took 232-612 us for 24 rows.
+
+(``bench/pass_timeline.py`` lists a warm pass's CUDA calls before its first kernel; the
+micro-benchmark is in the README, Serving.) A GPU's read of host-written managed memory costs
+nothing measurable there: a gather through host-built token ids took 51.9 us, through ids in
+device memory 52.2.
+
+Here :class:`InputStaging` keeps ``SLOTS`` int32 buffers (made once from host data, so managed
+memory on CUDA; grown by doubling when a pass needs more); each pass writes its inputs into the
+next one (:meth:`StagedPass.put`) and the kernels read views of it: no allocation, no copy, and
+the buffers never go back to the cache. On the CPU and Metal backends the same code runs (there
+an ``mx.array`` copy per input is all it saves).
+
+MLX treats arrays as immutable, so a buffer is rewritten only once the pass that last read it has
+finished: each pass records an output computed from everything it read (its logits,
+:meth:`StagedPass.fence`), and the buffer's next user evaluates that first, which costs nothing
+where the caller has read the logits already, as the serving loop has before its next step. A
+pass that failed before recording one waits for the stream (``mx.synchronize``). A staged array
+is never donated to an operation's output: the staging object keeps a reference to its buffer.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import numpy as np
+
+SLOTS = 2
+"""Buffers in the ring: pass i writes buffer i mod SLOTS, so pass i never waits for pass i - 1,
+which may still run on the GPU while pass i's inputs are written."""
+
+ALIGN = 16
+"""Each input starts on a multiple of this many int32 elements (64 bytes): kernels may load an
+input in 16-byte vectors."""
+
+MIN_CAPACITY = 1 << 14
+"""Elements of a buffer when first made (64 KiB): a decode step of 16 sequences with 2,048-slot
+tables needs about 34 K; a longer pass grows the buffer once."""
+
+
+def _aligned(n: int) -> int:
+    return -(-n // ALIGN) * ALIGN
+
+
+class InputStaging:
+    """The ring of input buffers of one engine thread (MLX arrays belong to the stream of the
+    thread that made them: make and use this on one thread).
+
+    Args:
+        slots: buffers in the ring (at least 1).
+
+    Raises:
+        ValueError: ``slots`` below 1.
+    """
+
+    def __init__(self, slots: int = SLOTS):
+        if slots < 1:
+            raise ValueError(f"input staging needs at least one buffer, got {slots}")
+        self._buffers: list[mx.array | None] = [None] * slots
+        self._hosts: list[np.ndarray | None] = [None] * slots  # numpy views of the buffers
+        self._fences: list[mx.array | None] = [None] * slots
+        self._unfenced = [False] * slots  # a pass began on the buffer and recorded no output
+        self._next = 0
+        self.grown = 0  # buffers made or remade (a new size)
+
+    def begin(self) -> StagedPass:
+        """The next pass's inputs: the next buffer of the ring, once the pass that last used it
+        has finished (its fence evaluated, or the stream synchronized where it recorded none)."""
+        i = self._next
+        self._next = (i + 1) % len(self._buffers)
+        fence = self._fences[i]
+        if fence is not None:
+            mx.eval(fence)
+        elif self._unfenced[i]:
+            mx.synchronize()
+        self._fences[i] = None
+        self._unfenced[i] = True
+        return StagedPass(self, i)
+
+    def _buffer(self, slot: int, need: int) -> tuple[mx.array, np.ndarray]:
+        """Buffer ``slot`` with room for at least ``need`` elements (a new one, twice the size
+        or more, where it has less: views of the old one keep it alive while they are used)."""
+        buf, host = self._buffers[slot], self._hosts[slot]
+        if buf is None or host is None or buf.size < need:
+            size = max(MIN_CAPACITY, 2 * (0 if buf is None else buf.size), 2 * need)
+            buf = mx.array(np.zeros(size, dtype=np.int32))
+            host = np.asarray(buf)  # the buffer's own memory: writes reach the array
+            self._buffers[slot], self._hosts[slot] = buf, host
+            self.grown += 1
+        return buf, host
+
+
+class StagedPass:
+    """One pass's use of a buffer of :class:`InputStaging` (from :meth:`InputStaging.begin`)."""
+
+    def __init__(self, staging: InputStaging, slot: int):
+        self._staging, self._slot = staging, slot
+        self._used = 0  # elements of the buffer taken by this pass's inputs
+
+    def put(self, a: np.ndarray) -> mx.array:
+        """``a`` (integers, any shape, each within int32) as an int32 array of its shape: a view
+        of the pass's buffer, written now.
+
+        Raises:
+            ValueError: the pass has already recorded its fence (its buffer may be reused).
+        """
+        if self._staging._fences[self._slot] is not None:
+            raise ValueError("this pass's inputs are fenced: stage the next pass's with begin()")
+        flat = np.asarray(a).astype(np.int32, copy=False).reshape(-1)
+        n = flat.size
+        if not n:
+            return mx.array(np.zeros(np.shape(a), dtype=np.int32))
+        start = self._used
+        old = self._staging._buffers[self._slot]
+        buf, host = self._staging._buffer(self._slot, start + n)
+        if buf is not old:  # a new buffer: the pass's earlier inputs stay in the old one
+            start = 0
+        host[start : start + n] = flat
+        self._used = start + _aligned(n)
+        return buf[start : start + n].reshape(np.shape(a))
+
+    def fence(self, out: mx.array) -> None:
+        """Record ``out``, an output computed from everything the pass read (its logits): the
+        buffer is rewritten only after ``out`` is evaluated."""
+        self._staging._fences[self._slot] = out
+        self._staging._unfenced[self._slot] = False
