@@ -774,7 +774,10 @@ class FailingEngine:
         self.tokenizer = tokenizer
         self.aborted: list[str] = []
 
-    def submit(self, req, on_event) -> None:
+    def validate(self, req) -> None:
+        pass
+
+    def submit(self, req, on_event, validated: bool = False) -> None:
         from executor.serving import TokenEvent
 
         if req.prompt_ids[0] == 0:
