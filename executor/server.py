@@ -667,37 +667,12 @@ class Generation:
         self._t_first: float | None = None
         self._t_last = 0.0
 
-    def check(self) -> None:
-        """Refuse now, with an HTTP status, what :meth:`submit` would refuse: run before the
-        response starts, since a streamed response's status is sent before its submission.
+    def submit(self) -> None:
+        """Hand the request to the engine.
 
         Raises:
             APIError: 400 for a request the engine refuses (StrataError), 503 while the server
                 shuts down, 500 otherwise.
-        """
-        if self.state.closing:
-            self.finished = True
-            raise APIError(503, "the server is shutting down; retry elsewhere", "server_error")
-        try:
-            self.state.engine.validate(self.request)
-        except StrataError as e:
-            self.finished = True
-            raise APIError(400, str(e)) from None
-        except Exception as e:
-            self.finished = True
-            raise _engine_error(f"the engine refused the request: {e}") from e
-
-    def submit(self) -> None:
-        """Hand the checked request (:meth:`check`) to the engine. Called as the response starts
-        waiting for tokens (:class:`EventStream`, :func:`_collect`), after the event loop's own
-        work for it (the status and headers, the disconnect watcher): the engine thread, which
-        needs the GIL to start the request, then finds the loop idle, where work left after
-        the submission would hold it back (0.14-0.6 ms between submission and the engine's
-        admission on the dev CPU, 2026-12-02).
-
-        Raises:
-            APIError: 503 while the server shuts down or when the engine has stopped, 500 for
-                anything else the engine raises.
         """
         if self.state.closing:
             self.finished = True
@@ -710,10 +685,10 @@ class Generation:
 
         self._t_submit = time.perf_counter()
         try:
-            self.state.engine.submit(self.request, on_event, validated=True)
-        except StrataError as e:  # the engine thread has stopped
+            self.state.engine.submit(self.request, on_event)
+        except StrataError as e:
             self.finished = True
-            raise APIError(503, str(e), "server_error") from None
+            raise APIError(400, str(e)) from None
         except Exception as e:
             self.finished = True
             raise _engine_error(f"the engine refused the request: {e}") from e
@@ -847,7 +822,6 @@ class EventStream(Response):
         try:
             await send({"type": "http.response.start", "status": 200, "headers": self.raw_headers})
             try:
-                self.generation.submit()
                 async for chunk in self.chunks:
                     await send(
                         {"type": "http.response.body", "body": _sse(chunk), "more_body": True}
@@ -880,7 +854,6 @@ async def _collect(
     text: list[str] = []
     lps: list[tuple[int, TokenLogprob]] | None = None
     try:
-        generation.submit()
         async for piece in generation.pieces():
             text.append(piece.text)
             if piece.logprobs is not None:
@@ -1142,7 +1115,7 @@ async def _start(
         body.ignore_eos,
         body.logprobs_count(),
     )
-    gen.check()
+    gen.submit()
     return gen
 
 

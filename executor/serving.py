@@ -314,20 +314,13 @@ class ServingEngine:
             )
         self.scheduler.check_fits(req.request_id, len(req.prompt_ids), req.max_tokens)
 
-    def submit(
-        self,
-        req: GenerationRequest,
-        on_event: Callable[[TokenEvent], None],
-        validated: bool = False,
-    ) -> None:
+    def submit(self, req: GenerationRequest, on_event: Callable[[TokenEvent], None]) -> None:
         """Queue a request; ``on_event`` is called on the engine thread with its tokens.
-        ``validated``: the caller has run :meth:`validate` on it already.
 
         Raises:
             StrataError: the request could never run (:meth:`validate`), or the engine stopped.
         """
-        if not validated:
-            self.validate(req)
+        self.validate(req)
         if self._thread is None or not self._thread.is_alive():
             raise StrataError("the serving engine is not running")
         self._inbox.put(("submit", req, on_event))

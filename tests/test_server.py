@@ -774,10 +774,7 @@ class FailingEngine:
         self.tokenizer = tokenizer
         self.aborted: list[str] = []
 
-    def validate(self, req) -> None:
-        pass
-
-    def submit(self, req, on_event, validated: bool = False) -> None:
+    def submit(self, req, on_event) -> None:
         from executor.serving import TokenEvent
 
         if req.prompt_ids[0] == 0:
