@@ -16,6 +16,8 @@ submission to this thread's return from waiting for its token; per span (ms):
 - ``first_call_ms``: the span's start to its first CUDA API call (the host's work before
   anything reaches CUDA: scheduling, the batch's arrays, the graph of the first blocks);
 - ``lead_ms``: the span's start to the first kernel (before it the GPU has nothing to compute);
+- ``lead_api_ms``, ``lead_calls`` and ``longest_lead_calls``: the CUDA API calls in the lead
+  (summed time, number, and the longest with their start in the span);
 - ``busy_ms``: the union of the GPU's work (kernels, copies, fills) from the first kernel on;
 - ``idle_ms``: the GPU idle between the first kernel's start and the last work's end;
 - ``tail_ms``: the last work's end to the span's end (the logits' transfer, sampling, the event,
@@ -27,7 +29,8 @@ submission to this thread's return from waiting for its token; per span (ms):
 The medians are taken column by column, so a variant's median lead, busy, idle and tail need
 not add up to its median span.
 
-Variants as in ``bench/warm_pass.py`` (``eagerN``, ``compiledN``, ``-rope-off``), interleaved.
+Variants as in ``bench/warm_pass.py`` (``eagerN``, ``compiledN``, ``-rope-off``, ``-nocache``,
+``-fresh``), interleaved.
 
 usage: python bench/pass_timeline.py PLAN [--rounds 6] [--skip 2] [--variants eager2]
        [--trace DIR] [-o FILE.json]

@@ -9,17 +9,18 @@ and moves a device buffer it hands to a host array into managed memory with a sy
 
 - a ``cudaMallocManaged`` for each input the cache cannot serve (15-63 us each on the lent
   H200's host), and where the cache hands a host array a buffer that a GPU operation wrote, the
-  synchronous copy of that buffer into managed memory (213-277 us in each warm pass profiled) and
+  synchronous copy of that buffer into managed memory (213-277 us a warm pass in one profile,
+  55-686 in another) and
   the device buffer's ``cudaFreeAsync`` (about 42 us);
 - and at its end it frees them into the cache, where a later GPU operation's output can land in
   pages the CPU wrote last: the GPU's write then faults them over. On the H200 a gather whose
-  48 KB output took such a buffer ran 124 us against 33 us (p50, 2026-12-02), and the warm pass's
-  embedding gathers, its first kernels, took 232-612 us for 24 rows.
+  48 KB output took such a buffer ran 124 us against 33 us (p50); a GPU's read of host-written
+  managed memory cost nothing measurable (a gather through host-built token ids 51.9 us,
+  through ids in device memory 52.2; ``bench/results/2026-12-02.managed-memory-probes.h200.json``).
 
-(``bench/pass_timeline.py`` lists a warm pass's CUDA calls before its first kernel; the
-micro-benchmark is in the README, Serving.) A GPU's read of host-written managed memory costs
-nothing measurable there: a gather through host-built token ids took 51.9 us, through ids in
-device memory 52.2.
+(``bench/pass_timeline.py`` lists a pass's CUDA calls before its first kernel:
+``bench/results/2026-12-02.pass-timeline-nocache.*``.) Turning MLX's cache off instead made every
+allocation a CUDA call, and warm passes slower (eager 13.2 -> 16.2 ms).
 
 Here :class:`InputStaging` keeps ``SLOTS`` int32 buffers (made once from host data, so managed
 memory on CUDA; grown by doubling when a pass needs more); each pass writes its inputs into the
@@ -33,6 +34,13 @@ finished: each pass records an output computed from everything it read (its logi
 where the caller has read the logits already, as the serving loop has before its next step. A
 pass that failed before recording one waits for the stream (``mx.synchronize``). A staged array
 is never donated to an operation's output: the staging object keeps a reference to its buffer.
+
+Measured on the lent H200 (2026-12-02, synthetic Llama-3-8B shape, the warm 24-token pass after a
+992-token prefix-cache hit, one process, interleaved, medians of 5;
+``bench/results/2026-12-02.pass-timeline-staged.*``): eager 10.07 -> 9.33 ms, compiled in
+segments of 4 9.03 -> 8.21 ms; the lead before the first kernel 2.16 -> 1.61 and 1.91 -> 1.62 ms.
+The embedding lookup's two float16 gathers of 24 rows still summed 227-767 us in the staged
+passes: that cost has another cause, not found.
 """
 
 from __future__ import annotations

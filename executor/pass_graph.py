@@ -78,7 +78,12 @@ where one graph per pass gave a TPOT p50 of 10.0 ms at 16 (250 replays) in an ea
 (``2026-12-02.serving-compiled.*``): not explained yet, so they stay off, and one graph stays
 their default (``SEGMENT_BLOCKS``). In-process, with short sequences started together (a later
 session, ``bench/warm_pass.py --step16``, ``bench/results/2026-12-02.warm-pass-step16.h200.*``),
-segments of 4 decoded 16 sequences in 6.86 ms a step against eager's 6.88: not reproduced.
+segments of 4 decoded 16 sequences in 6.86 ms a step against eager's 6.88: not reproduced. Once
+each pass's inputs were written into kept buffers (``executor.host_inputs``), one serving bench
+with segments of 4 gave a TPOT p50 of 8.3 ms at 16 and 1,491 tok/s, against 9.8 ms and 1,279
+tok/s eager on the same machine start
+(``bench/results/2026-12-02.serving-staged-seg4.h200.llama3-8b-shape.json``): one run, so they
+stay off.
 ``/metrics`` counts the target model's traces and replays (``strata_compiled_pass_traces_total``,
 ``strata_compiled_pass_replays_total``)."""
 
