@@ -52,6 +52,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import statistics
 import sys
 import time
@@ -80,25 +81,21 @@ def use(variant: str) -> None:
     Raises:
         SystemExit: an unknown variant.
     """
-    name, *flags = variant.split("-", 1)
-    options = set(flags[0].replace("rope-off", "ropeoff").split("-")) if flags else set()
-    for kind, compiled in (("eager", False), ("compiled", True)):
-        if (
-            name.startswith(kind)
-            and name[len(kind) :].isdigit()
-            and options <= {"ropeoff", "nocache", "fresh"}
-        ):
-            n = int(name[len(kind) :])
-            llama.ASYNC_EVAL_BLOCKS = pi._ASYNC if compiled else n
-            pass_graph.COMPILED_PASSES = compiled
-            if compiled:
-                pass_graph.SEGMENT_BLOCKS = n
-            llama.FUSED_ROPE = "ropeoff" not in options
-            mx.set_cache_limit(0 if "nocache" in options else _CACHE_LIMIT)
-            serving_module.STAGE_INPUTS = "fresh" not in options
-            return
+    m = re.fullmatch(r"(eager|compiled)([0-9]+)(-rope-off)?(-nocache)?(-fresh)?", variant)
+    if m:
+        kind, n, rope_off, nocache, fresh = m.groups()
+        compiled = kind == "compiled"
+        llama.ASYNC_EVAL_BLOCKS = pi._ASYNC if compiled else int(n)
+        pass_graph.COMPILED_PASSES = compiled
+        if compiled:
+            pass_graph.SEGMENT_BLOCKS = int(n)
+        llama.FUSED_ROPE = rope_off is None
+        mx.set_cache_limit(0 if nocache else _CACHE_LIMIT)
+        serving_module.STAGE_INPUTS = fresh is None
+        return
     raise SystemExit(
-        f"unknown variant {variant!r}: eagerN or compiledN, then any of -rope-off, -nocache, -fresh"
+        f"unknown variant {variant!r}: eagerN or compiledN, then -rope-off, -nocache and -fresh, "
+        "each optional, in that order"
     )
 
 

@@ -7,11 +7,10 @@ managed memory, and one buffer cache serves those arrays and the GPU's outputs a
 and moves a device buffer it hands to a host array into managed memory with a synchronous
 ``cudaMemcpy``). A pass that builds its inputs afresh therefore pays, before its first kernel:
 
-- a ``cudaMallocManaged`` for each input the cache cannot serve (15-63 us each on the lent
+- a ``cudaMallocManaged`` for each input the cache cannot serve (10-86 us each on the lent
   H200's host), and where the cache hands a host array a buffer that a GPU operation wrote, the
-  synchronous copy of that buffer into managed memory (213-277 us a warm pass in one profile,
-  55-686 in another) and
-  the device buffer's ``cudaFreeAsync`` (about 42 us);
+  synchronous copy of that buffer into managed memory (213-343 us a warm pass in one profile,
+  55-686 in another) and the device buffer's ``cudaFreeAsync`` (8-44 us);
 - and at its end it frees them into the cache, where a later GPU operation's output can land in
   pages the CPU wrote last: the GPU's write then faults them over. On the H200 a gather whose
   48 KB output took such a buffer ran 124 us against 33 us (p50); a GPU's read of host-written
@@ -32,15 +31,18 @@ MLX treats arrays as immutable, so a buffer is rewritten only once the pass that
 finished: each pass records an output computed from everything it read (its logits,
 :meth:`StagedPass.fence`), and the buffer's next user evaluates that first, which costs nothing
 where the caller has read the logits already, as the serving loop has before its next step. A
-pass that failed before recording one waits for the stream (``mx.synchronize``). A staged array
+pass that failed before recording one (it may have left lazy reads of its buffer, a KV write not
+yet evaluated), or whose fence fails to evaluate, gives up its buffer: the next user makes a new
+one. A pass's handle refuses inputs once a later pass has begun on its buffer. A staged array
 is never donated to an operation's output: the staging object keeps a reference to its buffer.
 
 Measured on the lent H200 (2026-12-02, synthetic Llama-3-8B shape, the warm 24-token pass after a
 992-token prefix-cache hit, one process, interleaved, medians of 5;
 ``bench/results/2026-12-02.pass-timeline-staged.*``): eager 10.07 -> 9.33 ms, compiled in
 segments of 4 9.03 -> 8.21 ms; the lead before the first kernel 2.16 -> 1.61 and 1.91 -> 1.62 ms.
-The embedding lookup's two float16 gathers of 24 rows still summed 227-767 us in the staged
-passes: that cost has another cause, not found.
+Staged beat fresh in 4 of 5 interleaved pairs of each variant. The embedding lookup's two
+float16 gathers of 24 rows did not improve (summed 227-767 us staged, medians 326 / 303 us
+against 254 / 235 fresh): that cost has another cause, not found.
 """
 
 from __future__ import annotations
@@ -56,9 +58,10 @@ ALIGN = 16
 """Each input starts on a multiple of this many int32 elements (64 bytes): kernels may load an
 input in 16-byte vectors."""
 
-MIN_CAPACITY = 1 << 14
-"""Elements of a buffer when first made (64 KiB): a decode step of 16 sequences with 2,048-slot
-tables needs about 34 K; a longer pass grows the buffer once."""
+MIN_CAPACITY = 1 << 16
+"""Elements of a buffer when first made (256 KiB): a decode step of 16 sequences with 2,048-slot
+tables needs about 34 K; a longer pass grows the buffer (the old one then goes back to MLX's
+cache once its views are gone)."""
 
 
 def _aligned(n: int) -> int:
@@ -83,6 +86,7 @@ class InputStaging:
         self._hosts: list[np.ndarray | None] = [None] * slots  # numpy views of the buffers
         self._fences: list[mx.array | None] = [None] * slots
         self._unfenced = [False] * slots  # a pass began on the buffer and recorded no output
+        self._uses = [0] * slots  # passes begun on each buffer: a stale StagedPass is refused
         self._next = 0
         self.grown = 0  # buffers made or remade (a new size)
 
@@ -91,14 +95,22 @@ class InputStaging:
         has finished (its fence evaluated, or the stream synchronized where it recorded none)."""
         i = self._next
         self._next = (i + 1) % len(self._buffers)
-        fence = self._fences[i]
-        if fence is not None:
-            mx.eval(fence)
-        elif self._unfenced[i]:
-            mx.synchronize()
-        self._fences[i] = None
+        fence, self._fences[i] = self._fences[i], None
+        if self._unfenced[i]:
+            self._drop(i)  # its pass may have left lazy reads of the buffer: never rewrite it
+        elif fence is not None:
+            try:
+                mx.eval(fence)
+            except Exception:
+                self._drop(i)  # the pass failed on the device: leave its buffer to it
         self._unfenced[i] = True
-        return StagedPass(self, i)
+        self._uses[i] += 1
+        return StagedPass(self, i, self._uses[i])
+
+    def _drop(self, slot: int) -> None:
+        """Forget buffer ``slot`` (a new one is made on its next use); views of the old one keep
+        it alive for whatever still reads them."""
+        self._buffers[slot] = self._hosts[slot] = None
 
     def _buffer(self, slot: int, need: int) -> tuple[mx.array, np.ndarray]:
         """Buffer ``slot`` with room for at least ``need`` elements (a new one, twice the size
@@ -116,8 +128,8 @@ class InputStaging:
 class StagedPass:
     """One pass's use of a buffer of :class:`InputStaging` (from :meth:`InputStaging.begin`)."""
 
-    def __init__(self, staging: InputStaging, slot: int):
-        self._staging, self._slot = staging, slot
+    def __init__(self, staging: InputStaging, slot: int, use: int):
+        self._staging, self._slot, self._use = staging, slot, use
         self._used = 0  # elements of the buffer taken by this pass's inputs
 
     def put(self, a: np.ndarray) -> mx.array:
@@ -125,10 +137,15 @@ class StagedPass:
         of the pass's buffer, written now.
 
         Raises:
-            ValueError: the pass has already recorded its fence (its buffer may be reused).
+            ValueError: the pass has recorded its fence, or a later pass has begun on its buffer
+                (a layout built lazily after that would overwrite the later pass's inputs).
         """
-        if self._staging._fences[self._slot] is not None:
-            raise ValueError("this pass's inputs are fenced: stage the next pass's with begin()")
+        st = self._staging
+        if st._fences[self._slot] is not None or st._uses[self._slot] != self._use:
+            raise ValueError(
+                "this pass's inputs are fenced, or a later pass has begun on its buffer: stage "
+                "the next pass's with begin()"
+            )
         flat = np.asarray(a).astype(np.int32, copy=False).reshape(-1)
         n = flat.size
         if not n:
@@ -145,5 +162,6 @@ class StagedPass:
     def fence(self, out: mx.array) -> None:
         """Record ``out``, an output computed from everything the pass read (its logits): the
         buffer is rewritten only after ``out`` is evaluated."""
-        self._staging._fences[self._slot] = out
-        self._staging._unfenced[self._slot] = False
+        if self._staging._uses[self._slot] == self._use:
+            self._staging._fences[self._slot] = out
+            self._staging._unfenced[self._slot] = False
