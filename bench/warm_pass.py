@@ -90,7 +90,7 @@ def use(variant: str) -> None:
         if compiled:
             pass_graph.SEGMENT_BLOCKS = int(n)
         llama.FUSED_ROPE = rope_off is None
-        mx.set_cache_limit(0 if nocache else _CACHE_LIMIT)
+        _set_cache_limit(0 if nocache else _CACHE_LIMIT)
         serving_module.STAGE_INPUTS = fresh is None
         return
     raise SystemExit(
@@ -99,15 +99,19 @@ def use(variant: str) -> None:
     )
 
 
-def _cache_limit() -> int:
-    """MLX's buffer-cache limit now (bytes)."""
-    limit = mx.set_cache_limit(0)
-    mx.set_cache_limit(limit)
-    return limit
-
-
-_CACHE_LIMIT = _cache_limit()
+_CACHE_LIMIT = mx.set_cache_limit(0)
 """MLX's buffer-cache limit at import (bytes), which the variants without ``-nocache`` keep."""
+mx.set_cache_limit(_CACHE_LIMIT)  # MLX reports the limit only by setting another: read it once
+
+_cache_limit = _CACHE_LIMIT
+"""The limit :func:`use` and :func:`restore` set last (read here, not from MLX, so that reading it
+never sets another while the engine thread allocates)."""
+
+
+def _set_cache_limit(limit: int) -> None:
+    global _cache_limit
+    mx.set_cache_limit(limit)
+    _cache_limit = limit
 
 
 def settings() -> tuple:
@@ -117,7 +121,7 @@ def settings() -> tuple:
         llama.FUSED_ROPE,
         pass_graph.COMPILED_PASSES,
         pass_graph.SEGMENT_BLOCKS,
-        _cache_limit(),
+        _cache_limit,
         serving_module.STAGE_INPUTS,
     )
 
@@ -132,7 +136,7 @@ def restore(saved: tuple) -> None:
         limit,
         serving_module.STAGE_INPUTS,
     ) = saved
-    mx.set_cache_limit(limit)
+    _set_cache_limit(limit)
 
 
 def step16(serving: ServingEngine, rng: np.random.Generator, tokens: int) -> dict:

@@ -91,8 +91,9 @@ class InputStaging:
         self.grown = 0  # buffers made or remade (a new size)
 
     def begin(self) -> StagedPass:
-        """The next pass's inputs: the next buffer of the ring, once the pass that last used it
-        has finished (its fence evaluated, or the stream synchronized where it recorded none)."""
+        """The next pass's inputs: the next buffer of the ring once the pass that last used it
+        has finished (its fence evaluated), or a new buffer where that pass recorded no fence or
+        its fence failed."""
         i = self._next
         self._next = (i + 1) % len(self._buffers)
         fence, self._fences[i] = self._fences[i], None
@@ -115,7 +116,7 @@ class InputStaging:
     def _buffer(self, slot: int, need: int) -> tuple[mx.array, np.ndarray]:
         """Buffer ``slot`` with room for at least ``need`` elements (a new one, twice the size
         or more, where it has less: views of the old one keep it alive while they are used)."""
-        buf, host = self._buffers[slot], self._hosts[slot]
+        buf, host = self._buffers[slot], self._hosts[slot]  # set and dropped together
         if buf is None or host is None or buf.size < need:
             size = max(MIN_CAPACITY, 2 * (0 if buf is None else buf.size), 2 * need)
             buf = mx.array(np.zeros(size, dtype=np.int32))
