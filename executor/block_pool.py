@@ -22,15 +22,25 @@ The free list's order therefore makes eviction least-recently-used (by release t
 sequence's tail blocks first. A block matched while free is taken off the list (ref 0 -> 1); it
 goes back to the tail when released again.
 
+Partial blocks. Where the full-block match ends, the next block of the prompt may still begin
+like a cached block: a document shared by many prompts ends inside a block, and each prompt's own
+question follows. ``match_partial`` finds, among the registered children of the last matched
+block (blocks committed with that parent hash), the one whose first tokens agree longest with the
+prompt's next tokens, and lends it: the new sequence reads those leading slots from the cached
+block and computes from the first token that differs, as SGLang's radix cache reuses a prefix at
+token granularity where vLLM recomputes the partial block. The lent block is only read; the
+sequence's own block for those positions gets the lent slots copied in after its first pass
+(``executor.scheduler``, ``PagedKVCache.copy_slots``), before it can be registered itself.
+
 Costs: every operation is O(blocks it touches); only ``reset_prefix_cache`` scans the pool.
 ``commit`` only hashes blocks that are not registered yet (it walks back from the last full block
 to the first one already hashed), so calling it every decode step costs O(1) between block
 boundaries.
 
 Counters (ints, read by the serving metrics): ``prefix_query_tokens`` (tokens of the prompts
-looked up), ``prefix_hit_tokens`` (tokens served by cached blocks) and ``evictions`` (registered
-blocks dropped to be reused). With ``prefix_caching`` False nothing is hashed, ``match_prefix``
-returns ``[]`` and the counters stay 0.
+looked up), ``prefix_hit_tokens`` (tokens served by cached blocks, whole or partial) and
+``evictions`` (registered blocks dropped to be reused). With ``prefix_caching`` False nothing is
+hashed, ``match_prefix`` returns ``[]`` and the counters stay 0.
 
 ``reset_prefix_cache`` forgets every hash at once (benchmarks, vLLM's ``/reset_prefix_cache``):
 blocks in use stay allocated, free blocks stay on the free list in their order, counters keep
@@ -97,6 +107,11 @@ class BlockPool:
         self._hash: list[bytes | None] = [None] * num_blocks
         # hash -> the block that serves it (the first one committed with that hash).
         self._cached: dict[bytes, int] = {}
+        # Partial matches: each serving block's parent hash and token ids, and the serving
+        # blocks by parent hash (kept in step with ``_cached``).
+        self._parent: dict[int, bytes] = {}
+        self._tokens: dict[int, tuple[int, ...]] = {}
+        self._children: dict[bytes, set[int]] = {}
         self.prefix_query_tokens = 0
         self.prefix_hit_tokens = 0
         self.evictions = 0
@@ -138,6 +153,7 @@ class BlockPool:
                 # A duplicate (its hash served by an older block) was never in the cache.
                 if self._cached.get(h) == block:
                     del self._cached[h]
+                    self._forget_child(block)
                     self.evictions += 1
             self._ref[block] = 1
             blocks.append(block)
@@ -199,6 +215,51 @@ class BlockPool:
         self.prefix_hit_tokens += len(hits) * bs
         return hits
 
+    def match_partial(
+        self, token_ids: Sequence[int], hits: Sequence[int], max_tokens: int, min_tokens: int = 1
+    ) -> tuple[int, int] | None:
+        """Lend the registered block whose first tokens agree longest with the prompt's tokens
+        after ``hits`` (``match_prefix``'s result for it), short of a whole block.
+
+        The block gets ref += 1 (taken off the free list if it was there), which the caller
+        releases with ``free`` once the lent slots are copied, or at once if the sequence is not
+        admitted. Counts ``prefix_hit_tokens += k``.
+
+        Args:
+            token_ids: the sequence's token ids from its start.
+            hits: the blocks ``match_prefix`` returned for them.
+            max_tokens: most tokens the whole match may cover (``len(token_ids) - 1``).
+            min_tokens: fewest agreeing tokens that make a match.
+
+        Returns:
+            ``(block, k)``: the first ``k`` >= ``min_tokens`` slots of ``block`` hold the KV
+            of tokens ``len(hits) * block_size`` to ``len(hits) * block_size + k - 1``; None
+            where no registered child of the last hit (of the root without hits) begins with
+            the next ``min_tokens`` tokens, or without prefix caching.
+        """
+        if not self.prefix_caching:
+            return None
+        start = len(hits) * self.block_size
+        want = token_ids[start : min(start + self.block_size, len(token_ids), max_tokens)]
+        parent = self._hash[hits[-1]] if hits else ROOT_HASH
+        kids = self._children.get(parent) if want and parent is not None else None
+        best, best_k = -1, 0
+        for block in sorted(kids or ()):  # in block order: the same choice on every run
+            k = 0
+            for cached, wanted in zip(self._tokens[block], want, strict=False):
+                if cached != wanted:
+                    break
+                k += 1
+            if k > best_k:
+                best, best_k = block, k
+        if best_k == 0 or best_k < min_tokens:
+            return None
+        if self._ref[best] == 0:
+            del self._free[best]
+        self._ref[best] += 1
+        self.prefix_hit_tokens += best_k
+        return best, best_k
+
     def reset_prefix_cache(self) -> None:
         """Forget every cached block hash: no later ``match_prefix`` hits until blocks are
         committed again. Reference counts, the free list and the counters are unchanged, and a
@@ -206,6 +267,9 @@ class BlockPool:
         O(num_blocks)."""
         self._hash = [None] * self.num_blocks
         self._cached.clear()
+        self._parent.clear()
+        self._tokens.clear()
+        self._children.clear()
 
     def commit(self, token_ids: Sequence[int], blocks: Sequence[int], num_computed: int) -> None:
         """Register the full blocks among a sequence's first ``num_computed`` tokens.
@@ -232,6 +296,19 @@ class BlockPool:
         h = self._hash[blocks[first - 1]] if first else ROOT_HASH
         assert h is not None
         for i in range(first, n_full):
-            h = hash_block(h, token_ids[i * bs : (i + 1) * bs])
+            parent, ids = h, token_ids[i * bs : (i + 1) * bs]
+            h = hash_block(parent, ids)
             self._hash[blocks[i]] = h
-            self._cached.setdefault(h, blocks[i])
+            if self._cached.setdefault(h, blocks[i]) == blocks[i]:
+                self._parent[blocks[i]] = parent
+                self._tokens[blocks[i]] = tuple(ids)
+                self._children.setdefault(parent, set()).add(blocks[i])
+
+    def _forget_child(self, block: int) -> None:
+        """Drop an evicted block from the partial-match index."""
+        parent = self._parent.pop(block)
+        del self._tokens[block]
+        kids = self._children[parent]
+        kids.discard(block)
+        if not kids:
+            del self._children[parent]

@@ -68,7 +68,8 @@ with an error that names the failed mismatches.
 Prefix cache. With ``--prefix-tokens N`` (default 1000; 0 skips it), after the last level and a
 prefix-cache reset: a prompt made of an ``N``-token document and a short suffix A is sent once
 (cold, TTFT measured), then the same document with a different suffix B of the same kind (warm:
-the prefix cache serves the document's full KV blocks). On a GPU both are first sent once before
+the prefix cache serves the document's KV: its full blocks, and the cold prompt's block where the
+document ends, lent up to the first token that differs). On a GPU both are first sent once before
 the reset, so that kernels for their shapes are built then; on the CPU nothing warms them up (no
 kernels are built there; it saves test time), so the cold TTFT includes any first use of its
 prefill shape. Reported: both TTFTs, warm / cold, the
@@ -109,7 +110,9 @@ JSON (``-o``; every time in seconds, every rate in tokens/s):
 - ``texts``: each prompt's completion at concurrency 1 (the reference), by index.
 - ``prefix_cache`` (None when skipped): ``prefix_tokens`` (the document's tokens, exact),
   ``cold_prompt_tokens``, ``warm_prompt_tokens``, ``shared_prefix_tokens``,
-  ``expected_hit_tokens`` (the shared prefix in whole KV blocks), ``cold_ttft_s`` and
+  ``expected_hit_tokens`` (the shared prefix: its whole KV blocks, and the rest where that is
+  at least ``executor.scheduler.min_lent_tokens``, except on a batch-invariant server, which
+  lends no partial blocks), ``cold_ttft_s`` and
   ``warm_ttft_s`` (medians over ``--prefix-trials`` pairs: ``PREFIX_TRIALS`` on a GPU, one on
   the CPU),
   ``warm_over_cold``, ``cold_server_ttft_s`` and ``warm_server_ttft_s`` (the server's own
@@ -1369,7 +1372,9 @@ def http_bench(
             trials = _on_server(
                 srv, "prefix-cache test", run_prefix_test(srv, p["cold"], p["warm"], gpu, pairs)
             )
-            result["prefix_cache"] = _prefix_result(p, trials, batch.kv_block_size)
+            result["prefix_cache"] = _prefix_result(
+                p, trials, batch.kv_block_size, lends=not batch_invariant
+            )
             _log_prefix(result["prefix_cache"], log)
     prefix_ok = result["prefix_cache"] is None or result["prefix_cache"]["check_passed"]
     result["check_passed"] = all(lv["check_passed"] for lv in result["levels"]) and prefix_ok
@@ -1439,15 +1444,22 @@ def _prefix_result(
     prefix: dict,
     trials: list[PrefixTrial],
     bs: int,
+    lends: bool = True,
 ) -> dict[str, Any]:
-    """The prefix-cache test's figures (``bs``: the KV block size, tokens): the TTFTs are the
-    medians over the trials, each trial's are listed."""
+    """The prefix-cache test's figures (``bs``: the KV block size, tokens; ``lends``: the server
+    lends partial blocks, as all but batch-invariant ones do): the TTFTs are the medians over
+    the trials, each trial's are listed."""
     import numpy as np
 
+    from executor.scheduler import LEND_PARTIAL_BLOCKS, min_lent_tokens
+
     a, b = trials[0].cold, trials[0].warm
-    # The scheduler matches at most len(prompt) - 1 tokens (the last token is always computed),
-    # in whole blocks.
-    expected = min(prefix["shared"], b.prompt_tokens - 1) // bs * bs
+    # The scheduler matches at most len(prompt) - 1 tokens (the last token is always computed):
+    # whole blocks, then the rest where it is enough to lend the cold prompt's block.
+    shared = min(prefix["shared"], b.prompt_tokens - 1)
+    expected, rest = shared // bs * bs, shared % bs
+    if lends and LEND_PARTIAL_BLOCKS and rest >= min_lent_tokens(bs):
+        expected += rest
     cold = float(np.median([t.cold.ttft_s for t in trials]))
     warm = float(np.median([t.warm.ttft_s for t in trials]))
     hits_warm = [t.warm_hit_tokens for t in trials]

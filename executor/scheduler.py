@@ -14,8 +14,14 @@ in arrival order: each gets ``min(tokens left, prefill_chunk, budget left)``. Th
 sequences are admitted first come, first served while budget is left and fewer than
 ``max_num_seqs`` run; admission looks the sequence up in the prefix cache (``BlockPool
 .match_prefix``, leaving at least the last token to compute), so a shared prompt starts its
-prefill after the cached blocks. A waiting sequence whose blocks cannot be allocated stops
-admission: nothing behind it skips ahead (no starvation of long prompts).
+prefill after the cached blocks, and then within the next block (``BlockPool.match_partial``:
+a cached block that begins with at least half a block of the prompt's next tokens is lent, so
+prefill starts at the first token that differs rather than at the block's start). The
+admitted chunk carries the lent slots (``ScheduledChunk.lent``): its pass reads those positions'
+KV from the lent block, and the engine then copies them into the sequence's own block
+(``take_copies``), which releases the lent block, before any later step can read or register
+that block. A waiting sequence whose blocks cannot be allocated stops admission: nothing behind
+it skips ahead (no starvation of long prompts).
 
 Preemption. A running sequence whose chunk needs a block the pool does not have preempts the
 *latest-arrived* running sequence, itself included, and retries. Recompute, not swap: the
@@ -41,7 +47,8 @@ rounded down; one rounded to nothing is not scheduled this step (a running seque
 and the next one tried; an admission stops admitting, FCFS). A chunk that reaches ``num_tokens``
 (a prompt's last chunk, a decode) is not rounded. So every prompt is cut at the same positions
 (multiples of A) whatever the budget left by the others, and with A the KV block size a
-prefix-cache hit (whole blocks) ends on such a position too. Progress: a chunk of A or more
+prefix-cache hit (whole blocks: no partial blocks are lent in this mode) ends on such a position
+too. Progress: a chunk of A or more
 tokens always contains an aligned end, and the first sequence of a step has the whole budget, so
 with ``prefill_chunk`` and ``max_num_batched_tokens`` at least A (checked) it always advances.
 
@@ -62,6 +69,19 @@ from dataclasses import dataclass, field
 
 from executor.block_pool import BlockPool
 from planner.errors import StrataError
+
+LEND_PARTIAL_BLOCKS = True
+"""Admissions borrow the leading slots of a cached block where the prompt's next tokens agree
+with them (``BlockPool.match_partial``); False: whole-block hits only (for measuring the
+difference; batch-invariant scheduling never lends)."""
+
+
+def min_lent_tokens(block_size: int) -> int:
+    """The fewest agreeing tokens worth a lent block: half a block (at least 1). Whatever their
+    number, the lent slots cost a copy of four operations per layer after the pass (host time
+    in the next step), so a match of a token or two (a shared BOS, a first word) is computed
+    instead."""
+    return max(1, block_size // 2)
 
 
 class SeqStatus(enum.Enum):
@@ -114,6 +134,23 @@ class Sequence:
         return len(self.prompt_ids) + len(self.output_ids)
 
 
+@dataclass(frozen=True)
+class LentSlots:
+    """KV slots a sequence borrows from a cached block until they are copied into its own.
+
+    Attributes:
+        position: the first borrowed position (a multiple of the block size).
+        src: the lent block; slot ``i`` holds position ``position + i``.
+        dst: the sequence's own block for those positions.
+        tokens: positions borrowed (1 to block size - 1).
+    """
+
+    position: int
+    src: int
+    dst: int
+    tokens: int
+
+
 @dataclass
 class ScheduledChunk:
     """Tokens ``[start, start + num_tokens)`` of ``seq`` to compute in this step.
@@ -135,6 +172,9 @@ class ScheduledChunk:
     """Speculative decoding: draft tokens this decode may verify (blocks and budget reserved)."""
     draft: list[int] = field(default_factory=list)
     """The drafter's tokens, verified after the pending one (see :meth:`set_draft`)."""
+    lent: LentSlots | None = None
+    """A partial prefix-cache hit (admission only): positions whose KV this chunk's pass reads
+    from a cached block lent by ``BlockPool.match_partial``."""
 
     def __post_init__(self) -> None:
         self.sample = self.start + self.num_tokens == self.seq.num_tokens
@@ -256,6 +296,8 @@ class Scheduler:
         self.num_preemptions = 0
         self._live: dict[str, Sequence] = {}  # request_id -> waiting or running sequence
         self._arrivals = itertools.count()
+        self._copies: list[LentSlots] = []  # lent slots to copy, each holding its src block
+        self._min_lent = min_lent_tokens(pool.block_size)
 
     def _blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.pool.block_size)
@@ -457,13 +499,22 @@ class Scheduler:
             counters = pool.prefix_query_tokens, pool.prefix_hit_tokens
             matched = pool.match_prefix(ids, len(ids) - 1)  # the last token always runs
             computed = len(matched) * pool.block_size
+            # Aligned chunks (batch invariance) start on block boundaries: no partial blocks.
+            lent = (
+                pool.match_partial(ids, matched, len(ids) - 1, self._min_lent)
+                if LEND_PARTIAL_BLOCKS and not self.chunk_align
+                else None
+            )
+            held = matched + [lent[0]] if lent else matched
+            if lent:
+                computed += lent[1]
             n = self._aligned(seq, computed, min(len(ids) - computed, chunk_cap, budget))
             new = pool.allocate(self._blocks_for(computed + n) - len(matched)) if n > 0 else None
             if new is None:
                 # FCFS: wait for blocks (or for budget to reach an aligned end) rather than let a
                 # later sequence skip ahead. The lookup is repeated next step, so it is not
                 # counted now.
-                pool.free(matched)
+                pool.free(held)
                 pool.prefix_query_tokens, pool.prefix_hit_tokens = counters
                 break
             self.waiting.popleft()
@@ -472,9 +523,25 @@ class Scheduler:
             seq.num_cached_tokens = min(computed, len(seq.prompt_ids))
             seq.status = SeqStatus.RUNNING
             self.running.append(seq)  # still in arrival order (see the module docstring)
-            step.chunks.append(ScheduledChunk(seq, computed, n))
+            chunk = ScheduledChunk(seq, computed, n)
+            if lent:
+                # new[0] holds the lent positions; the lent block's reference moves to the copy.
+                chunk.lent = LentSlots(len(matched) * pool.block_size, lent[0], new[0], lent[1])
+                self._copies.append(chunk.lent)
+            step.chunks.append(chunk)
             budget -= n
         return step
+
+    def take_copies(self) -> list[LentSlots]:
+        """The lent slots of the steps scheduled since the last call, for the engine to copy
+        into their sequences' own blocks once their pass is built (before the next step's): then
+        ``release_copies``. Until then each holds a reference to its lent block."""
+        copies, self._copies = self._copies, []
+        return copies
+
+    def release_copies(self, copies: list[LentSlots]) -> None:
+        """Release the lent blocks of ``copies`` (their slots are copied, or the copy is moot)."""
+        self.pool.free([c.src for c in copies])
 
     def update(self, step: SchedulerStep, sampled: dict[str, int | list[int]]) -> None:
         """Record that ``step`` ran: advance computed tokens, append samples, cache full blocks.

@@ -181,6 +181,13 @@ class _Live:
     on_event: Callable[[TokenEvent], None]
 
 
+LENT_COPY_YIELD_S = 0.0003
+"""Seconds the engine thread sleeps before copying lent KV slots (``ServingEngine.step``), so
+that the server's event loop can send the step's tokens first; about the event loop's wake-up and
+one send on the dev CPU (0.2-0.4 ms, ``executor.server``'s path from a token event to its first
+byte on the socket)."""
+
+
 class ServingEngine:
     """Continuous batching of many requests over one loaded plan (module docstring).
 
@@ -504,10 +511,48 @@ class ServingEngine:
 
     def step(self) -> bool:
         """One scheduler step: drafts, a batched forward pass, sampling (or verification),
-        events. Returns False when the scheduler had nothing to run."""
+        events, then the copies of the KV slots lent by partial prefix-cache hits
+        (``Scheduler.take_copies``: after the events, so a request's first token does not wait
+        for them; before the next step, which may read or register those blocks). Returns False
+        when the scheduler had nothing to run."""
         step = self.scheduler.schedule()
         if not step.chunks:
             return False
+        try:
+            return self._run_step(step)
+        finally:
+            self._copy_lent_slots()
+
+    def _copy_lent_slots(self) -> None:
+        """Copy the slots lent to the step's admissions into their own blocks, then release the
+        lent blocks (``executor.scheduler.LentSlots``).
+
+        First the thread sleeps ``LENT_COPY_YIELD_S``: the step's token events have woken the
+        server's event loop, which needs the GIL to send them, and the copy's Python and MLX
+        calls (about 130 operations for 32 layers, and a synchronization) would hold it for
+        about a millisecond. A sleep lets a waiting thread take the GIL; ``time.sleep(0)`` gives
+        it back before the other thread wakes."""
+        copies = self.scheduler.take_copies()
+        if not copies:
+            return
+        time.sleep(LENT_COPY_YIELD_S)
+        bs = self.pool.block_size
+        src = np.concatenate([c.src * bs + np.arange(c.tokens) for c in copies])
+        dst = np.concatenate([c.dst * bs + np.arange(c.tokens) for c in copies])
+        try:
+            self.kv.copy_slots(mx.array(src.astype(np.int32)), mx.array(dst.astype(np.int32)))
+            mx.async_eval(self.kv.keys + self.kv.values)  # the GPU is idle: the tokens were read
+        except Exception as e:  # the blocks would hold wrong KV: no one may read them
+            print(f"error: copying lent KV slots failed: {e}", file=sys.stderr)
+            self.pool.reset_prefix_cache()
+            ruined = {c.dst for c in copies}
+            for live in list(self._live.values()):
+                if ruined.intersection(live.seq.block_ids):
+                    self._finish(live, "error", f"copying its cached KV slots failed: {e}")
+        finally:
+            self.scheduler.release_copies(copies)
+
+    def _run_step(self, step: SchedulerStep) -> bool:
         try:
             if self.drafter is not None:
                 self._draft(step)
@@ -584,7 +629,8 @@ class ServingEngine:
         bs = self.pool.block_size
         inputs = []
         for c in step.chunks:
-            slots = slot_table(c.seq.block_ids, bs, c.start + c.num_tokens)
+            lent = (c.lent.position, c.lent.src, c.lent.tokens) if c.lent else None
+            slots = slot_table(c.seq.block_ids, bs, c.start + c.num_tokens, lent)
             # Every input returns at least its last row's logits (the forward pass must produce
             # something to evaluate); only sampling chunks use them; verification needs all.
             wanted = "all" if c.draft else "last"

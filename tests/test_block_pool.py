@@ -214,3 +214,55 @@ def test_without_prefix_caching_nothing_is_cached_or_counted():
     assert pool.match_prefix(ids, 4) == []
     assert pool.allocate(4) == [3, 2, 1, 0]
     assert (pool.prefix_query_tokens, pool.prefix_hit_tokens, pool.evictions) == (0, 0, 0)
+
+
+def test_match_partial_lends_the_child_that_agrees_longest():
+    """``match_partial`` looks only at blocks registered under the last hit (the root without
+    hits), takes the one whose first tokens agree longest with the prompt's next ones (capped by
+    ``max_tokens``), references it (off the free list) and counts its tokens as hits."""
+    pool = BlockPool(num_blocks=8, block_size=4)
+    first = _cached_seq(pool, [1, 2, 3, 4, 5, 6, 7, 8])  # [1 2 3 4] then [5 6 7 8]
+    near = _cached_seq(pool, [1, 2, 3, 4, 5, 6, 0, 0])[1]  # [5 6 0 0] under the same parent
+    _cached_seq(pool, [9, 9, 9, 9, 5, 6, 7, 0])  # [5 6 7 0] under another parent: not a child
+    prompt = [1, 2, 3, 4, 5, 6, 7, 1, 1]
+    hits = pool.match_prefix(prompt, len(prompt) - 1)
+    assert hits == [first[0]]
+    before = pool.prefix_hit_tokens
+    free = pool.num_free_blocks()
+    assert pool.match_partial(prompt, hits, len(prompt) - 1) == (first[1], 3)
+    assert pool.prefix_hit_tokens - before == 3 and pool.num_free_blocks() == free - 1
+    pool.free([first[1]])  # the borrower's release: back on the free list, still cached
+    assert pool.match_partial([1, 2, 3, 4, 5, 6], hits, 5) == (first[1], 1)  # capped at 5
+    pool.free([first[1]])
+    assert pool.match_partial([1, 2, 3, 4, 5, 6, 0, 3], hits, 7) == (near, 3)
+    pool.free([near])
+    assert pool.match_partial([1, 2, 3, 4, 8, 8], hits, 5) is None  # no child starts with 8
+    assert pool.match_partial([5, 6, 7, 1], [], 3) is None  # no root block starts with 5
+    assert pool.match_partial([1, 2, 0], [], 2) == (first[0], 2)  # a root block does
+    pool.free([first[0], first[0]])  # match_prefix's reference and this one
+    assert pool.num_used_blocks() == 0
+
+
+def test_match_partial_forgets_evicted_and_reset_blocks():
+    """An evicted block, and every block after ``reset_prefix_cache``, is never lent."""
+    pool = BlockPool(num_blocks=3, block_size=2)
+    blocks = _cached_seq(pool, [1, 2, 3, 4])
+    hits = pool.match_prefix([1, 2, 3, 9], 3)
+    assert pool.match_partial([1, 2, 3, 9], hits, 3) == (blocks[1], 1)
+    pool.free([blocks[1], *hits])
+    taken = pool.allocate(3)  # evicts both cached blocks
+    assert taken is not None and pool.evictions == 2
+    pool.free(taken)
+    assert pool.match_partial([1, 2, 3, 9], [], 3) is None
+    blocks = _cached_seq(pool, [1, 2, 3, 4])
+    pool.reset_prefix_cache()
+    assert pool.match_partial([1, 2, 3], [], 2) is None
+    pool.commit([1, 2], blocks[:1], 2)  # registered again after the reset
+    assert pool.match_partial([1, 2, 3], [], 2) == (blocks[0], 2)
+    pool.free([blocks[0]])
+
+
+def test_without_prefix_caching_nothing_is_lent():
+    pool = BlockPool(num_blocks=4, block_size=2, prefix_caching=False)
+    _cached_seq(pool, [1, 2, 3, 4])
+    assert pool.match_partial([1, 2, 3], [], 2) is None and pool.prefix_hit_tokens == 0

@@ -63,8 +63,10 @@ def check_step(sched: Scheduler, step: SchedulerStep) -> None:
     for p in step.preempted:  # the latest-arrived of those that were running
         assert p.status is SeqStatus.WAITING and p.block_ids == [] and p.num_computed_tokens == 0
         assert all(s.arrival < p.arrival for s in sched.running)
-    # No leak: the used blocks are exactly those held by running sequences (shared or not).
+    # No leak: the used blocks are exactly those held by running sequences (shared or not)
+    # and, until the engine copies their slots, the blocks lent to this step's admissions.
     held = {b for s in sched.running for b in s.block_ids}
+    held |= {c.lent.src for c in step.chunks if c.lent}
     assert pool.num_used_blocks() == len(held)
     assert all(not s.block_ids for s in sched.waiting)
 
@@ -80,6 +82,9 @@ def engine_step(sched: Scheduler) -> SchedulerStep:
     for c in step.chunks:
         if c.sample and len(c.seq.output_ids) == c.seq.max_tokens:
             sched.finish(c.seq, "length")
+    copies = sched.take_copies()  # the engine copies the lent slots, then releases them
+    assert copies == [c.lent for c in step.chunks if c.lent]
+    sched.release_copies(copies)
     return step
 
 
@@ -247,9 +252,14 @@ def test_a_fully_cached_prompt_still_computes_its_last_token():
     add(sched, "a", prompt, max_tokens=1)
     run_all(sched)
     b = add(sched, "b", prompt, max_tokens=1)
-    # Both blocks are cached, but the last token's logits are needed: its block is recomputed.
-    assert chunks_of(engine_step(sched)) == [("b", 4, 4, True)]
-    assert b.num_cached_tokens == 4 and b.output_ids == expected_outputs(b)
+    # Both blocks are cached, but the last token's logits are needed: the first block is hit,
+    # three slots of the second are lent, and the last token is computed.
+    step = engine_step(sched)
+    assert chunks_of(step) == [("b", 7, 1, True)]
+    lent = step.chunks[0].lent
+    assert lent is not None and (lent.position, lent.tokens) == (4, 3)
+    assert lent.dst != lent.src  # b's own second block (b has finished: its table is empty)
+    assert b.num_cached_tokens == 7 and b.output_ids == expected_outputs(b)
     c = add(sched, "c", prompt + [9], max_tokens=1)
     assert chunks_of(engine_step(sched)) == [("c", 8, 1, True)]
     assert c.num_cached_tokens == 8
@@ -389,3 +399,65 @@ def test_chunk_align_larger_than_a_limit_names_the_fix():
         Scheduler(BlockPool(4, 16), 1, 12, 16, 64, chunk_align=16)
     with pytest.raises(StrataError, match="chunk_align is -1"):
         Scheduler(BlockPool(4, 16), 1, 16, 16, 64, chunk_align=-1)
+
+
+def test_partial_block_hit_lends_the_longest_agreeing_block():
+    """After the whole-block hits, the cached block that begins with the most of the prompt's
+    next tokens is lent (prefill starts at the first token that differs); its reference is held
+    until the engine takes the copy and released then; no whole block, or no agreeing first
+    token, lends nothing."""
+    sched = make(block_size=4)
+    pool = sched.pool
+    shared = list(range(100, 106))  # one full block, then 2 tokens into the next
+    add(sched, "a", shared + [1, 2, 3, 4], max_tokens=1)  # blocks [100..103] [104 105 1 2]
+    add(sched, "x", shared + [7, 7, 7, 7], max_tokens=1)  # [104 105 7 7] also cached
+    run_all(sched)
+    hits0 = pool.prefix_hit_tokens
+    b = add(sched, "b", shared + [1, 9, 9], max_tokens=2)
+    step = sched.schedule()
+    (chunk,) = step.chunks
+    assert (chunk.start, chunk.num_tokens) == (7, 2)  # 4 whole + 3 lent ([104 105 1])
+    assert chunk.lent is not None and (chunk.lent.position, chunk.lent.tokens) == (4, 3)
+    assert chunk.lent.dst == b.block_ids[1] and chunk.lent.src not in b.block_ids
+    assert b.num_cached_tokens == 7 and pool.prefix_hit_tokens - hits0 == 7
+    used = pool.num_used_blocks()
+    sched.update(step, {"b": token("b", b.num_tokens)})
+    copies = sched.take_copies()
+    assert copies == [chunk.lent] and sched.take_copies() == []
+    sched.release_copies(copies)
+    assert pool.num_used_blocks() == used - 1  # the lent block went back (it stays cached)
+    run_all(sched)
+    assert b.output_ids == expected_outputs(b)
+    c = add(sched, "c", [100, 101, 102, 103, 55, 56], max_tokens=1)
+    assert chunks_of(engine_step(sched)) == [("c", 4, 2, True)]  # no child begins with 55
+    assert c.num_cached_tokens == 4 and pool.num_used_blocks() == 0
+
+
+def test_partial_block_hit_is_undone_when_admission_waits():
+    """An admission that cannot get its blocks gives the lent block back with the whole
+    blocks, and counts no hit (the lookup is repeated)."""
+    sched = make(num_blocks=4, block_size=4)
+    pool = sched.pool
+    add(sched, "a", list(range(20, 26)), max_tokens=1)
+    run_all(sched)  # [20..23] registered, [24 25 ...] not full: lends nothing
+    add(sched, "a2", list(range(20, 28)), max_tokens=1)
+    run_all(sched)  # [24..27] registered under [20..23]
+    hold = add(sched, "hold", [1, 2, 3, 4, 5], max_tokens=4)  # takes 2 of the 4 blocks
+    engine_step(sched)
+    counters = pool.prefix_query_tokens, pool.prefix_hit_tokens
+    late = add(sched, "late", list(range(20, 26)) + [9, 9, 9, 9, 9, 9], max_tokens=1)
+    step = sched.schedule()
+    assert [c.seq for c in step.chunks] == [hold]  # late waits: too few free blocks
+    assert (pool.prefix_query_tokens, pool.prefix_hit_tokens) == counters
+    assert pool.num_used_blocks() == len(set(hold.block_ids)) and sched.take_copies() == []
+    assert late.status is SeqStatus.WAITING
+
+
+def test_chunk_align_lends_no_partial_block():
+    """Batch-invariant scheduling (aligned chunks) keeps whole-block hits only."""
+    sched = Scheduler(BlockPool(64, 4), 8, 100, 100, 128, chunk_align=4)
+    add(sched, "a", list(range(100, 110)), max_tokens=1)
+    run_all(sched)
+    add(sched, "b", list(range(100, 107)) + [1, 2], max_tokens=1)
+    step = sched.schedule()
+    assert chunks_of(step) == [("b", 4, 5, True)] and step.chunks[0].lent is None

@@ -163,8 +163,10 @@ def test_prefix_cache_hit_gives_the_same_ids(models, tmp_path):
     finally:
         se.close()
     assert cold.cached_tokens == 0
-    assert warm.cached_tokens == 32 and other.cached_tokens == 32
-    assert m1["prefix_hit_tokens"] - m0["prefix_hit_tokens"] >= 64
+    # Two whole blocks, then the rest of the prefix from cold's third block (lent slots): all
+    # but the last token for warm, the 40 prefix tokens for other.
+    assert warm.cached_tokens == 42 and other.cached_tokens == 40
+    assert m1["prefix_hit_tokens"] - m0["prefix_hit_tokens"] == 82
     assert warm.token_ids == cold.token_ids
     # the same prefix with another tail, on a fresh engine (no cache): the same ids
     se2 = _serve(plan)
@@ -173,6 +175,40 @@ def test_prefix_cache_hit_gives_the_same_ids(models, tmp_path):
     finally:
         se2.close()
     assert fresh.cached_tokens == 0 and fresh.token_ids == other.token_ids
+
+
+def test_lent_slots_are_copied_into_the_borrowers_block(models, tmp_path):
+    """A partial prefix hit copies the lent KV slots into the borrower's own block after its
+    first pass: a later prompt that hits that block whole (and reads the copied slots) gets the
+    log-probabilities a fresh engine computes (the slots left unwritten would change them), and
+    no block stays in use."""
+    plan = make_plan_file(
+        str(models["llama3"]), tmp_path / "p.yaml", context=CONTEXT, concurrency=4
+    )
+    rng = np.random.default_rng(11)
+    prefix = rng.integers(0, 1000, size=40).tolist()  # 2 whole blocks of 16, 8 tokens into a 3rd
+    a = GenerationRequest("a", prefix + [5, 6, 7], 6, SamplingParams(), True)
+    b = GenerationRequest("b", prefix + [9] * 10, 4, SamplingParams(), True)
+    c = GenerationRequest("c", prefix + [9] * 10 + [1], 1, SamplingParams(), True, logprobs=8)
+    se = _serve(plan)
+    try:
+        run_all(se, [a])  # registers a's third block: prefix[32:40], 5 6 7, outputs
+        got_b = run_all(se, [b])["b"]  # lends 8 slots of it; b's own third block gets them
+        got_c = run_all(se, [c])["c"]  # hits b's third block whole
+        m = se.metrics()
+    finally:
+        se.close()
+    assert got_b.cached_tokens == 40 and got_c.cached_tokens == 48
+    assert m["kv_blocks_in_use"] == 0
+    se2 = _serve(plan)
+    try:
+        fresh = run_all(se2, [c])["c"]
+    finally:
+        se2.close()
+    assert fresh.cached_tokens == 0 and fresh.token_ids == got_c.token_ids
+    (want,), (got,) = fresh.logprobs, got_c.logprobs
+    assert [t for t, _ in got.top] == [t for t, _ in want.top]
+    assert np.allclose([v for _, v in got.top], [v for _, v in want.top], rtol=0, atol=1e-4)
 
 
 def test_staged_inputs_give_the_ids_of_fresh_arrays(models, tmp_path, monkeypatch):
