@@ -25,12 +25,16 @@ goes back to the tail when released again.
 Partial blocks. Where the full-block match ends, the next block of the prompt may still begin
 like a cached block: a document shared by many prompts ends inside a block, and each prompt's own
 question follows. ``match_partial`` finds, among the registered children of the last matched
-block (blocks committed with that parent hash), the one whose first tokens agree longest with the
-prompt's next tokens, and lends it: the new sequence reads those leading slots from the cached
+block (blocks committed with that parent hash) that begin with the prompt's next
+``lend_min_tokens`` tokens (half a block: a copy's cost does not pay for a shared BOS), the one
+that agrees longest, and lends it: the new sequence reads those leading slots from the cached
 block and computes from the first token that differs, as SGLang's radix cache reuses a prefix at
 token granularity where vLLM recomputes the partial block. The lent block is only read; the
 sequence's own block for those positions gets the lent slots copied in after its first pass
-(``executor.scheduler``, ``PagedKVCache.copy_slots``), before it can be registered itself.
+(``executor.scheduler``, ``PagedKVCache.copy_slots``), before it can be registered itself. The
+children are indexed by parent and first ``lend_min_tokens`` tokens, at most
+``LEND_CANDIDATES`` of them per key (the latest registered; older ones stay cached whole), so a
+lookup compares at most that many blocks.
 
 Costs: every operation is O(blocks it touches); only ``reset_prefix_cache`` scans the pool.
 ``commit`` only hashes blocks that are not registered yet (it walks back from the last full block
@@ -58,6 +62,19 @@ from planner.errors import StrataError
 
 ROOT_HASH = b""
 """The parent hash of a sequence's first block."""
+
+LEND_CANDIDATES = 16
+"""Registered blocks kept as lending candidates per parent and first ``lend_min_tokens`` tokens
+(the latest registered): many conversations under one system prompt that ends inside a block
+share that key, and ``match_partial`` compares each candidate token by token."""
+
+
+def lend_min_tokens(block_size: int) -> int:
+    """The fewest agreeing tokens that make a partial match: half a block (at least 1). Whatever
+    their number, lent slots cost a copy of four operations per layer after the pass (host time
+    in the next step), so a match of a token or two (a shared BOS, a first word) is computed
+    instead."""
+    return max(1, block_size // 2)
 
 
 def hash_block(parent: bytes, token_ids: Sequence[int]) -> bytes:
@@ -107,11 +124,13 @@ class BlockPool:
         self._hash: list[bytes | None] = [None] * num_blocks
         # hash -> the block that serves it (the first one committed with that hash).
         self._cached: dict[bytes, int] = {}
-        # Partial matches: each serving block's parent hash and token ids, and the serving
-        # blocks by parent hash (kept in step with ``_cached``).
-        self._parent: dict[int, bytes] = {}
+        # Partial matches: each lending candidate's index key (parent hash, first
+        # ``lend_min`` token ids) and token ids, and the candidates by key, oldest first (kept
+        # in step with ``_cached``).
+        self.lend_min = lend_min_tokens(block_size)
+        self._key: dict[int, tuple[bytes, tuple[int, ...]]] = {}
         self._tokens: dict[int, tuple[int, ...]] = {}
-        self._children: dict[bytes, set[int]] = {}
+        self._children: dict[tuple[bytes, tuple[int, ...]], dict[int, None]] = {}
         self.prefix_query_tokens = 0
         self.prefix_hit_tokens = 0
         self.evictions = 0
@@ -216,7 +235,7 @@ class BlockPool:
         return hits
 
     def match_partial(
-        self, token_ids: Sequence[int], hits: Sequence[int], max_tokens: int, min_tokens: int = 1
+        self, token_ids: Sequence[int], hits: Sequence[int], max_tokens: int
     ) -> tuple[int, int] | None:
         """Lend the registered block whose first tokens agree longest with the prompt's tokens
         after ``hits`` (``match_prefix``'s result for it), short of a whole block.
@@ -229,30 +248,31 @@ class BlockPool:
             token_ids: the sequence's token ids from its start.
             hits: the blocks ``match_prefix`` returned for them.
             max_tokens: most tokens the whole match may cover (``len(token_ids) - 1``).
-            min_tokens: fewest agreeing tokens that make a match.
 
         Returns:
-            ``(block, k)``: the first ``k`` >= ``min_tokens`` slots of ``block`` hold the KV
-            of tokens ``len(hits) * block_size`` to ``len(hits) * block_size + k - 1``; None
-            where no registered child of the last hit (of the root without hits) begins with
-            the next ``min_tokens`` tokens, or without prefix caching.
+            ``(block, k)``: the first ``k`` >= ``lend_min`` slots of ``block`` hold the KV of
+            tokens ``len(hits) * block_size`` to ``len(hits) * block_size + k - 1`` (the
+            longest agreement; the latest registered among equals); None where no lending
+            candidate under the last hit (the root without hits) begins with the next
+            ``lend_min`` tokens, or without prefix caching.
         """
         if not self.prefix_caching:
             return None
-        start = len(hits) * self.block_size
-        want = token_ids[start : min(start + self.block_size, len(token_ids), max_tokens)]
+        m, start = self.lend_min, len(hits) * self.block_size
+        want = tuple(token_ids[start : min(start + self.block_size, len(token_ids), max_tokens)])
         parent = self._hash[hits[-1]] if hits else ROOT_HASH
-        kids = self._children.get(parent) if want and parent is not None else None
+        if len(want) < m or parent is None:
+            return None
         best, best_k = -1, 0
-        for block in sorted(kids or ()):  # in block order: the same choice on every run
-            k = 0
-            for cached, wanted in zip(self._tokens[block], want, strict=False):
+        for block in reversed(self._children.get((parent, want[:m]), ())):  # latest first
+            k = m
+            for cached, wanted in zip(self._tokens[block][m:], want[m:], strict=False):
                 if cached != wanted:
                     break
                 k += 1
             if k > best_k:
                 best, best_k = block, k
-        if best_k == 0 or best_k < min_tokens:
+        if best_k == 0:
             return None
         if self._ref[best] == 0:
             del self._free[best]
@@ -267,7 +287,7 @@ class BlockPool:
         O(num_blocks)."""
         self._hash = [None] * self.num_blocks
         self._cached.clear()
-        self._parent.clear()
+        self._key.clear()
         self._tokens.clear()
         self._children.clear()
 
@@ -300,15 +320,26 @@ class BlockPool:
             h = hash_block(parent, ids)
             self._hash[blocks[i]] = h
             if self._cached.setdefault(h, blocks[i]) == blocks[i]:
-                self._parent[blocks[i]] = parent
-                self._tokens[blocks[i]] = tuple(ids)
-                self._children.setdefault(parent, set()).add(blocks[i])
+                self._add_candidate(blocks[i], parent, tuple(ids))
+
+    def _add_candidate(self, block: int, parent: bytes, ids: tuple[int, ...]) -> None:
+        """Index a newly registered block for ``match_partial`` (dropping its key's oldest
+        candidate past ``LEND_CANDIDATES``)."""
+        key = (parent, ids[: self.lend_min])
+        kids = self._children.setdefault(key, {})
+        kids[block] = None
+        self._key[block], self._tokens[block] = key, ids
+        if len(kids) > LEND_CANDIDATES:
+            self._forget_child(next(iter(kids)))
 
     def _forget_child(self, block: int) -> None:
-        """Drop an evicted block from the partial-match index."""
-        parent = self._parent.pop(block)
+        """Drop a block from the partial-match index (evicted, or an older candidate); a no-op
+        for a block not in it."""
+        key = self._key.pop(block, None)
+        if key is None:
+            return
         del self._tokens[block]
-        kids = self._children[parent]
-        kids.discard(block)
+        kids = self._children[key]
+        del kids[block]
         if not kids:
-            del self._children[parent]
+            del self._children[key]

@@ -111,8 +111,9 @@ JSON (``-o``; every time in seconds, every rate in tokens/s):
 - ``prefix_cache`` (None when skipped): ``prefix_tokens`` (the document's tokens, exact),
   ``cold_prompt_tokens``, ``warm_prompt_tokens``, ``shared_prefix_tokens``,
   ``expected_hit_tokens`` (the shared prefix: its whole KV blocks, and the rest where that is
-  at least ``executor.scheduler.min_lent_tokens``, except on a batch-invariant server, which
-  lends no partial blocks), ``cold_ttft_s`` and
+  at least ``executor.block_pool.lend_min_tokens`` and the cold prompt filled the block that
+  holds it, except on a batch-invariant server, which lends no partial blocks), ``cold_ttft_s``
+  and
   ``warm_ttft_s`` (medians over ``--prefix-trials`` pairs: ``PREFIX_TRIALS`` on a GPU, one on
   the CPU),
   ``warm_over_cold``, ``cold_server_ttft_s`` and ``warm_server_ttft_s`` (the server's own
@@ -1451,14 +1452,15 @@ def _prefix_result(
     the trials, each trial's are listed."""
     import numpy as np
 
-    from executor.scheduler import LEND_PARTIAL_BLOCKS, min_lent_tokens
+    from executor.block_pool import lend_min_tokens
 
     a, b = trials[0].cold, trials[0].warm
     # The scheduler matches at most len(prompt) - 1 tokens (the last token is always computed):
-    # whole blocks, then the rest where it is enough to lend the cold prompt's block.
+    # whole blocks, then the rest where that is enough to lend the cold prompt's block, which
+    # is registered only if the cold prompt filled it (its one output token is not computed).
     shared = min(prefix["shared"], b.prompt_tokens - 1)
     expected, rest = shared // bs * bs, shared % bs
-    if lends and LEND_PARTIAL_BLOCKS and rest >= min_lent_tokens(bs):
+    if lends and rest >= lend_min_tokens(bs) and a.prompt_tokens >= expected + bs:
         expected += rest
     cold = float(np.median([t.cold.ttft_s for t in trials]))
     warm = float(np.median([t.warm.ttft_s for t in trials]))

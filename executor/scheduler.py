@@ -76,14 +76,6 @@ with them (``BlockPool.match_partial``); False: whole-block hits only (for measu
 difference; batch-invariant scheduling never lends)."""
 
 
-def min_lent_tokens(block_size: int) -> int:
-    """The fewest agreeing tokens worth a lent block: half a block (at least 1). Whatever their
-    number, the lent slots cost a copy of four operations per layer after the pass (host time
-    in the next step), so a match of a token or two (a shared BOS, a first word) is computed
-    instead."""
-    return max(1, block_size // 2)
-
-
 class SeqStatus(enum.Enum):
     """Where a sequence is: waiting for admission, running (holds KV blocks), finished."""
 
@@ -297,7 +289,6 @@ class Scheduler:
         self._live: dict[str, Sequence] = {}  # request_id -> waiting or running sequence
         self._arrivals = itertools.count()
         self._copies: list[LentSlots] = []  # lent slots to copy, each holding its src block
-        self._min_lent = min_lent_tokens(pool.block_size)
 
     def _blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.pool.block_size)
@@ -498,25 +489,26 @@ class Scheduler:
             ids = seq.all_ids
             counters = pool.prefix_query_tokens, pool.prefix_hit_tokens
             matched = pool.match_prefix(ids, len(ids) - 1)  # the last token always runs
-            computed = len(matched) * pool.block_size
             # Aligned chunks (batch invariance) start on block boundaries: no partial blocks.
-            lent = (
-                pool.match_partial(ids, matched, len(ids) - 1, self._min_lent)
-                if LEND_PARTIAL_BLOCKS and not self.chunk_align
-                else None
-            )
-            held = matched + [lent[0]] if lent else matched
-            if lent:
-                computed += lent[1]
-            n = self._aligned(seq, computed, min(len(ids) - computed, chunk_cap, budget))
-            new = pool.allocate(self._blocks_for(computed + n) - len(matched)) if n > 0 else None
+            lendable = LEND_PARTIAL_BLOCKS and not self.chunk_align
+            lent = pool.match_partial(ids, matched, len(ids) - 1) if lendable else None
+            new = self._admission_blocks(seq, matched, lent, budget)
+            if new is None and lent is not None:
+                # The lent block may be the free block the admission needs (a cached block on
+                # the free list is also what allocate hands out): admit without it.
+                pool.free([lent[0]])
+                pool.prefix_hit_tokens -= lent[1]
+                lent = None
+                new = self._admission_blocks(seq, matched, None, budget)
             if new is None:
                 # FCFS: wait for blocks (or for budget to reach an aligned end) rather than let a
                 # later sequence skip ahead. The lookup is repeated next step, so it is not
                 # counted now.
-                pool.free(held)
+                pool.free(matched)
                 pool.prefix_query_tokens, pool.prefix_hit_tokens = counters
                 break
+            computed = len(matched) * pool.block_size + (lent[1] if lent else 0)
+            n = self._first_chunk(seq, computed, budget)
             self.waiting.popleft()
             seq.block_ids = matched + new
             seq.num_computed_tokens = computed
@@ -531,6 +523,22 @@ class Scheduler:
             step.chunks.append(chunk)
             budget -= n
         return step
+
+    def _first_chunk(self, seq: Sequence, computed: int, budget: int) -> int:
+        """Tokens of an admission's first chunk from ``computed`` (may be 0: aligned away)."""
+        n = min(seq.num_tokens - computed, self.prefill_chunk, budget)
+        return self._aligned(seq, computed, n)
+
+    def _admission_blocks(
+        self, seq: Sequence, matched: list[int], lent: tuple[int, int] | None, budget: int
+    ) -> list[int] | None:
+        """The new blocks an admission's first chunk needs after ``matched`` (and ``lent``
+        tokens), allocated; None when the chunk is empty or the pool is short."""
+        computed = len(matched) * self.pool.block_size + (lent[1] if lent else 0)
+        n = self._first_chunk(seq, computed, budget)
+        if n <= 0:
+            return None
+        return self.pool.allocate(self._blocks_for(computed + n) - len(matched))
 
     def take_copies(self) -> list[LentSlots]:
         """The lent slots of the steps scheduled since the last call, for the engine to copy

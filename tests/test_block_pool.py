@@ -219,7 +219,8 @@ def test_without_prefix_caching_nothing_is_cached_or_counted():
 def test_match_partial_lends_the_child_that_agrees_longest():
     """``match_partial`` looks only at blocks registered under the last hit (the root without
     hits), takes the one whose first tokens agree longest with the prompt's next ones (capped by
-    ``max_tokens``), references it (off the free list) and counts its tokens as hits."""
+    ``max_tokens``; at least ``lend_min``, half a block), references it (off the free list) and
+    counts its tokens as hits."""
     pool = BlockPool(num_blocks=8, block_size=4)
     first = _cached_seq(pool, [1, 2, 3, 4, 5, 6, 7, 8])  # [1 2 3 4] then [5 6 7 8]
     near = _cached_seq(pool, [1, 2, 3, 4, 5, 6, 0, 0])[1]  # [5 6 0 0] under the same parent
@@ -232,8 +233,11 @@ def test_match_partial_lends_the_child_that_agrees_longest():
     assert pool.match_partial(prompt, hits, len(prompt) - 1) == (first[1], 3)
     assert pool.prefix_hit_tokens - before == 3 and pool.num_free_blocks() == free - 1
     pool.free([first[1]])  # the borrower's release: back on the free list, still cached
-    assert pool.match_partial([1, 2, 3, 4, 5, 6], hits, 5) == (first[1], 1)  # capped at 5
-    pool.free([first[1]])
+    assert pool.lend_min == 2
+    # capped at 6: two tokens, on which both children agree; the latest registered is lent
+    assert pool.match_partial([1, 2, 3, 4, 5, 6, 7], hits, 6) == (near, 2)
+    pool.free([near])
+    assert pool.match_partial([1, 2, 3, 4, 5, 6], hits, 5) is None  # 1 token: under lend_min
     assert pool.match_partial([1, 2, 3, 4, 5, 6, 0, 3], hits, 7) == (near, 3)
     pool.free([near])
     assert pool.match_partial([1, 2, 3, 4, 8, 8], hits, 5) is None  # no child starts with 8
@@ -266,3 +270,21 @@ def test_without_prefix_caching_nothing_is_lent():
     pool = BlockPool(num_blocks=4, block_size=2, prefix_caching=False)
     _cached_seq(pool, [1, 2, 3, 4])
     assert pool.match_partial([1, 2, 3], [], 2) is None and pool.prefix_hit_tokens == 0
+
+
+def test_lending_candidates_per_key_are_capped(monkeypatch):
+    """Past ``LEND_CANDIDATES`` blocks under one parent that begin alike, the oldest is no
+    longer lent (so a lookup compares a bounded number of blocks), but stays cached whole."""
+    from executor import block_pool
+
+    monkeypatch.setattr(block_pool, "LEND_CANDIDATES", 2)
+    pool = BlockPool(num_blocks=16, block_size=4)
+    tails = ([1, 1], [2, 2], [3, 3])  # three blocks [7 7 x x] under the root, oldest first
+    blocks = [_cached_seq(pool, [7, 7, *t])[0] for t in tails]
+    # blocks[0] would agree on 3 tokens, but it was dropped: the two left agree on 2 (latest)
+    assert pool.match_partial([7, 7, 1, 9, 9], [], 4) == (blocks[2], 2)
+    pool.free([blocks[2]])
+    assert pool.match_partial([7, 7, 3, 9, 9], [], 4) == (blocks[2], 3)
+    pool.free([blocks[2]])
+    assert pool.match_prefix([7, 7, 1, 1, 5], 4) == [blocks[0]]  # still a whole-block hit
+    pool.free([blocks[0]])

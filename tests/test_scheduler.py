@@ -461,3 +461,17 @@ def test_chunk_align_lends_no_partial_block():
     add(sched, "b", list(range(100, 107)) + [1, 2], max_tokens=1)
     step = sched.schedule()
     assert chunks_of(step) == [("b", 4, 5, True)] and step.chunks[0].lent is None
+
+
+def test_an_admission_that_needs_the_lendable_block_takes_it_instead():
+    """The block a partial hit would lend can be the free block an admission needs (a cached
+    free block is also what allocate hands out): the sequence is then admitted without lending,
+    not left waiting for a block that only it holds."""
+    sched = make(num_blocks=4, block_size=4, budget=64, chunk=64, max_model_len=64)
+    a = add(sched, "a", list(range(100, 108)), max_tokens=1)  # registers two blocks
+    run_all(sched)
+    b = add(sched, "b", list(range(100, 106)) + list(range(1, 10)), max_tokens=1)  # 15 tokens
+    step = engine_step(sched)
+    assert chunks_of(step) == [("b", 4, 11, True)] and step.chunks[0].lent is None
+    assert b.num_cached_tokens == 4 and b.output_ids == expected_outputs(b)
+    assert a.output_ids == expected_outputs(a) and sched.pool.num_used_blocks() == 0
