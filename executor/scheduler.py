@@ -48,9 +48,9 @@ and the next one tried; an admission stops admitting, FCFS). A chunk that reache
 (a prompt's last chunk, a decode) is not rounded. So every prompt is cut at the same positions
 (multiples of A) whatever the budget left by the others, and with A the KV block size a
 prefix-cache hit (whole blocks: no partial blocks are lent in this mode) ends on such a position
-too. Progress: a chunk of A or more
-tokens always contains an aligned end, and the first sequence of a step has the whole budget, so
-with ``prefill_chunk`` and ``max_num_batched_tokens`` at least A (checked) it always advances.
+too. Progress: a chunk of A or more tokens always contains an aligned end, and the first sequence
+of a step has the whole budget, so with ``prefill_chunk`` and ``max_num_batched_tokens`` at least
+A (checked) it always advances.
 
 Order invariant: every running sequence arrived before every waiting one (admission takes the
 queue's head, a preempted sequence is the latest running one and goes back to the head), so

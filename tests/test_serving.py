@@ -211,6 +211,38 @@ def test_lent_slots_are_copied_into_the_borrowers_block(models, tmp_path):
     assert np.allclose([v for _, v in got.top], [v for _, v in want.top], rtol=0, atol=1e-4)
 
 
+def test_a_failed_lent_slot_copy_ends_the_borrower_and_forgets_the_cache(
+    models, tmp_path, monkeypatch
+):
+    """If copying lent slots fails, the borrower (whose own block lacks them) ends with
+    ``error`` after the tokens it had, no cached block is served afterwards, no block stays in
+    use, and the engine keeps serving."""
+    from executor.paged_kv import PagedKVCache
+
+    plan = make_plan_file(
+        str(models["llama3"]), tmp_path / "p.yaml", context=CONTEXT, concurrency=4
+    )
+    prefix = np.random.default_rng(12).integers(0, 1000, size=40).tolist()
+    se = _serve(plan)
+    try:
+        run_all(se, [GenerationRequest("a", prefix + [5, 6, 7], 6, SamplingParams(), True)])
+
+        def broken(self, src, dst):
+            raise RuntimeError("no copy today")
+
+        monkeypatch.setattr(PagedKVCache, "copy_slots", broken)
+        b = run_all(se, [GenerationRequest("b", prefix + [9] * 10, 4, SamplingParams(), True)])
+        monkeypatch.undo()
+        c = run_all(se, [GenerationRequest("c", prefix + [9] * 11, 2, SamplingParams(), True)])
+        m = se.metrics()
+    finally:
+        se.close()
+    assert b["b"].finish_reason == "error" and "copying" in (b["b"].error or "")
+    assert b["b"].cached_tokens == 40 and len(b["b"].token_ids) == 1
+    assert c["c"].finish_reason == "length" and c["c"].cached_tokens == 0
+    assert m["kv_blocks_in_use"] == 0
+
+
 def test_staged_inputs_give_the_ids_of_fresh_arrays(models, tmp_path, monkeypatch):
     """A batch of 16 mixed requests whose passes write their integer inputs into the engine's
     kept buffers (``executor.host_inputs``, the default) gives the ids of the same batch with a
