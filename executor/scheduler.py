@@ -492,23 +492,22 @@ class Scheduler:
             # Aligned chunks (batch invariance) start on block boundaries: no partial blocks.
             lendable = LEND_PARTIAL_BLOCKS and not self.chunk_align
             lent = pool.match_partial(ids, matched, len(ids) - 1) if lendable else None
-            new = self._admission_blocks(seq, matched, lent, budget)
-            if new is None and lent is not None:
+            got = self._admission_blocks(seq, matched, lent, budget)
+            if got is None and lent is not None:
                 # The lent block may be the free block the admission needs (a cached block on
                 # the free list is also what allocate hands out): admit without it.
                 pool.free([lent[0]])
                 pool.prefix_hit_tokens -= lent[1]
                 lent = None
-                new = self._admission_blocks(seq, matched, None, budget)
-            if new is None:
+                got = self._admission_blocks(seq, matched, None, budget)
+            if got is None:
                 # FCFS: wait for blocks (or for budget to reach an aligned end) rather than let a
                 # later sequence skip ahead. The lookup is repeated next step, so it is not
                 # counted now.
                 pool.free(matched)
                 pool.prefix_query_tokens, pool.prefix_hit_tokens = counters
                 break
-            computed = len(matched) * pool.block_size + (lent[1] if lent else 0)
-            n = self._first_chunk(seq, computed, budget)
+            new, computed, n = got
             self.waiting.popleft()
             seq.block_ids = matched + new
             seq.num_computed_tokens = computed
@@ -524,21 +523,16 @@ class Scheduler:
             budget -= n
         return step
 
-    def _first_chunk(self, seq: Sequence, computed: int, budget: int) -> int:
-        """Tokens of an admission's first chunk from ``computed`` (may be 0: aligned away)."""
-        n = min(seq.num_tokens - computed, self.prefill_chunk, budget)
-        return self._aligned(seq, computed, n)
-
     def _admission_blocks(
         self, seq: Sequence, matched: list[int], lent: tuple[int, int] | None, budget: int
-    ) -> list[int] | None:
-        """The new blocks an admission's first chunk needs after ``matched`` (and ``lent``
-        tokens), allocated; None when the chunk is empty or the pool is short."""
+    ) -> tuple[list[int], int, int] | None:
+        """``(new blocks, computed tokens, first chunk's tokens)`` of an admission after
+        ``matched`` (and ``lent`` tokens), the blocks allocated; None when the chunk is empty
+        (aligned away) or the pool is short."""
         computed = len(matched) * self.pool.block_size + (lent[1] if lent else 0)
-        n = self._first_chunk(seq, computed, budget)
-        if n <= 0:
-            return None
-        return self.pool.allocate(self._blocks_for(computed + n) - len(matched))
+        n = self._aligned(seq, computed, min(seq.num_tokens - computed, self.prefill_chunk, budget))
+        new = self.pool.allocate(self._blocks_for(computed + n) - len(matched)) if n > 0 else None
+        return None if new is None else (new, computed, n)
 
     def take_copies(self) -> list[LentSlots]:
         """The lent slots of the steps scheduled since the last call, for the engine to copy
