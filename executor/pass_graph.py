@@ -21,11 +21,11 @@ its graph for that many tokens), logit rows, and the number and largest of the q
 
 Which passes: a dense model (no MoE router, whose choice is read on the host) with every unit
 resident on the device tier (a streamed unit's read is host work per pass), no row tile (the
-batch-invariant mode), at most ``MAX_ROWS`` rows, where Strata's paged kernel attends the whole
-pass (``kernel_attention``: MLX's CUDA backend; its inputs are all arrays, while the other
-attention paths build masks and gathers from host data). A layout is compiled the second time it
-is seen (``COMPILE_AFTER``): one seen once (a passing batch composition) runs as before rather
-than paying a trace. Everything else runs as before.
+batch-invariant mode), at most ``MAX_ROWS`` rows and ``MAX_SEQUENCES`` sequences, where
+Strata's paged kernel attends the whole pass (``kernel_attention``: MLX's CUDA backend; its
+inputs are all arrays, while the other attention paths build masks and gathers from host data).
+A layout is compiled the second time it is seen (``COMPILE_AFTER``): one seen once (a passing
+batch composition) runs as before rather than paying a trace. Everything else runs as before.
 
 The replayed graph is the traced pass's graph: the same operations on the same arrays, so its
 logits are the eager pass's (``tests/test_pass_graph.py`` checks bit equality on the CPU, with
@@ -41,8 +41,8 @@ graph that fails when its outputs are evaluated fails that step like any failed 
 stays cached.
 
 What it gains is measured in the README (Serving, "The graph replayed per shape"):
-``bench/prefix_inprocess.py --variants eager,compiled`` and ``execute.py bench`` with
-``STRATA_COMPILED_PASSES=1``.
+``bench/prefix_inprocess.py --variants eager,compiled``, and ``execute.py bench`` against a
+server started with ``STRATA_COMPILED_PASSES=0`` (every pass eager).
 """
 
 from __future__ import annotations
@@ -64,26 +64,31 @@ if TYPE_CHECKING:
     from executor.models.llama import LlamaModel
     from executor.paged_kv import ForwardBatch, PagedKVCache
 
-COMPILED_PASSES = os.environ.get("STRATA_COMPILED_PASSES", "0") == "1"
-"""Replay compiled graphs for the passes this module takes (False: every pass eager). Off unless
-the environment sets ``STRATA_COMPILED_PASSES=1``. On the lent H200 (2026-12-02, Llama-3-8B
-shape) the replayed passes gave the eager passes' greedy tokens (an earlier session) and the
-fastest warm 24-token pass after a 992-token prefix-cache hit (one process, interleaved, medians
-of 9; ``bench/results/2026-12-02.warm-pass-segments.h200.llama3-8b-shape.json``): eager 10.38
-ms, compiled in one graph 9.23, in segments of 8 / 4 blocks (``SEGMENT_BLOCKS``) 8.55 / 8.33.
-But with them on by default, in segments of 4, the serving bench's 16-sequence decode steps took
-61 ms each (TPOT p50 61.5 ms against 8.9 ms at concurrency 1; 58 of its 68 steps replayed one
-traced layout; ``bench/results/2026-12-02.serving-compiled-seg4.h200.llama3-8b-shape.json``),
-where one graph per pass gave a TPOT p50 of 10.0 ms at 16 (250 replays) in an earlier session
-(``2026-12-02.serving-compiled.*``): not explained yet, so they stay off, and one graph stays
-their default (``SEGMENT_BLOCKS``). In-process, with short sequences started together (a later
-session, ``bench/warm_pass.py --step16``, ``bench/results/2026-12-02.warm-pass-step16.h200.*``),
-segments of 4 decoded 16 sequences in 6.86 ms a step against eager's 6.88: not reproduced. Once
-each pass's inputs were written into kept buffers (``executor.host_inputs``), one serving bench
-with segments of 4 gave a TPOT p50 of 8.3 ms at 16 and 1,491 tok/s, against 9.8 ms and 1,279
-tok/s eager on the same machine start
-(``bench/results/2026-12-02.serving-staged-seg4.h200.llama3-8b-shape.json``): one run, so they
-stay off.
+COMPILED_PASSES = os.environ.get("STRATA_COMPILED_PASSES", "1") != "0"
+"""Replay compiled graphs for the passes this module takes (False: every pass eager). On unless
+the environment sets ``STRATA_COMPILED_PASSES=0``. Which passes are compiled by default: those
+of one sequence (``MAX_SEQUENCES``), in segments of 4 blocks (``SEGMENT_BLOCKS``).
+
+Measured on the lent H200 (2026-12-03, synthetic Llama-3-8B shape Q4_0, plan ``--concurrency 16
+--objective throughput``, ``execute.py bench --concurrency 1,16 --requests 16 --max-tokens 64
+--prefix-tokens 1000 --prefix-trials 9``): the warm request after a 1,000-token prefix-cache
+hit (a 16-row pass of 15 tokens after 1,001 cached and lent ones) took 8.9 / 9.1 ms at the
+client with these settings against 12.9 ms eager on the same machine start (prefix TTFT cold /
+warm 5.55x and 5.35x against 4.42x; ``bench/results/2026-12-03.serving-single-start-d-*``),
+and with the defaults as committed (nothing set) on a later start 9.3 / 9.6 ms (6.47x, 5.42x;
+``...serving-defaults-start-f-*``), while 16-sequence decode stayed eager (TPOT p50 11.2-14.3
+ms against 13.6 eager).
+
+Passes of several sequences are not compiled by default: with them, the serving bench's
+16-sequence decode steps ran 70-80 ms apart (TPOT p50 61.5 / 84.1 / 80.8 ms on three machine
+starts, 2026-12-02 and 2026-12-03), though each replayed step took 8.0 ms inside the engine
+(timed around ``ServingEngine.step`` in the server process by a probe outside Strata), with no
+KV pool copied (MLX's peak 24-46 MB over its active memory in a step): the time went between
+steps, outside any pass. The same run with a thread in the server process sampling every
+thread's frames each 0.5 ms had no such stall (steps 8.4 ms, 0.05 ms apart, TPOT p50 11.0 ms;
+``...serving-multi-seg4-probe-start-e.*``, ``...serving-step-probe.*``), and an in-process bench
+never showed it (``bench/warm_pass.py --step16``): a thread-scheduling interaction in the
+server, not yet explained, so 16-sequence decode stays eager.
 ``/metrics`` counts the target model's traces and replays (``strata_compiled_pass_traces_total``,
 ``strata_compiled_pass_replays_total``)."""
 
@@ -97,6 +102,11 @@ TABLE_SLOTS = 256
 sequence keeps one graph for that many tokens (the kernel reads a row's slots only up to its
 position: the padding is never read)."""
 
+MAX_SEQUENCES = 1
+"""Passes of at most this many sequences are compiled (0: any number): one, a prompt's chunk
+after a prefix-cache hit or a short prompt (a lone decode takes MLX's SDPA, not the paged kernel
+these passes need). Why not more: ``COMPILED_PASSES``."""
+
 COMPILE_AFTER = 2
 """A layout is traced on its second pass: a layout seen once runs eagerly, costing no trace."""
 
@@ -105,19 +115,15 @@ MAX_GRAPHS = 256
 only its tape: the weights are the model's own arrays)."""
 
 
-SEGMENT_BLOCKS = 0
+SEGMENT_BLOCKS = 4
 """Blocks per compiled segment (0: the whole pass in one graph). With N > 0 a pass is traced and
 replayed as consecutive segments of N blocks (the last also runs the output head), each handed to
 ``mx.async_eval`` as soon as it is replayed, so that the GPU can compute segment i while the host
 replays and encodes segment i + 1. On the H200 (2026-12-02, the warm 24-token pass of the
 Llama-3-8B shape after a 992-token hit, one process, interleaved, medians of 9;
-``bench/results/2026-12-02.warm-pass-segments.h200.llama3-8b-shape.json``): one graph / segments
-of 8 / of 4 blocks 9.23 / 8.55 / 8.33 ms, the host's replay (with the segments' ``mx.async_eval``
-calls) 1.17 / 4.01 / 4.38 ms. But with segments of 4 on by default, a serving bench's
-16-sequence decode steps took about 61 ms each
-(``bench/results/2026-12-02.serving-compiled-seg4.h200.llama3-8b-shape.json``), not explained
-yet, where one graph per pass served 16 sequences at a TPOT of 10 ms in an earlier session: so
-one graph stays the default."""
+``bench/results/2026-12-02.warm-pass-segments.h200.llama3-8b-shape.json``): eager 10.38 ms, one
+graph / segments of 8 / of 4 blocks 9.23 / 8.55 / 8.33 ms, the host's replay (with the segments'
+``mx.async_eval`` calls) 1.17 / 4.01 / 4.38 ms."""
 
 
 @dataclasses.dataclass
@@ -170,6 +176,8 @@ class PassGraphs:
 
         m = self.model
         if rows > MAX_ROWS or row_tile() or not self.resident:
+            return False
+        if MAX_SEQUENCES and len(batch.seq_slots) > MAX_SEQUENCES:
             return False
         a = m.arch
         windows = {la.window for la in m.layers}
@@ -334,6 +342,16 @@ def replay(model: LlamaModel, batch: ForwardBatch, kv: PagedKVCache, x: mx.array
     if rows > MAX_ROWS or row_tile():
         return None
     return graphs_for(model, kv).run(batch, x, rows)
+
+
+def compiles(model: LlamaModel, batch: ForwardBatch, kv: PagedKVCache) -> bool:
+    """Whether ``model``'s pass of ``batch`` over ``kv`` is one this module compiles (traced on
+    its layout's ``COMPILE_AFTER``-th sighting, replayed after): compiled passes on, and the
+    pass eligible (:meth:`PassGraphs.eligible`)."""
+    rows = model.pass_rows(batch.num_tokens)
+    if not COMPILED_PASSES or rows > MAX_ROWS or row_tile():
+        return False
+    return graphs_for(model, kv).eligible(batch, rows)
 
 
 def counters(kv: PagedKVCache | None) -> tuple[int, int]:

@@ -482,13 +482,16 @@ class ServingEngine:
         for b in warm_up_sizes(min(self.batch.max_num_seqs, limit - 1)):
             if b > 1:  # sequence i: one token at position i
                 run([SeqInput([0], i, slots[: i + 1]) for i in range(b)])
-        if pass_graph.COMPILED_PASSES and limit >= 2:
+        chunk = [SeqInput([0, 0], 0, slots[:2])]
+        if limit >= 2 and pass_graph.compiles(
+            self.engine.model, ForwardBatch.build(chunk), self.kv
+        ):
             # One layout traced (seen COMPILE_AFTER times): the kernels mx.compile fuses are
             # built here, not in a request. Without it, a request whose pass was the first trace
             # on a fresh H200 took 3.2-4.2 s (2026-12-02.warm-pass-* results); with it, no
             # request of a serving bench took over 0.28 s (2026-12-02.serving-compiled-seg4.*).
             for _ in range(pass_graph.COMPILE_AFTER):
-                run([SeqInput([0, 0], 0, slots[:2])])
+                run(chunk)
 
     def _reset_if_idle(self) -> bool:
         if self.scheduler.has_work():

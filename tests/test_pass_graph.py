@@ -32,6 +32,13 @@ def models(tmp_path_factory, smollm2_gguf) -> dict[str, Path]:
     return {n: write_arch_model(folder / f"{n}.gguf", n, smollm2_gguf) for n in NAMES}
 
 
+@pytest.fixture(autouse=True)
+def any_sequences(monkeypatch):
+    """The mechanism is tested on passes of two sequences (``MAX_SEQUENCES`` lifted); the
+    default's single-sequence rule has its own test."""
+    monkeypatch.setattr(pass_graph, "MAX_SEQUENCES", 0)
+
+
 def _force_kernel_path(monkeypatch):
     from executor import cuda_attention
 
@@ -112,6 +119,57 @@ def test_replayed_pass_equals_eager(name, segment, models, tmp_path, monkeypatch
     del graphs, kv, eager_kv  # the KV caches go: their compiled passes go with them
     gc.collect()
     assert not [g for g in pass_graph._BY_CACHE.values() if g.model is model]
+
+
+def test_only_single_sequence_passes_are_compiled_by_default(models, tmp_path, monkeypatch):
+    """With ``MAX_SEQUENCES`` = 1 (the default) the two-sequence steps run eagerly, while three
+    chunks of one sequence in one layout run eager, traced, replayed, with the eager logits."""
+    _force_kernel_path(monkeypatch)
+    monkeypatch.setattr(pass_graph, "MAX_SEQUENCES", 1)
+    plan = make_plan_file(str(models["llama3"]), tmp_path / "p.yaml", context=256, concurrency=4)
+    model = Engine(load_plan(plan)).model
+    *_, kv = _run(model, True, monkeypatch)
+    assert pass_graph.counters(kv) == (0, 0)
+    slots = np.arange(64, dtype=np.int32)
+    ids = np.random.default_rng(1).integers(0, model.arch.vocab_size, 9).tolist()
+    logits = {}
+    for compiled in (False, True):
+        monkeypatch.setattr(pass_graph, "COMPILED_PASSES", compiled)
+        kv = model.make_paged_cache(32, 4)
+        logits[compiled] = [
+            np.array(
+                model.forward_batch(ForwardBatch.build([SeqInput(ids[p : p + 3], p, slots)]), kv)
+            )
+            for p in (0, 3, 6)
+        ]
+    assert pass_graph.counters(kv) == (1, 1)
+    for a, b in zip(logits[True], logits[False], strict=True):
+        np.testing.assert_array_equal(a, b)
+
+
+@pytest.mark.parametrize("compiled", [True, False], ids=["on", "off"])
+def test_the_serving_warm_up_traces_a_layout_where_passes_compile(
+    compiled, models, tmp_path, monkeypatch
+):
+    """The serving engine's warm-up traces one single-sequence layout where such passes are
+    compiled (its fused kernels built before any request), and none where they are not."""
+    from executor.serving import ServingEngine
+
+    _force_kernel_path(monkeypatch)
+    monkeypatch.setattr(pass_graph, "MAX_SEQUENCES", 1)
+    monkeypatch.setattr(pass_graph, "COMPILED_PASSES", compiled)
+    plan = make_plan_file(str(models["llama3"]), tmp_path / "p.yaml", context=256, concurrency=4)
+    se = ServingEngine(Engine(load_plan(plan)))
+    try:
+        se.start(warm_up=True)
+        chunk = ForwardBatch.build([SeqInput([1, 2], 0, np.arange(2, dtype=np.int32))])
+        pair = ForwardBatch.build([SeqInput([1], 0, np.arange(2, dtype=np.int32))] * 2)
+        model = se.engine.model
+        assert pass_graph.compiles(model, chunk, se.kv) == compiled
+        assert not pass_graph.compiles(model, pair, se.kv)  # two sequences
+        assert pass_graph.counters(se.kv)[0] == (1 if compiled else 0)  # traced: 1 layout
+    finally:
+        se.close()
 
 
 def test_the_rope_setting_keys_the_graph(models, tmp_path, monkeypatch):
