@@ -360,10 +360,14 @@ def _validation_message(e: ValidationError) -> tuple[str, str | None]:
     """A one-line message and the field at fault for a pydantic error."""
     err = e.errors(include_url=False)[0]
     if err["type"] == "json_invalid":
-        return (
-            f"the request body is not valid JSON: {err['msg'].removeprefix('Invalid JSON: ')}",
-            None,
-        )
+        msg = err["msg"].removeprefix("Invalid JSON: ")
+        if "hex escape" in msg:  # jiter's words for a bad \u escape, a lone surrogate's too
+            msg += (
+                " (a \\u escape takes 4 hex digits, and a UTF-16 surrogate \\uD800-\\uDFFF"
+                " is only half a character: a high one must be followed by its low one;"
+                " send such text as UTF-8 or as the pair)"
+            )
+        return f"the request body is not valid JSON: {msg}", None
     if err["type"] == "model_type" and not err["loc"]:
         return "the request body must be a JSON object", None
     loc, msg = tuple(err["loc"]), err["msg"]
@@ -1074,10 +1078,15 @@ def _max_tokens(
     """
     context = state.engine.context
     if n_prompt >= context:
+        room = (
+            "leaving no room for a generated token"
+            if n_prompt == context
+            else "which is longer than that context"
+        )
         raise APIError(
             400,
-            f"the prompt has {n_prompt} tokens but this model's context is {context} tokens "
-            "(the plan's); shorten the prompt, or re-plan with a larger --context",
+            f"the prompt has {n_prompt} tokens and this model's context is {context} tokens "
+            f"(the plan's), {room}; shorten the prompt, or re-plan with a larger --context",
             param=prompt_param,
             code="context_length_exceeded",
         )

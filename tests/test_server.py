@@ -470,6 +470,8 @@ def test_bad_requests(server):
     chat_path = "/v1/chat/completions"
     ok = {"model": MODEL, "messages": CHAT, "max_tokens": 1}
     error_of(server.post(chat_path, "{not json"), 400, "not valid JSON")
+    lone = json.dumps({"model": MODEL, "prompt": "a @ b"}).replace("@", "\\ud800")  # half a pair
+    error_of(server.post("/v1/completions", lone), 400, "not valid JSON", "surrogate")
     error_of(server.post(chat_path, "[1, 2]"), 400, "JSON object")
     for field, value in (
         ("temperature", "hot"),
@@ -514,7 +516,7 @@ def test_bad_requests(server):
     # Fields this server ignores (clients send many) do not fail the request.
     assert server.post(chat_path, {**ok, "user": "u", "presence_penalty": 0}).status_code == 200
     long = {"model": MODEL, "prompt": list(range(10, 10 + CONTEXT)), "max_tokens": 1}
-    err = error_of(server.post("/v1/completions", long), 400, str(CONTEXT), "context")
+    err = error_of(server.post("/v1/completions", long), 400, str(CONTEXT), "no room for a")
     assert err["code"] == "context_length_exceeded"
     # a text past INLINE_TOKENIZE_CHARS, tokenized in a worker thread, and a chat the same
     text = {**long, "prompt": "word " * 4000}
