@@ -94,10 +94,16 @@ VARIANTS = {
 ``executor.pass_graph.COMPILED_PASSES``)."""
 
 
+_MAX_SEQUENCES = pass_graph.MAX_SEQUENCES
+
+
 def use(variant: str) -> None:
-    """Set the model module as ``variant`` says."""
+    """Set the model module as ``variant`` says; ``compiled`` compiles passes of any number of
+    sequences (``pass_graph.MAX_SEQUENCES`` = 0: the 16-sequence decode steps too, where a
+    server, and ``fused``, compile only passes of one)."""
     (llama.fused_qkv, llama.fused_swiglu), llama.ASYNC_EVAL_BLOCKS, compiled = VARIANTS[variant]
     pass_graph.COMPILED_PASSES = compiled
+    pass_graph.MAX_SEQUENCES = 0 if variant == "compiled" else _MAX_SEQUENCES
 
 
 WAIT_S = 300.0

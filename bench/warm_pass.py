@@ -26,7 +26,8 @@ Variants (``--variants``, comma-separated):
 - ``eagerN``: eager, ``mx.async_eval`` every N blocks (0: never,
   ``executor.models.llama.ASYNC_EVAL_BLOCKS``);
 - ``compiledN``: ``executor.pass_graph``'s compiled pass in segments of N blocks
-  (``SEGMENT_BLOCKS``; 0: one graph);
+  (``SEGMENT_BLOCKS``; 0: one graph), passes of any number of sequences compiled
+  (``MAX_SEQUENCES`` = 0: the 16-sequence steps too, where a server compiles only passes of one);
 - either with ``-rope-off``: RoPE by ``mx.fast.rope`` rather than in the Q/K/V product's store
   (``executor.models.llama.FUSED_ROPE``);
 - then with ``-nocache``: MLX's buffer cache off (``mx.set_cache_limit(0)``), so that a freed
@@ -93,6 +94,7 @@ def use(variant: str) -> None:
         pass_graph.COMPILED_PASSES = compiled
         if compiled:
             pass_graph.SEGMENT_BLOCKS = int(n)
+            pass_graph.MAX_SEQUENCES = 0
         llama.FUSED_ROPE = rope_off is None
         _set_cache_limit(0 if nocache else _CACHE_LIMIT)
         serving_module.STAGE_INPUTS = fresh is None
@@ -126,6 +128,7 @@ def settings() -> tuple:
         llama.FUSED_ROPE,
         pass_graph.COMPILED_PASSES,
         pass_graph.SEGMENT_BLOCKS,
+        pass_graph.MAX_SEQUENCES,
         _cache_limit,
         serving_module.STAGE_INPUTS,
         scheduler_module.LEND_PARTIAL_BLOCKS,
@@ -139,6 +142,7 @@ def restore(saved: tuple) -> None:
         llama.FUSED_ROPE,
         pass_graph.COMPILED_PASSES,
         pass_graph.SEGMENT_BLOCKS,
+        pass_graph.MAX_SEQUENCES,
         limit,
         serving_module.STAGE_INPUTS,
         scheduler_module.LEND_PARTIAL_BLOCKS,

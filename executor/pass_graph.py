@@ -75,7 +75,7 @@ Measured on the lent H200 (2026-12-03, synthetic Llama-3-8B shape Q4_0, plan ``-
 hit (a 16-row pass of 15 tokens after 1,001 cached and lent ones) took 8.9 / 9.1 ms at the
 client with these settings against 12.9 ms eager on the same machine start (prefix TTFT cold /
 warm 5.55x and 5.35x against 4.42x; ``bench/results/2026-12-03.serving-single-start-d-*``),
-and with the defaults as committed (nothing set) on a later start 9.3 / 9.6 ms (6.47x, 5.42x;
+and with the defaults as committed (nothing set) on a later start 9.3 / 9.6 ms (6.50x, 5.44x;
 ``...serving-defaults-start-f-*``), while 16-sequence decode stayed eager (TPOT p50 11.2-14.3
 ms against 13.6 eager).
 
@@ -103,9 +103,12 @@ sequence keeps one graph for that many tokens (the kernel reads a row's slots on
 position: the padding is never read)."""
 
 MAX_SEQUENCES = 1
-"""Passes of at most this many sequences are compiled (0: any number): one, a prompt's chunk
-after a prefix-cache hit or a short prompt (a lone decode takes MLX's SDPA, not the paged kernel
-these passes need). Why not more: ``COMPILED_PASSES``."""
+"""Passes of at most this many sequences are compiled (0: any number). With one: a prompt's
+chunk of up to ``MAX_ROWS`` rows (after a prefix-cache hit, or a short prompt), a speculative
+verification pass of a lone sequence, a draft model's catch-up chunk of one; not a lone decode,
+which takes MLX's SDPA, not the paged kernel these passes need. Why not more: ``COMPILED_PASSES``.
+``Engine.generate`` (``execute.py run``) makes a KV cache per call, and with it new graphs: a
+layout is traced on its second pass within one call."""
 
 COMPILE_AFTER = 2
 """A layout is traced on its second pass: a layout seen once runs eagerly, costing no trace."""

@@ -361,11 +361,15 @@ def _validation_message(e: ValidationError) -> tuple[str, str | None]:
     err = e.errors(include_url=False)[0]
     if err["type"] == "json_invalid":
         msg = err["msg"].removeprefix("Invalid JSON: ")
-        if "hex escape" in msg:  # jiter's words for a bad \u escape, a lone surrogate's too
+        if "surrogate" in msg or "end of hex escape" in msg:  # jiter's words for lone halves
             msg += (
-                " (a \\u escape takes 4 hex digits, and a UTF-16 surrogate \\uD800-\\uDFFF"
-                " is only half a character: a high one must be followed by its low one;"
-                " send such text as UTF-8 or as the pair)"
+                " (a \\uD800-\\uDFFF escape is half a UTF-16 surrogate pair, not a character:"
+                " a high one, \\uD800-\\uDBFF, must be followed by a low one, \\uDC00-\\uDFFF;"
+                " send such text as UTF-8 or as the whole pair)"
+            )
+        elif "invalid escape" in msg:
+            msg += (
+                " (JSON's escapes are \\\" \\\\ \\/ \\b \\f \\n \\r \\t and \\u with 4 hex digits)"
             )
         return f"the request body is not valid JSON: {msg}", None
     if err["type"] == "model_type" and not err["loc"]:

@@ -87,7 +87,8 @@ def _run(model, compiled: bool, monkeypatch) -> tuple[list, list, int, PagedKVCa
 
 
 @pytest.mark.parametrize(
-    "name, segment", [*((n, pass_graph.SEGMENT_BLOCKS) for n in NAMES), ("llama3", 2)]
+    "name, segment",
+    [*((n, 0) for n in NAMES), ("llama3", 2), ("llama3", pass_graph.SEGMENT_BLOCKS)],
 )
 def test_replayed_pass_equals_eager(name, segment, models, tmp_path, monkeypatch):
     """The same steps eager and compiled: identical logits, KV pool and bytes read; on the dense
@@ -152,7 +153,9 @@ def test_the_serving_warm_up_traces_a_layout_where_passes_compile(
     compiled, models, tmp_path, monkeypatch
 ):
     """The serving engine's warm-up traces one single-sequence layout where such passes are
-    compiled (its fused kernels built before any request), and none where they are not."""
+    compiled (its fused kernels built before any request), and none where they are not. (Where
+    compiled passes are on but the pass is not eligible, as on the CPU without the kernel forced,
+    the warm-up runs no extra pass: ``test_serving``'s warm-up test counts its passes.)"""
     from executor.serving import ServingEngine
 
     _force_kernel_path(monkeypatch)

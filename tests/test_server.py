@@ -471,7 +471,11 @@ def test_bad_requests(server):
     ok = {"model": MODEL, "messages": CHAT, "max_tokens": 1}
     error_of(server.post(chat_path, "{not json"), 400, "not valid JSON")
     lone = json.dumps({"model": MODEL, "prompt": "a @ b"}).replace("@", "\\ud800")  # half a pair
-    error_of(server.post("/v1/completions", lone), 400, "not valid JSON", "surrogate")
+    error_of(server.post("/v1/completions", lone), 400, "not valid JSON", "surrogate pair")
+    low = json.dumps({"model": MODEL, "prompt": "a @ b"}).replace("@", "\\udc00")
+    error_of(server.post("/v1/completions", low), 400, "surrogate pair")
+    short = json.dumps({"model": MODEL, "prompt": "a @ b"}).replace("@", "\\u12")
+    error_of(server.post("/v1/completions", short), 400, "invalid escape", "4 hex digits")
     error_of(server.post(chat_path, "[1, 2]"), 400, "JSON object")
     for field, value in (
         ("temperature", "hot"),
