@@ -1073,9 +1073,15 @@ def _check_model(state: ServerState, name: str | None) -> None:
 
 
 def _max_tokens(
-    state: ServerState, n_prompt: int, asked: int | None, default: int | None, prompt_param: str
+    state: ServerState,
+    n_prompt: int,
+    asked: int | None,
+    default: int | None,
+    prompt_param: str,
+    asked_param: str = "max_tokens",
 ) -> int:
-    """The request's token budget, checked against the plan's context.
+    """The request's token budget, checked against the plan's context (``asked_param``: the
+    field that gave ``asked``, named in the error).
 
     Raises:
         APIError: 400 when the prompt, or the prompt plus ``asked``, does not fit the context.
@@ -1097,10 +1103,10 @@ def _max_tokens(
     if asked is not None and n_prompt + asked > context:
         raise APIError(
             400,
-            f"the prompt ({n_prompt} token{'s' if n_prompt != 1 else ''}) plus max_tokens "
+            f"the prompt ({n_prompt} token{'s' if n_prompt != 1 else ''}) plus {asked_param} "
             f"({asked}) exceed this model's "
             f"context of {context} tokens; ask for at most {context - n_prompt} tokens",
-            param="max_tokens",
+            param=asked_param,
             code="context_length_exceeded",
         )
     if asked is not None:
@@ -1116,7 +1122,9 @@ async def _start(
     default: int | None,
     prompt_param: str,
 ) -> Generation:
-    max_tokens = _max_tokens(state, len(prompt_ids), asked, default, prompt_param)
+    completion = getattr(body, "max_completion_tokens", None) is not None
+    asked_param = "max_completion_tokens" if completion else "max_tokens"
+    max_tokens = _max_tokens(state, len(prompt_ids), asked, default, prompt_param, asked_param)
     prefix = "chatcmpl" if isinstance(body, ChatCompletionRequest) else "cmpl"
     gen = Generation(
         state,

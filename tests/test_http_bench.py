@@ -124,6 +124,8 @@ def test_serving_bench_end_to_end(serving_plan, tmp_path):
         servers = sorted(t[f"{kind}_server_ttft_s"] for t in p["trials"])
         assert p[f"{kind}_server_ttft_s"] == pytest.approx(sum(servers) / 2, abs=2e-6)
     assert "in the server: cold " in done.stderr
+    cut = p["cold_ttft_s"] / p["warm_ttft_s"]  # said as how many times shorter warm is
+    assert f"(cut {cut:.2f}x; in the server" in done.stderr
     assert one["server"]["compiled_pass_traces"] == one["server"]["compiled_pass_replays"] == 0
 
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -531,6 +531,9 @@ def test_bad_requests(server):
     assert err["code"] == "context_length_exceeded"
     err = error_of(server.post(chat_path, {**ok, "max_tokens": CONTEXT}), 400, str(CONTEXT))
     assert err["param"] == "max_tokens"
+    newer = {**ok, "max_completion_tokens": CONTEXT}  # the field the request used is named
+    err = error_of(server.post(chat_path, newer), 400, "max_completion_tokens")
+    assert err["param"] == "max_completion_tokens"
     error_of(server.post("/v1/completions", {**long, "prompt": [1 << 30]}), 400, "vocabulary")
     error_of(server.post(chat_path, {**ok, "model": "gpt-4"}), 404, "gpt-4", MODEL)
     error_of(server.post("/v1/nowhere", ok), 404, "/v1/nowhere")
