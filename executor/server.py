@@ -367,6 +367,8 @@ def _validation_message(e: ValidationError) -> tuple[str, str | None]:
                 " a high one, \\uD800-\\uDBFF, must be followed by a low one, \\uDC00-\\uDFFF;"
                 " send such text as UTF-8 or as the whole pair)"
             )
+        elif "invalid unicode code point" in msg:  # bytes that are not UTF-8
+            msg += " (the body must be UTF-8: re-encode the text, e.g. from Latin-1)"
         elif "invalid escape" in msg:
             msg += (
                 " (JSON's escapes are \\\" \\\\ \\/ \\b \\f \\n \\r \\t and \\u with 4 hex digits)"
@@ -390,6 +392,7 @@ def _validation_message(e: ValidationError) -> tuple[str, str | None]:
             loc, msg = loc[:n], "Input should be " + " or ".join(dict.fromkeys(kinds))
         shown = len(errors)
     field = ".".join(str(p) for p in loc)
+    msg = msg.removeprefix("Value error, ")  # pydantic's wording for our validators' errors
     others = len(e.errors()) - shown
     more = f" (and {others} more)" if others else ""
     return f"{field}: {msg}{more}", field

@@ -476,6 +476,10 @@ def test_bad_requests(server):
     error_of(server.post("/v1/completions", low), 400, "surrogate pair")
     short = json.dumps({"model": MODEL, "prompt": "a @ b"}).replace("@", "\\u12")
     error_of(server.post("/v1/completions", short), 400, "invalid escape", "4 hex digits")
+    latin1 = (
+        json.dumps({"model": MODEL, "prompt": "caf\u00e9"}).encode().replace(b"\\u00e9", b"\xe9")
+    )
+    error_of(server.post("/v1/completions", latin1), 400, "must be UTF-8")
     error_of(server.post(chat_path, "[1, 2]"), 400, "JSON object")
     for field, value in (
         ("temperature", "hot"),
@@ -509,7 +513,7 @@ def test_bad_requests(server):
         err = error_of(server.post(chat_path, {**ok, field: value}), 400, what)
         assert err["param"] == field
     null_user = {**ok, "messages": [{"role": "user", "content": None}]}
-    err = error_of(server.post(chat_path, null_user), 400, "'user' message needs its content")
+    err = error_of(server.post(chat_path, null_user), 400, "0: a 'user' message needs its content")
     assert err["param"] == "messages.0"
     error_of(server.post(chat_path, {**ok, "n": 2}), 400, "n=2")
     error_of(server.post(chat_path, {**ok, "top_logprobs": 2}), 400, "logprobs: true")
