@@ -80,7 +80,7 @@ and with the defaults as committed (nothing set) on a later start 9.3 / 9.6 ms (
 ms against 13.6 eager).
 
 Passes of several sequences are not compiled by default: with them, the serving bench's
-16-sequence decode steps ran 70-80 ms apart (TPOT p50 61.5 / 84.1 / 80.8 ms on three machine
+16-sequence decode steps ran 60-85 ms apart (TPOT p50 61.5 / 84.1 / 80.8 ms on three machine
 starts, 2026-12-02 and 2026-12-03), though each replayed step took 8.0 ms inside the engine
 (timed around ``ServingEngine.step`` in the server process by a probe outside Strata), with no
 KV pool copied (MLX's peak 24-46 MB over its active memory in a step): the time went between
