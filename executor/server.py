@@ -433,6 +433,10 @@ async def _parse(request: Request, schema: type[_Body]) -> Any:
         return schema.model_validate_json(bytes(body))
     except ValidationError as e:
         message, param = _validation_message(e)
+        kind = request.headers.get("content-type", "").split(";")[0].strip().lower()
+        if param is None and kind and kind != "application/json" and not kind.endswith("+json"):
+            # curl -d sends application/x-www-form-urlencoded unless told otherwise
+            message += f"; the body was sent as {kind}: send JSON, as application/json"
         raise APIError(400, message, param=param) from None
 
 

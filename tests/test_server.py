@@ -470,6 +470,16 @@ def test_bad_requests(server):
     chat_path = "/v1/chat/completions"
     ok = {"model": MODEL, "messages": CHAT, "max_tokens": 1}
     error_of(server.post(chat_path, "{not json"), 400, "not valid JSON")
+    form = httpx.post(
+        f"{server.url}{chat_path}",
+        content="model=x&prompt=hi",
+        headers={
+            "Authorization": f"Bearer {KEY}",
+            "Content-Type": "application/x-www-form-urlencoded",
+        },
+        timeout=60,
+    )
+    error_of(form, 400, "not valid JSON", "sent as application/x-www-form-urlencoded")
     lone = json.dumps({"model": MODEL, "prompt": "a @ b"}).replace("@", "\\ud800")  # half a pair
     error_of(server.post("/v1/completions", lone), 400, "not valid JSON", "surrogate pair")
     low = json.dumps({"model": MODEL, "prompt": "a @ b"}).replace("@", "\\udc00")
