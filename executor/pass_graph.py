@@ -64,10 +64,11 @@ if TYPE_CHECKING:
     from executor.models.llama import LlamaModel
     from executor.paged_kv import ForwardBatch, PagedKVCache
 
-COMPILED_PASSES = os.environ.get("STRATA_COMPILED_PASSES", "1") != "0"
+COMPILED_PASSES = os.environ.get("STRATA_COMPILED_PASSES", "1").lower() not in ("0", "false", "off")
 """Replay compiled graphs for the passes this module takes (False: every pass eager). On unless
-the environment sets ``STRATA_COMPILED_PASSES=0``. Which passes are compiled by default: those
-of one sequence (``MAX_SEQUENCES``), in segments of 4 blocks (``SEGMENT_BLOCKS``).
+the environment sets ``STRATA_COMPILED_PASSES=0`` (or ``false``, ``off``). Which passes are
+compiled by default: those of one sequence (``MAX_SEQUENCES``), in segments of 4 blocks
+(``SEGMENT_BLOCKS``).
 
 Measured on the lent H200 (2026-12-03, synthetic Llama-3-8B shape Q4_0, plan ``--concurrency 16
 --objective throughput``, ``execute.py bench --concurrency 1,16 --requests 16 --max-tokens 64
@@ -351,10 +352,9 @@ def compiles(model: LlamaModel, batch: ForwardBatch, kv: PagedKVCache) -> bool:
     """Whether ``model``'s pass of ``batch`` over ``kv`` is one this module compiles (traced on
     its layout's ``COMPILE_AFTER``-th sighting, replayed after): compiled passes on, and the
     pass eligible (:meth:`PassGraphs.eligible`)."""
-    rows = model.pass_rows(batch.num_tokens)
-    if not COMPILED_PASSES or rows > MAX_ROWS or row_tile():
-        return False
-    return graphs_for(model, kv).eligible(batch, rows)
+    return COMPILED_PASSES and graphs_for(model, kv).eligible(
+        batch, model.pass_rows(batch.num_tokens)
+    )
 
 
 def counters(kv: PagedKVCache | None) -> tuple[int, int]:

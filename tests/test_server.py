@@ -538,7 +538,7 @@ def test_bad_requests(server):
     assert err["code"] == "context_length_exceeded"
     # a text past INLINE_TOKENIZE_CHARS, tokenized in a worker thread, and a chat the same
     text = {**long, "prompt": "word " * 4000}
-    err = error_of(server.post("/v1/completions", text), 400, str(CONTEXT), "context")
+    err = error_of(server.post("/v1/completions", text), 400, str(CONTEXT), "longer than that")
     assert err["code"] == "context_length_exceeded"
     chat = {**ok, "messages": [{"role": "user", "content": "word " * 4000}]}
     err = error_of(server.post(chat_path, chat), 400, str(CONTEXT), "context")
