@@ -35,7 +35,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from executor import cuda_attention  # noqa: E402
+from strata.executor import cuda_attention  # noqa: E402
 
 HEADS = {"smollm2-135m": (9, 3, 64), "llama3-8b": (32, 8, 128)}
 CASES = ((24, 1016), (5, 1016), (64, 2000), (2, 300))

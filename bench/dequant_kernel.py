@@ -30,9 +30,9 @@ import mlx.core as mx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from executor import cuda_dequant, cuda_mma  # noqa: E402
-from executor.ops import QuantLinear, quantized_product  # noqa: E402
-from planner.profile import _best_seconds  # noqa: E402
+from strata.executor import cuda_dequant, cuda_mma  # noqa: E402
+from strata.executor.ops import QuantLinear, quantized_product  # noqa: E402
+from strata.executor.profile import _best_seconds  # noqa: E402
 
 ROWS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
 SHAPES = ((14336, 4096), (4096, 14336), (4096, 4096), (1024, 4096), (1536, 576), (576, 1536))

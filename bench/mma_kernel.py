@@ -53,7 +53,7 @@ import mlx.core as mx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from executor import cuda_mma  # noqa: E402
+from strata.executor import cuda_mma  # noqa: E402
 
 SHAPES = ((14336, 4096), (4096, 14336), (4096, 4096), (1024, 4096))
 """[n, k] weights of a Llama-3-8B block."""

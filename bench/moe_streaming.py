@@ -74,11 +74,11 @@ def _pinned_share(ex: dict) -> float | None:
 
 def _rescored(plan_path: Path, profile_path: Path, routing: Path) -> float:
     """The step time the cost model predicts for ``plan_path`` under the measured routing."""
-    from planner.costmodel import score_plan
-    from planner.describe import describe
-    from planner.routing import apply_routing_profile, read_routing_profile
-    from planner.schemas import HardwareProfile, Plan
-    from planner.yamlio import read_yaml
+    from strata.common.describe import describe
+    from strata.common.schemas import HardwareProfile, Plan
+    from strata.common.yamlio import read_yaml
+    from strata.planner.costmodel import score_plan
+    from strata.planner.routing import apply_routing_profile, read_routing_profile
 
     plan = read_yaml(plan_path, Plan)
     desc, _ = describe(plan.fingerprints.model.path)

@@ -113,10 +113,9 @@ def profile(plan: str, document_tokens: int) -> None:
     """Answer the cold, filling and warm requests; profile the warm one (see the module)."""
     import numpy as np
     from prefix_inprocess import run
-
-    from executor.engine import Engine
-    from executor.plan_loader import load_plan
-    from executor.serving import ServingEngine
+    from strata.executor.engine import Engine
+    from strata.executor.plan_loader import load_plan
+    from strata.executor.serving import ServingEngine
 
     try:
         cuda = ctypes.CDLL("libcuda.so.1")

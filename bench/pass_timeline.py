@@ -63,11 +63,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import prefix_inprocess as pi  # noqa: E402
 import warm_pass as wp  # noqa: E402
-
-from executor import pass_graph  # noqa: E402
-from executor.engine import Engine  # noqa: E402
-from executor.plan_loader import load_plan  # noqa: E402
-from executor.serving import ServingEngine  # noqa: E402
+from strata.executor import pass_graph  # noqa: E402
+from strata.executor.engine import Engine  # noqa: E402
+from strata.executor.plan_loader import load_plan  # noqa: E402
+from strata.executor.serving import ServingEngine  # noqa: E402
 
 GAP_US = 2.0
 """Idle gaps of at least this many microseconds are counted and listed (shorter ones are the

@@ -68,14 +68,13 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import mlx.core as mx  # noqa: E402
-
-import executor.models.llama as llama  # noqa: E402
-from executor import pass_graph  # noqa: E402
-from executor.engine import Engine  # noqa: E402
-from executor.paged_kv import ForwardBatch  # noqa: E402
-from executor.plan_loader import load_plan  # noqa: E402
-from executor.sampling import SamplingParams  # noqa: E402
-from executor.serving import GenerationRequest, ServingEngine  # noqa: E402
+import strata.executor.models.llama as llama  # noqa: E402
+from strata.executor import pass_graph  # noqa: E402
+from strata.executor.engine import Engine  # noqa: E402
+from strata.executor.paged_kv import ForwardBatch  # noqa: E402
+from strata.executor.plan_loader import load_plan  # noqa: E402
+from strata.executor.sampling import SamplingParams  # noqa: E402
+from strata.executor.serving import GenerationRequest, ServingEngine  # noqa: E402
 
 _FUSED = (llama.fused_qkv, llama.fused_swiglu)
 _UNFUSED = (lambda *a: None, lambda *a: None)

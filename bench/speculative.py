@@ -107,9 +107,9 @@ def _cut_gguf(model: Path, blocks: int, out: Path) -> Path:
 
 def _make_plan(model: Path, profile: Path, path: Path) -> Path:
     """``plan.py plan --model MODEL --profile PROFILE --context 1024 --concurrency 1``."""
-    from planner.planning import build_plan
-    from planner.schemas import Request
-    from planner.yamlio import write_yaml
+    from strata.common.schemas import Request
+    from strata.common.yamlio import write_yaml
+    from strata.planner.planning import build_plan
 
     req = Request(context=CONTEXT, concurrency=1)
     write_yaml(build_plan(str(model), profile, req, path), path)
@@ -169,8 +169,8 @@ def _stop(se) -> None:
 
 def _run(engine, prompt_ids: list[int], tokens: int, drafter_of, k: int, rid: str) -> dict:
     """One request alone on a fresh ServingEngine over ``engine``; its ids and figures."""
-    from executor.sampling import SamplingParams
-    from executor.serving import GenerationRequest, ServingEngine
+    from strata.executor.sampling import SamplingParams
+    from strata.executor.serving import GenerationRequest, ServingEngine
 
     holder: list = []
     drafter = drafter_of(holder) if drafter_of else None
@@ -230,8 +230,8 @@ def _run(engine, prompt_ids: list[int], tokens: int, drafter_of, k: int, rid: st
 
 def _drafter_factories(engine, draft_engine, self_layers: int):
     """name -> (holder -> drafter) for ``engine``; ``holder[0]`` is the run's ServingEngine."""
-    from executor.drafters import DraftModelDrafter, PromptLookupDrafter
-    from executor.self_drafter import SelfDrafter, streamed_units
+    from strata.executor.drafters import DraftModelDrafter, PromptLookupDrafter
+    from strata.executor.self_drafter import SelfDrafter, streamed_units
 
     model = engine.model
     b = engine.loaded.plan.batch
@@ -356,10 +356,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--drafters", default=",".join(DRAFTERS), help="comma-separated")
     args = p.parse_args(argv)
 
-    from executor.engine import Engine
-    from executor.plan_loader import load_plan
-    from planner.catalog import resolve_model
-    from planner.errors import StrataError
+    from strata.common.catalog import resolve_model
+    from strata.common.errors import StrataError
+    from strata.executor.engine import Engine
+    from strata.executor.plan_loader import load_plan
 
     tasks = args.tasks.split(",")
     placements = args.placements.split(",")

@@ -69,14 +69,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import prefix_inprocess as pi  # noqa: E402
-
-import executor.models.llama as llama  # noqa: E402
-import executor.scheduler as scheduler_module  # noqa: E402
-import executor.serving as serving_module  # noqa: E402
-from executor import pass_graph  # noqa: E402
-from executor.engine import Engine  # noqa: E402
-from executor.plan_loader import load_plan  # noqa: E402
-from executor.serving import ServingEngine  # noqa: E402
+import strata.executor.models.llama as llama  # noqa: E402
+import strata.executor.scheduler as scheduler_module  # noqa: E402
+import strata.executor.serving as serving_module  # noqa: E402
+from strata.executor import pass_graph  # noqa: E402
+from strata.executor.engine import Engine  # noqa: E402
+from strata.executor.plan_loader import load_plan  # noqa: E402
+from strata.executor.serving import ServingEngine  # noqa: E402
 
 
 def use(variant: str) -> None:

@@ -22,11 +22,11 @@ import json
 import time
 from pathlib import Path
 
-from executor.engine import Engine
-from executor.plan_loader import LoadedPlan, load_plan
-from executor.sampling import SamplingParams
-from planner.errors import StrataError
-from planner.profile import read_sequential
+from strata.common.errors import StrataError
+from strata.executor.engine import Engine
+from strata.executor.plan_loader import LoadedPlan, load_plan
+from strata.executor.profile import read_sequential
+from strata.executor.sampling import SamplingParams
 
 RAW_READ_MIN_BYTES = 256 << 20
 """Least bytes of the raw direct-I/O read test; it reads one decode step's streamed bytes when

@@ -58,7 +58,7 @@ import struct
 from collections import OrderedDict
 from collections.abc import Sequence
 
-from planner.errors import StrataError
+from strata.common.errors import StrataError
 
 ROOT_HASH = b""
 """The parent hash of a sequence's first block."""

@@ -19,11 +19,10 @@ import jinja2
 from jinja2 import nodes
 from jinja2.ext import Extension, loopcontrols
 from jinja2.sandbox import ImmutableSandboxedEnvironment
-
-from planner.errors import StrataError
+from strata.common.errors import StrataError
 
 if TYPE_CHECKING:
-    from executor.tokenizer import GGUFTokenizer
+    from strata.executor.tokenizer import GGUFTokenizer
 
 
 class ChatError(StrataError, ValueError):

@@ -1,4 +1,5 @@
-"""The executor's commands, behind ``execute.py``'s argument parsing.
+"""The executor's commands (``strata run|bench|serve|profile``, also ``execute.py`` and
+``plan.py profile``): their arguments and what each does.
 
 Text streams to stdout as it is generated and stats go to stderr; ``--json`` prints one object
 (``prompt_ids``, ``output_ids``, ``text``, ``stats``) instead. User errors are one line on stderr
@@ -10,12 +11,14 @@ from __future__ import annotations
 
 import argparse
 import json
+import socket
 import sys
 import time
 from pathlib import Path
 
-from planner.errors import StrataError, run_command
-from planner.sizes import format_size
+from strata.common.cli_io import check_output, emit
+from strata.common.errors import StrataError
+from strata.common.sizes import format_size
 
 
 def _read_messages(path: str) -> list[dict]:
@@ -39,7 +42,7 @@ def _parse_ids(text: str) -> list[int]:
 
 def prompt_ids_for(engine, args: argparse.Namespace) -> list[int]:
     """The prompt's token ids from --prompt, --messages or --prompt-ids."""
-    from executor.chat import messages_to_ids
+    from strata.executor.chat import messages_to_ids
 
     if args.chat_template and args.messages is None:
         raise StrataError("--chat-template applies to --messages only; drop it or pass --messages")
@@ -65,11 +68,10 @@ def prompt_ids_for(engine, args: argparse.Namespace) -> list[int]:
 
 def cmd_run(args: argparse.Namespace) -> None:
     import mlx.core as mx
-
-    from executor.chat import NO_TEMPLATE, ChatError
-    from executor.engine import Engine
-    from executor.plan_loader import load_plan
-    from executor.sampling import SamplingParams
+    from strata.executor.chat import NO_TEMPLATE, ChatError
+    from strata.executor.engine import Engine
+    from strata.executor.plan_loader import load_plan
+    from strata.executor.sampling import SamplingParams
 
     params = SamplingParams(args.temperature, args.top_k, args.top_p, args.seed)
     t0 = time.perf_counter()
@@ -149,8 +151,8 @@ def _writable_parent(path: Path) -> None:
 
 
 def cmd_bench(args: argparse.Namespace) -> None:
-    from executor.bench import bench, plot, write_result
-    from executor.experts import CACHE_MODES
+    from strata.executor.bench import bench, plot, write_result
+    from strata.executor.experts import CACHE_MODES
 
     if args.max_tokens < 2:
         raise StrataError("--max-tokens must be at least 2 for a decode measurement")
@@ -160,7 +162,7 @@ def cmd_bench(args: argparse.Namespace) -> None:
     for out in (args.output, args.plot):
         if out:
             _writable_parent(Path(out))
-    from executor.http_bench import cmd_http_bench, refuse_serving_options
+    from strata.executor.http_bench import cmd_http_bench, refuse_serving_options
 
     if args.concurrency is not None:  # the serving bench, over HTTP (executor/http_bench.py)
         cmd_http_bench(args)
@@ -178,7 +180,7 @@ def cmd_bench(args: argparse.Namespace) -> None:
 
 
 def cmd_serve(args: argparse.Namespace) -> None:
-    from executor.server import serve
+    from strata.executor.server import serve
 
     if not 0 <= args.port <= 65535:
         raise StrataError(f"--port {args.port}: give a port in 0..65535 (0 = any free port)")
@@ -187,9 +189,133 @@ def cmd_serve(args: argparse.Namespace) -> None:
     serve(args.plan, args.host, args.port, args.api_key, args.model_name, args.batch_invariant)
 
 
-COMMANDS = {"run": cmd_run, "bench": cmd_bench, "serve": cmd_serve}
+def cmd_profile(args: argparse.Namespace) -> None:
+    from strata.common.catalog import cache_dir
+    from strata.executor.profile import measure_profile
+
+    check_output(args.output)  # before a measurement of ~10 s, not after
+    # Default name: the output file's stem (profiles/mybox.yaml -> mybox), else the host name.
+    name = args.name or (Path(args.output).stem if args.output else None)
+    name = name or socket.gethostname().split(".")[0].lower() or "this-machine"
+    disk = Path(args.disk_dir) if args.disk_dir else cache_dir()
+    emit(measure_profile(disk, name, quick=args.quick), args.output)
 
 
-def run(args: argparse.Namespace) -> int:
-    """Run one command; user errors become one line on stderr and exit status 2."""
-    return run_command(lambda: COMMANDS[args.command](args))
+def add_commands(sub) -> None:
+    """Add the executor's subcommands (run, bench, serve, profile) to ``sub``."""
+    r = sub.add_parser("run", help="generate text from a prompt with a plan")
+    r.add_argument("plan", help="plan file written by plan.py plan (or by hand)")
+    src = r.add_mutually_exclusive_group(required=True)
+    src.add_argument("--prompt", help="raw text, tokenized with the GGUF's own BOS rule")
+    src.add_argument("--messages", help='JSON file: [{"role": ..., "content": ...}, ...]')
+    src.add_argument("--prompt-ids", help="token ids as they are, e.g. 1,2,3")
+    r.add_argument("--chat-template", help="Jinja chat template file (default: the GGUF's)")
+    r.add_argument("--max-tokens", type=int, default=256, help="most tokens to generate (256)")
+    r.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    r.add_argument("--top-p", type=float, default=1.0)
+    r.add_argument("--top-k", type=int, default=0)
+    r.add_argument("--seed", type=int, default=0)
+    r.add_argument("--json", action="store_true", help="print one JSON object instead of text")
+    r.add_argument(
+        "--expert-cache",
+        choices=("none", "cache", "prefetch"),
+        help="MoE expert cache mode for streamed experts: none (every use reads), cache (the cache "
+        "alone), prefetch (cache + co-activation prefetch); default: the plan's",
+    )
+    r.add_argument(
+        "--save-routing-profile",
+        metavar="FILE",
+        help="MoE: write the measured routing (JSON) for plan.py plan --routing-profile",
+    )
+
+    b = sub.add_parser("bench", help="measure a plan: tok/s, disk bytes/s, I/O wait, memory")
+    b.add_argument("plan")
+    b.add_argument("--prompt", default="The capital of France is", help="prompt text")
+    b.add_argument("--max-tokens", type=int, default=64, help="decode steps measured (64)")
+    b.add_argument(
+        "--check",
+        default="resident",
+        help="resident (default: ids must equal the all-resident run), none, or a --json file",
+    )
+    b.add_argument("-o", "--output", help="write the JSON here (default: stdout)")
+    b.add_argument("--plot", help="write a PNG plot here")
+    b.add_argument(
+        "--expert-cache-modes",
+        help="MoE: also measure these expert-cache modes in this run, e.g. none,cache,prefetch",
+    )
+    b.add_argument(
+        "--concurrency",
+        help="serving bench: start `serve` and measure these concurrency levels over HTTP, e.g. "
+        "1,2,4,8 (TTFT, TPOT, aggregate tok/s; --prompt and --check do not apply)",
+    )
+    b.add_argument(
+        "--requests",
+        type=int,
+        help="serving bench: requests per level (default max(2c, 8) at level c; level 1, the "
+        "text reference, runs as many as the largest level)",
+    )
+    b.add_argument(
+        "--prefix-tokens",
+        type=int,
+        help="serving bench: shared-prefix tokens of the prefix-cache TTFT test (1000; 0 skips it)",
+    )
+    b.add_argument(
+        "--prefix-trials",
+        type=int,
+        help="serving bench: cold/warm pairs of the prefix-cache test, medians reported "
+        "(3 on a GPU, 1 on the CPU)",
+    )
+    b.add_argument(
+        "--prompt-tokens",
+        help="serving bench: prompt lengths in tokens, cycled over the requests "
+        "(default 48,96,160,256,64,128,200,32)",
+    )
+    b.add_argument(
+        "--batch-invariant",
+        action="store_true",
+        help="serving bench: start `serve --batch-invariant`",
+    )
+    b.add_argument(
+        "--near-tie-gap",
+        type=float,
+        help="serving bench: a text that leaves its concurrency-1 text by taking the runner-up "
+        "where the top-2 logit gap is below this passes as a near-tie flip (default 0.5, or 1.0 "
+        "for a random-weight synthetic model; 0 makes every difference an error)",
+    )
+
+    s = sub.add_parser("serve", help="serve a plan over an OpenAI-compatible HTTP API")
+    s.add_argument("plan", help="plan file written by plan.py plan (or by hand)")
+    s.add_argument("--host", default="127.0.0.1", help="address to listen on (127.0.0.1)")
+    s.add_argument("--port", type=int, default=8000, help="TCP port (8000; 0 = any free port)")
+    s.add_argument(
+        "--api-key",
+        metavar="KEY",
+        help="require 'Authorization: Bearer KEY' on /v1/* and /reset_prefix_cache (default: no "
+        "key; /health and /metrics are open)",
+    )
+    s.add_argument(
+        "--model-name",
+        metavar="NAME",
+        help="the model's name in requests and /v1/models (default: the catalog name, else the "
+        "GGUF file's stem)",
+    )
+    s.add_argument(
+        "--batch-invariant",
+        action="store_true",
+        help="greedy outputs identical alone and in any batch, with or without a prefix-cache "
+        "hit, on every backend (prefill and decodes in 16-row tiles, attention per KV block); "
+        "no speculative decoding",
+    )
+
+    pr = sub.add_parser("profile", help="measure this machine's hardware profile")
+    pr.add_argument("-o", "--output", help="write here instead of stdout")
+    pr.add_argument(
+        "--name",
+        default=None,
+        help="profile name (default: the output file's stem, else the host name)",
+    )
+    pr.add_argument("--disk-dir", default=None, help="folder on the disk to test (default: cache)")
+    pr.add_argument("--quick", action="store_true", help="short tests (less accurate)")
+
+
+COMMANDS = {"run": cmd_run, "bench": cmd_bench, "serve": cmd_serve, "profile": cmd_profile}

@@ -82,8 +82,7 @@ from typing import NamedTuple
 
 import mlx.core as mx
 import numpy as np
-
-from executor.cuda_source import MMA_M16N8K16, compact, tensor_cores
+from strata.executor.cuda_source import MMA_M16N8K16, compact, tensor_cores
 
 __all__ = ["GROUP_QUERIES", "MAX_QUERIES", "QueryGroups", "attention", "query_groups", "supported"]
 

@@ -90,8 +90,7 @@ from collections.abc import Hashable
 from dataclasses import dataclass
 
 import mlx.core as mx
-
-from executor.cuda_source import MMA_M16N8K16, compact, tensor_cores
+from strata.executor.cuda_source import MMA_M16N8K16, compact, tensor_cores
 
 __all__ = ["MAX_ROWS", "Rope", "fusable", "matmul", "matmul3", "supported", "swiglu"]
 

@@ -42,13 +42,12 @@ from typing import TYPE_CHECKING, Protocol
 
 import mlx.core as mx
 import numpy as np
-
-from executor.block_pool import BlockPool
-from executor.paged_kv import ForwardBatch, PagedKVCache, SeqInput, slot_table
-from planner.errors import StrataError
+from strata.common.errors import StrataError
+from strata.executor.block_pool import BlockPool
+from strata.executor.paged_kv import ForwardBatch, PagedKVCache, SeqInput, slot_table
 
 if TYPE_CHECKING:
-    from executor.engine import Engine
+    from strata.executor.engine import Engine
 
 
 @dataclass

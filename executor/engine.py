@@ -14,15 +14,14 @@ from dataclasses import dataclass, field
 
 import mlx.core as mx
 import numpy as np
-
-from executor.models import model_class
-from executor.ops import set_dequant_min_rows, set_mma_rows
-from executor.plan_loader import LoadedPlan
-from executor.sampling import Sampler, SamplingParams
-from executor.tokenizer import GGUFTokenizer, StreamDecoder
-from executor.weights import WeightStore
-from planner.errors import StrataError
-from planner.schemas import ModelDescription
+from strata.common.errors import StrataError
+from strata.common.schemas import ModelDescription
+from strata.executor.models import model_class
+from strata.executor.ops import set_dequant_min_rows, set_mma_rows
+from strata.executor.plan_loader import LoadedPlan
+from strata.executor.sampling import Sampler, SamplingParams
+from strata.executor.tokenizer import GGUFTokenizer, StreamDecoder
+from strata.executor.weights import WeightStore
 
 DTYPES = {"float32": mx.float32, "float16": mx.float16, "bfloat16": mx.bfloat16}
 

@@ -48,12 +48,11 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import mlx.core as mx
 import numpy as np
-
-from executor.ops import QuantLinear
-from executor.pack import PackStore
-from executor.streaming import SlotArena
-from planner.errors import StrataError
-from planner.schemas import Architecture, RoutingProfile
+from strata.common.errors import StrataError
+from strata.common.schemas import Architecture, RoutingProfile
+from strata.executor.ops import QuantLinear
+from strata.executor.pack import PackStore
+from strata.executor.streaming import SlotArena
 
 CACHE_MODES = ("none", "cache", "prefetch")
 """Expert-cache modes: no reuse, the cache alone, the cache with co-activation prefetch."""

@@ -152,12 +152,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NamedTuple, TextIO, TypeVar
 
-from planner.errors import StrataError
+from strata.common.errors import StrataError
 
 if TYPE_CHECKING:
     import aiohttp
-
-    from executor.tokenizer import GGUFTokenizer
+    from strata.executor.tokenizer import GGUFTokenizer
 
 T = TypeVar("T")
 
@@ -1238,8 +1237,8 @@ def http_bench(
             server that does not start; a failed request, or one that did not generate
             ``max_tokens`` tokens.
     """
-    from executor.plan_loader import load_plan
-    from executor.tokenizer import GGUFTokenizer
+    from strata.executor.plan_loader import load_plan
+    from strata.executor.tokenizer import GGUFTokenizer
 
     try:
         import aiohttp  # noqa: F401
@@ -1451,8 +1450,7 @@ def _prefix_result(
     lends partial blocks, as all but batch-invariant ones do): the TTFTs are the medians over
     the trials, each trial's are listed."""
     import numpy as np
-
-    from executor.block_pool import lend_min_tokens
+    from strata.executor.block_pool import lend_min_tokens
 
     a, b = trials[0].cold, trials[0].warm
     # The scheduler matches at most len(prompt) - 1 tokens (the last token is always computed):
@@ -1651,7 +1649,7 @@ def cmd_http_bench(args: argparse.Namespace) -> None:
         near_tie_gap=args.near_tie_gap,
         prefix_trials=args.prefix_trials,
     )
-    from executor.bench import write_result
+    from strata.executor.bench import write_result
 
     write_result(result, args.output, args.plot, plot)
     if not result["check_passed"]:

@@ -33,9 +33,8 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 import numpy as np
-
-from executor import cuda_dequant, cuda_mma
-from executor.quant import PackedWeight
+from strata.common.quant import PackedWeight
+from strata.executor import cuda_dequant, cuda_mma
 
 __all__ = [
     "KERNEL_PATHS",

@@ -22,15 +22,14 @@ from pathlib import Path
 
 import gguf
 import numpy as np
+from strata.common.atomic import replaced
+from strata.common.catalog import cache_dir
+from strata.common.errors import StrataError
+from strata.common.gguf_file import GGUFFile
+from strata.common.quant import PackedWeight, UnsupportedQuantError, repack
+from strata.common.schemas import ModelDescription, UnitInfo
+from strata.executor.direct_io import ALIGN
 from tqdm import tqdm
-
-from executor.direct_io import ALIGN
-from executor.quant import PackedWeight, UnsupportedQuantError, repack
-from planner.atomic import replaced
-from planner.catalog import cache_dir
-from planner.errors import StrataError
-from planner.gguf_file import GGUFFile
-from planner.schemas import ModelDescription, UnitInfo
 
 PACK_FORMAT = "strata-mlx-pack-v1"
 

@@ -41,10 +41,9 @@ from dataclasses import dataclass, field
 
 import mlx.core as mx
 import numpy as np
-
-from executor import cuda_attention
-from executor.host_inputs import StagedPass
-from planner.errors import StrataError
+from strata.common.errors import StrataError
+from strata.executor import cuda_attention
+from strata.executor.host_inputs import StagedPass
 
 ToDevice = Callable[[np.ndarray], mx.array]
 """How a pass's integer inputs become arrays: ``mx.array``, or a staged pass's ``put``

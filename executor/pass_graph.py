@@ -56,13 +56,12 @@ from collections import OrderedDict
 from typing import TYPE_CHECKING
 
 import mlx.core as mx
-
-from executor import cuda_attention
-from executor.ops import row_tile, settings_epoch
+from strata.executor import cuda_attention
+from strata.executor.ops import row_tile, settings_epoch
 
 if TYPE_CHECKING:
-    from executor.models.llama import LlamaModel
-    from executor.paged_kv import ForwardBatch, PagedKVCache
+    from strata.executor.models.llama import LlamaModel
+    from strata.executor.paged_kv import ForwardBatch, PagedKVCache
 
 COMPILED_PASSES = os.environ.get("STRATA_COMPILED_PASSES", "1").lower() not in ("0", "false", "off")
 """Replay compiled graphs for the passes this module takes (False: every pass eager). On unless
@@ -176,7 +175,7 @@ class PassGraphs:
 
     def eligible(self, batch: ForwardBatch, rows: int) -> bool:
         """Whether the pass of ``batch`` over ``rows`` rows is one this module compiles."""
-        from executor.models.llama import kernel_attention
+        from strata.executor.models.llama import kernel_attention
 
         m = self.model
         if rows > MAX_ROWS or row_tile() or not self.resident:
@@ -202,7 +201,7 @@ class PassGraphs:
         if self.disabled or not self.eligible(batch, rows):
             return None
         width = table_width(batch)
-        from executor.models import llama
+        from strata.executor.models import llama
 
         # What the trace depends on beside the layout: the kernel paths' settings, the
         # segments, and whether Q/K/V's store RoPEs them (``llama.FUSED_ROPE``).

@@ -14,12 +14,18 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from planner.catalog import CATALOG, ResolvedModel, file_sha256, resolve_model
-from planner.describe import describe_gguf, source_for
-from planner.errors import PlanError
-from planner.gguf_file import GGUFFile, open_gguf
-from planner.schemas import DraftModelRef, HardwareProfile, ModelDescription, Plan, RoutingProfile
-from planner.yamlio import canonical_sha256, read_yaml
+from strata.common.catalog import CATALOG, ResolvedModel, file_sha256, resolve_model
+from strata.common.describe import describe_gguf, source_for
+from strata.common.errors import PlanError
+from strata.common.gguf_file import GGUFFile, open_gguf
+from strata.common.schemas import (
+    DraftModelRef,
+    HardwareProfile,
+    ModelDescription,
+    Plan,
+    RoutingProfile,
+)
+from strata.common.yamlio import canonical_sha256, read_yaml
 
 
 @dataclass
@@ -241,7 +247,7 @@ def load_draft(loaded: LoadedPlan) -> LoadedPlan:
     Raises:
         PlanError: the plan has no draft model.
     """
-    from planner.schemas import ExpertCache, Placement, Pool, Prefetch, Speculative
+    from strata.common.schemas import ExpertCache, Placement, Pool, Prefetch, Speculative
 
     if loaded.draft_path is None:
         raise PlanError(

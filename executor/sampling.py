@@ -13,8 +13,7 @@ import math
 from dataclasses import dataclass
 
 import numpy as np
-
-from planner.errors import StrataError
+from strata.common.errors import StrataError
 
 GREEDY_BELOW = 1e-5
 """Temperatures below this are greedy (vLLM's ``_SAMPLING_EPS``, the same rule): the limit of

@@ -67,8 +67,8 @@ import itertools
 from collections import deque
 from dataclasses import dataclass, field
 
-from executor.block_pool import BlockPool
-from planner.errors import StrataError
+from strata.common.errors import StrataError
+from strata.executor.block_pool import BlockPool
 
 LEND_PARTIAL_BLOCKS = True
 """Admissions borrow the leading slots of a cached block where the prompt's next tokens agree

@@ -22,9 +22,8 @@ from __future__ import annotations
 
 import mlx.core as mx
 import numpy as np
-
-from executor.paged_kv import ForwardBatch, PagedKVCache, SeqInput
-from planner.errors import StrataError
+from strata.common.errors import StrataError
+from strata.executor.paged_kv import ForwardBatch, PagedKVCache, SeqInput
 
 
 def tier_or_none(store, unit: str) -> str | None:

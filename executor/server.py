@@ -69,14 +69,13 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response
 from starlette.routing import Route
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
-
-from executor.chat import messages_to_ids
-from executor.sampling import SamplingParams
-from executor.serving import MAX_LOGPROBS, GenerationRequest, TokenEvent, TokenLogprob
-from planner.errors import StrataError
+from strata.common.errors import StrataError
+from strata.executor.chat import messages_to_ids
+from strata.executor.sampling import SamplingParams
+from strata.executor.serving import MAX_LOGPROBS, GenerationRequest, TokenEvent, TokenLogprob
 
 if TYPE_CHECKING:
-    from executor.serving import ServingEngine
+    from strata.executor.serving import ServingEngine
 
 COMPLETION_DEFAULT_MAX_TOKENS = 16
 """``max_tokens`` of ``/v1/completions`` when the request gives none (OpenAI's default)."""
@@ -1560,9 +1559,9 @@ def serve(
     Raises:
         StrataError: the address cannot be used, or the plan cannot be loaded.
     """
-    from executor.engine import Engine
-    from executor.plan_loader import load_plan
-    from executor.serving import WARM_UP_ROW_BUCKETS, ServingEngine
+    from strata.executor.engine import Engine
+    from strata.executor.plan_loader import load_plan
+    from strata.executor.serving import WARM_UP_ROW_BUCKETS, ServingEngine
 
     sock = bind_socket(host, port)  # before loading: a busy port fails in a second, not after
     try:

@@ -61,19 +61,18 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 import numpy as np
-
-from executor import cuda_attention, pass_graph
-from executor.block_pool import BlockPool
-from executor.drafters import Drafter, DraftInput, DraftModelDrafter, PromptLookupDrafter
-from executor.engine import Engine
-from executor.host_inputs import InputStaging
-from executor.ops import bucket_rows, set_row_tile
-from executor.paged_kv import ForwardBatch, SeqInput, slot_table
-from executor.plan_loader import load_draft
-from executor.sampling import Sampler, SamplingParams, accept_greedy
-from executor.scheduler import Scheduler, SchedulerStep, Sequence
-from executor.self_drafter import SelfDrafter, streamed_units
-from planner.errors import StrataError
+from strata.common.errors import StrataError
+from strata.executor import cuda_attention, pass_graph
+from strata.executor.block_pool import BlockPool
+from strata.executor.drafters import Drafter, DraftInput, DraftModelDrafter, PromptLookupDrafter
+from strata.executor.engine import Engine
+from strata.executor.host_inputs import InputStaging
+from strata.executor.ops import bucket_rows, set_row_tile
+from strata.executor.paged_kv import ForwardBatch, SeqInput, slot_table
+from strata.executor.plan_loader import load_draft
+from strata.executor.sampling import Sampler, SamplingParams, accept_greedy
+from strata.executor.scheduler import Scheduler, SchedulerStep, Sequence
+from strata.executor.self_drafter import SelfDrafter, streamed_units
 
 THREAD_CHECK_S = 1.0
 """Seconds between checks that the engine thread is alive while a caller waits on it."""

@@ -26,11 +26,10 @@ from concurrent.futures import ThreadPoolExecutor
 
 import mlx.core as mx
 import numpy as np
-
-from executor.direct_io import ALIGN, open_uncached, pread_into
-from executor.ops import QuantLinear
-from executor.pack import PackedUnit, PackStore
-from planner.errors import StrataError
+from strata.common.errors import StrataError
+from strata.executor.direct_io import ALIGN, open_uncached, pread_into
+from strata.executor.ops import QuantLinear
+from strata.executor.pack import PackedUnit, PackStore
 
 CHUNK = 4 << 20
 """Read size per preadv call, bytes: 4 MiB, the profile's direct-I/O test block."""

@@ -29,9 +29,8 @@ from pathlib import Path
 
 import gguf
 from gguf import GGUFReader, GGUFValueType, TokenType
+from strata.common.errors import StrataError
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers
-
-from planner.errors import StrataError
 
 log = logging.getLogger(__name__)
 
@@ -1001,7 +1000,7 @@ class GGUFTokenizer:
             planner.errors.GGUFError: the file is missing or not a valid GGUF.
             TokenizerError: its tokenizer metadata is missing, malformed or not supported yet.
         """
-        from planner.gguf_file import open_gguf
+        from strata.common.gguf_file import open_gguf
 
         return cls.from_reader(open_gguf(path).reader)
 

@@ -21,15 +21,14 @@ from collections.abc import Sequence
 
 import mlx.core as mx
 import numpy as np
-
-from executor.experts import ExpertCache, RoutingTracker, expert_key, split_gate_up
-from executor.ops import QuantLinear, embedding, to_mlx
-from executor.pack import PackStore, unit_host_tensors
-from executor.quant import PackedWeight
-from executor.streaming import StreamPool
-from planner.errors import PlanError, StrataError
-from planner.gguf_file import GGUFFile
-from planner.schemas import ModelDescription, RoutingProfile
+from strata.common.errors import PlanError, StrataError
+from strata.common.gguf_file import GGUFFile
+from strata.common.quant import PackedWeight
+from strata.common.schemas import ModelDescription, RoutingProfile
+from strata.executor.experts import ExpertCache, RoutingTracker, expert_key, split_gate_up
+from strata.executor.ops import QuantLinear, embedding, to_mlx
+from strata.executor.pack import PackStore, unit_host_tensors
+from strata.executor.streaming import StreamPool
 
 Weight = QuantLinear | mx.array
 HostWeight = PackedWeight | np.ndarray

@@ -1,3 +1,2 @@
-"""Strata's planner: model descriptions, hardware profiles, the placement ILP, plans."""
-
-__version__ = "0.1.0"
+"""Pure planning: model descriptions from architecture files, the cost model, the placement ILP,
+explain and diff. Imports only ``strata.common``."""

@@ -63,11 +63,10 @@ from typing import Literal
 import gguf
 import numpy as np
 from pydantic import Field, model_validator
-
-from planner.describe import assemble, tensor_info
-from planner.errors import StrataError
-from planner.schemas import Architecture, ModelDescription, ModelSource, Strict
-from planner.yamlio import canonical_sha256, read_yaml
+from strata.common.describe import assemble, tensor_info
+from strata.common.errors import StrataError
+from strata.common.schemas import Architecture, ModelDescription, ModelSource, Strict
+from strata.common.yamlio import canonical_sha256, read_yaml
 
 T = gguf.GGMLQuantizationType
 F = gguf.LlamaFileType

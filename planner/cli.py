@@ -1,4 +1,5 @@
-"""The planner's commands, behind ``plan.py``'s argument parsing.
+"""The planner's commands (``strata describe|plan|diff|explain|synth``, also ``plan.py`` and
+``synth.py``): their arguments and what each does.
 
 Every user-facing failure is a ``StrataError`` printed as one line (``error: ...``, exit status 2);
 solve time and progress go to stderr, documents to stdout or ``-o FILE``.
@@ -7,24 +8,16 @@ solve time and progress go to stderr, documents to stdout or ``-o FILE``.
 from __future__ import annotations
 
 import argparse
-import socket
 import sys
 from pathlib import Path
 
-from planner.costmodel import rate_label
-from planner.errors import StrataError, run_command
-from planner.explain import format_rate
-from planner.schemas import ModelDescription, Plan, Request
-from planner.sizes import format_size, parse_size
-from planner.yamlio import parse_doc, read_yaml, to_yaml, write_yaml
-
-
-def _emit(doc, output: str | None) -> None:
-    if output:
-        write_yaml(doc, output)
-        print(f"wrote {output}", file=sys.stderr)
-    else:
-        sys.stdout.write(to_yaml(doc))
+from strata.common.cli_io import check_output, emit
+from strata.common.errors import StrataError
+from strata.common.schemas import ModelDescription, Plan, Request
+from strata.common.sizes import format_size, parse_size
+from strata.common.yamlio import parse_doc, read_yaml, write_yaml
+from strata.planner.costmodel import rate_label
+from strata.planner.explain import format_rate
 
 
 def _arch_description(args: argparse.Namespace, model_flag: str) -> ModelDescription | None:
@@ -34,7 +27,7 @@ def _arch_description(args: argparse.Namespace, model_flag: str) -> ModelDescrip
         StrataError: both or neither of the model and ``--arch``; ``--arch`` without ``--ftype``
             or ``--ftype`` without ``--arch``; a bad architecture file or file type.
     """
-    from planner.archdesc import FTYPES, describe_arch
+    from strata.planner.archdesc import FTYPES, describe_arch
 
     if bool(args.arch) == bool(args.model):
         raise StrataError(f"give exactly one of {model_flag} and --arch FILE.yaml --ftype NAME")
@@ -47,38 +40,14 @@ def _arch_description(args: argparse.Namespace, model_flag: str) -> ModelDescrip
     return describe_arch(args.arch, args.ftype)
 
 
-def _check_output(output: str | None, *inputs: str | None) -> None:
-    """Refuse an ``-o`` path that is an input of the command (it would be overwritten)."""
-    if not output:
-        return
-    out = Path(output)
-    if out.is_dir():
-        raise StrataError(f"-o {output} is a folder; give a file path")
-    for src in inputs:
-        if src and Path(src).exists() and out.exists() and out.samefile(src):
-            raise StrataError(f"-o {output} is also an input; write to another file")
-
-
 def cmd_describe(args: argparse.Namespace) -> None:
-    from planner.describe import describe
+    from strata.common.describe import describe
 
-    _check_output(args.output, args.model, getattr(args, "arch", None))
+    check_output(args.output, args.model, getattr(args, "arch", None))
     desc = _arch_description(args, "MODEL")
     if desc is None:
         desc, _ = describe(args.model)
-    _emit(desc, args.output)
-
-
-def cmd_profile(args: argparse.Namespace) -> None:
-    from planner.catalog import cache_dir
-    from planner.profile import measure_profile
-
-    _check_output(args.output)  # before a measurement of ~10 s, not after
-    # Default name: the output file's stem (profiles/mybox.yaml -> mybox), else the host name.
-    name = args.name or (Path(args.output).stem if args.output else None)
-    name = name or socket.gethostname().split(".")[0].lower() or "this-machine"
-    disk = Path(args.disk_dir) if args.disk_dir else cache_dir()
-    _emit(measure_profile(disk, name, quick=args.quick), args.output)
+    emit(desc, args.output)
 
 
 def request_from_args(args: argparse.Namespace) -> Request:
@@ -103,7 +72,7 @@ def speculative_from_args(args: argparse.Namespace):
     Raises:
         StrataError: options that do not go together or are out of range.
     """
-    from planner.speculative import SpeculativeRequest
+    from strata.planner.speculative import SpeculativeRequest
 
     return SpeculativeRequest(
         method=getattr(args, "speculative", None) or "none",
@@ -114,10 +83,10 @@ def speculative_from_args(args: argparse.Namespace):
 
 
 def cmd_plan(args: argparse.Namespace) -> None:
-    from planner.planning import build_plan
+    from strata.planner.planning import build_plan
 
     draft = getattr(args, "draft_model", None)
-    _check_output(args.output, args.model, args.profile, getattr(args, "arch", None), draft)
+    check_output(args.output, args.model, args.profile, getattr(args, "arch", None), draft)
     speculative = speculative_from_args(args)  # before describing: option errors come first
     desc = _arch_description(args, "--model")
     request = request_from_args(args)
@@ -149,26 +118,185 @@ def cmd_plan(args: argparse.Namespace) -> None:
 
 
 def cmd_diff(args: argparse.Namespace) -> None:
-    from planner.diff import diff
+    from strata.planner.diff import diff
 
     print(diff(read_yaml(args.a, Plan), read_yaml(args.b, Plan)))
 
 
 def cmd_explain(args: argparse.Namespace) -> None:
-    from planner.explain import explain
+    from strata.planner.explain import explain
 
     print(explain(read_yaml(args.plan, Plan)))
 
 
+def cmd_synth(args: argparse.Namespace) -> None:
+    from strata.common.sizes import format_size
+    from strata.planner.synthetic import shape_from_args, write_synthetic
+
+    shape = shape_from_args(
+        args.shape,
+        layers=args.layers,
+        width=args.width,
+        ffn=args.ffn,
+        heads=args.heads,
+        kv_heads=args.kv_heads,
+        experts=args.experts,
+        experts_used=args.experts_used,
+    )
+    m = write_synthetic(
+        args.output,
+        shape,
+        ftype=args.ftype,
+        seed=args.seed,
+        tokenizer=args.tokenizer,
+        logit_std=args.logit_std,
+        routing=args.routing,
+        progress=True,
+    )
+    moe = f", {m.shape.experts_used} of {m.shape.experts} experts, {m.routing} routing"
+    print(
+        f"wrote {m.path}: {m.shape.name} {m.ftype}{moe if m.shape.experts else ''}, "
+        f"{m.n_params / 1e6:,.1f} M weights, {format_size(m.size_bytes)}",
+        file=sys.stderr,
+    )
+
+
+def presets() -> str:
+    from strata.planner.synthetic import SHAPES
+
+    def line(s) -> str:
+        moe = f", {s.experts} experts ({s.experts_used} used)" if s.experts else ""
+        return (
+            f"  {s.name:<14} {s.arch}: {s.layers} layers, width {s.width}, ffn {s.ffn}{moe}, "
+            f"{s.heads}/{s.kv_heads} heads of {s.head_dim}"
+        )
+
+    return "presets:\n" + "\n".join(line(s) for s in SHAPES.values())
+
+
+def add_commands(sub) -> None:
+    """Add the planner's subcommands (describe, plan, diff, explain) to ``sub``."""
+    d = sub.add_parser(
+        "describe", help="model description (YAML) from a GGUF header or an architecture file"
+    )
+    d.add_argument("model", nargs="?", help="catalog name (smollm2-135m, gemma3-270m) or GGUF path")
+    d.add_argument("--arch", help="instead of MODEL: architecture file (profiles/arch/*.yaml)")
+    d.add_argument("--ftype", help="with --arch: llama.cpp file type, e.g. Q4_K_M")
+    d.add_argument("-o", "--output", help="write here instead of stdout")
+
+    pl = sub.add_parser("plan", help="solve the placement ILP and write a plan")
+    pl.add_argument("--model", help="catalog name or GGUF path")
+    pl.add_argument("--arch", help="instead of --model: architecture file (profiles/arch/*.yaml)")
+    pl.add_argument("--ftype", help="with --arch: llama.cpp file type, e.g. Q4_K_M")
+    pl.add_argument(
+        "--routing-profile",
+        metavar="FILE",
+        help="MoE: measured routing (execute.py run --save-routing-profile) in place of uniform "
+        "top-k/n expert access",
+    )
+    pl.add_argument("--profile", required=True, help="hardware profile YAML")
+    pl.add_argument("--context", type=int, default=4096, help="tokens per sequence (default 4096)")
+    pl.add_argument("--concurrency", type=int, default=1, help="sequences at once (default 1)")
+    pl.add_argument("--objective", choices=("latency", "throughput"), default="latency")
+    pl.add_argument("--gpu-budget", help="override the device working set, e.g. 512MiB, 8GiB")
+    pl.add_argument("--ram-budget", help="override host RAM available, e.g. 8GB")
+    pl.add_argument(
+        "--tiers", default="gpu,ram,nvme", help="tiers the plan may use (default gpu,ram,nvme)"
+    )
+    pl.add_argument(
+        "--speculative",
+        choices=("none", "prompt_lookup", "draft_model", "self"),
+        default="none",
+        help="speculative decoding: draft tokens from n-grams of the sequence (prompt_lookup), a "
+        "smaller model of the same vocabulary (draft_model), or the model's own resident layers "
+        "(self); the cost model chooses K (default none)",
+    )
+    pl.add_argument(
+        "--draft-model",
+        metavar="MODEL",
+        help="with --speculative draft_model: catalog name or GGUF path, planned together with "
+        "the target (its weights and KV cache on the device first)",
+    )
+    pl.add_argument(
+        "--num-draft-tokens",
+        type=int,
+        metavar="K",
+        help="draft tokens per step, 1..16 (default: the cost model's choice, 1..8)",
+    )
+    pl.add_argument(
+        "--acceptance-rate",
+        type=float,
+        metavar="A",
+        help="measured share of draft tokens accepted, 0..1 (default: an assumed figure per "
+        "method, stated in the plan)",
+    )
+    pl.add_argument("-o", "--output", required=True, help="plan file to write")
+
+    df = sub.add_parser("diff", help="what differs between two plans")
+    df.add_argument("a")
+    df.add_argument("b")
+
+    ex = sub.add_parser("explain", help="why each unit is where it is; the bottleneck")
+    ex.add_argument("plan")
+
+
+def add_synth_arguments(p: argparse.ArgumentParser) -> None:
+    """The options of ``synth`` (a synthetic GGUF of a real model's shape)."""
+    from strata.planner.synthetic import FTYPES, ROUTING, SHAPES
+    from strata.planner.synthetic_routing import TARGET_LIFT, TARGET_SHARE
+
+    p.add_argument("--shape", required=True, help=f"preset: {', '.join(SHAPES)}")
+    p.add_argument("--layers", type=int, help="override the number of blocks")
+    p.add_argument("--width", type=int, help="override the embedding length")
+    p.add_argument("--ffn", type=int, help="override the feed-forward length (per expert for MoE)")
+    p.add_argument("--heads", type=int, help="override the query head count")
+    p.add_argument("--kv-heads", type=int, help="override the key/value head count")
+    p.add_argument(
+        "--experts",
+        type=int,
+        help="override the experts per MoE block (0 makes a llama MoE shape dense)",
+    )
+    p.add_argument("--experts-used", type=int, help="override the experts chosen per token")
+    routing_help = (
+        f"{', '.join(ROUTING)}: MoE shapes' routers. 'uniform' (default): every expert equally "
+        "likely, layers independent. 'skewed': each layer's top quarter of experts takes about "
+        f"{TARGET_SHARE * 100:.0f}%% of the selections, and an expert's designated successor in "
+        f"the next layer fires about {TARGET_LIFT:g}x more often than chance when it fired. Both "
+        "are built into the weights (a token's routing then depends on its id only; they need "
+        "--width 128 or more, skewed at least 4 experts) and their files differ only in the "
+        "routers. 'random': plain random routers, nothing designed (not uniform: a random "
+        "model's residual stream drifts to a shared component that biases them, more with "
+        "depth). See planner/synthetic.py"
+    )
+    p.add_argument("--routing", default="uniform", help=routing_help)
+    p.add_argument("--ftype", default="Q4_0", help=f"{', '.join(FTYPES)} (default Q4_0)")
+    p.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
+    p.add_argument(
+        "--tokenizer",
+        default="smollm2-135m",
+        help="catalog name or GGUF path to copy tokenizer.* from (default smollm2-135m)",
+    )
+    p.add_argument(
+        "--logit-std", type=float, default=3.0, help="target std of the logits (default 3)"
+    )
+    p.add_argument("-o", "--output", required=True, help="GGUF file to write")
+
+
+SYNTH_DOC = """Write a synthetic GGUF: a real model's shape and quant types, random weights,
+SmolLM2's tokenizer.
+
+For exercising tier streaming at sizes no real test model here reaches; llama.cpp runs the files
+too. Dense llama shapes and mixture-of-experts shapes (Mixtral: llama with experts; Qwen3-MoE:
+qwen3moe). MoE routing is uniform, or skewed and correlated across layers like a trained model's
+(--routing skewed), or whatever plain random routers do (--routing random). Argument parsing
+only: the work is in planner/synthetic.py (the construction) and planner/synthetic_routing.py
+(the routing design and its statistics).
+"""
+
 COMMANDS = {
     "describe": cmd_describe,
-    "profile": cmd_profile,
     "plan": cmd_plan,
     "diff": cmd_diff,
     "explain": cmd_explain,
+    "synth": cmd_synth,
 }
-
-
-def run(args: argparse.Namespace) -> int:
-    """Run one command; user errors become one line on stderr and exit status 2."""
-    return run_command(lambda: COMMANDS[args.command](args))

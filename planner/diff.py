@@ -6,8 +6,10 @@ over contiguous layer ranges (``ffn blk 10–29: gpu → nvme, 20 units, 32.1 Mi
 
 from __future__ import annotations
 
-from planner.costmodel import batch_size
-from planner.explain import (
+from strata.common.schemas import TIERS, ModelDescription, Plan, TierMemory
+from strata.common.sizes import format_size
+from strata.planner.costmodel import batch_size
+from strata.planner.explain import (
     batch_label,
     format_rate,
     format_time,
@@ -20,8 +22,6 @@ from planner.explain import (
     unit_refs,
     weights_per_tier,
 )
-from planner.schemas import TIERS, ModelDescription, Plan, TierMemory
-from planner.sizes import format_size
 
 
 def _signed_size(n: int) -> str:

@@ -10,9 +10,9 @@ import re
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
 
-from planner.costmodel import batch_size, rate_label
-from planner.schemas import TIERS, ModelDescription, Plan
-from planner.sizes import format_size
+from strata.common.schemas import TIERS, ModelDescription, Plan
+from strata.common.sizes import format_size
+from strata.planner.costmodel import batch_size, rate_label
 
 # --------------------------------------------------------------------------- shared helpers
 

@@ -77,8 +77,26 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import pulp
-
-from planner.costmodel import (
+from strata.common.errors import PlanError
+from strata.common.schemas import (
+    TIERS,
+    BatchLimits,
+    ExpertCache,
+    Fingerprints,
+    HardwareProfile,
+    ModelDescription,
+    Placement,
+    Plan,
+    Pool,
+    Prediction,
+    Prefetch,
+    Request,
+    Runtime,
+    SolverResult,
+    TierMemory,
+)
+from strata.common.sizes import format_size
+from strata.planner.costmodel import (
     MAX_DEPTH,
     CapacityRow,
     UnitCost,
@@ -98,25 +116,6 @@ from planner.costmodel import (
     weights_by_tier,
     working_slots,
 )
-from planner.errors import PlanError
-from planner.schemas import (
-    TIERS,
-    BatchLimits,
-    ExpertCache,
-    Fingerprints,
-    HardwareProfile,
-    ModelDescription,
-    Placement,
-    Plan,
-    Pool,
-    Prediction,
-    Prefetch,
-    Request,
-    Runtime,
-    SolverResult,
-    TierMemory,
-)
-from planner.sizes import format_size
 
 MIB = 2**20
 TIME_UNITS = 1000.0

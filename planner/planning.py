@@ -7,13 +7,9 @@ import os
 import sys
 from pathlib import Path
 
-from planner import __version__
-from planner.costmodel import tier_memory
-from planner.describe import describe
-from planner.errors import PlanError
-from planner.ilp import solve, solver_description
-from planner.routing import apply_routing_profile, read_routing_profile
-from planner.schemas import (
+from strata.common.describe import describe
+from strata.common.errors import PlanError
+from strata.common.schemas import (
     Fingerprints,
     HardwareProfile,
     ModelDescription,
@@ -21,14 +17,19 @@ from planner.schemas import (
     ProfileRef,
     Request,
 )
-from planner.sizes import format_size
-from planner.speculative import (
+from strata.common.sizes import format_size
+from strata.common.yamlio import canonical_sha256, read_yaml
+from strata.planner.costmodel import tier_memory
+from strata.planner.ilp import solve, solver_description
+from strata.planner.routing import apply_routing_profile, read_routing_profile
+from strata.planner.speculative import (
     SpeculativeRequest,
     load_draft_model,
     plan_speculative,
     target_request,
 )
-from planner.yamlio import canonical_sha256, read_yaml
+
+from strata import __version__
 
 
 def build_plan(

@@ -16,9 +16,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from planner.errors import PlanError
-from planner.schemas import ModelDescription, RoutingProfile, RoutingSummary
-from planner.yamlio import canonical_sha256, read_yaml
+from strata.common.errors import PlanError
+from strata.common.schemas import ModelDescription, RoutingProfile, RoutingSummary
+from strata.common.yamlio import canonical_sha256, read_yaml
 
 
 def read_routing_profile(path: str | Path) -> RoutingProfile:

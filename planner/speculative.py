@@ -53,8 +53,19 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-from planner.catalog import CATALOG, resolve_model
-from planner.costmodel import (
+from strata.common.catalog import CATALOG, resolve_model
+from strata.common.errors import PlanError, StrataError
+from strata.common.gguf_file import open_gguf
+from strata.common.schemas import (
+    DraftModelRef,
+    HardwareProfile,
+    ModelDescription,
+    Plan,
+    Request,
+    Speculative,
+)
+from strata.common.sizes import format_size
+from strata.planner.costmodel import (
     activation_bytes,
     batch_size,
     capacities,
@@ -65,17 +76,6 @@ from planner.costmodel import (
     step_compute_s,
     unit_costs,
 )
-from planner.errors import PlanError, StrataError
-from planner.gguf_file import open_gguf
-from planner.schemas import (
-    DraftModelRef,
-    HardwareProfile,
-    ModelDescription,
-    Plan,
-    Request,
-    Speculative,
-)
-from planner.sizes import format_size
 
 METHODS: tuple[str, ...] = ("none", "prompt_lookup", "draft_model", "self")
 
@@ -430,8 +430,8 @@ def load_draft_model(
     Raises:
         StrataError: unknown model or malformed GGUF; a vocabulary other than the target's.
     """
-    from planner.costmodel import batch_limits
-    from planner.describe import describe
+    from strata.common.describe import describe
+    from strata.planner.costmodel import batch_limits
 
     desc, g = describe(spec)
     _check_vocabulary(spec, desc, g.field("tokenizer.ggml.tokens"), target)

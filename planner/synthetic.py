@@ -140,11 +140,10 @@ import gguf
 import numpy as np
 from gguf import GGMLQuantizationType, GGUFValueType, LlamaFileType
 from gguf.constants import GGML_QUANT_SIZES
+from strata.common.atomic import temporary_beside
+from strata.common.errors import StrataError
+from strata.planner.synthetic_routing import SEED_KEY, calibrate, expert_lanes
 from tqdm import tqdm
-
-from planner.atomic import temporary_beside
-from planner.errors import StrataError
-from planner.synthetic_routing import SEED_KEY, calibrate, expert_lanes
 
 __all__ = [
     "FTYPES",
@@ -636,7 +635,7 @@ _Field = tuple[str, object, GGUFValueType, GGUFValueType | None]
 
 def _tokenizer_fields(source: str) -> tuple[_Field, ...]:
     """Every ``tokenizer.*`` key of the source GGUF as (key, value, type, array element type)."""
-    from planner.catalog import resolve_model
+    from strata.common.catalog import resolve_model
 
     path = resolve_model(source).path
     st = path.stat()
@@ -647,7 +646,7 @@ def _tokenizer_fields(source: str) -> tuple[_Field, ...]:
 def _read_tokenizer_fields(path: str, size: int, mtime_ns: int) -> tuple[_Field, ...]:
     # Parsing 49152 tokens and their merges with GGUFReader takes about 1.5 s; size and mtime in
     # the key make a changed file read again. Callers must not mutate the returned values.
-    from planner.gguf_file import open_gguf
+    from strata.common.gguf_file import open_gguf
 
     g = open_gguf(path)
     out = []

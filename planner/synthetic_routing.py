@@ -52,8 +52,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import numpy as np
-
-from planner.errors import StrataError
+from strata.common.errors import StrataError
 
 if TYPE_CHECKING:
     import gguf

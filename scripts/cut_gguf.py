@@ -35,9 +35,9 @@ import numpy as np
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from planner.catalog import resolve_model  # noqa: E402
-from planner.errors import StrataError, run_command  # noqa: E402
-from planner.gguf_file import open_gguf  # noqa: E402
+from strata.common.catalog import resolve_model  # noqa: E402
+from strata.common.errors import StrataError, run_command  # noqa: E402
+from strata.common.gguf_file import open_gguf  # noqa: E402
 
 _BLOCK = re.compile(r"blk\.(\d+)\.")
 _VT = gguf.GGUFValueType

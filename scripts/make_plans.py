@@ -12,10 +12,10 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from planner.archdesc import describe_arch  # noqa: E402
-from planner.planning import build_plan  # noqa: E402
-from planner.schemas import Plan, Request  # noqa: E402
-from planner.yamlio import write_yaml  # noqa: E402
+from strata.common.schemas import Plan, Request  # noqa: E402
+from strata.common.yamlio import write_yaml  # noqa: E402
+from strata.planner.archdesc import describe_arch  # noqa: E402
+from strata.planner.planning import build_plan  # noqa: E402
 
 # plan file -> (model, profile file, request); a model is a catalog name, or (architecture file
 # under profiles/arch/, llama.cpp file type) for a model described without its weights.

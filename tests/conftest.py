@@ -9,15 +9,15 @@ from typing import TYPE_CHECKING
 import pytest
 
 if TYPE_CHECKING:
-    from planner.schemas import ModelDescription
+    from strata.common.schemas import ModelDescription
 
-DATA = Path(__file__).parent / "data"
+DATA = Path(__file__).parent / "fixtures" / "data"
 
 
 @pytest.fixture(scope="session")
 def smollm2_gguf() -> Path:
     """The real SmolLM2-135M-Instruct Q4_1 GGUF, fetched and sha256-checked by the catalog."""
-    from planner.catalog import resolve_model
+    from strata.common.catalog import resolve_model
 
     return resolve_model("smollm2-135m").path
 
@@ -35,9 +35,9 @@ def make_plan_file(
 ) -> Path:
     """Plan ``model`` with the real planner (``plan.py plan``'s code) and write it to ``path``
     (``desc``: the model's description, when already made)."""
-    from planner.planning import build_plan
-    from planner.schemas import Request
-    from planner.yamlio import write_yaml
+    from strata.common.schemas import Request
+    from strata.common.yamlio import write_yaml
+    from strata.planner.planning import build_plan
 
     req = Request(**{"context": 2048, "concurrency": 1, **request})
     write_yaml(build_plan(model, profile, req, path, desc=desc), path)
@@ -76,9 +76,9 @@ def budget_plans(tmp_path_factory) -> dict[str, Path]:
     - ``gpu-ram``: ``--tiers gpu,ram`` and the ``ffn-nvme`` device budget: units split over gpu
       and ram. ``all-ram``: ``--tiers ram``.
     """
-    from planner.describe import describe
-    from planner.schemas import Plan
-    from planner.yamlio import read_yaml
+    from strata.common.describe import describe
+    from strata.common.schemas import Plan
+    from strata.common.yamlio import read_yaml
 
     d = tmp_path_factory.mktemp("budget-plans")
     desc, _ = describe("smollm2-135m")
@@ -110,8 +110,8 @@ def budget_plans(tmp_path_factory) -> dict[str, Path]:
 @pytest.fixture(scope="session")
 def smollm2_engine(smollm2_plan):
     """The executor loaded with ``smollm2_plan`` (load once per test session)."""
-    from executor.engine import Engine
-    from executor.plan_loader import load_plan
+    from strata.executor.engine import Engine
+    from strata.executor.plan_loader import load_plan
 
     return Engine(load_plan(smollm2_plan))
 
@@ -122,16 +122,9 @@ def reference_cases() -> list[dict]:
     return json.loads((DATA / "llamacpp_visible.json").read_text())
 
 
-def pytest_configure(config):
-    # Test helpers (tests/gguf_factory.py) import as top-level modules.
-    import sys
-
-    sys.path.insert(0, str(Path(__file__).parent))
-
-
 @pytest.fixture(scope="session")
 def gemma3_gguf() -> Path:
     """The real Gemma-3-270M Q4_K_M GGUF (253 MB, four wheels concatenated), sha256-checked."""
-    from planner.catalog import resolve_model
+    from strata.common.catalog import resolve_model
 
     return resolve_model("gemma3-270m").path

@@ -87,8 +87,8 @@ def test_changed_profile_refused(tmp_path):
 def test_edited_request_refused(tmp_path):
     """A plan whose request was raised by hand (a context the budgets never sized a KV cache
     for) is refused before anything is allocated, not run out of memory."""
-    from executor.plan_loader import load_plan
-    from planner.errors import PlanError
+    from strata.common.errors import PlanError
+    from strata.executor.plan_loader import load_plan
 
     model = write_tiny_llama(tmp_path / "tiny.gguf")
     plan = make_plan_file(str(model), tmp_path / "p.yaml", context=256)

@@ -2,15 +2,15 @@
 
 from __future__ import annotations
 
-from executor.models.gemma3 import Gemma3Model
-from executor.models.llama import LlamaModel, MoeRouting
-from executor.models.olmoe import OlmoeModel
-from executor.models.qwen2 import Qwen2Model
-from executor.models.qwen2moe import Qwen2MoeModel
-from executor.models.qwen3 import Qwen3Model
-from executor.models.qwen3moe import Qwen3MoeModel
-from planner.errors import StrataError
-from planner.schemas import Architecture
+from strata.common.errors import StrataError
+from strata.common.schemas import Architecture
+from strata.executor.models.gemma3 import Gemma3Model
+from strata.executor.models.llama import LlamaModel, MoeRouting
+from strata.executor.models.olmoe import OlmoeModel
+from strata.executor.models.qwen2 import Qwen2Model
+from strata.executor.models.qwen2moe import Qwen2MoeModel
+from strata.executor.models.qwen3 import Qwen3Model
+from strata.executor.models.qwen3moe import Qwen3MoeModel
 
 ARCHITECTURES: dict[str, type[LlamaModel]] = {
     "llama": LlamaModel,

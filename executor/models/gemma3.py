@@ -24,8 +24,7 @@ from __future__ import annotations
 import math
 
 import mlx.core as mx
-
-from executor.models.llama import LayerAttention, LlamaModel
+from strata.executor.models.llama import LayerAttention, LlamaModel
 
 GELU_COEF_A = 0.044715
 SQRT_2_OVER_PI = math.sqrt(2.0 / math.pi)

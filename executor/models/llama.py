@@ -45,10 +45,11 @@ from dataclasses import dataclass, replace
 
 import mlx.core as mx
 import numpy as np
-
-from executor import cuda_attention, pass_graph
-from executor.cuda_mma import Rope
-from executor.ops import (
+from strata.common.errors import StrataError
+from strata.common.schemas import Architecture
+from strata.executor import cuda_attention, pass_graph
+from strata.executor.cuda_mma import Rope
+from strata.executor.ops import (
     PAD_ROWS,
     QuantLinear,
     bucket_rows,
@@ -58,10 +59,8 @@ from executor.ops import (
     linear_add,
     row_tile,
 )
-from executor.paged_kv import Chunk, ForwardBatch, PagedKVCache, SequenceCache
-from executor.weights import Weight, WeightStore
-from planner.errors import StrataError
-from planner.schemas import Architecture
+from strata.executor.paged_kv import Chunk, ForwardBatch, PagedKVCache, SequenceCache
+from strata.executor.weights import Weight, WeightStore
 
 ROPE_SCALING_SUPPORTED = ("none", "linear")
 """``rope.scaling.type`` values the forward pass implements (YaRN and LongRoPE are not yet)."""

@@ -15,8 +15,8 @@ The llama decoder (``executor/models/llama.py``) with:
 
 from __future__ import annotations
 
-from executor.models.llama import LlamaModel, MoeRouting
-from planner.schemas import Architecture
+from strata.common.schemas import Architecture
+from strata.executor.models.llama import LlamaModel, MoeRouting
 
 
 class OlmoeModel(LlamaModel):

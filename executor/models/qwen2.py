@@ -8,7 +8,7 @@ have biases (required), and RoPE rotates the two halves of each head (llama.cpp'
 
 from __future__ import annotations
 
-from executor.models.llama import LlamaModel
+from strata.executor.models.llama import LlamaModel
 
 
 class Qwen2Model(LlamaModel):

@@ -17,9 +17,9 @@ llama.cpp requires an ``output.weight`` (no tied embeddings) and ``expert_count`
 
 from __future__ import annotations
 
-from executor.models.llama import MoeRouting
-from executor.models.qwen2 import Qwen2Model
-from planner.schemas import Architecture
+from strata.common.schemas import Architecture
+from strata.executor.models.llama import MoeRouting
+from strata.executor.models.qwen2 import Qwen2Model
 
 
 class Qwen2MoeModel(Qwen2Model):

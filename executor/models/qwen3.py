@@ -8,7 +8,7 @@ dimension from ``qwen3.attention.key_length`` that need not be width / heads.
 
 from __future__ import annotations
 
-from executor.models.llama import LlamaModel
+from strata.executor.models.llama import LlamaModel
 
 
 class Qwen3Model(LlamaModel):

@@ -14,9 +14,9 @@ dimension from ``attention.key_length``) with a mixture of experts in every bloc
 
 from __future__ import annotations
 
-from executor.models.llama import MoeRouting
-from executor.models.qwen3 import Qwen3Model
-from planner.schemas import Architecture
+from strata.common.schemas import Architecture
+from strata.executor.models.llama import MoeRouting
+from strata.executor.models.qwen3 import Qwen3Model
 
 
 class Qwen3MoeModel(Qwen3Model):

@@ -1,0 +1,157 @@
+"""Reading and writing the YAML documents so that they diff cleanly and fail clearly.
+
+Writing: keys in schema order, integers as integers, floats rounded to 6 significant digits,
+block style, a trailing newline; the same document always gives the same bytes.
+Reading: a file that is missing, not YAML, or does not match its schema raises ``SchemaError``
+with one line naming the file, the key path and the fix.
+"""
+
+from __future__ import annotations
+
+import difflib
+import hashlib
+import json
+from pathlib import Path
+from typing import TypeVar
+
+import yaml
+from pydantic import BaseModel, ValidationError
+from strata.common.errors import SchemaError
+
+M = TypeVar("M", bound=BaseModel)
+
+
+def _round(obj: object) -> object:
+    if isinstance(obj, float):
+        if not obj.is_integer():
+            obj = float(f"{obj:.6g}")
+        # Whole numbers (byte counts, rounded bandwidths) are written as exact integers.
+        return int(obj) if obj.is_integer() and abs(obj) < 2**53 else obj
+    if isinstance(obj, dict):
+        return {k: _round(v) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [_round(v) for v in obj]
+    return obj
+
+
+class _Dumper(yaml.SafeDumper):
+    """SafeDumper that indents lists under their key (easier to read in diffs)."""
+
+    def increase_indent(self, flow: bool = False, indentless: bool = False) -> None:
+        super().increase_indent(flow, False)
+
+
+def _str(dumper: yaml.SafeDumper, data: str) -> yaml.Node:
+    style = "|" if "\n" in data else None
+    return dumper.represent_scalar("tag:yaml.org,2002:str", data, style=style)
+
+
+def _list(dumper: yaml.SafeDumper, data: list) -> yaml.Node:
+    # Short lists of numbers (shapes) read best on one line; everything else in block style.
+    flow = bool(data) and all(isinstance(v, int | float) for v in data)
+    return dumper.represent_sequence("tag:yaml.org,2002:seq", data, flow_style=flow)
+
+
+_Dumper.add_representer(str, _str)
+_Dumper.add_representer(list, _list)
+
+
+def to_yaml(doc: BaseModel) -> str:
+    """Serialize a schema document to YAML text (stable bytes for equal documents)."""
+    data = _round(doc.model_dump(mode="json"))
+    return yaml.dump(data, Dumper=_Dumper, sort_keys=False, width=100, allow_unicode=True)
+
+
+def write_yaml(doc: BaseModel, path: str | Path) -> None:
+    """Write ``doc`` to ``path`` (parent folders created)."""
+    text = to_yaml(doc)
+    p = Path(path)
+    try:
+        p.parent.mkdir(parents=True, exist_ok=True)
+        p.write_text(text)
+    except OSError as e:
+        raise SchemaError(f"cannot write {p}: {e.strerror or e}; choose another -o path") from None
+
+
+def canonical_sha256(doc: BaseModel) -> str:
+    """sha256 of a document's canonical JSON form: formatting and comments do not change it."""
+    data = _round(doc.model_dump(mode="json"))
+    return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()
+
+
+def _where(loc: tuple) -> str:
+    return ".".join(str(p) for p in loc) or "(top level)"
+
+
+_KIND_KEYS = {
+    "Plan": {"fingerprints", "placement"},
+    "HardwareProfile": {"gpu", "nvme", "os_reserve_bytes"},
+    "ModelDescription": {"tensors", "units", "architecture"},
+}
+"""Top-level keys that only a document of that kind has: a misplaced file is named as what it is."""
+_KIND_WORDS = {
+    "Plan": "plan",
+    "HardwareProfile": "hardware profile",
+    "ModelDescription": "model description",
+}
+
+
+def _document_kind(data: dict) -> str | None:
+    """The kind of document ``data`` clearly is (all of a kind's keys present), or None."""
+    kinds = [k for k, keys in _KIND_KEYS.items() if keys <= data.keys()]
+    return kinds[0] if len(kinds) == 1 else None
+
+
+def parse_doc(data: object, model: type[M], origin: str) -> M:
+    """Validate already-parsed YAML data against ``model``; errors name ``origin`` and the key."""
+    if not isinstance(data, dict):
+        raise SchemaError(f"{origin}: expected a YAML mapping of {model.__name__} fields")
+    kind = _document_kind(data)
+    if kind is not None and kind != model.__name__:
+        want = _KIND_WORDS.get(model.__name__, model.__name__)
+        raise SchemaError(
+            f"{origin}: this is a {_KIND_WORDS[kind]}, not a {want}; check the argument order"
+        )
+    try:
+        return model.model_validate(data)
+    except ValidationError as e:
+        errors = e.errors()
+        # A misspelt key shows up as one unknown key and one missing key: report the unknown one
+        # first, with the missing key it most likely meant.
+        errors.sort(key=lambda err: err["type"] != "extra_forbidden")
+        err = errors[0]
+        more = f" (and {len(errors) - 1} more)" if len(errors) > 1 else ""
+        if err["type"] == "extra_forbidden":
+            missing = [_where(x["loc"]) for x in errors if x["type"] == "missing"]
+            guess = difflib.get_close_matches(_where(err["loc"]), missing, n=1)
+            hint = (
+                f"did you mean '{guess[0]}'?" if guess else "check its spelling against the schema"
+            )
+            msg = f"unknown key '{_where(err['loc'])}' — {hint}"
+            more = f" (and {len(errors) - 2} more)" if guess and len(errors) > 2 else more
+            more = "" if guess and len(errors) == 2 else more
+        elif err["type"] == "missing":
+            msg = f"missing key '{_where(err['loc'])}'"
+        else:
+            msg = f"'{_where(err['loc'])}': {err['msg']}"
+        raise SchemaError(f"{origin}: {msg}{more}") from None
+
+
+def read_yaml(path: str | Path, model: type[M]) -> M:
+    """Read and validate a YAML document.
+
+    Raises:
+        SchemaError: missing file, invalid YAML, or a schema mismatch (one line, with the fix).
+    """
+    p = Path(path)
+    if not p.is_file():
+        raise SchemaError(f"{p}: no such file")
+    try:
+        data = yaml.safe_load(p.read_text())
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f" at line {mark.line + 1}" if mark else ""
+        raise SchemaError(f"{p}: not valid YAML{where}: {getattr(e, 'problem', e)}") from None
+    except UnicodeDecodeError:
+        raise SchemaError(f"{p}: not a text file") from None
+    return parse_doc(data, model, str(p))

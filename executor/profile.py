@@ -1,0 +1,954 @@
+"""Measure this machine into a :class:`~planner.schemas.HardwareProfile`.
+
+Each number is a :class:`~planner.schemas.Figure` that says how it was obtained. What is measured,
+and how (units: bytes, bytes/s, FLOP/s, seconds):
+
+- memory: host RAM from ``psutil.virtual_memory().total``; the device working set from MLX
+  (Metal's ``max_recommended_working_set_size``, CUDA's free device memory) or, on the CPU backend,
+  RAM less the OS reserve;
+- OS reserve: :func:`os_reserve_bytes`, a stated rule (not a measurement);
+- disk: a real sequential read of a freshly written random file on the disk that holds the models,
+  with direct I/O (``O_DIRECT`` on Linux, ``F_NOCACHE`` on macOS) into page-aligned buffers, at a
+  stated block size and queue depth (threads issuing ``os.preadv`` in parallel);
+- device memory bandwidth: an MLX float32 sum over a large array, best of a few runs;
+- compute: MLX matmuls at a prefill-like and a decode-like shape; the profile's figure is the
+  prefill-like one (see :func:`measure_matmul_flops`); and the decode kernel itself, a 4-bit
+  quantized matrix-vector product (:func:`measure_decode_matvec`);
+- per-operation overhead: seconds per op of a decode step of tiny llama blocks
+  (:func:`measure_op_overhead`);
+- host-to-device copy: ``mx.array(numpy_array)`` + ``mx.eval``, which is how the executor moves
+  RAM-tier weights into MLX arrays.
+
+Progress goes to stderr. The default profile takes well under 30 s on a 2-core machine;
+``quick=True`` shrinks every test (for unit tests, about a second).
+"""
+
+from __future__ import annotations
+
+import datetime
+import math
+import mmap
+import os
+import platform
+import shutil
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import psutil
+from strata.common.errors import StrataError
+from strata.common.op_counts import OPS_PER_UNIT
+from strata.common.schemas import Figure, GPUTier, HardwareProfile, NVMeTier, RAMTier
+from strata.common.sizes import format_size
+from strata.executor.direct_io import (
+    ALIGN,
+    drop_from_page_cache,
+    open_uncached,
+    pread_into,
+    set_nocache,
+)
+
+KiB = 1 << 10
+MiB = 1 << 20
+GiB = 1 << 30
+
+DEFAULT_READ_BYTES = 1 * GiB
+"""Size of the disk read test file, bytes: large enough that per-request latency is amortized
+and a shared disk's moments of contention average out (the lent machines' virtual disks gave
+1.3-2.4 GB/s over 256 MiB reads minutes apart)."""
+DISK_PASSES = 2
+"""Reads of the disk test file; the figure is their mean (the typical rate a plan will see)."""
+DEFAULT_BLOCK_BYTES = 4 * MiB
+"""Read size of the disk test, bytes: the order of one streamed tensor slice (a few MiB)."""
+DEFAULT_QUEUE_DEPTH = 4
+"""Reads in flight during the disk test: the executor's default number of prefetch I/O threads."""
+
+
+_QUICK_READ_BYTES = 8 * MiB
+_QUICK_BLOCK_BYTES = 1 * MiB
+_QUICK_QUEUE_DEPTH = 2
+
+
+def _say(msg: str) -> None:
+    print(f"[profile] {msg}", file=sys.stderr, flush=True)
+
+
+def _today() -> str:
+    return datetime.datetime.now(datetime.UTC).date().isoformat()
+
+
+def _gbs(bytes_s: float) -> str:
+    return f"{bytes_s / 1e9:.2f} GB/s"
+
+
+# --------------------------------------------------------------------------- memory
+
+
+def os_reserve_bytes(total_bytes: int) -> int:
+    """Memory left to the OS and other programs, bytes: ``max(2 GiB, 10% of RAM)``.
+
+    The 10% follows vLLM's default ``gpu_memory_utilization=0.9`` (it leaves a tenth of the memory
+    it manages to everything else); the 2 GiB floor is an assumption: an idle OS session plus this
+    Python process with MLX loaded, which on small machines is more than a tenth of RAM.
+    """
+    return max(2 * GiB, total_bytes // 10)
+
+
+RESERVE_RULE = (
+    "rule max(2 GiB, 10% of RAM): 10% as vLLM's default gpu_memory_utilization=0.9 leaves, "
+    "2 GiB floor assumed for the OS session and this process"
+)
+
+
+def detect_backend() -> str:
+    """The MLX backend of this machine: ``"metal"``, ``"cuda"`` or ``"cpu"``."""
+    import mlx.core as mx
+
+    if mx.metal.is_available():
+        return "metal"
+    if hasattr(mx, "cuda") and mx.cuda.is_available():
+        return "cuda"
+    return "cpu"
+
+
+def _device_info(backend: str) -> dict:
+    """MLX's device info for the default device (``mx.device_info`` in MLX 0.32; older MLX had
+    only ``mx.metal.device_info``)."""
+    import mlx.core as mx
+
+    info: dict = {}
+    dev = mx.gpu if backend in ("metal", "cuda") else mx.cpu
+    if hasattr(mx, "device_info"):
+        info.update(mx.device_info(dev))
+    if backend == "metal" and "max_recommended_working_set_size" not in info:
+        info.update(mx.metal.device_info())
+    return info
+
+
+def working_set(backend: str, total_ram: int, reserve: int, info: dict) -> Figure:
+    """The device working set, bytes, and how it was obtained.
+
+    Raises:
+        StrataError: MLX reports no memory size for the GPU (an MLX build this code does not know).
+    """
+    date = _today()
+    if backend == "metal":
+        if "max_recommended_working_set_size" not in info:
+            raise StrataError(
+                "MLX reports no working-set size for the Metal GPU; upgrade mlx (0.32+) and re-run"
+            )
+        v = int(info["max_recommended_working_set_size"])
+        return Figure(
+            value=v,
+            source="measured",
+            how=f"MLX device_info max_recommended_working_set_size (Metal's "
+            f"recommendedMaxWorkingSetSize, {v / total_ram:.0%} of RAM), {date}",
+        )
+    if backend == "cuda":
+        # free, not total: the CUDA context and other processes already hold part of the card.
+        key = "free_memory" if "free_memory" in info else "total_memory"
+        if key not in info:
+            raise StrataError(
+                "MLX reports no memory size for the CUDA device; upgrade mlx (0.32+) and re-run"
+            )
+        v = int(info[key])
+        return Figure(
+            value=v, source="measured", how=f"MLX mx.device_info(mx.gpu)['{key}'], {date}"
+        )
+    return Figure(
+        value=total_ram - reserve,
+        source="derived",
+        how="host RAM less the OS reserve: MLX's CPU backend computes in host RAM",
+    )
+
+
+# --------------------------------------------------------------------------- disk
+
+
+@dataclass(frozen=True)
+class ReadResult:
+    """One timed sequential read of a file."""
+
+    bytes_read: int
+    seconds: float
+    direct: bool
+    """True when the page cache was bypassed (O_DIRECT or F_NOCACHE), False for the buffered
+    fallback after dropping the file from the page cache."""
+    method: str
+    """How the file was opened, for the profile's ``how``."""
+
+    @property
+    def bytes_s(self) -> float:
+        """Read bandwidth, bytes/s."""
+        return self.bytes_read / self.seconds
+
+
+def read_sequential(
+    path: Path,
+    nbytes: int,
+    *,
+    block_bytes: int = DEFAULT_BLOCK_BYTES,
+    queue_depth: int = DEFAULT_QUEUE_DEPTH,
+) -> ReadResult:
+    """Read the first ``nbytes`` of ``path`` with direct I/O and time it.
+
+    ``queue_depth`` threads each own one page-aligned buffer of ``block_bytes`` and read every
+    ``queue_depth``-th block with ``os.preadv`` (which releases the GIL), so that ``queue_depth``
+    reads of neighbouring blocks are in flight at once: a sequential stream at that depth.
+
+    Args:
+        path: the file to read.
+        nbytes: bytes to read; a multiple of ``block_bytes``.
+        block_bytes: bytes per read, a multiple of 4096.
+        queue_depth: reads in flight (threads), >= 1.
+
+    Returns:
+        Bytes read, seconds taken, whether the page cache was bypassed, and the method.
+
+    Raises:
+        StrataError: bad sizes, the file cannot be opened, a read fails, or a read returns fewer
+            bytes than asked (a short read: the file is shorter than ``nbytes``).
+    """
+    if block_bytes < ALIGN or block_bytes % ALIGN:
+        raise StrataError(f"block size {block_bytes} B is not a multiple of 4096; pass e.g. 4 MiB")
+    if nbytes <= 0 or nbytes % block_bytes:
+        raise StrataError(
+            f"read size {nbytes} B is not a positive multiple of the block size {block_bytes} B"
+        )
+    if queue_depth < 1:
+        raise StrataError(f"queue depth {queue_depth} must be at least 1")
+    try:
+        fd, direct, method = open_uncached(path)
+    except OSError as e:
+        raise StrataError(f"cannot open {path} for the read test: {e.strerror}") from None
+    nblocks = nbytes // block_bytes
+    depth = min(queue_depth, nblocks)
+    bufs = [mmap.mmap(-1, block_bytes) for _ in range(depth)]
+
+    def reader(t: int) -> None:
+        with memoryview(bufs[t]) as mv:
+            for i in range(t, nblocks, depth):
+                off = i * block_bytes
+                try:
+                    n = pread_into(fd, mv, off)
+                except OSError as e:
+                    raise StrataError(
+                        f"read of {path} at byte {off} failed: {e.strerror}"
+                    ) from None
+                if n != block_bytes:
+                    raise StrataError(
+                        f"short read of {path} at byte {off}: got {n} of {block_bytes} bytes "
+                        f"(the file is shorter than the {nbytes} bytes asked for, or the disk "
+                        "failed); check the file and the disk, then re-run"
+                    )
+
+    try:
+        with ThreadPoolExecutor(max_workers=depth) as pool:
+            t0 = time.perf_counter()
+            futures = [pool.submit(reader, t) for t in range(depth)]
+            for f in futures:
+                f.result()  # re-raises a reader's StrataError here
+            seconds = time.perf_counter() - t0
+    finally:
+        os.close(fd)
+        for b in bufs:
+            b.close()
+    return ReadResult(bytes_read=nbytes, seconds=seconds, direct=direct, method=method)
+
+
+def _write_random_file(path: Path, nbytes: int, chunk: int = 4 * MiB) -> None:
+    # Random bytes: a compressing or deduplicating filesystem must store (and read back) each one.
+    rng = np.random.default_rng()
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    try:
+        if sys.platform == "darwin":
+            set_nocache(fd)  # keep the written pages out of the unified buffer cache
+        done = 0
+        while done < nbytes:
+            n = min(chunk, nbytes - done)
+            data = rng.bytes(n)
+            view = memoryview(data)
+            while view:  # os.write may write less than asked
+                view = view[os.write(fd, view) :]
+            done += n
+        os.fsync(fd)
+        drop_from_page_cache(fd)
+    finally:
+        os.close(fd)
+
+
+def _mount_of(path: Path) -> str:
+    """'device (fstype) at mountpoint' for the filesystem holding ``path``, for ``how``."""
+    p = path.resolve()
+    while not os.path.ismount(p) and p != p.parent:
+        p = p.parent
+    for part in psutil.disk_partitions(all=True):
+        if Path(part.mountpoint) == p:
+            return f"{part.device} ({part.fstype}) at {p}"
+    return f"the filesystem at {p}"
+
+
+def _check_disk_dir(disk_dir: Path, nbytes: int) -> None:
+    if not disk_dir.is_dir():
+        raise StrataError(
+            f"{disk_dir}: no such folder; pass the folder that holds (or will hold) the model files"
+        )
+    if not os.access(disk_dir, os.W_OK | os.X_OK):
+        raise StrataError(
+            f"{disk_dir} is not writable; pass a writable folder on the disk that holds the models"
+        )
+    free = shutil.disk_usage(disk_dir).free
+    if free < nbytes + 64 * MiB:
+        raise StrataError(
+            f"{disk_dir} has {format_size(free)} free, the read test needs {format_size(nbytes)}; "
+            "free some space or pass a smaller read size"
+        )
+
+
+def measure_disk(
+    disk_dir: Path,
+    *,
+    read_bytes: int = DEFAULT_READ_BYTES,
+    block_bytes: int = DEFAULT_BLOCK_BYTES,
+    queue_depth: int = DEFAULT_QUEUE_DEPTH,
+) -> NVMeTier:
+    """Direct-I/O sequential read bandwidth of the disk holding ``disk_dir``, bytes/s.
+
+    Writes a random test file of ``read_bytes`` (rounded up to a whole number of blocks) in
+    ``disk_dir``, fsyncs it and drops it from the page cache, reads it ``DISK_PASSES`` times with
+    :func:`read_sequential` (direct I/O: every pass comes from the disk), and deletes it (also on
+    failure). The figure is the passes' mean bandwidth.
+
+    Raises:
+        StrataError: ``disk_dir`` is missing, not writable or too full; the test file cannot be
+            written; or the read fails or comes back short.
+    """
+    nbytes = max(1, math.ceil(read_bytes / block_bytes)) * block_bytes
+    disk_dir = Path(disk_dir)
+    _check_disk_dir(disk_dir, nbytes)
+    path = disk_dir / f".strata-readtest-{os.getpid()}.bin"
+    where = _mount_of(disk_dir)
+    try:
+        _say(f"disk: writing a {format_size(nbytes)} random test file in {disk_dir}")
+        try:
+            _write_random_file(path, nbytes)
+        except OSError as e:
+            raise StrataError(
+                f"cannot write the {format_size(nbytes)} read-test file in {disk_dir}: "
+                f"{e.strerror}; free space there or pass another folder on the model disk"
+            ) from None
+        _say(f"disk: reading it back, {format_size(block_bytes)} blocks, queue depth {queue_depth}")
+        runs = [
+            read_sequential(path, nbytes, block_bytes=block_bytes, queue_depth=queue_depth)
+            for _ in range(DISK_PASSES)
+        ]
+    finally:
+        path.unlink(missing_ok=True)
+    r = runs[0]
+    bytes_s = len(runs) * nbytes / sum(x.seconds for x in runs)
+    _say(f"disk: {_gbs(bytes_s)} ({r.method})")
+    how = (
+        f"sequential read of a {format_size(nbytes)} random file on {where}, "
+        f"{r.method}, os.preadv into page-aligned buffers, {format_size(block_bytes)} blocks, "
+        f"queue depth {queue_depth} (threads), mean of {len(runs)} passes "
+        f"({', '.join(_gbs(x.bytes_s) for x in runs)}), {_today()}"
+    )
+    if not r.direct:
+        how += "; NOT direct I/O, so the figure may differ from the raw disk's"
+    return NVMeTier(
+        read_bytes_s=Figure(value=bytes_s, source="measured", how=how),
+        block_bytes=block_bytes,
+        queue_depth=queue_depth,
+    )
+
+
+# --------------------------------------------------------------------------- MLX measurements
+
+
+def _best_seconds(fn, repeats: int) -> float:
+    fn()  # warm-up: kernel compilation, allocator caches
+    best = math.inf
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+def measure_memory_bandwidth(nbytes: int, repeats: int = 5) -> Figure:
+    """Device memory read bandwidth, bytes/s: MLX float32 reductions over an array of ``nbytes``.
+
+    The array is materialized first, so each timed reduction reads every byte once. Two forms are
+    timed, a sum of everything and a column sum of a (rows, 1024) view, because MLX's kernels
+    reach different rates on them (on a 2-core Linux CPU: ~8 vs ~30 GB/s); the figure is the
+    faster, best of ``repeats`` runs each (the least disturbed by other work). A reduction costs
+    what a matrix-vector product over weights costs at the memory bus, with negligible arithmetic.
+    """
+    import mlx.core as mx
+
+    n = nbytes // 4 // 1024 * 1024
+    a = mx.arange(n, dtype=mx.float32)
+    mx.eval(a)
+    cols = a.reshape(-1, 1024)
+    full_s = _best_seconds(lambda: mx.eval(mx.sum(a)), repeats)
+    col_s = _best_seconds(lambda: mx.eval(mx.sum(cols, axis=0)), repeats)
+    secs = min(full_s, col_s)
+    bw = n * 4 / secs
+    dev = mx.default_device()
+    _say(f"memory: {_gbs(bw)} ({dev})")
+    return Figure(
+        value=bw,
+        source="measured",
+        how=f"MLX float32 reductions over {format_size(n * 4)} on {dev}, best of {repeats} runs "
+        f"each: mx.sum(all) {_gbs(n * 4 / full_s)}, mx.sum(axis=0) of a (rows, 1024) view "
+        f"{_gbs(n * 4 / col_s)}; the faster is the figure, {_today()}",
+    )
+
+
+def _matmul_flops(m: int, k: int, n: int, dtype, repeats: int) -> tuple[float, float]:
+    import mlx.core as mx
+
+    a = mx.random.normal((m, k)).astype(dtype)
+    b = mx.random.normal((k, n)).astype(dtype)
+    mx.eval(a, b)
+    secs = _best_seconds(lambda: mx.eval(a @ b), repeats)
+    return 2.0 * m * k * n / secs, secs
+
+
+def measure_matmul_flops(
+    prefill: tuple[int, int, int],
+    decode: tuple[int, int, int],
+    dtype_name: str,
+    repeats: int = 3,
+) -> Figure:
+    """Sustained matmul throughput, FLOP/s, at a prefill-like (m x k @ k x n) shape.
+
+    The decode-like shape (one row) is timed too and stated in ``how``, but it is not the figure:
+    decode runs quantized matrix-vector kernels, which :func:`measure_decode_matvec` times. The
+    prefill-like product is the compute ceiling that batched decode and prefill approach.
+    """
+    import mlx.core as mx
+
+    dtype = getattr(mx, dtype_name)
+    pf, pf_s = _matmul_flops(*prefill, dtype, repeats)
+    df, df_s = _matmul_flops(*decode, dtype, repeats)
+    _say(f"compute: {pf / 1e9:.1f} GFLOP/s prefill-like, {df / 1e9:.1f} GFLOP/s decode-like")
+    shape = "{}x{} @ {}x{}"
+    return Figure(
+        value=pf,
+        source="measured",
+        how=f"MLX {dtype_name} matmul on {mx.default_device()}, best of {repeats}: prefill-like "
+        f"{shape.format(prefill[0], prefill[1], prefill[1], prefill[2])} "
+        f"{pf / 1e9:.1f} GFLOP/s ({pf_s * 1e3:.2f} ms) is the figure; decode-like "
+        f"{shape.format(decode[0], decode[1], decode[1], decode[2])} {df / 1e9:.2f} GFLOP/s "
+        f"({df_s * 1e3:.2f} ms) is not: decode is charged by the decode matvec figure, "
+        f"{_today()}",
+    )
+
+
+MATVEC_BITS = 4
+"""Bits of the decode matvec test's weights: 4-bit (Q4_0/Q4_K files) is the common decode case."""
+MATVEC_GROUP = 32
+"""Group size of the decode matvec test: GGUF's 32-weight blocks, as the executor repacks them."""
+
+
+DECODE_BATCH_ROWS = 16
+"""Rows (decoded tokens) of :func:`measure_decode_batch`: the plans' usual 16 sequences."""
+
+
+def measure_decode_matvec(shape: tuple[int, int], dtype_name: str, repeats: int = 5) -> Figure:
+    """Quantized matrix-vector throughput, FLOP/s: one decoded token through a 4-bit weight.
+
+    Times ``mx.quantized_matmul`` of a [1, k] activation (``dtype_name``) with an [n, k] weight
+    quantized to 4 bits in groups of 32 — the kernel every decode-step projection runs in the
+    executor — and reports ``2 n k / seconds``. Depending on the machine it is bound by reading
+    the weights (GPUs) or by dequantizing them (MLX's CPU kernel runs on one thread and reaches
+    ~3 GFLOP/s here, far below what the memory bandwidth allows), which is why the cost model
+    needs it besides the bandwidth. The weight is far larger than the last-level cache.
+
+    Args:
+        shape: (n, k) of the weight.
+        dtype_name: activation dtype, e.g. ``float16``.
+        repeats: timed runs; the best is the figure.
+    """
+    return _quantized_matmul_rate(shape, dtype_name, repeats, 1, "decode matvec")
+
+
+def measure_decode_batch(shape: tuple[int, int], dtype_name: str, repeats: int = 5) -> Figure:
+    """Quantized matrix product throughput for a decode batch, FLOP/s: ``DECODE_BATCH_ROWS``
+    decoded tokens through a 4-bit weight in one ``mx.quantized_matmul``, as a batched decode
+    step runs every projection (``2 rows n k / seconds``).
+
+    Why it is measured: how the quantized kernel scales with rows decides what batching buys.
+    On MLX's CPU backend a 16-row product took 16x one row (the dev machine, 2026-11-30), so
+    there batched decode runs at the matvec rate; on the H200 16 rows took about 1.2x one row.
+    Neither the matvec rate nor the prefill-sized matmul rate (``compute_flops_s``) says which.
+
+    Args:
+        shape: (n, k) of the weight.
+        dtype_name: activation dtype, e.g. ``float16``.
+        repeats: timed runs; the best is the figure.
+    """
+    return _quantized_matmul_rate(shape, dtype_name, repeats, DECODE_BATCH_ROWS, "decode batch")
+
+
+def _quantized_matmul_rate(
+    shape: tuple[int, int], dtype_name: str, repeats: int, rows: int, what: str
+) -> Figure:
+    """``2 rows n k / seconds`` of ``mx.quantized_matmul`` of a [rows, k] activation by an
+    [n, k] 4-bit weight (groups of 32), the best of ``repeats`` evaluated calls."""
+    import mlx.core as mx
+
+    n, k = shape
+    dtype = getattr(mx, dtype_name)
+    w = mx.random.normal((n, k)).astype(dtype)
+    wq, scales, biases = mx.quantize(w, group_size=MATVEC_GROUP, bits=MATVEC_BITS)
+    x = mx.random.normal((rows, k)).astype(dtype)
+    mx.eval(wq, scales, biases, x)
+    del w
+
+    def run() -> None:
+        mx.eval(
+            mx.quantized_matmul(
+                x, wq, scales, biases, transpose=True, group_size=MATVEC_GROUP, bits=MATVEC_BITS
+            )
+        )
+
+    secs = _best_seconds(run, repeats)
+    flops = 2.0 * rows * n * k / secs
+    wbytes = wq.nbytes + scales.nbytes + biases.nbytes
+    _say(f"{what}: {flops / 1e9:.2f} GFLOP/s ({_gbs(wbytes / secs)} of weights)")
+    return Figure(
+        value=flops,
+        source="measured",
+        how=f"MLX quantized_matmul of [{rows}, {k}] {dtype_name} by a [{n}, {k}] weight "
+        f"({MATVEC_BITS}-bit, groups of {MATVEC_GROUP}, {format_size(wbytes)}) on "
+        f"{mx.default_device()}, best of {repeats}: {secs * 1e3:.3f} ms, "
+        f"{_gbs(wbytes / secs)} of weights, {_today()}",
+    )
+
+
+DEQUANT_ROWS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
+"""Row counts (tokens of one forward pass) :func:`measure_dequant_crossover` times: decode
+batches up to 64 and prefill chunks up to 512 tokens (on the H200 the dense path wins on a
+Llama-3-8B FFN weight from 128 rows with ``executor.cuda_dequant``, from 256 with
+``mx.dequantize``, 2026-11-30)."""
+
+
+def _time_kernel_paths(
+    shape: tuple[int, int], dtype_name: str, row_counts, path: str, repeats: int
+) -> dict[int, tuple[float, float]]:
+    """Seconds of ``executor.ops.quantized_product`` on [rows, k] ``dtype_name`` activations by a
+    random [n, k] 4-bit weight (groups of 32), MLX's quantized path against ``path``, one call at
+    a time (each evaluated and synchronized), best of ``repeats``: ``{rows: (quantized s, path
+    s)}`` for each of ``row_counts``."""
+    import mlx.core as mx
+    from strata.executor.ops import QuantLinear, quantized_product
+
+    n, k = shape
+    dtype = getattr(mx, dtype_name)
+    w = mx.random.normal((n, k)).astype(dtype)
+    wq, scales, biases = mx.quantize(w, group_size=MATVEC_GROUP, bits=MATVEC_BITS)
+    mx.eval(wq, scales, biases)
+    del w
+    weight = QuantLinear(wq, scales, biases, MATVEC_BITS, MATVEC_GROUP)
+    times: dict[int, tuple[float, float]] = {}
+    for rows in row_counts:
+        x = mx.random.normal((rows, k)).astype(dtype)
+        mx.eval(x)
+        times[rows] = (
+            _best_seconds(lambda x=x: mx.eval(quantized_product(x, weight, "quantized")), repeats),
+            _best_seconds(lambda x=x: mx.eval(quantized_product(x, weight, path)), repeats),
+        )
+    return times
+
+
+def measure_dequant_crossover(
+    shape: tuple[int, int], dtype_name: str, repeats: int = 5
+) -> tuple[Figure, dict[int, tuple[float, float]]]:
+    """The kernel path of batched quantized projections: from how many rows dequantize + dense
+    matmul (``executor.ops.quantized_product``'s dense path) beats ``mx.quantized_matmul``.
+
+    Times both, one call at a time (each evaluated and synchronized), on a [rows, k] activation
+    by an [n, k] 4-bit weight (groups of 32) for each of ``DEQUANT_ROWS``. The figure is the
+    smallest row count from which the dense path is faster at every larger count measured (0
+    when it never is). Why it is measured: on NVIDIA, MLX's quantized matmul is slow for a few
+    rows (a batch of 16 decoded tokens took 10x one token on a Llama-3-8B shape,
+    ``../shared/models.md``), while dequantizing costs a fixed pass over the weights; where the
+    quantized kernel scales well (Apple, the CPU) the dense path never wins.
+
+    One call at a time, not a chain of dependent calls: on the H200 (2026-11-30) a chain of
+    dependent 8B FFN products favoured the dense path from 4 rows (16 rows: 158 against 116 us
+    per product), but plans with that crossover were no faster end to end on the Llama-3-8B
+    shape (HTTP bench, 16 sequences: 364 tok/s either way) and 45% slower on SmolLM2's (953 ->
+    522 tok/s): the dense path adds a kernel per product, which small weights pay for and do not
+    win back. Timed call by call, that launch cost is in the figure.
+
+    Args:
+        shape: (n, k) of the weight.
+        dtype_name: activation dtype, e.g. ``float16``.
+        repeats: timed runs per point; the best counts.
+
+    Returns:
+        (the figure, {rows: (quantized seconds, dequantize + matmul seconds)}).
+    """
+    import mlx.core as mx
+
+    n, k = shape
+    dtype = getattr(mx, dtype_name)
+    times = _time_kernel_paths(shape, dtype_name, DEQUANT_ROWS, "dense", repeats)
+    wins = [r for r in DEQUANT_ROWS if times[r][1] < times[r][0]]
+    crossover = 0
+    for r in reversed(DEQUANT_ROWS):
+        if r not in wins:
+            break
+        crossover = r
+    table = ", ".join(f"{r}: {q * 1e6:.0f}/{d * 1e6:.0f} us" for r, (q, d) in times.items())
+    _say(f"dequantize + matmul from {crossover or 'never'} rows ({table})")
+    return (
+        Figure(
+            value=crossover,
+            source="measured",
+            how=f"MLX quantized_matmul vs {_dequantizer(dtype)} + matmul of [rows, {k}] "
+            f"{dtype_name} by a [{n}, {k}] 4-bit weight on {mx.default_device()}, best of "
+            f"{repeats} (rows: quantized/dense): {table}; the dense path from the smallest row "
+            f"count after which it always wins (0: never), {_today()}",
+        ),
+        times,
+    )
+
+
+def _mma_figures(backend: str, shape, dtype_name: str, repeats: int) -> dict:
+    """The profile's tensor-core kernel range: measured on CUDA, absent elsewhere."""
+    if backend != "cuda":
+        return {}
+    lo, hi, _ = measure_mma_rows(shape, dtype_name, repeats)
+    return {"mma_matmul_min_rows": lo, "mma_matmul_max_rows": hi}
+
+
+MMA_ROWS = (2, 4, 8, 16, 24, 32, 64)
+"""Row counts :func:`measure_mma_rows` times: the bucketed row counts (``executor.ops.bucket_rows``)
+of decode batches and short chunks that Strata's tensor-core kernel takes (at most
+``executor.cuda_mma.MAX_ROWS``)."""
+
+
+def measure_mma_rows(
+    shape: tuple[int, int], dtype_name: str, repeats: int = 5
+) -> tuple[Figure, Figure, dict[int, tuple[float, float]]]:
+    """The row counts for which Strata's tensor-core 4-bit matmul (``executor.cuda_mma``)
+    beats MLX's quantized matmul, timed call by call like :func:`measure_dequant_crossover`
+    (each call evaluated and synchronized) through ``executor.ops.quantized_product``.
+
+    The range is the run of consecutive winning counts of ``MMA_ROWS`` that ends at the
+    largest win (0, 0 when the kernel never wins or does not apply here). Measured on the H200
+    (2026-11-30, float16, MLX / Strata): on the profile's [16384, 16384] weight 2-32 rows (2: 378
+    / 290 us, 32: 456 / 360, 64: 464 / 820); on a Llama-3-8B FFN weight [14336, 4096] the
+    small counts were noisy (2: 123 / 134, 4: 187 / 134, 8: 119 / 163, 16: 120 / 131, 32: 167 /
+    154, 64: 165 / 264), so the figure comes from the larger weight. In a Llama-3-8B-shaped model
+    the kernel for 2-64 rows took a step of 16 decoded tokens from 33-34 to 26 ms.
+
+    Args:
+        shape: (n, k) of the weight.
+        dtype_name: activation dtype, e.g. ``float16``.
+        repeats: timed runs per point; the best counts.
+
+    Returns:
+        (smallest rows figure, largest rows figure, {rows: (quantized s, tensor-core s)}).
+    """
+    import mlx.core as mx
+    from strata.executor import cuda_mma
+
+    n, k = shape
+    dtype = getattr(mx, dtype_name)
+    where = f"on {mx.default_device()}, {_today()}"
+    if not cuda_mma.supported(MMA_ROWS[0], n, k, MATVEC_BITS, MATVEC_GROUP, dtype):
+        how = f"Strata's tensor-core kernel does not apply to [{n}, {k}] {dtype_name} {where}"
+        off = Figure(value=0, source="measured", how=how)
+        return off, off, {}
+    times = _time_kernel_paths(shape, dtype_name, MMA_ROWS, "mma", repeats)
+    lo, hi = mma_range(times)
+    table = ", ".join(f"{r}: {q * 1e6:.0f}/{t * 1e6:.0f} us" for r, (q, t) in times.items())
+    _say(f"tensor-core 4-bit matmul for {lo}-{hi} rows ({table})")
+    how = (
+        f"MLX quantized_matmul vs Strata's tensor-core kernel (executor.cuda_mma) on [rows, {k}] "
+        f"{dtype_name} by a [{n}, {k}] 4-bit weight {where}, best of {repeats} (rows: "
+        f"quantized/tensor-core): {table}; the run of winning row counts that ends at the largest"
+    )
+    return (
+        Figure(value=lo, source="measured", how=how),
+        Figure(value=hi, source="measured", how=how),
+        times,
+    )
+
+
+def mma_range(times: dict[int, tuple[float, float]]) -> tuple[int, int]:
+    """``(lo, hi)``: the run of consecutive row counts of ``times`` (``{rows: (quantized s,
+    tensor-core s)}``) where the tensor-core kernel is faster, ending at the largest such count;
+    (0, 0) when it never is."""
+    rows = sorted(times)
+    wins = [r for r in rows if times[r][1] < times[r][0]]
+    if not wins:
+        return 0, 0
+    hi = wins[-1]
+    i = rows.index(hi)
+    while i > 0 and rows[i - 1] in wins:
+        i -= 1
+    return rows[i], hi
+
+
+def _dequantizer(dtype) -> str:
+    """The dequantize kernel the dense path uses for ``dtype`` on this backend (for the record)."""
+    from strata.executor import cuda_dequant
+
+    if cuda_dequant.supported(MATVEC_BITS, MATVEC_GROUP, dtype):
+        return "Strata's CUDA dequantize (executor.cuda_dequant)"
+    return "mx.dequantize"
+
+
+OP_BLOCK_OPS = OPS_PER_UNIT["attention"] + OPS_PER_UNIT["ffn"]
+"""MLX operations in one block of :func:`measure_op_overhead`'s decode step (29): the cost
+model's attention and FFN counts, which that block is built to match op for op."""
+
+
+def measure_op_overhead(blocks: int = 32, repeats: int = 5) -> Figure:
+    """Seconds per operation of a lazily built MLX decode graph: build, dispatch and launch.
+
+    Runs decode steps of ``blocks`` tiny llama blocks (width 64, 4 heads of 16, 2 KV heads, FFN
+    128, 4-bit weights in groups of 32) built from the ops the executor uses — RMSNorm,
+    quantized matmuls, reshapes and transposes, RoPE, KV-cache writes and reads, SDPA, SiLU,
+    residual adds: ``OP_BLOCK_OPS`` per block — each evaluated and copied to the host as the
+    executor does with its logits, at a position that advances every step (so the KV reads
+    change shape as in decode). After a warm-up step, ``repeats`` runs of 4 steps are timed; the
+    median run divided by its ops is the figure (the typical cost: single runs vary by 2x on a
+    shared host). The work per op is nil at these sizes, so this is
+    the fixed cost each operation of a decode step pays however small it is, which bounds small
+    models on fast GPUs.
+    """
+    import mlx.core as mx
+
+    d, heads, kv, hd, ff = 64, 4, 2, 16, 128
+    steps = 4 * repeats
+    ctx = steps + 8
+
+    def qweight(n: int, k: int) -> tuple:
+        w = mx.quantize(mx.random.normal((n, k)) * 0.05, group_size=MATVEC_GROUP, bits=MATVEC_BITS)
+        mx.eval(*w)
+        return w
+
+    def qmm(x, w):
+        return mx.quantized_matmul(x, *w, transpose=True, group_size=MATVEC_GROUP, bits=MATVEC_BITS)
+
+    wq, wk, wv, wo = qweight(d, d), qweight(kv * hd, d), qweight(kv * hd, d), qweight(d, d)
+    wg, wu, wd = qweight(ff, d), qweight(ff, d), qweight(d, ff)
+    norm = mx.ones((d,))
+    x = mx.random.normal((1, 1, d))
+    keys = [mx.zeros((1, kv, ctx, hd)) for _ in range(blocks)]
+    values = [mx.zeros((1, kv, ctx, hd)) for _ in range(blocks)]
+    mx.eval(norm, x, keys, values)
+
+    def step(pos: int) -> None:
+        h = x
+        for i in range(blocks):
+            n = mx.fast.rms_norm(h, norm, 1e-5)
+            q = qmm(n, wq).reshape(1, 1, heads, hd).transpose(0, 2, 1, 3)
+            k = qmm(n, wk).reshape(1, 1, kv, hd).transpose(0, 2, 1, 3)
+            v = qmm(n, wv).reshape(1, 1, kv, hd).transpose(0, 2, 1, 3)
+            q = mx.fast.rope(q, hd, traditional=True, base=1e4, scale=1.0, offset=pos)
+            k = mx.fast.rope(k, hd, traditional=True, base=1e4, scale=1.0, offset=pos)
+            keys[i][:, :, pos : pos + 1] = k
+            values[i][:, :, pos : pos + 1] = v
+            ks, vs = keys[i][:, :, : pos + 1], values[i][:, :, : pos + 1]
+            o = mx.fast.scaled_dot_product_attention(q, ks, vs, scale=hd**-0.5)
+            h = h + qmm(o.transpose(0, 2, 1, 3).reshape(1, 1, d), wo)
+            n = mx.fast.rms_norm(h, norm, 1e-5)
+            g, u = qmm(n, wg), qmm(n, wu)
+            h = h + qmm(g * mx.sigmoid(g) * u, wd)
+        mx.eval(h)
+        np.array(h)  # the executor samples on the host
+
+    step(0)  # warm-up: kernel compilation, allocator caches
+    runs = []
+    for r in range(repeats):
+        t0 = time.perf_counter()
+        for pos in range(1 + 4 * r, 5 + 4 * r):
+            step(pos)
+        runs.append(time.perf_counter() - t0)
+    ops = blocks * OP_BLOCK_OPS
+    secs = float(np.median(runs)) / (4 * ops)
+    _say(f"per-op overhead: {secs * 1e6:.2f} us")
+    return Figure(
+        value=secs,
+        source="measured",
+        how=f"decode steps of {blocks} tiny llama blocks (width {d}, 4-bit weights) built from the "
+        f"executor's MLX ops, each evaluated and copied to the host, on {mx.default_device()}: "
+        f"median of {repeats} runs of 4 steps / (4 x {ops} ops) = {secs * 1e6:.2f} us per "
+        f"operation (runs {min(runs) / (4 * ops) * 1e6:.2f}-{max(runs) / (4 * ops) * 1e6:.2f} us), "
+        f"{_today()}",
+    )
+
+
+def measure_host_to_device(
+    nbytes: int, repeats: int = 3, *, touch_on_device: bool = False
+) -> Figure:
+    """Host-to-device copy bandwidth, bytes/s: ``mx.array(numpy_array)`` + ``mx.eval``.
+
+    That is how the executor turns RAM-tier weights into MLX arrays. With ``touch_on_device``
+    (CUDA, whose MLX arrays behave like managed memory), the first device read of the new array
+    (an ``mx.sum``) is included, since that is when the bytes actually cross to the GPU.
+    """
+    import mlx.core as mx
+
+    host = np.arange(nbytes // 4, dtype=np.float32)  # written, so its pages exist before timing
+
+    def copy() -> None:
+        x = mx.array(host)
+        mx.eval(x)
+        if touch_on_device:
+            mx.eval(mx.sum(x))
+
+    secs = _best_seconds(copy, repeats)
+    bw = host.nbytes / secs
+    _say(f"host->device copy: {_gbs(bw)}")
+    what = "mx.array(numpy float32) + mx.eval"
+    if touch_on_device:
+        what += " + first device read (mx.sum)"
+    return Figure(
+        value=bw,
+        source="measured",
+        how=f"{what} of {format_size(host.nbytes)} on {mx.default_device()}, best of {repeats} "
+        f"({secs * 1e3:.1f} ms), {_today()}",
+    )
+
+
+# --------------------------------------------------------------------------- the profile
+
+
+@dataclass(frozen=True)
+class _Sizes:
+    mem_bytes: int
+    copy_bytes: int
+    prefill: tuple[int, int, int]
+    decode: tuple[int, int, int]
+    matvec: tuple[int, int]
+    repeats: int
+
+
+def _sizes(backend: str, quick: bool) -> _Sizes:
+    if quick:
+        return _Sizes(16 * MiB, 16 * MiB, (64, 256, 256), (1, 512, 512), (256, 256), 2)
+    if backend == "cpu":
+        # 256 MiB is far beyond any CPU cache; 512x2048x2048 (4.3 GFLOP) runs ~0.1 s on 2 cores;
+        # a 4096x4096 4-bit matvec (9 MiB) runs ~10 ms.
+        return _Sizes(256 * MiB, 256 * MiB, (512, 2048, 2048), (1, 4096, 4096), (4096, 4096), 3)
+    # GPUs: 1 GiB is many times the L2 (60 MB on an H200) and long against launch overhead;
+    # 4096x8192x8192 is ~550 GFLOP, about a millisecond on an H200; the 4-bit 16384x16384
+    # matvec weight (144 MiB) is beyond the L2.
+    return _Sizes(1 * GiB, 256 * MiB, (4096, 8192, 8192), (1, 8192, 8192), (16384, 16384), 5)
+
+
+def _describe(backend: str, info: dict, total_ram: int) -> str:
+    cpu = info.get("device_name") if backend == "cpu" else platform.processor()
+    parts = [
+        f"{cpu or platform.machine()}, {psutil.cpu_count(logical=True)} CPU threads",
+        f"{format_size(total_ram)} RAM",
+        f"{platform.system()} {platform.release()}",
+    ]
+    if backend == "cpu":
+        parts.append("no GPU: MLX CPU backend")
+    else:
+        gpu = info.get("device_name", info.get("architecture", "?"))
+        parts.append(f"GPU {gpu} (MLX {backend})")
+    return ", ".join(parts) + f"; measured by planner.profile on {_today()}"
+
+
+def measure_profile(
+    disk_dir: Path,
+    name: str,
+    *,
+    read_bytes: int = DEFAULT_READ_BYTES,
+    quick: bool = False,
+    block_bytes: int = DEFAULT_BLOCK_BYTES,
+    queue_depth: int = DEFAULT_QUEUE_DEPTH,
+) -> HardwareProfile:
+    """Measure this machine.
+
+    Args:
+        disk_dir: a writable folder on the disk that holds (or will hold) the model files; the
+            direct-I/O read test writes and deletes a file of ``read_bytes`` there.
+        name: the profile's short name, e.g. ``dev-linux-cpu``.
+        read_bytes: size of the disk test, bytes (rounded up to whole blocks).
+        quick: shrink every test (8 MiB disk test in 1 MiB blocks at depth 2, 16 MiB memory and
+            copy tests, small matmuls): about a second, for unit tests; the figures are rough.
+        block_bytes: read size of the disk test, bytes, a multiple of 4096.
+        queue_depth: reads in flight during the disk test.
+
+    Returns:
+        The profile: capacities in bytes, bandwidths in bytes/s, compute in FLOP/s, each with
+        its source and method.
+
+    Raises:
+        StrataError: an empty ``name``, or a disk test problem (see :func:`measure_disk`).
+    """
+    if not name.strip():
+        raise StrataError("profile name is empty; pass a short machine name, e.g. m1-max-32gb")
+    import mlx.core as mx
+
+    t_start = time.perf_counter()
+    backend = detect_backend()
+    if backend in ("metal", "cuda"):
+        mx.set_default_device(mx.gpu)
+    info = _device_info(backend)
+    date = _today()
+    total_ram = int(psutil.virtual_memory().total)
+    reserve = os_reserve_bytes(total_ram)
+    _say(f"backend {backend}; RAM {format_size(total_ram)}, OS reserve {format_size(reserve)}")
+
+    if quick:
+        read_bytes = min(read_bytes, _QUICK_READ_BYTES)
+        block_bytes, queue_depth = _QUICK_BLOCK_BYTES, min(queue_depth, _QUICK_QUEUE_DEPTH)
+    nvme = measure_disk(
+        Path(disk_dir), read_bytes=read_bytes, block_bytes=block_bytes, queue_depth=queue_depth
+    )
+
+    sz = _sizes(backend, quick)
+    compute_dtype = "float32" if backend == "cpu" else "float16"
+    gpu = GPUTier(
+        working_set_bytes=working_set(backend, total_ram, reserve, info),
+        memory_bandwidth_bytes_s=measure_memory_bandwidth(sz.mem_bytes, sz.repeats + 2),
+        compute_flops_s=measure_matmul_flops(sz.prefill, sz.decode, compute_dtype, sz.repeats),
+        decode_matvec_flops_s=measure_decode_matvec(sz.matvec, compute_dtype, sz.repeats + 2),
+        decode_batch_flops_s=measure_decode_batch(sz.matvec, compute_dtype, sz.repeats + 2),
+        op_overhead_s=measure_op_overhead(4 if quick else 32, sz.repeats),
+        # The CPU keeps the quantized kernel: its results are batch-invariant there (measured).
+        dequant_matmul_min_rows=None
+        if backend == "cpu"
+        else measure_dequant_crossover(sz.matvec, compute_dtype, sz.repeats)[0],
+        **_mma_figures(backend, sz.matvec, compute_dtype, sz.repeats),
+    )
+    ram = RAMTier(
+        capacity_bytes=Figure(
+            value=total_ram, source="measured", how=f"psutil.virtual_memory().total, {date}"
+        ),
+        host_to_device_bytes_s=measure_host_to_device(
+            sz.copy_bytes, sz.repeats, touch_on_device=backend == "cuda"
+        ),
+    )
+    profile = HardwareProfile(
+        name=name,
+        description=_describe(backend, info, total_ram),
+        backend=backend,  # type: ignore[arg-type]
+        # CPU and Apple GPUs share one memory; MLX's CUDA arrays live in device memory.
+        unified_memory=backend != "cuda",
+        # float32 on CPU: MLX's CPU float16 ran ~30x slower here. float16 on GPUs; bfloat16 is
+        # an option on GPUs that have it (same speed, wider range).
+        compute_dtype=compute_dtype,  # type: ignore[arg-type]
+        os_reserve_bytes=Figure(value=reserve, source="derived", how=RESERVE_RULE),
+        gpu=gpu,
+        ram=ram,
+        nvme=nvme,
+    )
+    _say(f"done in {time.perf_counter() - t_start:.1f} s")
+    return profile

@@ -1,0 +1,34 @@
+"""``execute.py bench``: measured figures in JSON and PNG, and the generated text checked."""
+
+from __future__ import annotations
+
+import json
+
+from conftest import make_plan_file
+from gguf_factory import write_tiny_llama
+from plan_edits import moved_plan as _moved
+from test_cli import assert_one_line_error, cli
+
+
+def test_bench_streamed_plan(tmp_path):
+    model = write_tiny_llama(tmp_path / "tiny.gguf", n_layers=3)
+    plan = _moved(
+        make_plan_file(str(model), tmp_path / "p.yaml", context=64),
+        tmp_path / "nvme.yaml",
+        "nvme",
+        (".ffn",),
+    )
+    out, png = tmp_path / "b.json", tmp_path / "b.png"
+    bench = ("execute.py", "bench", str(plan), "--prompt", "hello", "--max-tokens", "8")
+    cli(*bench, "-o", str(out), "--plot", str(png))
+    r = json.loads(out.read_text())
+    assert r["check_passed"] is True and r["decode_tokens"] == 8
+    assert r["tiers"]["nvme"] == 3 and r["streamed_bytes_per_token"] > 0
+    assert r["decode_tok_s"] > 0 and r["prefill_tok_s"] > 0
+    assert r["peak_rss_bytes"] > 0 and r["bytes_read"]["nvme"] > 0
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    # A reference that disagrees fails the bench: a fast wrong answer never counts.
+    wrong = tmp_path / "wrong.json"
+    wrong.write_text(json.dumps({"output_ids": [0] * 8}))
+    done = cli(*bench, "--check", str(wrong), ok=False)
+    assert_one_line_error(done, "bench check failed")

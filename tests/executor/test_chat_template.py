@@ -1,0 +1,126 @@
+"""``--messages`` on a GGUF without a chat template (the real Gemma-3-270M file has none): a
+one-line error that names the fix, or the template given with ``--chat-template FILE``, rendered
+and tokenized as llama.cpp tokenizes the rendered text (ids from
+``data/gemma3_tokenizer_llamacpp.json``)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+from conftest import ROOT
+from strata.common.errors import StrataError, run_command
+from strata.executor.chat import NO_TEMPLATE, ChatError, render_chat
+from strata.executor.cli import prompt_ids_for
+from strata.executor.tokenizer import GGUFTokenizer
+from test_tokenizer import GEMMA_REF, gemma_tokenizer
+
+# Gemma 3's chat template as shipped in templates/ (text contents).
+GEMMA_TEMPLATE = (ROOT / "templates" / "gemma3.jinja").read_text()
+
+MESSAGES = [
+    {"role": "system", "content": "You are terse."},
+    {"role": "user", "content": "What is 2+2?"},
+    {"role": "assistant", "content": "4"},
+    {"role": "user", "content": "And 3+3?"},
+]
+
+
+@pytest.fixture(scope="module")
+def engine(gemma3_gguf: Path) -> SimpleNamespace:
+    """What ``prompt_ids_for`` uses of an engine: its tokenizer (Gemma's)."""
+    return SimpleNamespace(tokenizer=gemma_tokenizer(gemma3_gguf))
+
+
+def _args(tmp_path: Path, template: str | bytes | None) -> argparse.Namespace:
+    """``execute.py run --messages chat.json [--chat-template chat.jinja]``."""
+    messages = tmp_path / "chat.json"
+    messages.write_text(json.dumps(MESSAGES))
+    path = None
+    if template is not None:
+        path = tmp_path / "chat.jinja"
+        if isinstance(template, bytes):
+            path.write_bytes(template)
+        else:
+            path.write_text(template)
+    return argparse.Namespace(
+        prompt=None, prompt_ids=None, messages=str(messages), chat_template=path and str(path)
+    )
+
+
+def _one_line_error(capsys: pytest.CaptureFixture, engine, args: argparse.Namespace) -> str:
+    assert run_command(lambda: prompt_ids_for(engine, args)) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and err.count("\n") == 1
+    return err[len("error: ") : -1]
+
+
+def test_no_chat_template_is_a_one_line_error(engine, tmp_path: Path, capsys) -> None:
+    assert engine.tokenizer.chat_template is None
+    with pytest.raises(ChatError):
+        prompt_ids_for(engine, _args(tmp_path, None))
+    message = _one_line_error(capsys, engine, _args(tmp_path, None))
+    assert message == NO_TEMPLATE
+    assert "no chat template" in message and "--chat-template FILE" in message
+    assert "--prompt" in message
+
+
+def test_chat_template_file(engine, tmp_path: Path) -> None:
+    tok: GGUFTokenizer = engine.tokenizer
+    case = next(c for c in GEMMA_REF["cases"] if "You are terse." in c["text"])
+    rendered = render_chat(GEMMA_TEMPLATE, MESSAGES, "<bos>", "<eos>")
+    assert rendered == "<bos>" + case["text"]
+    ids = prompt_ids_for(engine, _args(tmp_path, GEMMA_TEMPLATE))
+    # llama.cpp's ids for the text after <bos>, with special tokens parsed and its BOS added
+    assert ids == case["ids"]
+    assert ids.count(tok.bos_id) == 1  # the template's <bos>, no second one
+    assert ids[1] == tok.encode("<start_of_turn>", add_bos=False, parse_special=True)[0]
+
+
+def test_chat_template_without_bos_gets_the_gguf_bos(engine, tmp_path: Path) -> None:
+    template = GEMMA_TEMPLATE.removeprefix("{{ bos_token }}")
+    ids = prompt_ids_for(engine, _args(tmp_path, template))
+    assert ids == next(c["ids"] for c in GEMMA_REF["cases"] if "You are terse." in c["text"])
+
+
+@pytest.mark.parametrize(
+    ("template", "expected"),
+    [
+        (b"\xff\xfe{{ messages }}", "not UTF-8 text"),
+        ("{% if %}", "not valid Jinja"),
+        ("{{ raise_exception('no system role') }}", "no system role"),
+    ],
+)
+def test_bad_chat_template_file(
+    engine, tmp_path: Path, capsys, template: str | bytes, expected: str
+) -> None:
+    assert expected in _one_line_error(capsys, engine, _args(tmp_path, template))
+
+
+def test_missing_chat_template_file(engine, tmp_path: Path, capsys) -> None:
+    args = _args(tmp_path, None)
+    args.chat_template = str(tmp_path / "absent.jinja")
+    with pytest.raises(StrataError):
+        prompt_ids_for(engine, args)
+    assert "no such file" in _one_line_error(capsys, engine, args)
+
+
+def test_execute_run_refuses_messages_before_loading(gemma3_gguf: Path, tmp_path: Path) -> None:
+    """``execute.py run --messages`` on a GGUF without a template fails before the weights load."""
+    import subprocess
+    import sys
+
+    from conftest import ROOT, make_plan_file
+
+    plan = make_plan_file(str(gemma3_gguf), tmp_path / "gemma3.yaml", context=256)
+    messages = tmp_path / "m.json"
+    messages.write_text(json.dumps(MESSAGES))
+    run = subprocess.run(
+        [sys.executable, "execute.py", "run", str(plan), "--messages", str(messages)],
+        cwd=ROOT, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert run.returncode == 2
+    assert run.stderr == f"error: {NO_TEMPLATE}\n"
