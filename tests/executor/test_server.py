@@ -26,7 +26,7 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
-from strata.executor.server import StopMatcher, TextOffsets, completion_logprobs
+from strata.executor.server.app import StopMatcher, TextOffsets, completion_logprobs
 
 ROOT = Path(__file__).resolve().parents[2]
 KEY = "test-key-123"
@@ -338,7 +338,7 @@ def test_reference_logprobs_name_token_ids(server, tokenizer):
     import asyncio
 
     import aiohttp
-    from strata.executor.http_bench import classify_divergence, reference_logprobs
+    from strata.benchmarks.http_bench import classify_divergence, reference_logprobs
 
     async def ask():
         headers = {"Authorization": f"Bearer {KEY}"}
@@ -848,7 +848,7 @@ def test_short_prompts_are_tokenized_on_the_event_loop(monkeypatch):
     thread, so that the loop keeps serving other streams."""
     import asyncio
 
-    import strata.executor.server as server
+    import strata.executor.server.app as server
 
     hops = []
 
