@@ -1,5 +1,5 @@
-"""The executor's commands (``strata run|bench|serve|profile``, also ``execute.py`` and
-``plan.py profile``): their arguments and what each does.
+"""The executor's commands (``strata run|serve|profile``, also ``execute.py`` and
+``plan.py profile``; ``bench`` is ``strata.benchmarks.cli``'s): their arguments and what each does.
 
 Text streams to stdout as it is generated and stats go to stderr; ``--json`` prints one object
 (``prompt_ids``, ``output_ids``, ``text``, ``stats``) instead. User errors are one line on stderr
@@ -82,7 +82,7 @@ def cmd_run(args: argparse.Namespace) -> None:
     if args.save_routing_profile:
         if not loaded.desc.architecture.expert_count:
             raise StrataError("--save-routing-profile needs a mixture-of-experts model")
-        _writable_parent(Path(args.save_routing_profile))
+        writable_parent(Path(args.save_routing_profile))
     engine = Engine(loaded, expert_cache_mode=args.expert_cache)
     load_s = time.perf_counter() - t0
     load_peak_mlx = int(mx.get_peak_memory())  # generate() resets MLX's peak: loading's own
@@ -138,7 +138,7 @@ def _save_routing(engine, loaded, path: Path) -> None:
     print(f"wrote routing profile {path} ({min(doc.tokens)} tokens)", file=sys.stderr)
 
 
-def _writable_parent(path: Path) -> None:
+def writable_parent(path: Path) -> None:
     """Create ``path``'s folder if needed (as plan.py -o does).
 
     Raises:
@@ -148,35 +148,6 @@ def _writable_parent(path: Path) -> None:
         path.parent.mkdir(parents=True, exist_ok=True)
     except OSError as e:
         raise StrataError(f"cannot write {path}: {e.strerror}; pick another folder") from None
-
-
-def cmd_bench(args: argparse.Namespace) -> None:
-    from strata.executor.bench import bench, plot, write_result
-    from strata.executor.experts import CACHE_MODES
-
-    if args.max_tokens < 2:
-        raise StrataError("--max-tokens must be at least 2 for a decode measurement")
-    # Check where the results go before the bench runs, not after.
-    if args.plot and Path(args.plot).suffix.lower() not in (".png", ".svg", ".pdf"):
-        raise StrataError(f"--plot {args.plot}: name a .png, .svg or .pdf file")
-    for out in (args.output, args.plot):
-        if out:
-            _writable_parent(Path(out))
-    from strata.executor.http_bench import cmd_http_bench, refuse_serving_options
-
-    if args.concurrency is not None:  # the serving bench, over HTTP (executor/http_bench.py)
-        cmd_http_bench(args)
-        return
-    refuse_serving_options(args)
-    modes = [m for m in (args.expert_cache_modes or "").split(",") if m]
-    bad = [m for m in modes if m not in CACHE_MODES]
-    if bad:
-        raise StrataError(
-            f"--expert-cache-modes {bad[0]!r}: use some of {', '.join(CACHE_MODES)}, e.g. "
-            "none,cache,prefetch"
-        )
-    result = bench(args.plan, args.prompt, args.max_tokens, args.check, modes)
-    write_result(result, args.output, args.plot, plot)
 
 
 def cmd_serve(args: argparse.Namespace) -> None:
@@ -202,7 +173,7 @@ def cmd_profile(args: argparse.Namespace) -> None:
 
 
 def add_commands(sub) -> None:
-    """Add the executor's subcommands (run, bench, serve, profile) to ``sub``."""
+    """Add the executor's subcommands (run, serve, profile) to ``sub``."""
     r = sub.add_parser("run", help="generate text from a prompt with a plan")
     r.add_argument("plan", help="plan file written by plan.py plan (or by hand)")
     src = r.add_mutually_exclusive_group(required=True)
@@ -226,61 +197,6 @@ def add_commands(sub) -> None:
         "--save-routing-profile",
         metavar="FILE",
         help="MoE: write the measured routing (JSON) for plan.py plan --routing-profile",
-    )
-
-    b = sub.add_parser("bench", help="measure a plan: tok/s, disk bytes/s, I/O wait, memory")
-    b.add_argument("plan")
-    b.add_argument("--prompt", default="The capital of France is", help="prompt text")
-    b.add_argument("--max-tokens", type=int, default=64, help="decode steps measured (64)")
-    b.add_argument(
-        "--check",
-        default="resident",
-        help="resident (default: ids must equal the all-resident run), none, or a --json file",
-    )
-    b.add_argument("-o", "--output", help="write the JSON here (default: stdout)")
-    b.add_argument("--plot", help="write a PNG plot here")
-    b.add_argument(
-        "--expert-cache-modes",
-        help="MoE: also measure these expert-cache modes in this run, e.g. none,cache,prefetch",
-    )
-    b.add_argument(
-        "--concurrency",
-        help="serving bench: start `serve` and measure these concurrency levels over HTTP, e.g. "
-        "1,2,4,8 (TTFT, TPOT, aggregate tok/s; --prompt and --check do not apply)",
-    )
-    b.add_argument(
-        "--requests",
-        type=int,
-        help="serving bench: requests per level (default max(2c, 8) at level c; level 1, the "
-        "text reference, runs as many as the largest level)",
-    )
-    b.add_argument(
-        "--prefix-tokens",
-        type=int,
-        help="serving bench: shared-prefix tokens of the prefix-cache TTFT test (1000; 0 skips it)",
-    )
-    b.add_argument(
-        "--prefix-trials",
-        type=int,
-        help="serving bench: cold/warm pairs of the prefix-cache test, medians reported "
-        "(3 on a GPU, 1 on the CPU)",
-    )
-    b.add_argument(
-        "--prompt-tokens",
-        help="serving bench: prompt lengths in tokens, cycled over the requests "
-        "(default 48,96,160,256,64,128,200,32)",
-    )
-    b.add_argument(
-        "--batch-invariant",
-        action="store_true",
-        help="serving bench: start `serve --batch-invariant`",
-    )
-    b.add_argument(
-        "--near-tie-gap",
-        type=float,
-        help="serving bench: a text that leaves its concurrency-1 text by taking the runner-up "
-        "where the top-2 logit gap is below this passes as a near-tie flip (default 0.5, or 1.0 "
-        "for a random-weight synthetic model; 0 makes every difference an error)",
     )
 
     s = sub.add_parser("serve", help="serve a plan over an OpenAI-compatible HTTP API")
@@ -318,4 +234,4 @@ def add_commands(sub) -> None:
     pr.add_argument("--quick", action="store_true", help="short tests (less accurate)")
 
 
-COMMANDS = {"run": cmd_run, "bench": cmd_bench, "serve": cmd_serve, "profile": cmd_profile}
+COMMANDS = {"run": cmd_run, "serve": cmd_serve, "profile": cmd_profile}

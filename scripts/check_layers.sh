@@ -10,7 +10,7 @@ tmp=$(mktemp -d)
 trap 'rm -rf "$tmp"' EXIT
 mkdir "$tmp/strata"
 cp strata/*.py "$tmp/strata/"
-for d in common planner executor; do
+for d in common planner executor benchmarks; do
   cp -r "$d" "$tmp/strata/$d"
 done
 find "$tmp" -name __pycache__ -prune -exec rm -rf {} +

@@ -1,9 +1,10 @@
 """The ``strata`` command, and the ``plan.py`` / ``execute.py`` / ``synth.py`` entry points.
 
 ``strata describe|profile|plan|explain|diff|run|serve|bench|synth ...``: each subcommand's options
-and work live with its layer (``strata.planner.cli``, ``strata.executor.cli``); this module only
-builds the parsers and runs the chosen command, turning a ``StrataError`` into one line on stderr
-and exit status 2 (``strata.common.errors.run_command``).
+and work live with its layer (``strata.planner.cli``, ``strata.executor.cli``,
+``strata.benchmarks.cli``); this module only builds the parsers and runs the chosen command,
+turning a ``StrataError`` into one line on stderr and exit status 2
+(``strata.common.errors.run_command``).
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from __future__ import annotations
 import argparse
 from collections.abc import Callable
 
+from strata.benchmarks import cli as benchmarks_cli
 from strata.common.errors import run_command
 from strata.executor import cli as executor_cli
 from strata.planner import cli as planner_cli
@@ -22,7 +24,7 @@ EXECUTE_COMMANDS = ("run", "bench", "serve")
 
 
 def _commands() -> dict[str, Callable[[argparse.Namespace], None]]:
-    return {**planner_cli.COMMANDS, **executor_cli.COMMANDS}
+    return {**planner_cli.COMMANDS, **executor_cli.COMMANDS, **benchmarks_cli.COMMANDS}
 
 
 class _Only:
@@ -43,6 +45,7 @@ def _parser(prog: str, description: str, keep: tuple[str, ...] | None) -> argpar
     sub = _Only(p.add_subparsers(dest="command", required=True), keep)
     planner_cli.add_commands(sub)
     executor_cli.add_commands(sub)
+    benchmarks_cli.add_commands(sub)
     syn = sub.add_parser(
         "synth",
         help="write a synthetic GGUF of a real model's shape",

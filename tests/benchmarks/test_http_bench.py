@@ -19,8 +19,7 @@ from pathlib import Path
 
 import pytest
 from conftest import ROOT, make_plan_file
-from strata.common.errors import StrataError
-from strata.executor.http_bench import (
+from strata.benchmarks.http_bench import (
     RequestResult,
     ServerProcess,
     _level_result,
@@ -32,6 +31,7 @@ from strata.executor.http_bench import (
     requests_per_level,
     server_summary,
 )
+from strata.common.errors import StrataError
 from test_cli import cli
 
 from strata.cli import execute_main
@@ -317,7 +317,7 @@ def test_prompts_are_deterministic_and_fit(smollm2_gguf):
 
 def test_failed_check_writes_the_json_then_fails(capsys, monkeypatch, tmp_path):
     """A text mismatch is never silent: the JSON is written, then one error line names it."""
-    import strata.executor.http_bench as hb
+    import strata.benchmarks.http_bench as hb
 
     mismatch = {
         "concurrency": 2,
@@ -338,7 +338,7 @@ def test_failed_check_writes_the_json_then_fails(capsys, monkeypatch, tmp_path):
 def test_batch_invariant_reaches_the_server(monkeypatch, tmp_path):
     """``bench --concurrency ... --batch-invariant`` asks ``http_bench`` for it, which starts
     ``serve --batch-invariant``."""
-    import strata.executor.http_bench as hb
+    import strata.benchmarks.http_bench as hb
 
     seen = {}
     result = {"check_passed": True, "mismatches": [], "prefix_cache": None}
@@ -362,7 +362,7 @@ class _Bytes:
 
 
 def test_near_tie_classification():
-    from strata.executor.http_bench import classify_divergence
+    from strata.benchmarks.http_bench import classify_divergence
 
     tok = _Bytes(
         {1: b"a", 2: b" b", 3: b" c", 4: b" d", 5: b" x", 6: b"\xc3", 7: b"\xa9", 8: b"\xa8"}
@@ -390,8 +390,8 @@ def test_near_tie_classification():
 
 
 def test_near_tie_gap_defaults_by_model(smollm2_gguf):
+    from strata.benchmarks.http_bench import NEAR_TIE_GAP, NEAR_TIE_GAP_RANDOM, default_near_tie_gap
     from strata.common.gguf_file import open_gguf
-    from strata.executor.http_bench import NEAR_TIE_GAP, NEAR_TIE_GAP_RANDOM, default_near_tie_gap
 
     class Synthetic:
         def field(self, key, default=None):
@@ -464,7 +464,7 @@ def _stream(script, n: int = 1, seen: dict | None = None) -> list[RequestResult]
     """``n`` bench requests, one after another, against a server that streams ``script``."""
     import types
 
-    from strata.executor.http_bench import _client, stream_completion
+    from strata.benchmarks.http_bench import _client, stream_completion
 
     seen = {} if seen is None else seen
 
@@ -532,7 +532,7 @@ def test_stream_completion_errors(script, words):
 
 
 def test_a_line_over_the_limit_is_one_clear_error(monkeypatch):
-    import strata.executor.http_bench as hb
+    import strata.benchmarks.http_bench as hb
 
     monkeypatch.setattr(hb, "STREAM_LINE_BYTES", 4096)
     assert _stream([_chunk("y" * 1000, "length"), b"data: [DONE]\n\n"])[0].text == "y" * 1000
@@ -546,7 +546,7 @@ def test_reset_metrics_and_failures_on_the_server():
     import socket
     import types
 
-    from strata.executor.http_bench import _client, _metrics, _on_server, reset_prefix_cache
+    from strata.benchmarks.http_bench import _client, _metrics, _on_server, reset_prefix_cache
 
     async def go():
         url, runner = await _scripted([], {})()

@@ -1,4 +1,5 @@
-"""``bench/pass_kernels.py --summarize``: Nsight Compute's text report summed by kernel."""
+"""``benchmarks/kernels/pass_kernels.py --summarize``: Nsight Compute's text report summed by
+kernel."""
 
 from __future__ import annotations
 
@@ -7,10 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
-
-from pass_kernels import summarize  # noqa: E402
+from strata.benchmarks.kernels.pass_kernels import summarize
 
 CONTEXT = ", Context 1, Stream 14, Device 0, CC 9.0"
 REPORT = f"""==PROF== Connected to process 707 (/usr/bin/python3.12)
@@ -57,7 +55,7 @@ def test_a_report_without_the_metric_is_refused(tmp_path):
         summarize(REPORT.replace(f"x(384, 1, 1){CONTEXT}", "x(384, 1, 1)"))
     empty = tmp_path / "ncu.txt"
     empty.write_text("no kernels here\n")
-    script = Path(__file__).resolve().parents[2] / "bench" / "pass_kernels.py"
+    script = Path(__file__).resolve().parents[2] / "benchmarks" / "kernels" / "pass_kernels.py"
     for arg in (str(empty), str(tmp_path / "missing.txt")):
         out = subprocess.run(
             [sys.executable, str(script), "--summarize", arg], capture_output=True, text=True

@@ -1,13 +1,9 @@
-"""``bench/pass_timeline.py``: a warm request's kernels on the GPU's clock, from a Chrome trace."""
+"""``benchmarks/pass_timeline.py``: a warm request's kernels on the GPU's clock, from a Chrome
+trace."""
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
-
-from pass_timeline import summarize  # noqa: E402
+from strata.benchmarks.pass_timeline import summarize
 
 
 def _gpu(ts: float, dur: float, name: str, cat: str = "kernel") -> dict:

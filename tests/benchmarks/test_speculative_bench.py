@@ -1,22 +1,20 @@
-"""Smoke test of ``bench/speculative.py`` on a tiny synthetic model (3 blocks, SmolLM2's
+"""Smoke test of ``benchmarks/speculative.py`` on a tiny synthetic model (3 blocks, SmolLM2's
 tokenizer): every task, placement and drafter runs, the ids equal plain greedy decoding's, the
 summary has the figures the bench promises, and only the streamed placement reads NVMe.
 """
 
 from __future__ import annotations
 
-import importlib.util
 import json
 
-from conftest import DEV_PROFILE, ROOT
+from conftest import DEV_PROFILE
 from gguf_factory import write_arch_model
 
 
 def _bench_module():
-    spec = importlib.util.spec_from_file_location("spec_bench", ROOT / "bench" / "speculative.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    from strata.benchmarks import speculative
+
+    return speculative
 
 
 def test_speculative_bench_runs_and_checks(tmp_path, smollm2_gguf, capsys):

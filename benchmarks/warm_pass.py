@@ -39,7 +39,7 @@ Variants (``--variants``, comma-separated):
   .LEND_PARTIAL_BLOCKS`` off), so the warm pass computes the document's tokens after its last
   whole block again (24 tokens instead of 16 for a 1,000-token document in blocks of 16).
 
-usage: python bench/warm_pass.py PLAN [--rounds 12] [--skip 3]
+usage: python benchmarks/warm_pass.py PLAN [--rounds 12] [--skip 3]
        [--variants eager2,eager2-rope-off,compiled0,compiled4] [--step16 N] [-o FILE.json]
 
 Measured on the lent H200 with a scratch version of this script (2026-12-02, synthetic
@@ -58,24 +58,19 @@ import argparse
 import json
 import re
 import statistics
-import sys
 import time
 from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-import prefix_inprocess as pi  # noqa: E402
-import strata.executor.models.llama as llama  # noqa: E402
-import strata.executor.scheduler as scheduler_module  # noqa: E402
-import strata.executor.serving as serving_module  # noqa: E402
-from strata.executor import pass_graph  # noqa: E402
-from strata.executor.engine import Engine  # noqa: E402
-from strata.executor.plan_loader import load_plan  # noqa: E402
-from strata.executor.serving import ServingEngine  # noqa: E402
+import strata.executor.models.llama as llama
+import strata.executor.scheduler as scheduler_module
+import strata.executor.serving as serving_module
+from strata.benchmarks import prefix_inprocess as pi
+from strata.executor import pass_graph
+from strata.executor.engine import Engine
+from strata.executor.plan_loader import load_plan
+from strata.executor.serving import ServingEngine
 
 
 def use(variant: str) -> None:
@@ -175,8 +170,8 @@ def _line(row: dict) -> str:
 
 
 def add_arguments(ap: argparse.ArgumentParser, rounds: int, skip: int, variants: str) -> None:
-    """The arguments this script shares with ``bench/pass_timeline.py``: the plan, ``--rounds``,
-    ``--skip``, ``--variants``, ``--document-tokens`` and ``-o``."""
+    """The arguments this script shares with ``benchmarks/pass_timeline.py``: the plan,
+    ``--rounds``, ``--skip``, ``--variants``, ``--document-tokens`` and ``-o``."""
     ap.add_argument("plan")
     ap.add_argument("--rounds", type=int, default=rounds)
     ap.add_argument("--skip", type=int, default=skip, help=f"first rounds not counted ({skip})")

@@ -1649,7 +1649,7 @@ def cmd_http_bench(args: argparse.Namespace) -> None:
         near_tie_gap=args.near_tie_gap,
         prefix_trials=args.prefix_trials,
     )
-    from strata.executor.bench import write_result
+    from strata.benchmarks.bench import write_result
 
     write_result(result, args.output, args.plot, plot)
     if not result["check_passed"]:

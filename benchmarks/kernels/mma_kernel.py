@@ -16,8 +16,8 @@ against the same row in the batch.
 - ``swiglu``: one ``cuda_mma.swiglu`` by gate/up weights [14336, 4096] against two
   ``cuda_mma.matmul`` calls, SiLU and the product.
 
-usage: python bench/mma_kernel.py [--rows 8,16,24,32,64] [-o FILE.json]
-       python bench/mma_kernel.py --sweep 2048:32,4096:32,2048:64 [--rows 16,24,32]
+usage: python benchmarks/kernels/mma_kernel.py [--rows 8,16,24,32,64] [-o FILE.json]
+       python benchmarks/kernels/mma_kernel.py --sweep 2048:32,4096:32,2048:64 [--rows 16,24,32]
 
 ``--sweep TARGET_WARPS:LOAD_WORDS,...`` instead times a block's four calls (``swiglu`` by
 gate/up, ``matmul`` by down with the residual-free form, ``matmul3`` by Q/K/V, ``matmul`` by O)
@@ -45,15 +45,11 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import sys
 import time
 from pathlib import Path
 
 import mlx.core as mx
-
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from strata.executor import cuda_mma  # noqa: E402
+from strata.executor import cuda_mma
 
 SHAPES = ((14336, 4096), (4096, 14336), (4096, 4096), (1024, 4096))
 """[n, k] weights of a Llama-3-8B block."""
@@ -186,7 +182,7 @@ def main() -> None:
     ap.add_argument("-o", "--output")
     args = ap.parse_args()
     if not mx.cuda.is_available():
-        raise SystemExit("bench/mma_kernel.py needs MLX's CUDA backend (mlx[cuda13])")
+        raise SystemExit("benchmarks/kernels/mma_kernel.py needs MLX's CUDA backend (mlx[cuda13])")
     rows_list = [int(r) for r in args.rows.split(",")]
     if any(not 1 <= r <= cuda_mma.MAX_ROWS for r in rows_list):
         ap.error(f"--rows: each in 1..{cuda_mma.MAX_ROWS}")

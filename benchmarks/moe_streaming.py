@@ -20,7 +20,7 @@ For each routing (``synth.py --routing skewed|uniform``, the same shape and weig
    with the benched text; (ii) is the profile a user would record.
 
 Writes ``summary.json`` in ``--out``. Usage (from the project root):
-``python bench/moe_streaming.py --profile profiles/dev-linux-cpu.yaml --out /tmp/moe-bench``.
+``python benchmarks/moe_streaming.py --profile profiles/dev-linux-cpu.yaml --out /tmp/moe-bench``.
 """
 
 from __future__ import annotations
@@ -34,7 +34,6 @@ from pathlib import Path
 import yaml
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
 CONTEXT = "256"
 BENCH_PROMPT = "The history of the city begins in the early middle ages, when"
 PROFILE_TEXT = (

@@ -17,7 +17,7 @@ Measured on the lent H200 on 2026-11-30 with this code before the tensor-core pa
 ``bench/results/2026-11-30.dequant-kernel.h200.json`` (the H200 profile's
 ``dequant_matmul_min_rows`` of 128 is the crossover of its 14336x4096 row).
 
-usage: python bench/dequant_kernel.py OUT.json   (needs MLX's CUDA backend)
+usage: python benchmarks/kernels/dequant_kernel.py OUT.json   (needs MLX's CUDA backend)
 """
 
 from __future__ import annotations
@@ -27,12 +27,9 @@ import sys
 from pathlib import Path
 
 import mlx.core as mx
-
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from strata.executor import cuda_dequant, cuda_mma  # noqa: E402
-from strata.executor.ops import QuantLinear, quantized_product  # noqa: E402
-from strata.executor.profile import _best_seconds  # noqa: E402
+from strata.executor import cuda_dequant, cuda_mma
+from strata.executor.ops import QuantLinear, quantized_product
+from strata.executor.profile import _best_seconds
 
 ROWS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
 SHAPES = ((14336, 4096), (4096, 14336), (4096, 4096), (1024, 4096), (1536, 576), (576, 1536))

@@ -16,7 +16,7 @@ the issue-3 acceptance figures:
   profile alone.
 
 Usage (from the project root):
-``python bench/tier_streaming.py --profile profiles/dev-linux-cpu.yaml --out /tmp/bench``.
+``python benchmarks/tier_streaming.py --profile profiles/dev-linux-cpu.yaml --out /tmp/bench``.
 Needs ~5 GiB free on the cache disk (model + packed store).
 """
 

@@ -2,7 +2,7 @@
 """The GPU kernels of one warm pass (a prompt whose 1,000-token document hits the prefix cache),
 profiled alone by Nsight Compute, and their times summed by kernel.
 
-The serving engine of a plan is driven in-process (``bench/prefix_inprocess.py``'s ``run``):
+The serving engine of a plan is driven in-process (``benchmarks/prefix_inprocess.py``'s ``run``):
 after a prefix-cache reset, ``document + suffix A`` fills the cache; then ``document + suffix
 B``, a suffix of 16 new random ids, is answered warm: the document's whole KV blocks hit and the
 pass computes the rest (24 tokens at 1,000 + 16). Only that request runs between
@@ -14,8 +14,8 @@ Two such rounds run first, unprofiled, so that kernels are built.
 
 usage (MLX's CUDA backend, ``ncu`` on the PATH):
     ncu --clock-control none --cache-control none --profile-from-start off \\
-        --metrics gpu__time_duration.sum python3 bench/pass_kernels.py PLAN > pass.txt
-    python3 bench/pass_kernels.py --summarize pass.txt [-o FILE.json]
+        --metrics gpu__time_duration.sum python3 benchmarks/kernels/pass_kernels.py PLAN > pass.txt
+    python3 benchmarks/kernels/pass_kernels.py --summarize pass.txt [-o FILE.json]
 
 ncu runs the kernels one at a time; with ``--cache-control all`` (its default) it also empties
 the caches before each, so the sum is then an upper estimate of the GPU's busy time.
@@ -39,11 +39,7 @@ import collections
 import ctypes
 import json
 import re
-import sys
 from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 _KERNEL = re.compile(r"^  (\S.*?) \(\d+, \d+, \d+\)x\(\d+, \d+, \d+\), Context \d+")
 _TIME = re.compile(r"gpu__time_duration\.sum\s+(\S+)\s+([\d.,]+)")
@@ -112,7 +108,7 @@ def summarize(text: str) -> dict:
 def profile(plan: str, document_tokens: int) -> None:
     """Answer the cold, filling and warm requests; profile the warm one (see the module)."""
     import numpy as np
-    from prefix_inprocess import run
+    from strata.benchmarks.prefix_inprocess import run
     from strata.executor.engine import Engine
     from strata.executor.plan_loader import load_plan
     from strata.executor.serving import ServingEngine
@@ -120,7 +116,9 @@ def profile(plan: str, document_tokens: int) -> None:
     try:
         cuda = ctypes.CDLL("libcuda.so.1")
     except OSError as e:
-        raise SystemExit(f"bench/pass_kernels.py needs NVIDIA's driver (libcuda.so.1): {e}") from e
+        raise SystemExit(
+            f"benchmarks/kernels/pass_kernels.py needs NVIDIA's driver (libcuda.so.1): {e}"
+        ) from e
     serving = ServingEngine(Engine(load_plan(plan)))
     serving.start()
 

@@ -3,7 +3,7 @@
 between them, from CUPTI through PyTorch's profiler (an NVIDIA machine with PyTorch installed).
 
 A serving engine of a plan (``executor.serving.ServingEngine``) is driven from this thread, as in
-``bench/warm_pass.py``: per round and variant, a prefix-cache reset, a cold request (a
+``benchmarks/warm_pass.py``: per round and variant, a prefix-cache reset, a cold request (a
 ``--document-tokens`` document and a 16-token suffix, the process's own settings) and a warm one
 (the document, another suffix: its whole KV blocks hit; the variant's settings). CUPTI records
 every kernel, copy and fill of the process, MLX's included, whatever library launched it. The
@@ -29,10 +29,10 @@ submission to this thread's return from waiting for its token; per span (ms):
 The medians are taken column by column, so a variant's median lead, busy, idle and tail need
 not add up to its median span.
 
-Variants as in ``bench/warm_pass.py`` (``eagerN``, ``compiledN``, ``-rope-off``, ``-nocache``,
+Variants as in ``benchmarks/warm_pass.py`` (``eagerN``, ``compiledN``, ``-rope-off``, ``-nocache``,
 ``-fresh``), interleaved.
 
-usage: python bench/pass_timeline.py PLAN [--rounds 6] [--skip 2] [--variants eager2]
+usage: python benchmarks/pass_timeline.py PLAN [--rounds 6] [--skip 2] [--variants eager2]
        [--trace DIR] [-o FILE.json]
 
 Measured on the lent H200 (2026-12-02, synthetic Llama-3-8B shape Q4_0, medians of 5 warm
@@ -51,22 +51,17 @@ import argparse
 import json
 import shutil
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
 
 import numpy as np
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-import prefix_inprocess as pi  # noqa: E402
-import warm_pass as wp  # noqa: E402
-from strata.executor import pass_graph  # noqa: E402
-from strata.executor.engine import Engine  # noqa: E402
-from strata.executor.plan_loader import load_plan  # noqa: E402
-from strata.executor.serving import ServingEngine  # noqa: E402
+from strata.benchmarks import prefix_inprocess as pi
+from strata.benchmarks import warm_pass as wp
+from strata.executor import pass_graph
+from strata.executor.engine import Engine
+from strata.executor.plan_loader import load_plan
+from strata.executor.serving import ServingEngine
 
 GAP_US = 2.0
 """Idle gaps of at least this many microseconds are counted and listed (shorter ones are the

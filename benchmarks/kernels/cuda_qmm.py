@@ -27,7 +27,8 @@ where continuous batching's c16 step is: float32 FMAs on CUDA cores and per-row 
 (``mma``) over tiles of 16 rows. A variant loading four words per lane (16 bytes) did not
 finish compiling or running within 90 s there; large M (32) was slow to compile too.
 
-usage: python bench/cuda_qmm.py [--rows 1,2,4,8,16] [-o FILE.json]   (needs MLX's CUDA backend)
+usage: python benchmarks/kernels/cuda_qmm.py [--rows 1,2,4,8,16] [-o FILE.json]
+(needs MLX's CUDA backend)
 """
 
 from __future__ import annotations

@@ -19,7 +19,7 @@ machine: 76 / 51, 47 / 49, 29 / 41, 210 / 76 on the 8B heads.) Those are the ker
 split design; the split kernels against it: ``bench/results/2026-12-02.attention-split-ab.h200.
 json``.
 
-usage: python bench/chunk_attention.py OUT.json   (needs MLX's CUDA backend)
+usage: python benchmarks/kernels/chunk_attention.py OUT.json   (needs MLX's CUDA backend)
 """
 
 from __future__ import annotations
@@ -32,10 +32,7 @@ from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
-
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from strata.executor import cuda_attention  # noqa: E402
+from strata.executor import cuda_attention
 
 HEADS = {"smollm2-135m": (9, 3, 64), "llama3-8b": (32, 8, 128)}
 CASES = ((24, 1016), (5, 1016), (64, 2000), (2, 300))

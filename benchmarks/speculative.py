@@ -48,7 +48,7 @@ Writes ``DIR/summary.json`` (machine, model, plans, the table, checks) and print
 Exit status 1 when any drafter's ids differ from the reference (listed in ``mismatches``).
 
 Usage (from the project root):
-``python bench/speculative.py --profile profiles/dev-linux-cpu.yaml --out /tmp/spec-bench``;
+``python benchmarks/speculative.py --profile profiles/dev-linux-cpu.yaml --out /tmp/spec-bench``;
 offline (e.g. the H200): ``--model /path/to/model.gguf``.
 """
 
@@ -67,7 +67,6 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
 
 CONTEXT = 1024
 STREAM_DEPTH = 2

@@ -27,7 +27,7 @@ kernels and is not counted; the medians of the rest are reported, and every vari
 tokens of the 16 sequences are checked equal to the first variant's or reported as differing
 (the fused SwiGLU rounds once where the unfused path rounds each product).
 
-usage: python bench/prefix_inprocess.py PLAN [--rounds 4] [--variants fused,unfused]
+usage: python benchmarks/prefix_inprocess.py PLAN [--rounds 4] [--variants fused,unfused]
        [--document-tokens 1000] [--breakdown] [--no-warm-up] [-o FILE]
 
 Each round line also gives the compiled passes traced and replayed in it
@@ -58,23 +58,19 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import sys
 import threading
 import time
 from pathlib import Path
 
+import mlx.core as mx
 import numpy as np
-
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-import mlx.core as mx  # noqa: E402
-import strata.executor.models.llama as llama  # noqa: E402
-from strata.executor import pass_graph  # noqa: E402
-from strata.executor.engine import Engine  # noqa: E402
-from strata.executor.paged_kv import ForwardBatch  # noqa: E402
-from strata.executor.plan_loader import load_plan  # noqa: E402
-from strata.executor.sampling import SamplingParams  # noqa: E402
-from strata.executor.serving import GenerationRequest, ServingEngine  # noqa: E402
+import strata.executor.models.llama as llama
+from strata.executor import pass_graph
+from strata.executor.engine import Engine
+from strata.executor.paged_kv import ForwardBatch
+from strata.executor.plan_loader import load_plan
+from strata.executor.sampling import SamplingParams
+from strata.executor.serving import GenerationRequest, ServingEngine
 
 _FUSED = (llama.fused_qkv, llama.fused_swiglu)
 _UNFUSED = (lambda *a: None, lambda *a: None)
