@@ -36,7 +36,8 @@ counted) builds the kernels.
 
 Measured on the lent H200 (2026-12-01, synthetic Llama-3-8B shape, Q4_0, rounds 1-2 of 3):
 fused cold 46.7 ms, warm 10.1 ms (4.6x), step16 10.2 ms; unfused 49.1, 11.5 (4.3x), 15.3
-(``bench/results/2026-12-01.prefix-fused-inprocess.h200.llama3-8b-shape.json``). That was a
+(git history's ``bench/results/2026-12-01.prefix-fused-inprocess.h200.llama3-8b-shape.json``).
+That was a
 scratch first version of this script, which did not compare the tokens, and its fused variant
 read Q/K/V and gate/up stacked into one weight each at load time. The kernels that now read each
 weight where it lies, with the launch cache and the residual added in the output projections,
@@ -49,7 +50,7 @@ in the output projections, 0.62 in ``fused_swiglu``, 0.40 in the attention kerne
 This file on the lent H200 (2026-12-02, ``--variants eager,compiled --rounds 6``, medians of
 rounds 1-5): eager cold 45.5 ms, warm 9.57 ms (4.76x), 16-sequence step 8.71 ms; compiled 45.0,
 10.7 (4.21x), 7.38, its greedy tokens equal to eager's for 16 of 16 sequences
-(``bench/results/2026-12-02.prefix-compiled-inprocess.h200.llama3-8b-shape.json``; the
+(``benchmarks/results/2026-12-02.prefix-compiled-inprocess.h200.llama3-8b-shape.json``; the
 breakdown and the runs under MLX's CUDA settings are in the README, Serving).
 """
 

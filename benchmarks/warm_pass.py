@@ -43,7 +43,8 @@ usage: python benchmarks/warm_pass.py PLAN [--rounds 12] [--skip 3]
        [--variants eager2,eager2-rope-off,compiled0,compiled4] [--step16 N] [-o FILE.json]
 
 Measured on the lent H200 with a scratch version of this script (2026-12-02, synthetic
-Llama-3-8B shape Q4_0; ``bench/results/2026-12-02.warm-pass-*.h200.llama3-8b-shape.json``):
+Llama-3-8B shape Q4_0; git history's
+``bench/results/2026-12-02.warm-pass-*.h200.llama3-8b-shape.json``):
 eager every 1 / 2 / 4 / never 9.85 / 8.01 / 8.36 / 10.92 ms; RoPE in the store off / on 11.74 /
 10.38; compiled in one graph / segments of 8 / of 4 9.23 / 8.55 / 8.33. This file, a later
 session, another machine start (``...warm-pass-step16.*``): warm pass eager2 8.91,

@@ -30,7 +30,7 @@ version of this loop, the first two settings run beside a CPU-bound job), us per
 No setting is better at every row count: the defaults stay. These times are wall clock per call
 in a chain, MLX's host cost of each call included: Nsight Compute gave the defaults' four calls
 124 us of GPU time a block at 24 rows (2026-12-02,
-``bench/results/2026-12-02.mma-profile.h200.json``).
+git history's ``bench/results/2026-12-02.mma-profile.h200.json``).
 
 Measured on the lent H200 (MLX 0.32.4, 2026-12-01) with this script's first version (the
 ``matmul`` part; the WMMA kernel it replaced timed beside it), us per call, this kernel / WMMA /

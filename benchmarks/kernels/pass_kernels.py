@@ -29,7 +29,7 @@ GPU time, each kernel run alone with empty caches, in a pass that takes about 10
 the SwiGLU products 2.37 ms (32 calls), chunk attention 2.36 ms (32), the output and down
 projections 1.62 ms (64), Q/K/V 0.73 ms (32), RoPE 0.33, the KV write (scatter) 0.29, RMS norms
 0.27, the embedding lookup's gathers 0.51 ms, the LM head 0.09
-(``bench/results/2026-12-02.pass-kernels.h200.llama3-8b-shape.json``).
+(git history's ``bench/results/2026-12-02.pass-kernels.h200.llama3-8b-shape.json``).
 """
 
 from __future__ import annotations
