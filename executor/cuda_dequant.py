@@ -4,13 +4,9 @@ The dense kernel path of a batched projection (``executor.ops``, the plan's
 ``runtime.dequant_matmul_min_rows``) dequantizes the weight for the call and multiplies densely.
 On MLX's CUDA backend ``mx.dequantize`` made that path slow. This kernel is one pass: a thread
 reads one packed uint32 word and its group's scale and bias and writes the word's elements as one
-vector store (16 bytes for 4-bit float16), so reads and writes are coalesced. Measured on the lent
-H200 (MLX 0.32.4, 2026-11-30, 4-bit groups of 32 to float16, best of 7 calls, each synchronized):
-a Llama-3-8B FFN weight [14336, 4096] in 119 us against ``mx.dequantize``'s 180 (1.3 TB/s of
-reads and writes), [4096, 14336] in 149 against 277, [4096, 4096] in 110 against 116; on small
-weights the launch dominates and it is a few us slower (SmolLM2's [1536, 576]: 51 against 44)
-(``bench/dequant_kernel.py``, ``bench/results/2026-11-30.dequant-kernel.h200.json``). On the
-Llama-3-8B shape the cold 1,000-token TTFT over HTTP went from 167 to 93 ms with it.
+vector store (16 bytes for 4-bit float16), so reads and writes are coalesced. It beats
+``mx.dequantize`` on large weights and loses a few us to its launch on small ones (figures,
+``benchmarks/kernels/dequant_kernel.py``: docs/kernels.md#the-dequantization-kernel).
 
 Layout (``executor.quant``): element ``j`` of a word sits at bits ``bits * j``; ``w = scale * q +
 bias`` per group of ``group_size`` elements along a row. The product is computed in float32 and

@@ -3,12 +3,12 @@ fused forms of it: three weights of one input in one call (Q, K, V), and SwiGLU 
 and their product in one call).
 
 On MLX's CUDA backend a product of a few rows by a 4-bit weight is slow: ``mx.quantized_matmul``
-took 133-471 us for 16-32 rows by Llama-3-8B FFN weights on the H200 (``bench/cuda_qmm.py``, call
-by call), where reading such a weight (29 MB) at the H200's 4.8 TB/s takes 6 us. A pass of a few
-dozen rows (a prompt's suffix after a prefix-cache hit, a step of 16 decoded tokens) then costs a
-third of a 1,000-token prefill. This kernel reads each packed weight once per call and multiplies
-on tensor cores with PTX ``mma.sync.m16n8k16`` (float32 accumulators), the weight as the 16-row
-``a`` operand and 8 rows (tokens) of ``x`` as the ``b`` operand:
+reads the weight far below the memory's bandwidth, so a pass of a few dozen rows (a prompt's
+suffix after a prefix-cache hit, a step of 16 decoded tokens) costs a large part of a long prefill
+(figures: docs/kernels.md#the-tensor-core-4-bit-matmul). This kernel reads each packed weight
+once per call and multiplies on tensor cores with PTX ``mma.sync.m16n8k16`` (float32
+accumulators), the weight as the 16-row ``a`` operand and 8 rows (tokens) of ``x`` as the ``b``
+operand:
 
 - a warp owns ``RT`` tiles of 16 weight rows (output columns) and a run of K chunks; a block's
   ``WARPS`` warps split K between them (:func:`warps_per_block`, a function of the weight's shape
@@ -30,49 +30,15 @@ on tensor cores with PTX ``mma.sync.m16n8k16`` (float32 accumulators), the weigh
 A row's result does not depend on the other rows or on how many there are (each 8-row column
 tile is computed alike), so products through this kernel are batch invariant across its row
 counts. The fused forms take one call where the model made three (Q, K, V) or four (gate, up,
-SiLU, the product), and each call on MLX's CUDA backend costs about 8 us beside its work (a chain
-of trivial custom kernels, H200, 2026-12-01). They read each weight where it lies (any tier's
+SiLU, the product), and each call on MLX's CUDA backend costs the host several us beside its work
+(docs/kernels.md#the-tensor-core-4-bit-matmul). They read each weight where it lies (any tier's
 arrays, nothing stacked): a block's warps are assigned to one weight's row tiles. ``matmul3``'s
 products equal :func:`matmul`'s bit for bit (:func:`fusable`: the same K split); ``swiglu``
 rounds once where the unfused form rounds each step, the same for every tier.
 
-Measured on the lent H200 (MLX 0.32.4, 2026-12-01), per call in chains of calls over distinct
-weights (no L2 reuse), this kernel / the WMMA kernel it replaced / MLX's quantized matmul, us:
-[14336, 4096] 8 rows 32 / 64-77 / 44-47, 16 rows 34-42 / 57-65 / 42-47, 32 rows 48-54 / 84-85 /
-78-87; [4096, 14336] 16 rows 38-43 / 60-69 / 46-49, 32 rows 50 / 74-76 / 76-84; [4096, 4096] 16
-rows 19-23 / 26-28 / 16-17; [1024, 4096] 16 rows 18-27 / 17-24 / 8-10 (too few row tiles alone; in
-matmul3 they share a call with Q); at 64 rows the FFN weights took 97-114 / 177-201 / 75-87, so
-the H200 profile's range stays 2-32. Results within 2.3e-4 to 4.4e-4 of the float32 product of
-the dequantized weight relative to its largest element (float16; [14336, 4096], [1024, 4096] and
-[1536, 576] weights, 1 to 64 rows); each row equal alone and in the batch. In a
-Llama-3-8B-shaped model (in-process, one process, medians): a 24-token suffix after a 992-token
-prefix-cache hit 11.5 ms unfused, 10.1 ms with the fused forms, a 16-sequence decode step 15.3
-and 10.2 ms (that run's fused forms read weights stacked at load time). The version here reads
-each weight where it lies; its tests pass on the H200 (2026-12-01, later session), where a warm
-24-token pass took 9.3-13.4 ms in-process; the calls of a block cost 12-28 us each to build
-(after the launch cache below), MLX's evaluation about 100 us a block. Its kernels summed to
-8.61 ms with emptied caches (2026-12-02, each kernel alone, ``bench/pass_kernels.py``), these
-calls 4.72 ms of it at 32 rows. With the caches as the pass leaves them a later profile gave 6.53
-ms, in a pass of 11.2-13.7 ms in-process: the GPU idles between kernels a third to a half of the
-pass (``bench/results/2026-12-02.pass-host-vs-gpu.h200.llama3-8b-shape.json``).
-
-Profiled with Nsight Compute on the lent H200 (2026-12-02, one call each, GPU time;
-``bench/results/2026-12-02.mma-profile.h200.json``): a Llama-3-8B block's four calls (SwiGLU,
-down, Q/K/V, O) took 60.5 / 31.3 / 20.0 / 11.7 us at 24 rows (124 in all; 84 at 8 rows, 141 at
-32), the weights read at 0.7-1.3 TB/s. The L1 cache is the busiest unit (57-85% of its peak at
-24-32 rows): by the kernel's arithmetic about three quarters of the sectors it moves are x's
-(each warp reads its own, and a lane's 16-byte read uses half of each 32-byte sector); 134-176
-registers a thread at 24-32 rows hold occupancy to 12-19%. A variant (not shipped) that staged x
-in shared memory for blocks of warps sharing K chunks and split K over blocks, the last block
-adding the float32 partial sums in split order, cut SwiGLU's L1 sectors 2.8-fold in its first
-version (x copied through registers) and was not faster in any of six settings of its
-double-buffered version (asynchronous copies): 129-141 us a block at 24 rows, each warp then
-waiting on its own weight loads. A second variant (not shipped, 2026-12-02) also copied the
-weights, scales and biases into shared memory asynchronously, two or three 128-element stages
-ahead, as in Frantar et al. 2024 ("MARLIN: Mixed-Precision Auto-Regressive Parallel Inference on
-Large Language Models"), with 8 warps of 16 rows per block, so that no weight load held
-registers. At 24 rows it was no faster for SwiGLU (59-61 us) and slower for the others: down
-33-34, Q/K/V 24-25, O 17 (``bench/results/2026-12-02.mma-splitk-variant.h200.json``).
+Its timings against MLX's quantized matmul and the WMMA kernel it replaced, its Nsight Compute
+profile, and the variants tried and not shipped (x, or the weights, staged in shared memory):
+docs/kernels.md#the-tensor-core-4-bit-matmul.
 
 ``matmul(..., residual=r)`` adds the residual in the store (``plain_add``: ``r + T(sum)`` by the
 dtype's own ``+``, bit for bit the separate add), one operation of the graph fewer per block
@@ -556,9 +522,9 @@ class _Launch:
 _LAUNCHES: dict[tuple, _Launch] = {}
 """Signature (kernel, ``x``'s shape and dtype, group size, output shapes, the residual's shape
 and dtype, the weights' shapes and dtypes or the caller's ``signature`` for them, and a RoPE's
-:func:`_rope_key`) -> its :class:`_Launch`. Validating and working out a call took about 12 us of
-Python per call on the H200 host (2026-12-01), more than MLX's own cost of a call; a pass of the
-Llama-3-8B shape makes 160 of them."""
+:func:`_rope_key`) -> its :class:`_Launch`. Validating and working out a call cost more host
+time than MLX's own cost of a call, and a pass of the Llama-3-8B shape makes 160 of them
+(docs/kernels.md#the-tensor-core-4-bit-matmul)."""
 
 _MAX_LAUNCHES = 4096
 """Signatures kept (the cache is emptied past this: a pass meets a few dozen)."""

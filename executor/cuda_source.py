@@ -4,9 +4,9 @@
 string at every call, and hashes it at every evaluation to find the compiled module
 (``mlx/backend/cuda/custom_kernel.cpp``, MLX 0.32: ``build_kernel``, ``std::hash`` of
 ``source_`` in ``CustomKernel::eval_gpu``). That host work grows with the source's length, and a
-forward pass makes a few hundred such calls: measured on the H200 host (2026-12-01), a call of
-Strata's 9 KB tensor-core kernel cost 25 us of host time against 8.6 us for MLX's own quantized
-matmul. Comments and indentation, which are most of a readable source, are dropped before MLX
+forward pass makes a few hundred such calls: a call of Strata's 9 KB tensor-core kernel cost
+about three times MLX's own quantized matmul (docs/kernels.md#the-tensor-core-4-bit-matmul).
+Comments and indentation, which are most of a readable source, are dropped before MLX
 sees it.
 """
 

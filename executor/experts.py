@@ -11,14 +11,13 @@ are loaded, and only after they are known:
   else the expert chosen least often so far (the routing tracker's counts: LFU), the least
   recently used among equals. Not plain LRU: a decode step visits every block in turn, so an
   LRU cache smaller than one step's experts evicts each expert just before its block comes
-  round again and never hits (measured on the skewed bench model with 49 slots and prefetch:
-  of 3220 uses, all 2298 hits were prefetched experts, none was kept by LRU); counts keep the
-  experts that are hot across tokens, the static hot set the planner's cost model assumes.
+  round again and never hits (docs/moe.md#the-expert-cache); counts keep the experts that are
+  hot across tokens, the static hot set the planner's cost model assumes.
   In ``prefetch`` mode the last ``prefetch`` slots are a
   prefetch area that only guesses are read into (least recently used first, a guess for a
   block still ahead kept until that block runs), so a guess never evicts the hot set (an
-  earlier prefetch that could take any slot, and kept a wrong guess's slot busy, read 1.8x as
-  many experts as the cache alone on the H200); these are the plan's prefetch working slots.
+  earlier prefetch that could take any slot read far more experts than the cache alone:
+  docs/moe.md#the-expert-cache); these are the plan's prefetch working slots.
   Modes: ``none`` (every use reads: slots are emptied after each group, the baseline),
   ``cache`` (the cache alone) and ``prefetch`` (the cache plus co-activation prefetch).
 - **Routing tracker** (:class:`RoutingTracker`): per block, how often each expert is chosen and
@@ -106,10 +105,9 @@ def split_gate_up(ws: dict) -> dict:
 PRIOR_TOKENS = 16
 """Weight of a routing profile in the routing tracker, in tokens: the profile's frequencies count
 as this many tokens of routing (a Dirichlet prior's concentration). Small on purpose: a profile
-measured on other text than the one running was measured to cost time when it outweighed the
-run's own counts (the skewed bench model, dev CPU: 0.765 against 0.711 s/token with the
-profile's raw 300 tokens of counts), while a few tokens' worth still orders the preloaded cache
-and the first predictions."""
+of other text than the one running cost time when it outweighed the run's own counts
+(docs/moe.md#routing-profiles-planning-from-measured-routing), while a few tokens' worth still
+orders the preloaded cache and the first predictions."""
 
 
 class RoutingTracker:

@@ -482,10 +482,10 @@ def measure_decode_batch(shape: tuple[int, int], dtype_name: str, repeats: int =
     decoded tokens through a 4-bit weight in one ``mx.quantized_matmul``, as a batched decode
     step runs every projection (``2 rows n k / seconds``).
 
-    Why it is measured: how the quantized kernel scales with rows decides what batching buys.
-    On MLX's CPU backend a 16-row product took 16x one row (the dev machine, 2026-11-30), so
-    there batched decode runs at the matvec rate; on the H200 16 rows took about 1.2x one row.
-    Neither the matvec rate nor the prefill-sized matmul rate (``compute_flops_s``) says which.
+    Why it is measured: how the quantized kernel scales with rows decides what batching buys (on
+    MLX's CPU backend 16 rows cost 16 single rows, on NVIDIA GPUs little more than one:
+    docs/kernels.md#kernel-paths). Neither the matvec rate nor the prefill-sized matmul rate
+    (``compute_flops_s``) says which.
 
     Args:
         shape: (n, k) of the weight.
@@ -533,9 +533,8 @@ def _quantized_matmul_rate(
 
 DEQUANT_ROWS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
 """Row counts (tokens of one forward pass) :func:`measure_dequant_crossover` times: decode
-batches up to 64 and prefill chunks up to 512 tokens (on the H200 the dense path wins on a
-Llama-3-8B FFN weight from 128 rows with ``executor.cuda_dequant``, from 256 with
-``mx.dequantize``, 2026-11-30)."""
+batches up to 64 and prefill chunks up to 512 tokens (where the dense path wins on a Llama-3-8B
+FFN weight on an H200: docs/kernels.md#kernel-paths)."""
 
 
 def _time_kernel_paths(
@@ -580,12 +579,10 @@ def measure_dequant_crossover(
     ``../shared/models.md``), while dequantizing costs a fixed pass over the weights; where the
     quantized kernel scales well (Apple, the CPU) the dense path never wins.
 
-    One call at a time, not a chain of dependent calls: on the H200 (2026-11-30) a chain of
-    dependent 8B FFN products favoured the dense path from 4 rows (16 rows: 158 against 116 us
-    per product), but plans with that crossover were no faster end to end on the Llama-3-8B
-    shape (HTTP bench, 16 sequences: 364 tok/s either way) and 45% slower on SmolLM2's (953 ->
-    522 tok/s): the dense path adds a kernel per product, which small weights pay for and do not
-    win back. Timed call by call, that launch cost is in the figure.
+    One call at a time, not a chain of dependent calls: the dense path adds a kernel per
+    product, which small weights pay for and do not win back, and timed call by call that launch
+    cost is in the figure (a chained crossover made plans slower end to end:
+    docs/kernels.md#kernel-paths).
 
     Args:
         shape: (n, k) of the weight.
@@ -643,12 +640,9 @@ def measure_mma_rows(
     (each call evaluated and synchronized) through ``executor.ops.quantized_product``.
 
     The range is the run of consecutive winning counts of ``MMA_ROWS`` that ends at the
-    largest win (0, 0 when the kernel never wins or does not apply here). Measured on the H200
-    (2026-11-30, float16, MLX / Strata): on the profile's [16384, 16384] weight 2-32 rows (2: 378
-    / 290 us, 32: 456 / 360, 64: 464 / 820); on a Llama-3-8B FFN weight [14336, 4096] the
-    small counts were noisy (2: 123 / 134, 4: 187 / 134, 8: 119 / 163, 16: 120 / 131, 32: 167 /
-    154, 64: 165 / 264), so the figure comes from the larger weight. In a Llama-3-8B-shaped model
-    the kernel for 2-64 rows took a step of 16 decoded tokens from 33-34 to 26 ms.
+    largest win (0, 0 when the kernel never wins or does not apply here). The profile's
+    [16384, 16384] weight is used because on smaller ones the small row counts are noisy
+    (timings: docs/kernels.md#kernel-paths).
 
     Args:
         shape: (n, k) of the weight.

@@ -94,8 +94,8 @@ class Sampler:
     @property
     def rng(self) -> np.random.Generator:
         """The request's random generator (PCG64 from ``params.seed``), made on its first draw:
-        a greedy request never draws, and seeding from the OS's entropy cost the engine thread
-        0.04-0.2 ms of each request's admission (dev CPU, 2026-12-02)."""
+        a greedy request never draws, and seeding from the OS's entropy costs the engine thread
+        part of a millisecond per admission (docs/kernels.md#host-costs-around-the-pass)."""
         if self._rng is None:
             self._rng = np.random.Generator(np.random.PCG64(self.params.seed))
         return self._rng

@@ -409,13 +409,9 @@ def fault_in(weights: Sequence[Weight]) -> None:
     unified memory, ``CudaBuffer.device`` -1; arrays that GPU operations write come from
     ``malloc_async`` on a device), and its pages stay on the host until the GPU touches each
     one, which then faults it in. A matmul touches its whole
-    weight on its first pass, but an embedding lookup touches only the rows of its token ids.
-    Measured on the lent H200 (ncu, 2026-12-02, Llama-3-8B shape, a pass of 24 tokens, 16 of them
-    new ids, padded to 32 rows, after a prefix-cache hit): the lookup's gather of packed words
-    took 0.261 ms and two float16 gathers 0.247 and 0.003 ms, where the rows read are about 60 KB.
-    Page faults would explain the first two, not the third; the cause is not established, and
-    the effect of this function is not measured yet (``bench/pass_kernels.py`` measures it). A
-    reduction over each array reads every page once, here, before any request."""
+    weight on its first pass, but an embedding lookup touches only the rows of its token ids,
+    and its gathers were slow (docs/kernels.md#managed-memory-of-the-weights). A reduction over
+    each array reads every page once, here, before any request."""
     if not mx.cuda.is_available():
         return
     arrays = [a for w in weights for a in (w.parts if isinstance(w, QuantLinear) else (w,))]

@@ -289,12 +289,9 @@ def host_overlaps(desc: ModelDescription, profile: HardwareProfile) -> bool:
 def step_compute_s(costs: Sequence[UnitCost], overlapped: bool) -> float:
     """The compute term of a decode step over ``costs``' units (seconds): ``sum_u (roofline_u +
     k_u op_s)`` where the host builds the whole pass before the device starts, ``max(sum_u
-    roofline_u, sum_u k_u op_s)`` where they ``overlapped`` (``host_overlaps``). Checked against
-    the H200 (2026-12-01, Llama-3-8B shape, Q4_0, ``profiles/h200-host.yaml``, context 2048): for
-    one sequence the in-series sum predicts 86.2 tok/s, the overlapped form 165 tok/s; measured
-    160 in-process (a 6.26 ms step) and 150.5 over HTTP. For 16 sequences 777 and 1,064 tok/s
-    against 1,386 over HTTP: the profile's ``decode_batch_flops_s`` is MLX's quantized matmul at
-    16 rows, slower than the tensor-core kernel the plan picks there."""
+    roofline_u, sum_u k_u op_s)`` where they ``overlapped`` (``host_overlaps``); the overlapped
+    form is the one that matched a measured GPU step
+    (docs/kernels.md#scheduling-blocks-as-they-are-built)."""
     device = sum(c.device_s for c in costs)
     host = sum(c.ops_s for c in costs)
     return max(device, host) if overlapped else device + host
@@ -332,7 +329,7 @@ def unit_costs(
     nvme_bw = _rate(profile.nvme.read_bytes_s.value, "nvme.read_bytes_s")
     b = batch_size(request, batch)
     # B tokens' products run at the measured decode-batch rate (on MLX's CPU backend that is the
-    # matvec rate: a 16-row 4-bit product took 16x one row on the dev machine, 2026-11-30).
+    # matvec rate: a 16-row 4-bit product costs 16 single rows, docs/kernels.md#kernel-paths).
     measured = profile.gpu.decode_batch_flops_s
     bt_flops = (
         _rate(profile.gpu.compute_flops_s.value, "gpu.compute_flops_s")
