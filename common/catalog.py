@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import subprocess
 import sys
 import tempfile
@@ -19,6 +18,7 @@ import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
+from strata.common import envs
 from strata.common.atomic import replaced
 from strata.common.errors import GGUFError, StrataError
 from tqdm import tqdm
@@ -86,7 +86,7 @@ class ResolvedModel:
 
 def cache_dir() -> Path:
     """``$STRATA_CACHE`` or ``~/.cache/strata`` (created)."""
-    d = Path(os.environ.get("STRATA_CACHE") or Path.home() / ".cache" / "strata")
+    d = envs.get("STRATA_CACHE")
     try:
         d.mkdir(parents=True, exist_ok=True)
     except OSError as e:

@@ -240,6 +240,7 @@ class ExpertCache:
         prefetch: experts prefetched per block in ``prefetch`` mode.
         frequency: float64 [layers, n_expert], how often each expert is known to be chosen
             (the routing tracker's live ``rank``), for eviction.
+        stage_direct_reads: as ``executor.streaming.SlotArena``'s (the runtime config's).
 
     Raises:
         StrataError: no slots, or an unknown mode.
@@ -255,6 +256,8 @@ class ExpertCache:
         mode: str = "prefetch",
         prefetch: int = 0,
         frequency: np.ndarray | None = None,
+        *,
+        stage_direct_reads: bool,
     ):
         if mode not in CACHE_MODES:
             raise StrataError(f"expert cache mode {mode!r}: use one of {', '.join(CACHE_MODES)}")
@@ -268,7 +271,9 @@ class ExpertCache:
         # At least one slot stays for the cache (misses); the rest may be the prefetch area.
         self.prefetch = min(prefetch, max(0, slots - 1)) if mode == "prefetch" else 0
         slot_bytes = max(store.units[u].nbytes for u in units)
-        self.arena = SlotArena(store.path, slots, slot_bytes, io_threads, dtype)
+        self.arena = SlotArena(
+            store.path, slots, slot_bytes, io_threads, dtype, stage_direct_reads=stage_direct_reads
+        )
         self.direct, self.method = self.arena.direct, self.arena.method
         self._readers = ThreadPoolExecutor(max(2, slots), thread_name_prefix="strata-expert")
         self._lock = threading.Lock()

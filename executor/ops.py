@@ -17,6 +17,10 @@ cast. ``mx.dequantize`` with float16 scales computes in float16 even when asked 
 float32 result, so :func:`embedding` widens the gathered rows' scales before
 dequantizing. Note: bfloat16 activations with float16 scales promote to a float32 result.
 
+Kernel paths: which kernel computes a quantized product, and whether its rows are padded to a
+bucket, is the runtime config's (``executor.config.RuntimeConfig``: ``pad_rows``, ``mma_rows``,
+``dequant_min_rows``), handed to every product by the model that calls it.
+
 Row tiles (batch-invariant serving, ``set_row_tile``): MLX's CUDA kernels round a row of a
 matmul differently with the call's row count M (measured on an H200: a row's result depends on M,
 not on the other rows' contents), so a token's projections would depend on what else is in the
@@ -35,6 +39,7 @@ import mlx.core as mx
 import numpy as np
 from strata.common.quant import PackedWeight
 from strata.executor import cuda_dequant, cuda_mma
+from strata.executor.config import RuntimeConfig
 
 __all__ = [
     "KERNEL_PATHS",
@@ -47,64 +52,9 @@ __all__ = [
     "linear",
     "linear_add",
     "quantized_product",
-    "set_dequant_min_rows",
-    "set_mma_rows",
     "set_row_tile",
     "to_mlx",
 ]
-
-_dequant_min_rows = 0
-"""Kernel path of quantized projections (the plan's ``runtime.dequant_matmul_min_rows``): from
-this many rows, dequantize + dense matmul; 0: always ``mx.quantized_matmul``."""
-
-
-_mma_rows = (0, 0)
-"""Kernel path of quantized projections (the plan's ``runtime.mma_matmul_min_rows`` and
-``mma_matmul_max_rows``): products of this many rows take Strata's tensor-core kernel
-(``executor.cuda_mma``) where it applies; (0, 0): never."""
-
-
-def set_mma_rows(lo: int, hi: int) -> None:
-    """Choose the tensor-core kernel path for this process: products of ``lo`` to ``hi`` rows
-    (the plan's measured range; 0, 0 keeps it off)."""
-    global _mma_rows
-    _mma_rows = (max(0, int(lo)), max(0, int(hi)))
-    _forget_paths()
-
-
-def set_dequant_min_rows(rows: int) -> None:
-    """Choose the kernel path of quantized projections for this process (the plan's measured
-    ``runtime.dequant_matmul_min_rows``; 0 keeps the quantized matmul at every batch size)."""
-    global _dequant_min_rows
-    _dequant_min_rows = max(0, int(rows))
-    _forget_paths()
-
-
-def _forget_paths() -> None:
-    """Empty the kernel-path answers kept per shape (the row ranges they came from changed)."""
-    global _settings_epoch
-    _PATHS.clear()
-    _FUSABLE.clear()
-    _settings_epoch += 1
-
-
-_settings_epoch = 0
-
-
-def settings_epoch() -> int:
-    """A number that changes whenever this process's kernel-path settings change
-    (``set_mma_rows``, ``set_dequant_min_rows``): what was traced under other settings
-    (``executor.pass_graph``) is stale."""
-    return _settings_epoch
-
-
-PAD_ROWS = mx.cuda.is_available()
-"""Pad a product's row count up to ``bucket_rows`` on MLX's CUDA backend, which prepares its
-matmul kernels per distinct shape (the expert matmuls of a first MoE prefill took 79 s on the
-H200 before their rows were padded: ``executor.models.llama.PAD_EXPERT_ROWS``). A serving step's
-row count is its batch's token count, which changes with every mix of decodes and prefill
-chunks; bucketed, the shapes are a few dozen. The padded zero rows cost compute only, and a
-decode step's products are bound by reading the weights, not by rows. Elsewhere: off."""
 
 
 def bucket_rows(rows: int) -> int:
@@ -117,8 +67,8 @@ def bucket_rows(rows: int) -> int:
     padded to 32 rows spent 141 us a block in its four calls against 124 at 24 (Nsight Compute,
     H200, 2026-12-02, Llama-3-8B shape, ``bench/results/2026-12-02.mma-profile.h200.json``),
     0.54 ms a pass. Not 40, 48 or 56: those rows take MLX's quantized matmul there, whose first
-    call at a new row count built kernels for up to a minute (``executor.serving.
-    WARM_UP_ROW_BUCKETS``)."""
+    call at a new row count built kernels for up to a minute (``RuntimeConfig.
+    warm_up_row_buckets``)."""
     if 16 < rows <= 24:
         return 24
     if rows <= 256:
@@ -250,33 +200,40 @@ def to_mlx(w: PackedWeight | np.ndarray, dtype: mx.Dtype | None = None) -> Quant
     raise TypeError(f"to_mlx expects a PackedWeight or numpy array, got {type(w).__name__}")
 
 
-def _fusable(x: mx.array, ws: list[QuantLinear]) -> bool:
+def _fusable(x: mx.array, ws: list[QuantLinear], config: RuntimeConfig) -> bool:
     """Whether one fused tensor-core call (``executor.cuda_mma``) may take the products of ``x``
     ``[..., in]`` by ``ws``: no row tile (batch-invariant serving keeps every product on
     :func:`linear`'s tiles), each weight on the tensor-core path for the (bucketed) row count,
     one group size, and one K split (``cuda_mma.fusable``: then each product equals its own
-    :func:`linear`'s bit for bit). Answered once per shape, dtype, weights' signatures and
-    ``PAD_ROWS`` (the row count is bucketed when it is set)."""
+    :func:`linear`'s bit for bit). Answered once per shape, dtype, weights' signatures and the
+    config's kernel-path settings (the row count is bucketed where ``pad_rows``)."""
     if row_tile():
         return False
-    key = (PAD_ROWS, x.shape, x.dtype, *(w.signature for w in ws))
+    key = (
+        config.pad_rows,
+        config.mma_rows,
+        config.dequant_min_rows,
+        x.shape,
+        x.dtype,
+        *(w.signature for w in ws),
+    )
     ok = _FUSABLE.get(key)
     if ok is None:
-        ok = _FUSABLE[key] = _fusable_shapes(x, ws)
+        ok = _FUSABLE[key] = _fusable_shapes(x, ws, config)
     return ok
 
 
 _FUSABLE: dict[tuple, bool] = {}
-""":func:`_fusable`'s answers, emptied with ``_PATHS`` when the row ranges change."""
+""":func:`_fusable`'s answers, keyed by everything they depend on (so never stale)."""
 
 
-def _fusable_shapes(x: mx.array, ws: list[QuantLinear]) -> bool:
+def _fusable_shapes(x: mx.array, ws: list[QuantLinear], config: RuntimeConfig) -> bool:
     if len({w.group_size for w in ws}) != 1:
         return False
     k = x.shape[-1] if x.ndim else 0
     rows = x.size // k if k else 0
-    padded = bucket_rows(rows) if PAD_ROWS and rows else rows
-    if not rows or any(kernel_path(padded, w, x.dtype) != "mma" for w in ws):
+    padded = bucket_rows(rows) if config.pad_rows and rows else rows
+    if not rows or any(kernel_path(padded, w, x.dtype, config) != "mma" for w in ws):
         return False
     return cuda_mma.fusable([w.parts for w in ws], k)
 
@@ -284,6 +241,7 @@ def _fusable_shapes(x: mx.array, ws: list[QuantLinear]) -> bool:
 def fused_qkv(
     x: mx.array,
     ws: list[QuantLinear],
+    config: RuntimeConfig,
     shapes: list[tuple[int, ...]] | None = None,
     rope: cuda_mma.Rope | None = None,
 ) -> list[mx.array] | None:
@@ -294,32 +252,34 @@ def fused_qkv(
     RoPE'd as ``mx.fast.rope`` would rotate those products (``cuda_mma.Rope``). On MLX's CUDA
     backend each call costs about 8 us beside its work (a chain of trivial custom kernels on the
     H200, 2026-12-01): a block of a few dozen rows made seven projection calls."""
-    if not _fusable(x, ws):
+    if not _fusable(x, ws, config):
         return None
     signature = (ws[0].signature, ws[1].signature, ws[2].signature)
     parts = [w.parts for w in ws]
     return cuda_mma.matmul3(x, parts, ws[0].group_size, shapes, signature, rope)
 
 
-def fused_swiglu(x: mx.array, gate: QuantLinear, up: QuantLinear) -> mx.array | None:
+def fused_swiglu(
+    x: mx.array, gate: QuantLinear, up: QuantLinear, config: RuntimeConfig
+) -> mx.array | None:
     """``silu(x @ gate.T) * (x @ up.T)`` for ``x`` ``[..., in]`` in one tensor-core call
     (``executor.cuda_mma.swiglu``), ``[..., ffn]``; None where it does not apply (see
     ``_fusable``; gate and up of one shape). Its rounding differs from the unfused form's
     (each product rounded, then SiLU, then their product) but not with the weights' tier: every
     tier's weights take it for the same row counts."""
-    if gate.shape != up.shape or not _fusable(x, [gate, up]):
+    if gate.shape != up.shape or not _fusable(x, [gate, up], config):
         return None
     signature = (gate.signature, up.signature)
     return cuda_mma.swiglu(x, gate.parts, up.parts, gate.group_size, signature)
 
 
-def linear(x: mx.array, w: QuantLinear | mx.array) -> mx.array:
+def linear(x: mx.array, w: QuantLinear | mx.array, config: RuntimeConfig) -> mx.array:
     """``x @ w.T``: ``x`` ``[..., in]`` times ``w`` ``[out, in]`` gives ``[..., out]``.
 
     Quantized weights go through the kernel path :func:`kernel_path` picks for the row count:
     ``mx.quantized_matmul(..., transpose=True)`` (no dequantized copy); Strata's tensor-core
-    kernel for the row counts of ``set_mma_rows`` on MLX's CUDA backend; or, for at least
-    ``set_dequant_min_rows`` rows, a dequantized copy made for this call and a dense matmul. The
+    kernel for the row counts of ``config.mma_rows`` on MLX's CUDA backend; or, for at least
+    ``config.dequant_min_rows`` rows, a dequantized copy made for this call and a dense matmul. The
     result dtype is MLX's promotion of ``x`` and the weight's
     (scales') dtype: float32 activations give float32.
 
@@ -331,8 +291,8 @@ def linear(x: mx.array, w: QuantLinear | mx.array) -> mx.array:
     tiling covers them all; there is no fused gather path (``mx.gather_qmm``) that would escape
     it, and the fused products (:func:`fused_qkv`, :func:`fused_swiglu`) decline while a tile is
     set. Without a
-    tile, on MLX's CUDA backend (``PAD_ROWS``) R is padded to ``bucket_rows(R)`` and computed in
-    one call.
+    tile, where ``config.pad_rows`` (MLX's CUDA backend) R is padded to ``bucket_rows(R)`` and
+    computed in one call.
 
     Raises:
         ValueError: ``x.shape[-1]`` differs from the weight's in_features.
@@ -340,22 +300,24 @@ def linear(x: mx.array, w: QuantLinear | mx.array) -> mx.array:
     tile = row_tile()
     rows = x.size // x.shape[-1] if x.ndim and x.shape[-1] else 0
     if not rows:
-        return _linear(x, w)
+        return _linear(x, w, config)
     if not tile:
-        pad = bucket_rows(rows) - rows if PAD_ROWS else 0
+        pad = bucket_rows(rows) - rows if config.pad_rows else 0
         if not pad:
-            return _linear(x, w)
+            return _linear(x, w, config)
         tile = rows + pad  # one call of the bucket's rows
     flat = x.reshape(rows, x.shape[-1])
     pad = -rows % tile
     if pad:
         flat = mx.concatenate([flat, mx.zeros((pad, flat.shape[1]), dtype=flat.dtype)])
-    parts = [_linear(flat[i : i + tile], w) for i in range(0, rows + pad, tile)]
+    parts = [_linear(flat[i : i + tile], w, config) for i in range(0, rows + pad, tile)]
     out = parts[0] if len(parts) == 1 else mx.concatenate(parts)
     return out[:rows].reshape(*x.shape[:-1], out.shape[-1])
 
 
-def linear_add(x: mx.array, w: QuantLinear | mx.array, residual: mx.array) -> mx.array:
+def linear_add(
+    x: mx.array, w: QuantLinear | mx.array, residual: mx.array, config: RuntimeConfig
+) -> mx.array:
     """``residual + linear(x, w)``, bit for bit and in the same shape, with the sum in the
     product's own kernel call where the tensor-core path takes ``x``'s rows as they are (no row
     tile, a bucket's rows, ``residual`` of ``x``'s dtype and of the broadcast's shape): a block's
@@ -373,13 +335,13 @@ def linear_add(x: mx.array, w: QuantLinear | mx.array, residual: mx.array) -> mx
         rows = x.size // cols if x.shape[-1] == cols else 0
         if (
             rows
-            and (not PAD_ROWS or bucket_rows(rows) == rows)
+            and (not config.pad_rows or bucket_rows(rows) == rows)
             and residual.ndim >= x.ndim
             and _unbatched(residual.shape) == _unbatched((*x.shape[:-1], n))
-            and kernel_path(rows, w, x.dtype) == "mma"
+            and kernel_path(rows, w, x.dtype, config) == "mma"
         ):
             return cuda_mma.matmul(x, *w.parts, w.group_size, residual, w.signature)
-    return residual + linear(x, w)
+    return residual + linear(x, w, config)
 
 
 def _unbatched(shape: tuple[int, ...]) -> tuple[int, ...]:
@@ -390,7 +352,7 @@ def _unbatched(shape: tuple[int, ...]) -> tuple[int, ...]:
     return shape[i:]
 
 
-def _linear(x: mx.array, w: QuantLinear | mx.array) -> mx.array:
+def _linear(x: mx.array, w: QuantLinear | mx.array, config: RuntimeConfig) -> mx.array:
     """:func:`linear` as one call, whatever the row count."""
     if isinstance(w, QuantLinear):
         cols = w.shape[1]
@@ -398,7 +360,7 @@ def _linear(x: mx.array, w: QuantLinear | mx.array) -> mx.array:
             raise ValueError(
                 f"linear: input has {x.shape[-1]} features, weight {w.shape} expects {cols}"
             )
-        return quantized_product(x, w, kernel_path(x.size // cols, w, x.dtype))
+        return quantized_product(x, w, kernel_path(x.size // cols, w, x.dtype, config))
     if w.ndim != 2 or x.shape[-1] != w.shape[1]:
         raise ValueError(
             f"linear: input has {x.shape[-1]} features, weight {tuple(w.shape)} is not [out, in]"
@@ -410,30 +372,33 @@ KERNEL_PATHS = ("quantized", "mma", "dense")
 """Kernel paths of a quantized projection (:func:`quantized_product`)."""
 
 
-def kernel_path(rows: int, w: QuantLinear, dtype: mx.Dtype) -> str:
-    """The kernel path this process takes for a product of ``rows`` rows of ``dtype`` by ``w``:
-    ``dense`` from the plan's ``dequant_matmul_min_rows``; ``mma`` for the plan's
-    ``mma_matmul_min_rows`` to ``mma_matmul_max_rows`` rows where
+def kernel_path(rows: int, w: QuantLinear, dtype: mx.Dtype, config: RuntimeConfig) -> str:
+    """The kernel path ``config`` takes for a product of ``rows`` rows of ``dtype`` by ``w``:
+    ``dense`` from ``config.dequant_min_rows`` (the plan's ``dequant_matmul_min_rows``); ``mma``
+    for ``config.mma_rows`` (the plan's ``mma_matmul_min_rows`` to ``mma_matmul_max_rows``) where
     :func:`executor.cuda_mma.supported` (4-bit, 16-bit activations and scales of that dtype,
     MLX's CUDA backend); else ``quantized``."""
-    key = (rows, w.shape, w.bits, w.group_size, w.scales_dtype, dtype)
+    mma_rows, dense_from = config.mma_rows, config.dequant_min_rows
+    key = (rows, w.shape, w.bits, w.group_size, w.scales_dtype, dtype, mma_rows, dense_from)
     path = _PATHS.get(key)
     if path is None:
-        path = _PATHS[key] = _kernel_path(rows, w, dtype)
+        path = _PATHS[key] = _kernel_path(rows, w, dtype, mma_rows, dense_from)
     return path
 
 
 _PATHS: dict[tuple, str] = {}
 """:func:`kernel_path`'s answers by (rows, weight shape, bits, group size, scales' and
-activations' dtypes), emptied when the row ranges change: asked by every product of a pass."""
+activations' dtypes, the config's row ranges): asked by every product of a pass."""
 
 
-def _kernel_path(rows: int, w: QuantLinear, dtype: mx.Dtype) -> str:
-    if _dequant_min_rows and rows >= _dequant_min_rows:
+def _kernel_path(
+    rows: int, w: QuantLinear, dtype: mx.Dtype, mma_rows: tuple[int, int], dense_from: int
+) -> str:
+    if dense_from and rows >= dense_from:
         return "dense"
     if (
-        _mma_rows[0]
-        and _mma_rows[0] <= rows <= _mma_rows[1]
+        mma_rows[0]
+        and mma_rows[0] <= rows <= mma_rows[1]
         and w.scales_dtype == dtype
         and cuda_mma.supported(rows, w.shape[0], w.shape[1], w.bits, w.group_size, dtype)
     ):

@@ -70,11 +70,6 @@ from dataclasses import dataclass, field
 from strata.common.errors import StrataError
 from strata.executor.block_pool import BlockPool
 
-LEND_PARTIAL_BLOCKS = True
-"""Admissions borrow the leading slots of a cached block where the prompt's next tokens agree
-with them (``BlockPool.match_partial``); False: whole-block hits only (for measuring the
-difference; batch-invariant scheduling never lends)."""
-
 
 class SeqStatus(enum.Enum):
     """Where a sequence is: waiting for admission, running (holds KV blocks), finished."""
@@ -238,6 +233,10 @@ class Scheduler:
             context); 0 turns speculation off.
         chunk_align: a chunk that does not reach its sequence's last known token ends on a
             multiple of this many tokens (module docstring); 0 (the default) turns it off.
+        lend_partial_blocks: admissions borrow the leading slots of a cached block where the
+            prompt's next tokens agree with them (``BlockPool.match_partial``); False: whole-block
+            hits only (``RuntimeConfig.lend_partial_blocks``, for measuring the difference;
+            aligned chunks never lend).
 
     Raises:
         StrataError: a limit is below 1; ``chunk_align`` is negative, or above
@@ -253,6 +252,7 @@ class Scheduler:
         max_model_len: int,
         num_draft_tokens: int = 0,
         chunk_align: int = 0,
+        lend_partial_blocks: bool = True,
     ):
         limits = {
             "max_num_seqs": max_num_seqs,
@@ -283,6 +283,7 @@ class Scheduler:
         self.max_model_len = max_model_len
         self.num_draft_tokens = max(0, num_draft_tokens)
         self.chunk_align = chunk_align
+        self.lend_partial_blocks = lend_partial_blocks
         self.running: list[Sequence] = []
         self.waiting: deque[Sequence] = deque()
         self.num_preemptions = 0
@@ -490,7 +491,7 @@ class Scheduler:
             counters = pool.prefix_query_tokens, pool.prefix_hit_tokens
             matched = pool.match_prefix(ids, len(ids) - 1)  # the last token always runs
             # Aligned chunks (batch invariance) start on block boundaries: no partial blocks.
-            lendable = LEND_PARTIAL_BLOCKS and not self.chunk_align
+            lendable = self.lend_partial_blocks and not self.chunk_align
             lent = pool.match_partial(ids, matched, len(ids) - 1) if lendable else None
             got = self._admission_blocks(seq, matched, lent, budget)
             if got is None and lent is not None:

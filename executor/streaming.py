@@ -10,8 +10,8 @@ it has been evaluated — a slot is never overwritten while a lazy MLX computati
 Slots are MLX uint8 arrays allocated once (reused, never reallocated); reads land in them in place
 (``memoryview`` of an evaluated MLX array is writable on CPU and unified memory), aligned for
 O_DIRECT by an offset into a slightly larger array. On MLX's CUDA backend direct-I/O reads go
-through a host buffer instead (``STAGE_DIRECT_READS``: a DMA into the array's memory is not
-coherent with the GPU's reads there). A short or failed read raises a
+through a host buffer instead (the runtime config's ``stage_direct_reads``: a DMA into the
+array's memory is not coherent with the GPU's reads there). A short or failed read raises a
 ``StrataError`` in the compute thread, never silently wrong weights.
 """
 
@@ -36,16 +36,6 @@ CHUNK = 4 << 20
 
 _DTYPES = {"uint32": mx.uint32, "float16": mx.float16, "float32": mx.float32}
 
-STAGE_DIRECT_READS = mx.cuda.is_available()
-"""On MLX's CUDA backend, direct-I/O reads land in a host buffer and are copied into the slot,
-rather than being read straight into it. A DMA from the disk into the memory behind an MLX CUDA
-array is not coherent with what the GPU then reads: measured on the H200, greedy decoding of an
-FFN-streamed SmolLM2-shaped model gave different tokens from run to run (2 of 4 runs) when
-O_DIRECT read into the slots, and the resident model's tokens in 4 of 4 runs when the same bytes
-came in through the CPU (buffered reads, or this copy). The copy costs a memcpy of the streamed
-bytes (measured there: the FFN-streamed SmolLM2 decoded at 30.4 tok/s with it, 39.8 without); on
-unified-memory Apple silicon and the CPU the reads still land in place."""
-
 
 class SlotArena:
     """Fixed slots of device-visible memory that packed units are read into with direct I/O.
@@ -61,9 +51,20 @@ class SlotArena:
         slot_bytes: bytes per slot (the largest unit it will hold).
         io_threads: threads issuing one unit's chunk reads in parallel.
         dtype: compute dtype float tensors are cast to.
+        stage_direct_reads: direct-I/O reads go through a host buffer, then a copy into the slot
+            (``RuntimeConfig.stage_direct_reads``: on MLX's CUDA backend).
     """
 
-    def __init__(self, path, slots: int, slot_bytes: int, io_threads: int, dtype: mx.Dtype):
+    def __init__(
+        self,
+        path,
+        slots: int,
+        slot_bytes: int,
+        io_threads: int,
+        dtype: mx.Dtype,
+        *,
+        stage_direct_reads: bool,
+    ):
         self.dtype = dtype
         self.slot_bytes = slot_bytes
         self._slots = [mx.zeros((slot_bytes + ALIGN,), dtype=mx.uint8) for _ in range(slots)]
@@ -76,7 +77,7 @@ class SlotArena:
             self._views.append(mv[base : base + slot_bytes])
             self._base.append(base)
         self._fd, self.direct, self.method = open_uncached(path)
-        self._staged = self.direct and STAGE_DIRECT_READS
+        self._staged = self.direct and stage_direct_reads
         self._stage = threading.local()  # per I/O thread: an aligned CHUNK-byte host buffer
         self.io = ThreadPoolExecutor(max(1, io_threads), thread_name_prefix="strata-io")
 
@@ -143,19 +144,32 @@ class StreamPool:
         slots: pool slots: depth + 1 (1 = synchronous reads: the unit is read when its slot frees).
         io_threads: threads issuing reads of one unit's chunks in parallel.
         dtype: compute dtype float tensors are cast to.
+        stage_direct_reads: as :class:`SlotArena`'s.
 
     Raises:
         StrataError: no slots.
     """
 
     def __init__(
-        self, store: PackStore, schedule: list[str], slots: int, io_threads: int, dtype: mx.Dtype
+        self,
+        store: PackStore,
+        schedule: list[str],
+        slots: int,
+        io_threads: int,
+        dtype: mx.Dtype,
+        *,
+        stage_direct_reads: bool,
     ):
         if slots < 1:
             raise StrataError(f"the plan's pool has {slots} slots; streaming needs at least 1")
         self.units: list[PackedUnit] = [store.units[u] for u in schedule]
         self.arena = SlotArena(
-            store.path, slots, max(u.nbytes for u in self.units), io_threads, dtype
+            store.path,
+            slots,
+            max(u.nbytes for u in self.units),
+            io_threads,
+            dtype,
+            stage_direct_reads=stage_direct_reads,
         )
         self.direct, self.method = self.arena.direct, self.arena.method
         self._cv = threading.Condition()

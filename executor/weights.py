@@ -122,17 +122,27 @@ class WeightStore:
         self.expert_uses = {"gpu": 0, "ram": 0}
         self._group_needs_eval = False
 
-    def start_streaming(self, schedule: list[str], slots: int, io_threads: int) -> None:
+    def start_streaming(
+        self, schedule: list[str], slots: int, io_threads: int, *, stage_direct_reads: bool
+    ) -> None:
         """Start the NVMe pool for the streamed units of ``schedule`` (forward-pass order).
 
         Args:
             schedule: every unit the forward pass asks for, in order; the nvme ones stream.
             slots: pool slots from the plan (depth + 1).
             io_threads: I/O threads from the plan.
+            stage_direct_reads: the runtime config's (``executor.streaming.SlotArena``).
         """
         streamed = [u for u in schedule if self._tier_of_unit[u] == "nvme"]
         if streamed and self._pack is not None:
-            self.pool = StreamPool(self._pack, streamed, max(slots, 1), io_threads, self.dtype)
+            self.pool = StreamPool(
+                self._pack,
+                streamed,
+                max(slots, 1),
+                io_threads,
+                self.dtype,
+                stage_direct_reads=stage_direct_reads,
+            )
 
     def start_expert_cache(
         self,
@@ -142,6 +152,8 @@ class WeightStore:
         prefetch: int,
         preload: list[str] | None = None,
         prior: RoutingProfile | None = None,
+        *,
+        stage_direct_reads: bool,
     ) -> None:
         """Start the expert cache for the experts the plan streams (none: nothing to do).
 
@@ -152,6 +164,7 @@ class WeightStore:
             prefetch: experts prefetched per block in ``prefetch`` mode.
             preload: the plan's ``expert_cache.preload``, read into the cache now.
             prior: the plan's routing profile, which seeds the routing tracker.
+            stage_direct_reads: the runtime config's (``executor.streaming.SlotArena``).
 
         Raises:
             StrataError: a prior of another shape, or a failed preload read.
@@ -169,6 +182,7 @@ class WeightStore:
                 mode,
                 prefetch,
                 frequency=self.routing.rank,
+                stage_direct_reads=stage_direct_reads,
             )
             self.experts_cache.preload(preload or [])
 

@@ -29,7 +29,7 @@ Time of one decode step (seconds):
   is what bounds small models on fast GPUs. Every unit is read from device memory by the kernels
   wherever it is stored, so compute does not depend on placement. On backends where the executor
   schedules the blocks as they are built (``OVERLAPPED_BACKENDS``: CUDA, where
-  ``executor.models.llama.ASYNC_EVAL_BLOCKS`` is on: every 2 blocks), the host builds the next
+  ``RuntimeConfig.async_eval_blocks`` is on: every 2 blocks), the host builds the next
   blocks while the device computes the last ones, so a dense model's step compute is
   ``max(sum_u roofline_u, sum_u k_u op_s)`` instead of their sum (``host_overlaps``,
   ``step_compute_s``).
@@ -272,7 +272,7 @@ class UnitCost:
 
 OVERLAPPED_BACKENDS = ("cuda",)
 """Backends on which the executor schedules the blocks with ``mx.async_eval`` as they are built
-(every ``executor.models.llama.ASYNC_EVAL_BLOCKS`` blocks), so that the host's operations overlap
+(every ``RuntimeConfig.async_eval_blocks`` blocks), so that the host's operations overlap
 the device's work (``step_compute_s``)."""
 
 

@@ -30,6 +30,7 @@ from strata.common.quant import (
     mlx_nbytes,
     repack,
 )
+from strata.executor.config import RuntimeConfig
 from strata.executor.ops import QuantLinear, embedding, linear, to_mlx
 
 T = GGMLQuantizationType
@@ -156,7 +157,7 @@ def check_linear_embedding(p: PackedWeight, values: np.ndarray) -> None:
         assert isinstance(w, QuantLinear) and w.shape == p.shape
         widened = p.weight.nbytes + 2 * p.scales.size * 4  # float32 scales and biases
         assert w.nbytes == (p.nbytes if dtype is None else widened)
-        y = linear(mx.array(x), w)
+        y = linear(mx.array(x), w, RuntimeConfig.build())
         assert y.dtype == mx.float32 and y.shape == (2, 5, rows)
         outs.append(np.array(y))
         assert np.all(np.abs(outs[-1] - want) <= bound)
@@ -400,7 +401,8 @@ def test_float_types(tmp_path):
     # dense linear / embedding
     w = to_mlx(a)
     x = rng.standard_normal((2, 5)).astype(np.float32)
-    np.testing.assert_allclose(np.array(linear(mx.array(x), w)), x @ f32.T, rtol=1e-5)
+    got = linear(mx.array(x), w, RuntimeConfig.build())
+    np.testing.assert_allclose(np.array(got), x @ f32.T, rtol=1e-5)
     np.testing.assert_array_equal(np.array(embedding(mx.array([2, 0]), w)), f32[[2, 0]])
     assert to_mlx(f16.reshape(1, 7), mx.float32).dtype == mx.float32
 
@@ -437,7 +439,7 @@ def test_bad_sizes(qtype):
 def test_linear_shape_mismatch():
     p = repack(T.Q4_0, make_raw(T.Q4_0, (3, 96)), (3, 96))
     with pytest.raises(ValueError, match="expects 96"):
-        linear(mx.zeros((1, 64)), to_mlx(p))
+        linear(mx.zeros((1, 64)), to_mlx(p), RuntimeConfig.build())
 
 
 def test_smollm2_real_file(smollm2_gguf):

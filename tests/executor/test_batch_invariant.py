@@ -15,10 +15,12 @@ import mlx.core as mx
 import numpy as np
 import pytest
 from strata.common.errors import StrataError
+from strata.executor.config import RuntimeConfig
 from strata.executor.ops import QuantLinear, linear, row_tile, set_row_tile
 from strata.executor.paged_kv import ForwardBatch, SeqInput
 
 IN, OUT, TILE = 64, 48, 16
+CONFIG = RuntimeConfig.build()  # this backend's defaults
 
 
 @pytest.fixture
@@ -41,9 +43,9 @@ def _weights() -> dict[str, QuantLinear | mx.array]:
 def test_tiled_linear_equals_untiled(kind, shape, tiled):
     w = _weights()[kind]
     x = mx.array(np.random.default_rng(1).standard_normal(shape).astype(np.float32))
-    got = linear(x, w)
+    got = linear(x, w, CONFIG)
     set_row_tile(0)
-    want = linear(x, w)
+    want = linear(x, w, CONFIG)
     assert got.shape == want.shape == (*shape[:-1], OUT)
     assert np.array_equal(np.array(got), np.array(want))
 
@@ -53,8 +55,10 @@ def test_every_call_has_tile_rows(rows, calls, tiled, monkeypatch):
     import strata.executor.ops as ops
 
     seen, one_call = [], ops._linear
-    monkeypatch.setattr(ops, "_linear", lambda x, w: seen.append(x.shape[0]) or one_call(x, w))
-    linear(mx.zeros((rows, IN)), _weights()["quantized"])
+    monkeypatch.setattr(
+        ops, "_linear", lambda x, w, c: seen.append(x.shape[0]) or one_call(x, w, c)
+    )
+    linear(mx.zeros((rows, IN)), _weights()["quantized"], CONFIG)
     assert seen == calls
 
 
@@ -68,7 +72,7 @@ def test_row_tile_is_per_thread_and_checked(tiled):
         set_row_tile(-1)
     w = _weights()["quantized"]
     with pytest.raises(ValueError, match="input has 32 features"):
-        linear(mx.zeros((3, 32)), w)
+        linear(mx.zeros((3, 32)), w, CONFIG)
 
 
 def _input(start: int, n: int, logits: str = "last", base: int = 0) -> SeqInput:
@@ -141,15 +145,14 @@ def test_cuda_row_buckets(monkeypatch) -> None:
     wq = ops.QuantLinear(*mx.quantize(w, group_size=32, bits=4), bits=4, group_size=32)
     calls = []
     real = ops._linear
-    monkeypatch.setattr(ops, "_linear", lambda x, w: calls.append(x.shape[0]) or real(x, w))
+    monkeypatch.setattr(ops, "_linear", lambda x, w, c: calls.append(x.shape[0]) or real(x, w, c))
+    unpadded, padded = CONFIG.replace(pad_rows=False), CONFIG.replace(pad_rows=True)
     for rows in (1, 3, 17, 300):
         x = mx.array(rng.standard_normal((1, rows, 64)).astype(np.float32))
         for weight in (w, wq):
-            want = ops.linear(x, weight)
-            monkeypatch.setattr(ops, "PAD_ROWS", True)
+            want = ops.linear(x, weight, unpadded)
             calls.clear()
-            got = ops.linear(x, weight)
+            got = ops.linear(x, weight, padded)
             assert calls == [ops.bucket_rows(rows)]  # one call of the bucket's rows
-            monkeypatch.setattr(ops, "PAD_ROWS", False)
             assert got.shape == want.shape == (1, rows, 48)
             assert mx.array_equal(got, want).item()

@@ -8,14 +8,8 @@ import mlx.core as mx
 import numpy as np
 import pytest
 from strata.executor import cuda_dequant, cuda_mma, ops
-from strata.executor.ops import (
-    QuantLinear,
-    kernel_path,
-    linear,
-    quantized_product,
-    set_dequant_min_rows,
-    set_mma_rows,
-)
+from strata.executor.config import RuntimeConfig
+from strata.executor.ops import QuantLinear, kernel_path, linear, quantized_product
 from strata.executor.profile import (
     DEQUANT_ROWS,
     measure_dequant_crossover,
@@ -24,6 +18,7 @@ from strata.executor.profile import (
 )
 
 CUDA = mx.cuda.is_available()
+CONFIG = RuntimeConfig.build()  # this backend's defaults, no measured kernel paths
 
 
 def _weight(
@@ -53,21 +48,17 @@ def test_linear_takes_the_dense_path_from_the_plans_row_count():
     quantized = mx.quantized_matmul(
         x, w.weight, w.scales, w.biases, transpose=True, group_size=32, bits=4
     )
-    try:
-        set_dequant_min_rows(8)
-        assert mx.array_equal(linear(x, w), dense)
-        # 4 rows (a power of two: on CUDA rows are padded to one, ``executor.ops.bucket_rows``;
-        # and there a row's result depends on the call's row count, so the same 4-row call)
-        assert mx.array_equal(
-            linear(x[:4], w),
-            mx.quantized_matmul(
-                x[:4], w.weight, w.scales, w.biases, transpose=True, group_size=32, bits=4
-            ),
-        )
-        set_dequant_min_rows(0)
-        assert mx.array_equal(linear(x, w), quantized)
-    finally:
-        set_dequant_min_rows(0)
+    from_8 = CONFIG.replace(dequant_min_rows=8)
+    assert mx.array_equal(linear(x, w, from_8), dense)
+    # 4 rows (a power of two: on CUDA rows are padded to one, ``executor.ops.bucket_rows``;
+    # and there a row's result depends on the call's row count, so the same 4-row call)
+    assert mx.array_equal(
+        linear(x[:4], w, from_8),
+        mx.quantized_matmul(
+            x[:4], w.weight, w.scales, w.biases, transpose=True, group_size=32, bits=4
+        ),
+    )
+    assert mx.array_equal(linear(x, w, CONFIG), quantized)
     # The two paths compute the same product up to float rounding (CUDA's float32 matmuls may
     # round through TF32).
     tol = 1e-2 if CUDA else 1e-4
@@ -122,20 +113,16 @@ def test_mma_range_is_the_winning_run_that_ends_at_the_largest_win():
 
 def test_kernel_path_follows_the_plans_row_ranges():
     w16 = _weight(64, 128, dtype=mx.float16)
-    try:
-        set_dequant_min_rows(128)
-        set_mma_rows(2, 32)
-        assert kernel_path(1, w16, mx.float16) == "quantized"
-        assert kernel_path(16, w16, mx.float16) == ("mma" if CUDA else "quantized")
-        assert kernel_path(64, w16, mx.float16) == "quantized"
-        assert kernel_path(128, w16, mx.float16) == "dense"
-        # activations of another dtype than the scales: never the tensor-core kernel
-        assert kernel_path(16, w16, mx.float32) == "quantized"
-        set_mma_rows(0, 0)
-        assert kernel_path(16, w16, mx.float16) == "quantized"
-    finally:
-        set_dequant_min_rows(0)
-        set_mma_rows(0, 0)
+    plan = CONFIG.replace(dequant_min_rows=128, mma_rows=(2, 32))
+    assert kernel_path(1, w16, mx.float16, plan) == "quantized"
+    assert kernel_path(16, w16, mx.float16, plan) == ("mma" if CUDA else "quantized")
+    assert kernel_path(64, w16, mx.float16, plan) == "quantized"
+    assert kernel_path(128, w16, mx.float16, plan) == "dense"
+    # activations of another dtype than the scales: never the tensor-core kernel
+    assert kernel_path(16, w16, mx.float32, plan) == "quantized"
+    # answers are kept per shape and settings: another config's are its own
+    assert kernel_path(16, w16, mx.float16, plan.replace(mma_rows=(0, 0))) == "quantized"
+    assert kernel_path(128, w16, mx.float16, CONFIG) == "quantized"
     with pytest.raises(ValueError, match="unknown kernel path"):
         quantized_product(mx.zeros((2, 128), mx.float16), w16, "fast")
 
@@ -226,13 +213,10 @@ def test_tensor_core_matmul_adds_the_residual_bit_for_bit(rows, dtype):
     fused = cuda_mma.matmul(x, w.weight, w.scales, w.biases, 32, residual=r)
     assert fused.shape == (1, rows, n)
     assert mx.array_equal(fused, r + cuda_mma.matmul(x, w.weight, w.scales, w.biases, 32))
-    ops.set_mma_rows(2, 32)
-    try:
-        xb = x if rows in (8, 16) else mx.zeros((8, k), dtype=dtype)
-        rb = r if rows in (8, 16) else mx.zeros((1, 8, n), dtype=dtype)
-        assert mx.array_equal(ops.linear_add(xb, w, rb), rb + ops.linear(xb, w))
-    finally:
-        ops.set_mma_rows(0, 0)
+    mma = CONFIG.replace(mma_rows=(2, 32))
+    xb = x if rows in (8, 16) else mx.zeros((8, k), dtype=dtype)
+    rb = r if rows in (8, 16) else mx.zeros((1, 8, n), dtype=dtype)
+    assert mx.array_equal(ops.linear_add(xb, w, rb, mma), rb + ops.linear(xb, w, mma))
     with pytest.raises(ValueError, match="residual"):
         cuda_mma.matmul(x, w.weight, w.scales, w.biases, 32, residual=r.astype(mx.float32))
     with pytest.raises(ValueError, match="does not hold"):
@@ -246,11 +230,11 @@ def test_linear_add_is_the_residual_plus_the_product():
     rng = np.random.default_rng(9)
     x = mx.array(rng.standard_normal((3, 128)).astype(np.float32))
     r = mx.array(rng.standard_normal((1, 3, 64)).astype(np.float32))
-    got = ops.linear_add(x, w, r)
-    assert got.shape == (1, 3, 64) and mx.array_equal(got, r + ops.linear(x, w))
+    got = ops.linear_add(x, w, r, CONFIG)
+    assert got.shape == (1, 3, 64) and mx.array_equal(got, r + ops.linear(x, w, CONFIG))
     column = mx.array(rng.standard_normal((3, 1, 64)).astype(np.float32))
-    wide = ops.linear_add(x, w, column)  # broadcasts to [3, 3, 64], as + does
-    assert wide.shape == (3, 3, 64) and mx.array_equal(wide, column + ops.linear(x, w))
+    wide = ops.linear_add(x, w, column, CONFIG)  # broadcasts to [3, 3, 64], as + does
+    assert wide.shape == (3, 3, 64) and mx.array_equal(wide, column + ops.linear(x, w, CONFIG))
 
 
 @pytest.mark.skipif(not CUDA, reason="needs MLX's CUDA backend")
@@ -324,33 +308,35 @@ def test_fused_products_answer_only_where_the_tensor_core_path_applies(monkeypat
     paths: dict[int, str] = {}
     monkeypatch.setattr(ops.cuda_mma, "matmul3", matmul3)
     monkeypatch.setattr(ops.cuda_mma, "swiglu", swiglu)
-    monkeypatch.setattr(ops, "kernel_path", lambda rows, w, dtype: paths.get(rows, "mma"))
+    monkeypatch.setattr(ops, "kernel_path", lambda rows, w, dtype, c: paths.get(rows, "mma"))
+    monkeypatch.setattr(ops, "_FUSABLE", {})  # answers kept per shape: none from other tests
+    c = CONFIG
     ws = [_weight(n, 128, dtype=mx.float16, seed=i) for i, n in enumerate((64, 32, 32))]
     x = mx.zeros((1, 5, 128), mx.float16)
-    q, k, v = fused_qkv(x, ws)
+    q, k, v = fused_qkv(x, ws, c)
     assert (q.shape, k.shape, v.shape) == ((1, 5, 64), (1, 5, 32), (1, 5, 32))
     calls.clear()
-    shaped = fused_qkv(x, ws, [(5, 2, 1, 32), (5, 1, 1, 32), (5, 1, 32)])
+    shaped = fused_qkv(x, ws, c, [(5, 2, 1, 32), (5, 1, 1, 32), (5, 1, 32)])
     assert [a.shape for a in shaped] == [(5, 2, 1, 32), (5, 1, 1, 32), (5, 1, 32)]
-    assert fused_swiglu(x, ws[1], ws[2]).shape == (1, 5, 32) and calls == ["qkv", "swiglu"]
+    assert fused_swiglu(x, ws[1], ws[2], c).shape == (1, 5, 32) and calls == ["qkv", "swiglu"]
     calls.clear()
-    assert fused_swiglu(x, ws[0], ws[1]) is None  # gate and up of different shapes
-    paths[8 if ops.PAD_ROWS else 5] = "quantized"  # the row count's path is not the kernel's
-    ops._forget_paths()  # answers are kept per shape until the ranges change (set_mma_rows)
-    assert fused_qkv(x, ws) is None and fused_swiglu(x, ws[1], ws[2]) is None
+    assert fused_swiglu(x, ws[0], ws[1], c) is None  # gate and up of different shapes
+    paths[8 if c.pad_rows else 5] = "quantized"  # the row count's path is not the kernel's
+    ops._FUSABLE.clear()  # the answers above came from the paths before this change
+    assert fused_qkv(x, ws, c) is None and fused_swiglu(x, ws[1], ws[2], c) is None
     paths.clear()
-    ops._forget_paths()
+    ops._FUSABLE.clear()
     try:
         set_row_tile(16)  # batch-invariant serving: every product on linear's tiles
-        assert fused_qkv(x, ws) is None and fused_swiglu(x, ws[1], ws[2]) is None
+        assert fused_qkv(x, ws, c) is None and fused_swiglu(x, ws[1], ws[2], c) is None
     finally:
         set_row_tile(0)
     other_group = _weight(32, 128, group=64, dtype=mx.float16)
-    assert fused_qkv(x, [ws[0], ws[1], other_group]) is None
-    assert fused_swiglu(x, ws[1], other_group) is None
+    assert fused_qkv(x, [ws[0], ws[1], other_group], c) is None
+    assert fused_swiglu(x, ws[1], other_group, c) is None
     split = [_weight(n, 1024, dtype=mx.float16) for n in (16384, 16, 16)]  # 2 and 4 warps
     assert not cuda_mma.fusable([(w.weight, w.scales, w.biases) for w in split], 1024)
-    assert fused_qkv(mx.zeros((1, 5, 1024), mx.float16), split) is None
+    assert fused_qkv(mx.zeros((1, 5, 1024), mx.float16), split, c) is None
     assert calls == []
 
 
@@ -509,12 +495,15 @@ def test_the_model_hands_the_qkv_product_its_own_rope(
     if not rope_freqs:
         arch = dataclasses.replace(arch, rope_freqs=0)
     gguf = write_arch_model(tmp_path / "m.gguf", "llama3", smollm2_gguf, model=arch)
-    model = Engine(load_plan(make_plan_file(str(gguf), tmp_path / "p.yaml"))).model
+    loaded = load_plan(make_plan_file(str(gguf), tmp_path / "p.yaml"))
+    config = RuntimeConfig.build(loaded.plan.runtime)
+    engines = {f: Engine(loaded, config=config.replace(fused_rope=f)) for f in (False, True)}
+    model = engines[True].model
     hd, base = model.arch.head_dim, model.arch.rope_freq_base
     received: list = []
 
-    def fused_by_definition(x, ws, shapes=None, rope=None):
-        outs = [linear(x, w).reshape(s) for w, s in zip(ws, shapes, strict=True)]
+    def fused_by_definition(x, ws, config, shapes=None, rope=None):
+        outs = [linear(x, w, config).reshape(s) for w, s in zip(ws, shapes, strict=True)]
         received.append(rope)
         if rope is None:
             return outs
@@ -540,7 +529,7 @@ def test_the_model_hands_the_qkv_product_its_own_rope(
     ]
 
     def run(fused: bool):
-        monkeypatch.setattr(llama, "FUSED_ROPE", fused)
+        model = engines[fused].model
         received.clear()
         kv = model.make_paged_cache(16, 4)
         batch = ForwardBatch.build(seqs)
@@ -561,14 +550,13 @@ def test_the_model_hands_the_qkv_product_its_own_rope(
         np.testing.assert_array_equal(a, b)
 
 
-def test_the_rope_in_the_store_is_declined_where_the_model_ropes_otherwise(monkeypatch):
+def test_the_rope_in_the_store_is_declined_where_the_model_ropes_otherwise():
     """``LlamaModel._fused_rope`` hands the Q/K/V product a RoPE only for llama's own adjacent-pair
     RoPE of an even width within the head: none for NEOX RoPE (qwen2), Q/K norms (qwen3), a
-    subclass with its own ``_rope``, a width of 0, odd or wider than the head, or with
-    ``FUSED_ROPE`` off."""
+    subclass with its own ``_rope``, a width of 0, odd or wider than the head, or with the
+    config's ``fused_rope`` off."""
     from types import SimpleNamespace
 
-    import strata.executor.models.llama as llama
     from strata.executor.models.llama import LayerAttention, LlamaModel
     from strata.executor.models.qwen2 import Qwen2Model
     from strata.executor.models.qwen3 import Qwen3Model
@@ -577,10 +565,10 @@ def test_the_rope_in_the_store_is_declined_where_the_model_ropes_otherwise(monke
         def _rope(self, x, la, offset, freqs):
             return x
 
-    def model(cls, dims: int = 64, head_dim: int = 64):
+    def model(cls, dims: int = 64, head_dim: int = 64, config: RuntimeConfig = CONFIG):
         m = object.__new__(cls)
         m.arch = SimpleNamespace(rope_dimension_count=dims, head_dim=head_dim)
-        m._rope_params = {}
+        m._rope_params, m.config = {}, config
         return m
 
     la = LayerAttention(10000.0, 1.0, False, 0)
@@ -592,5 +580,5 @@ def test_the_rope_in_the_store_is_declined_where_the_model_ropes_otherwise(monke
         assert m._fused_rope(la, positions, None) is None
     for dims in (0, 63, 66):
         assert model(LlamaModel, dims)._fused_rope(la, positions, None) is None
-    monkeypatch.setattr(llama, "FUSED_ROPE", False)
-    assert model(LlamaModel)._fused_rope(la, positions, None) is None
+    off = CONFIG.replace(fused_rope=False)
+    assert model(LlamaModel, config=off)._fused_rope(la, positions, None) is None

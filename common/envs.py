@@ -1,0 +1,103 @@
+"""Every environment variable Strata reads, in one table (vLLM's ``envs.py`` habit).
+
+No other module reads ``os.environ`` for a ``STRATA_*`` setting: it asks :func:`get` (or reads
+the attribute, ``envs.STRATA_CACHE``). Each read looks at the environment at that moment, so a
+test's ``monkeypatch.setenv`` takes effect at once; the executor reads its settings once, when it
+builds its runtime config (``strata.executor.config.RuntimeConfig.build``).
+
+========================== ======= =================== ===========================================
+Variable                   Type    Default             Meaning
+========================== ======= =================== ===========================================
+``STRATA_CACHE``           path    ``~/.cache/strata`` Where catalog models, their verified sha256s
+                                                       and packed stores (``executor.pack``) are
+                                                       kept. Empty: the default.
+``STRATA_COMPILED_PASSES`` boolean on                  Replay compiled graphs for small resident
+                                                       passes (``executor.pass_graph``); ``0``,
+                                                       ``false``, ``off`` or ``no`` runs every
+                                                       pass eagerly (``1``, ``true``, ``on``,
+                                                       ``yes``: on). Empty: the default.
+========================== ======= =================== ===========================================
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from strata.common.errors import StrataError
+
+_TRUE = ("1", "true", "on", "yes")
+_FALSE = ("0", "false", "off", "no")
+
+
+def _flag(name: str, text: str) -> bool:
+    """A boolean variable's value; any other spelling is refused rather than guessed."""
+    word = text.strip().lower()
+    if word in _TRUE:
+        return True
+    if word in _FALSE:
+        return False
+    raise StrataError(
+        f"{name}={text!r} is not a boolean; set it to one of {', '.join(_TRUE + _FALSE)} "
+        "or unset it"
+    )
+
+
+def _path(name: str, text: str) -> Path:
+    return Path(text)
+
+
+@dataclass(frozen=True)
+class EnvVar:
+    """One environment variable: its name, how its text is parsed (``parse(name, text)``, which
+    raises ``StrataError`` naming the fix), the value when it is unset or empty (a callable where
+    the default depends on the machine, e.g. the home folder), and what it means."""
+
+    name: str
+    parse: Callable[[str, str], Any]
+    default: Callable[[], Any]
+    meaning: str
+
+
+VARIABLES: dict[str, EnvVar] = {
+    v.name: v
+    for v in (
+        EnvVar(
+            "STRATA_CACHE",
+            _path,
+            lambda: Path.home() / ".cache" / "strata",
+            "folder of catalog models, their verified sha256s and packed stores",
+        ),
+        EnvVar(
+            "STRATA_COMPILED_PASSES",
+            _flag,
+            lambda: True,
+            "replay compiled graphs for small resident passes (executor.pass_graph); "
+            "0/false/off/no: every pass eager",
+        ),
+    )
+}
+"""The table the module docstring renders: name -> :class:`EnvVar`."""
+
+
+def get(name: str) -> Any:
+    """The value of variable ``name`` now: parsed from the environment, or its default where it
+    is unset or empty.
+
+    Raises:
+        KeyError: ``name`` is not in :data:`VARIABLES` (add it there, with its meaning).
+        StrataError: the variable's text does not parse (the message names the fix).
+    """
+    var = VARIABLES[name]
+    text = os.environ.get(name, "")
+    return var.parse(name, text) if text else var.default()
+
+
+def __getattr__(name: str) -> Any:
+    """``envs.STRATA_CACHE`` reads the variable now (module attribute access, PEP 562)."""
+    if name in VARIABLES:
+        return get(name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
