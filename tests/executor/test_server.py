@@ -26,7 +26,8 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
-from strata.executor.server.app import StopMatcher, TextOffsets, completion_logprobs
+from strata.executor.server.logprobs import TextOffsets, completion_logprobs
+from strata.executor.server.stop import StopMatcher
 
 ROOT = Path(__file__).resolve().parents[2]
 KEY = "test-key-123"
@@ -503,6 +504,7 @@ def test_bad_requests(server):
     assert err["param"] == "messages.0.role"
     for field, value in (
         ("tools", [{"type": "function", "function": {"name": "f"}}]),
+        ("tools", []),  # an empty list too: accepted, it would read as honoured
         ("tool_choice", "required"),
         ("response_format", {"type": "json_object"}),
     ):
@@ -520,6 +522,19 @@ def test_bad_requests(server):
     ):
         err = error_of(server.post(chat_path, {**ok, field: value}), 400, what)
         assert err["param"] == field
+    # OpenAI's limit of 4 stop strings; an empty one would end every reply at once; a null model
+    # is more likely an unset variable than a wish for the served model (leaving it out is that).
+    for path, body in ((chat_path, ok), ("/v1/completions", {**ok, "prompt": "x"})):
+        for field, value, what in (
+            ("stop", ["a", "b", "c", "d", "e"], "at most 4"),
+            ("stop", "", "empty stop string"),
+            ("stop", ["x", ""], "empty stop string"),
+            ("model", None, "null is not a model name"),
+        ):
+            err = error_of(server.post(path, {**body, field: value}), 400, field, what)
+            assert err["param"] == field
+    no_model = {k: v for k, v in ok.items() if k != "model"}
+    assert server.post(chat_path, {**no_model, "stop": ["a", "b", "c", "d"]}).status_code == 200
     null_user = {**ok, "messages": [{"role": "user", "content": None}]}
     err = error_of(server.post(chat_path, null_user), 400, "0: a 'user' message needs its content")
     assert err["param"] == "messages.0"
@@ -848,7 +863,7 @@ def test_short_prompts_are_tokenized_on_the_event_loop(monkeypatch):
     thread, so that the loop keeps serving other streams."""
     import asyncio
 
-    import strata.executor.server.app as server
+    import strata.executor.server.routes as server
 
     hops = []
 
