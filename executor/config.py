@@ -87,6 +87,13 @@ class RuntimeConfig:
     elsewhere (on the CPU it changed nothing, SmolLM2, 24 tokens: 5.34-5.41 against 5.43-5.49 s;
     Metal was not measured)."""
 
+    fused_projections: bool
+    """A block's Q/K/V and its FFN's gate/up take one fused tensor-core call each
+    (``ops.fused_qkv``, ``ops.fused_swiglu``) where it applies (rows of the tensor-core path, MLX's
+    CUDA backend); False: the model makes each projection's own call (for measuring the
+    difference: ``benchmarks/prefix_inprocess.py``'s ``unfused``). The fused SwiGLU rounds once
+    where the unfused form rounds each product. Default: on."""
+
     fused_rope: bool
     """RoPE Q and K in the fused Q/K/V product's store (``executor.cuda_mma.Rope``) where it
     applies (``LlamaModel._fused_rope``): two operations of the graph and one reshape fewer per
@@ -212,6 +219,7 @@ class RuntimeConfig:
             pad_pass_rows=cuda,
             pad_expert_rows=cuda,
             async_eval_blocks=2 if cuda else 0,
+            fused_projections=True,
             fused_rope=True,
             explicit_attention_max_queries=32 if cuda else 0,
             compiled_passes=envs.get("STRATA_COMPILED_PASSES"),

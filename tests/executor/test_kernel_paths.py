@@ -582,3 +582,38 @@ def test_the_rope_in_the_store_is_declined_where_the_model_ropes_otherwise():
         assert model(LlamaModel, dims)._fused_rope(la, positions, None) is None
     off = CONFIG.replace(fused_rope=False)
     assert model(LlamaModel, config=off)._fused_rope(la, positions, None) is None
+
+
+def test_fused_projections_off_makes_each_projection_its_own_call(
+    monkeypatch, tmp_path, smollm2_gguf
+):
+    """With the runtime config's ``fused_projections`` off the model never asks for the fused
+    Q/K/V or gate/up product (each projection is its own ``linear``); on, it asks once per
+    block for each (here they decline, as off CUDA): the same logits either way."""
+    import dataclasses
+
+    import gguf
+    import strata.executor.models.llama as llama
+    from conftest import make_plan_file
+    from gguf_factory import ARCH_MODELS, write_arch_model
+    from strata.executor.engine import Engine
+    from strata.executor.paged_kv import ForwardBatch, SeqInput
+    from strata.executor.plan_loader import load_plan
+
+    arch = dataclasses.replace(ARCH_MODELS["llama3"], matrix_type=gguf.GGMLQuantizationType.Q4_0)
+    path = write_arch_model(tmp_path / "m.gguf", "llama3", smollm2_gguf, model=arch)
+    loaded = load_plan(make_plan_file(str(path), tmp_path / "p.yaml"))
+    config = RuntimeConfig.build(loaded.plan.runtime)
+    asked: list[str] = []
+    monkeypatch.setattr(llama, "fused_qkv", lambda *a: asked.append("qkv"))
+    monkeypatch.setattr(llama, "fused_swiglu", lambda *a: asked.append("swiglu"))
+    logits = {}
+    for fused in (True, False):
+        model = Engine(loaded, config=config.replace(fused_projections=fused)).model
+        asked.clear()
+        seq = SeqInput(list(range(5)), 0, np.arange(5, dtype=np.int32), "all")
+        out = model.forward_batch(ForwardBatch.build([seq]), model.make_paged_cache(4, 4))
+        logits[fused] = np.array(out)
+        blocks = model.arch.block_count
+        assert sorted(asked) == (["qkv"] * blocks + ["swiglu"] * blocks if fused else [])
+    np.testing.assert_array_equal(logits[True], logits[False])
