@@ -200,6 +200,32 @@ class RuntimeConfig:
     FFN-streamed SmolLM2 decoded at 30.4 tok/s with it, 39.8 without). Default: on MLX's CUDA
     backend; on unified-memory Apple silicon and the CPU the reads land in place."""
 
+    def __post_init__(self) -> None:
+        """Refuse settings no code path can honour (a test's or bench's typo, not a plan's: the
+        plan's schema bounds its own).
+
+        Raises:
+            StrataError: a count or duration below 0, or a tensor-core row range that is not
+                ``(0, 0)`` or ``lo <= hi`` with ``lo >= 1``.
+        """
+        counts = {
+            "dequant_min_rows": self.dequant_min_rows,
+            "async_eval_blocks": self.async_eval_blocks,
+            "explicit_attention_max_queries": self.explicit_attention_max_queries,
+            "max_sequences": self.max_sequences,
+            "segment_blocks": self.segment_blocks,
+            "lent_copy_yield_s": self.lent_copy_yield_s,
+        }
+        for name, value in counts.items():
+            if value < 0:
+                raise StrataError(f"RuntimeConfig.{name} is {value}; give 0 or more")
+        lo, hi = self.mma_rows
+        if (lo, hi) != (0, 0) and not 1 <= lo <= hi:
+            raise StrataError(
+                f"RuntimeConfig.mma_rows is {self.mma_rows}; give (min, max) rows with "
+                "1 <= min <= max, or (0, 0) for never"
+            )
+
     @classmethod
     def build(cls, runtime: Runtime | None = None, **overrides) -> RuntimeConfig:
         """The settings for this process: the backend's defaults, the plan's ``runtime`` section
@@ -212,10 +238,12 @@ class RuntimeConfig:
         """
         runtime = runtime or Runtime()
         cuda = mx.cuda.is_available()
+        lo, hi = runtime.mma_matmul_min_rows, runtime.mma_matmul_max_rows
         config = cls(
             pad_rows=cuda,
-            mma_rows=(max(0, runtime.mma_matmul_min_rows), max(0, runtime.mma_matmul_max_rows)),
-            dequant_min_rows=max(0, runtime.dequant_matmul_min_rows),
+            # A range no row count falls in (a minimum of 0: off, or above the maximum) is never.
+            mma_rows=(lo, hi) if 1 <= lo <= hi else (0, 0),
+            dequant_min_rows=runtime.dequant_matmul_min_rows,
             pad_pass_rows=cuda,
             pad_expert_rows=cuda,
             async_eval_blocks=2 if cuda else 0,

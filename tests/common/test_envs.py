@@ -74,3 +74,22 @@ def test_the_runtime_config_reads_the_environment_when_built(monkeypatch):
         RuntimeConfig.build(segment_block=2)
     with pytest.raises(AttributeError):
         config.fused_rope = False  # frozen
+
+
+def test_the_runtime_config_takes_the_plans_kernel_paths_and_refuses_impossible_settings():
+    """The plan's measured ranges become the config's; a range no row count falls in is never
+    (as the kernel-path choice always read it); a setting below 0 or an upside-down range given
+    directly is refused, naming the setting."""
+    from strata.common.schemas import Runtime
+    from strata.executor.config import RuntimeConfig
+
+    runtime = Runtime(dequant_matmul_min_rows=128, mma_matmul_min_rows=2, mma_matmul_max_rows=32)
+    config = RuntimeConfig.build(runtime)
+    assert (config.mma_rows, config.dequant_min_rows) == ((2, 32), 128)
+    for lo, hi in ((0, 32), (8, 4)):
+        runtime = Runtime(mma_matmul_min_rows=lo, mma_matmul_max_rows=hi)
+        assert RuntimeConfig.build(runtime).mma_rows == (0, 0)
+    with pytest.raises(StrataError, match=r"RuntimeConfig.segment_blocks is -1; give 0 or more"):
+        config.replace(segment_blocks=-1)
+    with pytest.raises(StrataError, match=r"mma_rows is \(8, 4\).*\(0, 0\) for never"):
+        config.replace(mma_rows=(8, 4))
