@@ -48,6 +48,9 @@ def peak_rss_bytes() -> int:
 def check_tensors(desc: ModelDescription, expected: dict[str, list[int] | None]) -> None:
     """Refuse a model whose tensors do not match its architecture's hyperparameters.
 
+    ``expected``: name -> GGUF shape, None for an optional tensor (the model class's
+    ``expected_shapes``, from the inventory ``strata.common.tensors``).
+
     Raises:
         StrataError: a needed tensor is missing or has another shape (names tensor and shapes).
     """

@@ -3,23 +3,17 @@
 ``plan.py describe --arch FILE.yaml --ftype Q4_K_M`` describes the GGUF that llama.cpp would
 make of a model: the tensors its converter writes for the architecture (names and shapes), the
 GGML type llama.cpp's quantizer picks for each under the file type, and their bytes. The result is
-an ordinary ``ModelDescription`` (units, access, FLOPs built by ``planner.describe``'s own code), so
-it can be planned, explained and diffed against other machines; it cannot be executed (its
-``model.sha256`` and ``size_bytes`` are None and ``execute.py`` refuses such plans).
+an ordinary ``ModelDescription`` (units, access, FLOPs built by ``strata.common.describe``'s own
+code), so it can be planned, explained and diffed against other machines; it cannot be executed
+(its ``model.sha256`` and ``size_bytes`` are None and ``execute.py`` refuses such plans).
 
 The architecture file (``profiles/arch/*.yaml``, schema ``ArchSpec``) holds the hyperparameters of
-the model's published ``config.json``. Tensors, as ``convert_hf_to_gguf.py`` writes them (GGUF
-shape order, ne0 = row length first):
-
-- ``token_embd.weight`` [d, vocab]; ``output_norm.weight`` [d]; ``output.weight`` [d, vocab] unless
-  the embeddings are tied; ``rope_freqs.weight`` [head_dim / 2] for llama3 RoPE scaling;
-- per block: ``attn_norm`` [d], ``attn_q`` [d, n_head * hd], ``attn_k``/``attn_v``
-  [d, n_kv * hd], ``attn_output`` [n_head * hd, d] (+ ``attn_{q,k,v}.bias`` for qwen2),
-  ``ffn_norm`` [d], and ``ffn_gate``/``ffn_up`` [d, ff], ``ffn_down`` [ff, d], or for experts
-  ``ffn_gate_inp`` [d, n_expert] and ``ffn_{gate,up}_exps`` [d, ff, n_expert],
-  ``ffn_down_exps`` [ff, d, n_expert] (stacked, the expert dimension last);
-- 1-D tensors, biases, the router and ``rope_freqs`` are F32 (the converter keeps them F32 and the
-  quantizer never touches them); the other 2-D/3-D weights are quantized.
+the model's published ``config.json``. The tensors, as ``convert_hf_to_gguf.py`` writes them, are
+the architecture's in ``strata.common.tensors`` (names and GGUF shapes): the required ones,
+``output.weight`` unless the embeddings are tied, ``rope_freqs.weight`` for llama3 RoPE scaling
+and ``attn_{q,k,v}.bias`` where ``attention_bias`` is set (qwen2 always has them). 1-D tensors,
+biases, the router and ``rope_freqs`` are F32 (the converter keeps them F32 and the quantizer never
+touches them); the other 2-D/3-D weights are quantized.
 
 Types follow llama.cpp's ``src/llama-quant.cpp`` at commit
 007dbbf3fd17eefe9b47fee45f48f7ba5e62b714 (ggml-org/llama.cpp): ``tensor_allows_quantization``,
@@ -49,8 +43,8 @@ so the same total, on other blocks.) Tensors are listed in that order too, the o
 32 bytes, GGUF's default): the header's size is unknown without the tokenizer.
 
 Bytes: ``bytes_gguf`` from ``gguf.GGML_QUANT_SIZES``; ``bytes_mlx`` and everything else from
-``planner.describe`` (``mlx_size``, ``tensor_info``, ``assemble``). The sum of tensor bytes is the
-file size less its header (metadata and tokenizer: a few MB).
+``strata.common.describe`` (``mlx_size``, ``tensor_info``, ``assemble``). The sum of tensor bytes
+is the file size less its header (metadata and tokenizer: a few MB).
 """
 
 from __future__ import annotations
@@ -66,6 +60,7 @@ from pydantic import Field, model_validator
 from strata.common.describe import assemble, tensor_info
 from strata.common.errors import StrataError
 from strata.common.schemas import Architecture, ModelDescription, ModelSource, Strict
+from strata.common.tensors import file_tensors
 from strata.common.yamlio import canonical_sha256, read_yaml
 
 T = gguf.GGMLQuantizationType
@@ -124,6 +119,10 @@ class ArchSpec(Strict):
             raise ValueError("expert_used_count must not exceed expert_count")
         if self.head_count % self.head_count_kv:
             raise ValueError("head_count must be a multiple of head_count_kv")
+        if self.name == "qwen2" and not self.attention_bias:
+            raise ValueError(
+                "qwen2 has Q, K and V biases (llama.cpp requires them): set attention_bias: true"
+            )
         return self
 
 
@@ -361,46 +360,20 @@ def tensor_type(
 def tensor_shapes(spec: ArchSpec) -> list[tuple[str, list[int]]]:
     """(name, GGUF shape) of every tensor the converter writes, in ``llama-quantize``'s order.
 
-    The order is llama.cpp's ``weight_name_comparer``: tensors outside the blocks first, then block
-    by block, by name within each.
+    The tensors are the architecture's (``strata.common.tensors.file_tensors``) with the optional
+    ones the file says it has. The order is llama.cpp's ``weight_name_comparer``: tensors outside
+    the blocks first, then block by block, by name within each.
+
+    Raises:
+        StrataError: experts or llama3 RoPE scaling on qwen2 (llama.cpp's qwen2 has neither).
     """
-    d, ff, hd = spec.embedding_length, spec.feed_forward_length, spec.head_dim
-    q, kv = spec.head_count * hd, spec.head_count_kv * hd
-    out: list[tuple[str, list[int]]] = [
-        ("token_embd.weight", [d, spec.vocab_size]),
-        ("output_norm.weight", [d]),
-    ]
-    if not spec.tied_embeddings:
-        out.append(("output.weight", [d, spec.vocab_size]))
+    optional = []
     if spec.rope_scaling is not None:
-        out.append(("rope_freqs.weight", [hd // 2]))  # one factor per rotated pair
-    for i in range(spec.block_count):
-        blk = [
-            ("attn_norm.weight", [d]),
-            ("attn_q.weight", [d, q]),
-            ("attn_k.weight", [d, kv]),
-            ("attn_v.weight", [d, kv]),
-            ("attn_output.weight", [q, d]),
-            ("ffn_norm.weight", [d]),
-        ]
-        if spec.attention_bias:
-            blk += [("attn_q.bias", [q]), ("attn_k.bias", [kv]), ("attn_v.bias", [kv])]
-        if spec.expert_count:
-            e = spec.expert_count
-            blk += [
-                ("ffn_gate_inp.weight", [d, e]),
-                ("ffn_gate_exps.weight", [d, ff, e]),
-                ("ffn_up_exps.weight", [d, ff, e]),
-                ("ffn_down_exps.weight", [ff, d, e]),
-            ]
-        else:
-            blk += [
-                ("ffn_gate.weight", [d, ff]),
-                ("ffn_up.weight", [d, ff]),
-                ("ffn_down.weight", [ff, d]),
-            ]
-        out += [(f"blk.{i}.{n}", s) for n, s in blk]
-    return sorted(out, key=_loader_order)
+        optional.append("rope_freqs.weight")
+    if spec.attention_bias:
+        optional += ["attn_q.bias", "attn_k.bias", "attn_v.bias"]
+    tensors = file_tensors(architecture(spec), optional)
+    return sorted(((t.name, list(t.shape)) for t in tensors), key=_loader_order)
 
 
 def _loader_order(item: tuple[str, list[int]]) -> tuple[int, str]:

@@ -9,10 +9,12 @@ seeded random weights, and a real tokenizer copied from another GGUF (SmolLM2's 
 tokens, so embedding and head have 49152 rows whatever the real model's vocabulary). llama.cpp
 loads and runs these files too, so it stays the oracle for the executor on them.
 
-What is written, for ``ftype`` T (one of Q4_0, Q4_1, Q8_0); shapes in numpy order (rows, cols)
-(the GGUF shape reversed), ``d`` the width, ``hd`` the head dim, ``q = heads * hd`` (= d unless
-the shape sets ``key_length``), ``kv = kv_heads * hd``, ``ff`` the (per-expert) FFN width, ``E``
-the expert count, "std" the target standard deviation of the dequantized weights:
+What is written: the architecture's required tensors and an untied head, names and shapes from
+the inventory ``strata.common.tensors``; for ``ftype`` T (one of Q4_0, Q4_1, Q8_0), shapes in
+numpy order (rows, cols) (the GGUF shape reversed), ``d`` the width, ``hd`` the head dim,
+``q = heads * hd`` (= d unless the shape sets ``key_length``), ``kv = kv_heads * hd``, ``ff`` the
+(per-expert) FFN width, ``E`` the expert count, "std" the target standard deviation of the
+dequantized weights:
 
 * ``token_embd.weight`` [vocab, d], T, std 1 (an RMSNorm follows, so its scale is free);
 * per block ``blk.N.``: ``attn_norm`` and ``ffn_norm`` [d] F32, 1 + N(0, 0.05²); ``attn_q``
@@ -38,7 +40,8 @@ width / heads). MoE files also carry ``strata.synthetic.seed`` and ``strata.synt
 
 The head is untied and Q8_0. llama.cpp's quantizer keeps ``token_embd`` in the file type and
 writes ``output.weight`` as Q6_K for Q4_0/Q4_1 files, but the executor cannot load Q6_K yet
-(``executor.quant.SUPPORTED_TYPES``), so Q8_0 — what llama.cpp uses for Q8_0 files — stands in.
+(``strata.common.quant.SUPPORTED_TYPES``), so Q8_0 — what llama.cpp uses for Q8_0 files — stands
+in.
 An untied head also keeps the embedding's scale (std 1, a sane residual stream) apart from the
 head's (logits of std about ``logit_std``; 3 by default, as SmolLM2's real logits have a std of
 3 to 4 over the vocabulary, so greedy decoding sees clear winners as it does on a trained model).
@@ -139,9 +142,12 @@ from pathlib import Path
 import gguf
 import numpy as np
 from gguf import GGMLQuantizationType, GGUFValueType, LlamaFileType
-from gguf.constants import GGML_QUANT_SIZES
+from gguf.constants import GGML_QUANT_SIZES, MODEL_TENSOR
+from pydantic import ValidationError
 from strata.common.atomic import temporary_beside
 from strata.common.errors import StrataError
+from strata.common.schemas import Architecture
+from strata.common.tensors import file_tensors
 from strata.planner.synthetic_routing import SEED_KEY, calibrate, expert_lanes
 from tqdm import tqdm
 
@@ -155,6 +161,7 @@ __all__ = [
     "Shape",
     "SyntheticModel",
     "TensorSpec",
+    "architecture",
     "routing_layout",
     "shape_from_args",
     "tensor_specs",
@@ -181,6 +188,7 @@ ROUTING_KEY = "strata.synthetic.routing"
 """Metadata key of MoE files' routing (``SEED_KEY``, from planner.synthetic_routing, their seed)."""
 
 _P_WIDTH = 32  # popularity block of the routing subspace: dimensions 0..31
+_NORM_STD = 0.05  # std of a norm weight around 1 (module docstring)
 
 
 @dataclass(frozen=True)
@@ -409,54 +417,64 @@ class TensorSpec:
         return math.prod(self.shape) // block * size
 
 
+def architecture(shape: Shape, vocab: int) -> Architecture:
+    """The hyperparameters of a model of ``shape`` with a ``vocab``-token tokenizer: those
+    ``strata.common.describe`` reads back from the metadata :func:`write_synthetic` writes (an
+    untied head; qwen3moe's experts ``expert_feed_forward_length`` wide).
+
+    Raises:
+        StrataError: a shape ``Architecture`` refuses (validate it first for a clearer error).
+    """
+    try:
+        return Architecture(
+            name=shape.arch,
+            block_count=shape.layers,
+            context_length=shape.context_length,
+            embedding_length=shape.width,
+            feed_forward_length=shape.dense_ffn or shape.ffn,
+            head_count=shape.heads,
+            head_count_kv=shape.kv_heads,
+            head_dim=shape.head_dim,
+            vocab_size=vocab,
+            rope_freq_base=shape.rope_freq_base,
+            rope_dimension_count=shape.head_dim,
+            rms_norm_eps=shape.rms_eps,
+            tied_embeddings=False,
+            expert_count=shape.experts,
+            expert_used_count=shape.experts_used,
+            expert_feed_forward_length=shape.ffn if shape.arch == "qwen3moe" else 0,
+        )
+    except ValidationError as e:
+        raise StrataError(f"shape {shape.name}: {e.errors()[0]['msg']}") from None
+
+
 def tensor_specs(
     shape: Shape, qtype: GGMLQuantizationType, vocab: int, *, logit_std: float = 3.0
 ) -> list[TensorSpec]:
-    """Every tensor of a model of ``shape``, in file order (embedding, blocks, head)."""
-    d, q, kv, ff, e = (
-        shape.width,
-        shape.q_width,
-        shape.kv_heads * shape.head_dim,
-        shape.ffn,
-        shape.experts,
-    )
-    norm_std = 0.05
+    """Every tensor of a model of ``shape``, in file order (embedding, blocks, head): the
+    architecture's required tensors and an untied head (``strata.common.tensors.file_tensors``),
+    with the types and scales of the module docstring.
 
-    def mat(name: str, *dims: int) -> TensorSpec:
-        return TensorSpec(name, dims, qtype, 1 / math.sqrt(dims[-1]))
-
-    def norm(name: str, n: int) -> TensorSpec:
-        return TensorSpec(name, (n,), _T.F32, norm_std, "norm")
-
-    specs = [TensorSpec("token_embd.weight", (vocab, d), qtype, 1.0)]
-    for i in range(shape.layers):
-        p = f"blk.{i}."
-        specs += [
-            norm(p + "attn_norm.weight", d),
-            mat(p + "attn_q.weight", q, d),
-            mat(p + "attn_k.weight", kv, d),
-            mat(p + "attn_v.weight", kv, d),
-            mat(p + "attn_output.weight", d, q),
-        ]
-        if shape.arch == "qwen3moe":
-            specs += [norm(p + "attn_q_norm.weight", shape.head_dim)]
-            specs += [norm(p + "attn_k_norm.weight", shape.head_dim)]
-        specs.append(norm(p + "ffn_norm.weight", d))
-        if e:
-            specs += [
-                TensorSpec(p + "ffn_gate_inp.weight", (e, d), _T.F32, 1 / math.sqrt(d), "router"),
-                mat(p + "ffn_gate_exps.weight", e, ff, d),
-                mat(p + "ffn_up_exps.weight", e, ff, d),
-                mat(p + "ffn_down_exps.weight", e, d, ff),
-            ]
+    Raises:
+        StrataError: as :func:`architecture`, or experts the architecture cannot have.
+    """
+    d = shape.width
+    specs = []
+    for t in file_tensors(architecture(shape, vocab)):
+        dims = t.shape[::-1]  # numpy order
+        if t.kind == MODEL_TENSOR.TOKEN_EMBD:
+            spec = TensorSpec(t.name, dims, qtype, 1.0)
+        elif t.kind == MODEL_TENSOR.OUTPUT:
+            spec = TensorSpec(t.name, dims, _T.Q8_0, logit_std / math.sqrt(d))
+        elif t.kind == MODEL_TENSOR.FFN_GATE_INP:
+            spec = TensorSpec(t.name, dims, _T.F32, 1 / math.sqrt(d), "router")
+        elif len(dims) == 1 and t.key.endswith("norm.weight"):
+            spec = TensorSpec(t.name, dims, _T.F32, _NORM_STD, "norm")
+        elif len(dims) > 1:
+            spec = TensorSpec(t.name, dims, qtype, 1 / math.sqrt(dims[-1]))  # fan-in: the columns
         else:
-            specs += [
-                mat(p + "ffn_gate.weight", ff, d),
-                mat(p + "ffn_up.weight", ff, d),
-                mat(p + "ffn_down.weight", d, ff),
-            ]
-    specs.append(norm("output_norm.weight", d))
-    specs.append(TensorSpec("output.weight", (vocab, d), _T.Q8_0, logit_std / math.sqrt(d)))
+            raise StrataError(f"synthetic models cannot write {shape.arch}'s tensor {t.key}")
+        specs.append(spec)
     return specs
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from strata.common import tensors
 from strata.common.errors import StrataError
 from strata.common.schemas import Architecture
 from strata.executor.models.gemma3 import Gemma3Model
@@ -23,7 +24,9 @@ ARCHITECTURES: dict[str, type[LlamaModel]] = {
 }
 
 MOE_ROUTING: dict[str, MoeRouting] = {
-    name: cls.moe_routing for name, cls in ARCHITECTURES.items() if cls.experts != "none"
+    name: cls.moe_routing
+    for name, cls in ARCHITECTURES.items()
+    if tensors.ARCHITECTURES[name].experts != "none"
 }
 """The router rule of each architecture with MoE blocks, as llama.cpp fixes it in that
 architecture's graph code (each model file says where): llama (Mixtral) softmax, top-k,

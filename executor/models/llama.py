@@ -45,6 +45,7 @@ from dataclasses import dataclass, replace
 
 import mlx.core as mx
 import numpy as np
+from strata.common import tensors
 from strata.common.errors import StrataError
 from strata.common.schemas import Architecture
 from strata.executor import cuda_attention, pass_graph
@@ -193,8 +194,6 @@ class LlamaModel:
 
     rope_traditional = True
     """Adjacent-pair rotation (llama.cpp's NORM RoPE); False rotates halves (NEOX)."""
-    qkv_bias = False
-    """Q/K/V biases are required (qwen2); llama takes them when present."""
     qk_norm = False
     """Per-head RMSNorm of Q and K before RoPE (``attn_q_norm``/``attn_k_norm``)."""
     post_norms = False
@@ -205,29 +204,13 @@ class LlamaModel:
     qk_norm_full = False
     """With ``qk_norm``: one RMSNorm over the whole Q (and K) projection, before the split into
     heads (olmoe: ``attn_{q,k}_norm`` as wide as the projection), not one per head."""
-    experts = "optional"
-    """MoE blocks: ``"optional"`` (llama: dense, or Mixtral-style when the GGUF has
-    ``expert_count``), ``"required"`` (llama.cpp refuses the architecture without experts), or
-    ``"none"`` (the architecture has no MoE variant in llama.cpp). A subclass that does not set
-    it has ``"none"`` (``__init_subclass__``): the dense architectures (qwen2, qwen3, gemma3)
-    have no experts in llama.cpp."""
     moe_routing = MoeRouting(gating="softmax", norm=True)
     """The router rule: llama.cpp's llama graph (``src/models/llama.cpp``) passes softmax gating,
     ``norm_w = true`` and ``hparams.expert_weights_scale``, a key its llama hyperparameters never
     read (so 0: no scaling)."""
-    expert_ffn_key = False
-    """llama.cpp sizes the experts by ``{arch}.expert_feed_forward_length`` when present (llama:
-    never, experts are ``feed_forward_length`` wide)."""
     shared_expert = False
     """A shared expert (``ffn_{gate,up,down}_shexp``) that every token runs, its output gated by
     sigmoid(``ffn_gate_inp_shexp`` . h) (qwen2moe)."""
-    head_required = False
-    """llama.cpp requires ``output.weight`` (no tied embeddings: qwen2moe, olmoe)."""
-
-    def __init_subclass__(cls, **kwargs):
-        super().__init_subclass__(**kwargs)
-        if "experts" not in cls.__dict__:
-            cls.experts = "none"  # only an architecture that says so has MoE blocks
 
     def __init__(self, arch: Architecture, store: WeightStore, dtype: mx.Dtype):
         self.arch, self.store, self.dtype = arch, store, dtype
@@ -281,115 +264,26 @@ class LlamaModel:
 
     @classmethod
     def expert_width(cls, arch: Architecture) -> int:
-        """One routed expert's FFN width: ``expert_feed_forward_length`` where llama.cpp reads
-        it (``expert_ffn_key``) and the GGUF has it, else ``feed_forward_length`` (llama's rule;
-        the qwen MoE architectures divide it by ``expert_used_count``)."""
-        if cls.expert_ffn_key and arch.expert_feed_forward_length:
-            return arch.expert_feed_forward_length
-        return arch.feed_forward_length
+        """One routed expert's FFN width (``strata.common.tensors.expert_width``)."""
+        return tensors.expert_width(arch)
 
     @classmethod
     def shared_width(cls, arch: Architecture) -> int:
-        """The shared expert's FFN width: ``expert_shared_feed_forward_length``, else
-        ``feed_forward_length`` (llama.cpp's qwen2moe rule)."""
-        return arch.expert_shared_feed_forward_length or arch.feed_forward_length
+        """The shared expert's FFN width (``strata.common.tensors.shared_width``)."""
+        return tensors.shared_width(arch)
 
     # ----------------------------------------------------------------- tensors and cache
 
     @classmethod
     def expected_shapes(cls, arch: Architecture) -> dict[str, list[int] | None]:
-        """Tensor name -> GGUF shape (ne0 first) this forward pass needs; None = optional.
+        """Tensor name -> GGUF shape (ne0 first) this forward pass needs; None = optional
+        (``strata.common.tensors``, the one inventory of every architecture's tensors).
 
         Raises:
             StrataError: experts where the architecture has none, none where it needs them, or
                 an ``expert_used_count`` outside 1..``expert_count``.
         """
-        d, hd, v, ff = (
-            arch.embedding_length,
-            arch.head_dim,
-            arch.vocab_size,
-            arch.feed_forward_length,
-        )
-        q, kv = arch.head_count * hd, arch.head_count_kv * hd
-        moe = cls._check_experts(arch)
-        shapes: dict[str, list[int] | None] = {
-            "token_embd.weight": [d, v],
-            "output_norm.weight": [d],
-            "output.weight": [d, v] if cls.head_required else None,
-        }
-        if cls.rope_freqs_tensor:
-            shapes["rope_freqs.weight"] = None
-        for i in range(arch.block_count):
-            p = f"blk.{i}."
-            shapes.update(
-                {
-                    p + "attn_norm.weight": [d],
-                    p + "attn_q.weight": [d, q],
-                    p + "attn_k.weight": [d, kv],
-                    p + "attn_v.weight": [d, kv],
-                    p + "attn_output.weight": [q, d],
-                    p + "ffn_norm.weight": [d],
-                    p + "attn_q.bias": [q] if cls.qkv_bias else None,
-                    p + "attn_k.bias": [kv] if cls.qkv_bias else None,
-                    p + "attn_v.bias": [kv] if cls.qkv_bias else None,
-                }
-            )
-            if moe:
-                shapes.update(cls._moe_shapes(arch, p))
-            else:
-                shapes[p + "ffn_gate.weight"] = [d, ff]
-                shapes[p + "ffn_up.weight"] = [d, ff]
-                shapes[p + "ffn_down.weight"] = [ff, d]
-            if cls.qk_norm:
-                shapes[p + "attn_q_norm.weight"] = [q] if cls.qk_norm_full else [hd]
-                shapes[p + "attn_k_norm.weight"] = [kv] if cls.qk_norm_full else [hd]
-            if cls.post_norms:
-                shapes[p + "post_attention_norm.weight"] = [d]
-                shapes[p + "post_ffw_norm.weight"] = [d]
-        return shapes
-
-    @classmethod
-    def _check_experts(cls, arch: Architecture) -> bool:
-        """Whether the blocks are MoE; refuses what llama.cpp refuses (see ``experts``)."""
-        if not arch.expert_count:
-            if cls.experts == "required":
-                raise StrataError(
-                    f"{arch.name} needs {arch.name}.expert_count > 0 (a mixture-of-experts "
-                    "architecture); the GGUF has none"
-                )
-            return False
-        if cls.experts == "none":
-            raise StrataError(
-                f"{arch.name} with experts ({arch.name}.expert_count = {arch.expert_count}) is "
-                "not an architecture llama.cpp or Strata runs"
-            )
-        if not 1 <= arch.expert_used_count <= arch.expert_count:
-            raise StrataError(
-                f"{arch.name}.expert_used_count is {arch.expert_used_count}; it must be 1.."
-                f"{arch.expert_count} (expert_count)"
-            )
-        return True
-
-    @classmethod
-    def _moe_shapes(cls, arch: Architecture, p: str) -> dict[str, list[int] | None]:
-        """One MoE block's FFN tensors (GGUF order: experts last). A fused
-        ``ffn_gate_up_exps`` is not among them: llama.cpp loads it for none of the
-        architectures here (it fails on a missing ``ffn_gate_exps``), so it is refused as an
-        unused tensor (the store would split it: :meth:`expert`)."""
-        d, e, ff = arch.embedding_length, arch.expert_count, cls.expert_width(arch)
-        shapes: dict[str, list[int] | None] = {
-            p + "ffn_gate_inp.weight": [d, e],
-            p + "ffn_gate_exps.weight": [d, ff, e],
-            p + "ffn_up_exps.weight": [d, ff, e],
-            p + "ffn_down_exps.weight": [ff, d, e],
-        }
-        if cls.shared_expert:
-            sh = cls.shared_width(arch)
-            shapes[p + "ffn_gate_inp_shexp.weight"] = [d]
-            shapes[p + "ffn_gate_shexp.weight"] = [d, sh]
-            shapes[p + "ffn_up_shexp.weight"] = [d, sh]
-            shapes[p + "ffn_down_shexp.weight"] = [sh, d]
-        return shapes
+        return tensors.expected_shapes(arch)
 
     def make_cache(self, max_tokens: int) -> SequenceCache:
         """An empty KV cache for one sequence of at most ``max_tokens`` tokens."""

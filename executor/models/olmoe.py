@@ -15,7 +15,6 @@ The llama decoder (``executor/models/llama.py``) with:
 
 from __future__ import annotations
 
-from strata.common.schemas import Architecture
 from strata.executor.models.llama import LlamaModel, MoeRouting
 
 
@@ -26,17 +25,4 @@ class OlmoeModel(LlamaModel):
     qk_norm = True
     qk_norm_full = True
     rope_freqs_tensor = False
-    experts = "required"
     moe_routing = MoeRouting(gating="softmax", norm=False)
-    head_required = True
-
-    @classmethod
-    def expected_shapes(cls, arch: Architecture) -> dict[str, list[int] | None]:
-        # llama.cpp's olmoe graph never adds Q/K/V biases: a file with them is refused (as an
-        # unused tensor) rather than run differently.
-        shapes = super().expected_shapes(arch)
-        return {
-            name: s
-            for name, s in shapes.items()
-            if not name.endswith(("_q.bias", "_k.bias", "_v.bias"))
-        }

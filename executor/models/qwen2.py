@@ -15,5 +15,4 @@ class Qwen2Model(LlamaModel):
     """A qwen2-architecture model over a weight store (see :class:`LlamaModel`)."""
 
     rope_traditional = False
-    qkv_bias = True
     rope_freqs_tensor = False

@@ -17,7 +17,6 @@ llama.cpp requires an ``output.weight`` (no tied embeddings) and ``expert_count`
 
 from __future__ import annotations
 
-from strata.common.schemas import Architecture
 from strata.executor.models.llama import MoeRouting
 from strata.executor.models.qwen2 import Qwen2Model
 
@@ -25,12 +24,5 @@ from strata.executor.models.qwen2 import Qwen2Model
 class Qwen2MoeModel(Qwen2Model):
     """A qwen2moe-architecture model over a weight store (see :class:`LlamaModel`)."""
 
-    experts = "required"
     moe_routing = MoeRouting(gating="softmax", norm=False)
-    expert_ffn_key = True
     shared_expert = True
-    head_required = True
-
-    @classmethod
-    def expert_width(cls, arch: Architecture) -> int:
-        return arch.expert_feed_forward_length or arch.feed_forward_length // arch.expert_used_count

@@ -14,7 +14,6 @@ dimension from ``attention.key_length``) with a mixture of experts in every bloc
 
 from __future__ import annotations
 
-from strata.common.schemas import Architecture
 from strata.executor.models.llama import MoeRouting
 from strata.executor.models.qwen3 import Qwen3Model
 
@@ -22,10 +21,4 @@ from strata.executor.models.qwen3 import Qwen3Model
 class Qwen3MoeModel(Qwen3Model):
     """A qwen3moe-architecture model over a weight store (see :class:`LlamaModel`)."""
 
-    experts = "required"
     moe_routing = MoeRouting(gating="softmax", norm=True)
-    expert_ffn_key = True
-
-    @classmethod
-    def expert_width(cls, arch: Architecture) -> int:
-        return arch.expert_feed_forward_length or arch.feed_forward_length // arch.expert_used_count

@@ -17,7 +17,14 @@ from conftest import ROOT, make_plan_file
 from strata.common.describe import describe
 from strata.common.errors import StrataError
 from strata.common.gguf_file import open_gguf
-from strata.planner.synthetic import FTYPES, SHAPES, shape_from_args, tensor_specs, write_synthetic
+from strata.planner.synthetic import (
+    FTYPES,
+    SHAPES,
+    architecture,
+    shape_from_args,
+    tensor_specs,
+    write_synthetic,
+)
 
 from strata.cli import synth_main
 
@@ -84,6 +91,18 @@ def test_presets_are_valid_and_sized_like_the_real_models():
     assert sum(s.nbytes for s in specs) == 4_254_089_216
     one_b = tensor_specs(SHAPES["llama3-1b"], q4_0, 49152)
     assert {s.name: s.shape for s in one_b}["blk.15.attn_k.weight"] == (512, 2048)
+
+
+def test_architecture_is_the_one_describe_reads_back(tmp_path, tiny, smollm2_gguf):
+    """The hyperparameters the tensor list is made from (``architecture``, through
+    ``strata.common.tensors``) are those of the file's metadata, MoE widths included."""
+    qwen = shape_from_args("qwen3-30b-a3b", layers=1, width=256, ffn=64, heads=4, kv_heads=2)
+    path = write_synthetic(tmp_path / "q.gguf", qwen, tokenizer=str(smollm2_gguf)).path
+    for shape, p in ((SHAPES["tiny"], tiny), (qwen, path)):
+        read = describe(str(p))[0].architecture
+        made = architecture(shape, read.vocab_size)
+        assert made.rms_norm_eps == pytest.approx(read.rms_norm_eps, rel=1e-6)  # float32 there
+        assert made.model_copy(update={"rms_norm_eps": read.rms_norm_eps}) == read, shape.name
 
 
 @pytest.mark.parametrize("ftype", ["Q4_0", "Q4_1", "Q8_0"])
