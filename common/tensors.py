@@ -24,8 +24,8 @@ Shapes are in GGUF order (ne0, the row length, first); ``d`` is the width, ``hd`
   ``ffn_gate_inp_shexp`` [d], ``ffn_{gate,up}_shexp`` [d, ff_s], ``ffn_down_shexp`` [ff_s, d];
   ``post_ffw_norm`` [d] (gemma3).
 
-Tensors are listed in the order llama.cpp's converter writes a model: the embedding, the blocks
-(attention, then FFN), the output norm and head.
+Tensors are listed in file order, the one ``synth.py`` writes: the embedding (and
+``rope_freqs``), the blocks (attention, then FFN), the output norm and head.
 """
 
 from __future__ import annotations
