@@ -121,12 +121,13 @@ def arch_rule(arch: Architecture) -> ArchRule:
     """The rule of ``arch.name``.
 
     Raises:
-        StrataError: an architecture this inventory does not have (names the known ones).
+        StrataError: an architecture this inventory does not have, which the executor cannot
+            run (names the known ones).
     """
     rule = ARCHITECTURES.get(arch.name)
     if rule is None:
         raise StrataError(
-            f"architecture {arch.name!r} is not supported yet "
+            f"architecture {arch.name!r} is not supported by the executor yet "
             f"(supported: {', '.join(sorted(ARCHITECTURES))})"
         )
     return rule

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from strata.common import tensors
-from strata.common.errors import StrataError
 from strata.common.schemas import Architecture
 from strata.executor.models.gemma3 import Gemma3Model
 from strata.executor.models.llama import LlamaModel, MoeRouting
@@ -40,12 +39,9 @@ def model_class(arch: Architecture) -> type[LlamaModel]:
     """The forward-pass class for ``arch.name``.
 
     Raises:
-        StrataError: the architecture is not supported (names it and the supported ones).
+        StrataError: the architecture is not supported (names it and the supported ones:
+            ``strata.common.tensors.arch_rule``; the inventory and this table have the same
+            architectures).
     """
-    cls = ARCHITECTURES.get(arch.name)
-    if cls is None:
-        raise StrataError(
-            f"architecture {arch.name!r} is not supported by the executor yet "
-            f"(supported: {', '.join(sorted(ARCHITECTURES))})"
-        )
-    return cls
+    tensors.arch_rule(arch)
+    return ARCHITECTURES[arch.name]
