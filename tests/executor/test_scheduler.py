@@ -462,6 +462,18 @@ def test_chunk_align_lends_no_partial_block():
     assert chunks_of(step) == [("b", 4, 5, True)] and step.chunks[0].lent is None
 
 
+def test_lending_off_keeps_whole_block_hits():
+    """``lend_partial_blocks=False`` (the runtime config's setting) keeps whole-block hits only,
+    where the same prompts with lending on borrow the next block's agreeing slots."""
+    for lend, want in ((True, ("b", 7, 2, True)), (False, ("b", 4, 5, True))):
+        sched = Scheduler(BlockPool(64, 4), 8, 100, 100, 128, lend_partial_blocks=lend)
+        add(sched, "a", list(range(100, 110)), max_tokens=1)
+        run_all(sched)
+        add(sched, "b", list(range(100, 107)) + [1, 2], max_tokens=1)
+        step = sched.schedule()
+        assert chunks_of(step) == [want] and (step.chunks[0].lent is not None) == lend
+
+
 def test_an_admission_that_needs_the_lendable_block_takes_it_instead():
     """The block a partial hit would lend can be the free block an admission needs (a cached
     free block is also what allocate hands out): the sequence is then admitted without lending,
