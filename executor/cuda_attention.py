@@ -20,7 +20,7 @@ unfused fallback, since cuDNN and its vector kernel refuse array masks), prompt 
 verifications, and the zero rows that pad the pass to its row bucket. They read keys and
 values straight from the paged pool through the slot tables (no gathered copy), and write the
 output in the ``[R, heads, head_dim]`` layout the output projection reads. In a serving pass,
-see ``executor.models.llama.kernel_attention``.
+see ``executor.attention``, which chooses where it attends.
 
 Flash-decoding in two kernels (Dao et al., "Flash-Decoding for long-context inference", 2023):
 
@@ -522,7 +522,7 @@ def attention(
             dtype.
         values: like ``keys``.
         tables: int32 ``[S, W]``: row s holds the slot of every position ``0 ..`` of one
-            sequence (padded past its end; ``ForwardBatch.kernel_layout``).
+            sequence (padded past its end; ``executor.attention.kernel_layout``).
         rows: int32 ``[R, 2]``: query r reads table row ``rows[r, 0]`` and sits at position
             ``p = rows[r, 1] < W``, seeing keys ``j <= p`` (and ``p - j < window``); ``p < 0``
             marks a padding row, whose output is zeros.

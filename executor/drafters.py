@@ -45,6 +45,7 @@ import numpy as np
 from strata.common.errors import StrataError
 from strata.executor.block_pool import BlockPool
 from strata.executor.paged_kv import ForwardBatch, PagedKVCache, SeqInput, slot_table
+from strata.executor.runner import forward
 
 if TYPE_CHECKING:
     from strata.executor.engine import Engine
@@ -267,8 +268,8 @@ class DraftModelDrafter:
     sequence that cannot get a block for its catch-up gets [] (it is retried next step).
 
     Args:
-        engine: the draft model, loaded (``Engine(load_plan(draft_plan))``); only its
-            ``model.forward_batch`` is used, on the calling thread.
+        engine: the draft model, loaded (``Engine(load_plan(draft_plan))``); only its model
+            is used (``executor.runner.forward``), on the calling thread.
         num_blocks: KV blocks of the draft's pool.
         block_size: tokens per block.
         target: the target model's engine, whose vocabulary the draft must share.
@@ -436,7 +437,7 @@ class DraftModelDrafter:
                 )
                 for st, toks in long
             ]
-            logits = self.model.forward_batch(ForwardBatch.build(seqs), self.kv)
+            logits = forward(self.model, ForwardBatch.build(seqs), self.kv)
             mx.eval(logits)  # the KV writes (every layer's attention reads them)
             self.passes += 1
             for st, _ in long:
@@ -456,6 +457,6 @@ class DraftModelDrafter:
     def _argmax(self, seqs: Sequence[SeqInput]) -> list[int]:
         """One forward pass; the greedy next token of each input (argmax on the device, one
         host transfer)."""
-        logits = self.model.forward_batch(ForwardBatch.build(list(seqs)), self.kv)
+        logits = forward(self.model, ForwardBatch.build(list(seqs)), self.kv)
         self.passes += 1
         return np.array(mx.argmax(logits, axis=-1)).tolist()

@@ -16,10 +16,11 @@ flattened into one ``[1, N, d]`` activation so that every weight is read once fo
 - **prefill chunks** (several tokens of one sequence) follow, each attending on its own with a
   causal mask over its sequence's earlier tokens and itself.
 
-Every row is RoPE'd at its own position (``ForwardBatch.positions``) in one call. On MLX's CUDA
-backend, a pass whose chunks are short attends in one call of Strata's paged kernel instead, each
-row naming its sequence's slot table and its position (``ForwardBatch.kernel_layout``,
-``executor.cuda_attention``). The K/V of all N tokens are written with one scatter per layer
+Every row is RoPE'd at its own position (``ForwardBatch.positions``) in one call. Which
+attention backend attends the pass, and the inputs it derives from this layout (on MLX's CUDA
+backend, one call of Strata's paged kernel where the chunks are short, each row naming its
+sequence's slot table and its position), is ``executor.attention``'s: this module knows no
+kernel. The K/V of all N tokens are written with one scatter per layer
 before anyone attends, so a chunk sees its own tokens. A single sequence is the same path with
 one entry (:class:`SequenceCache` gives it a private pool), so a request computes the same
 numbers alone or in a batch wherever the kernels are batch-invariant (measured on MLX CPU:
@@ -42,7 +43,6 @@ from dataclasses import dataclass, field
 import mlx.core as mx
 import numpy as np
 from strata.common.errors import StrataError
-from strata.executor import cuda_attention
 from strata.executor.host_inputs import StagedPass
 
 ToDevice = Callable[[np.ndarray], mx.array]
@@ -180,36 +180,19 @@ class Chunk:
     start: int
     slots: np.ndarray
     to_device: ToDevice = mx.array
+    backend: dict = field(default_factory=dict)
+    """Arrays an attention backend derives from the chunk once, for every layer
+    (``executor.attention``)."""
     _masks: dict[int, tuple[int, mx.array | str | None]] = field(default_factory=dict)
     _table: mx.array | None = None
-    _kernel_rows: mx.array | None = None
-    _kernel_groups: cuda_attention.QueryGroups | None = None
 
     @property
     def table(self) -> mx.array:
         """``slots`` on the device, int32 [1, start + length]: made on first use (a pass that
-        attends through ``ForwardBatch.kernel_layout`` never needs it), then kept."""
+        one kernel call attends whole never needs it), then kept."""
         if self._table is None:
             self._table = self.to_device(self.slots[None])
         return self._table
-
-    def kernel_rows(self) -> mx.array:
-        """int32 [T, 2]: each query's table row (0, ``table``'s only one) and position, as
-        ``executor.cuda_attention.attention`` reads them. Made once, for every layer."""
-        if self._kernel_rows is None:
-            pos = np.arange(self.start, self.start + self.length, dtype=np.int32)
-            self._kernel_rows = self.to_device(np.stack([np.zeros_like(pos), pos], axis=1))
-        return self._kernel_rows
-
-    def kernel_groups(self) -> cuda_attention.QueryGroups:
-        """The chunk's queries in groups that share the kernel's copies of keys
-        (``executor.cuda_attention.query_groups``). Made once, for every layer."""
-        if self._kernel_groups is None:
-            pos = np.arange(self.start, self.start + self.length)
-            self._kernel_groups = cuda_attention.query_groups(
-                np.zeros_like(pos), pos, self.to_device
-            )
-        return self._kernel_groups
 
     def attention_mask(self, window: int) -> tuple[int, mx.array | str | None]:
         """Which of ``table``'s keys the chunk's queries attend and how: ``(first, mask)`` for
@@ -257,6 +240,8 @@ class ForwardBatch:
         row_positions: int32 [N], each row's position in its sequence.
         to_device: how the pass's integer inputs become arrays (``mx.array``, or a staged
             pass's ``put``).
+        backend: arrays an attention backend derives from the layout once per pass, kept for
+            every layer (``executor.attention``), by a key of that module's choosing.
     """
 
     ids: list[int]
@@ -271,11 +256,10 @@ class ForwardBatch:
     row_inputs: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int32))
     row_positions: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int32))
     to_device: ToDevice = mx.array
+    backend: dict = field(default_factory=dict)
     _ids: mx.array | None = None
     _masks: dict[int, mx.array | None] = field(default_factory=dict)
     _positions: dict[int, mx.array] = field(default_factory=dict)
-    _layouts: dict[int, tuple[mx.array, mx.array]] = field(default_factory=dict)
-    _groups: cuda_attention.QueryGroups | None = None
     _decode_table: mx.array | None = None
 
     @classmethod
@@ -388,54 +372,23 @@ class ForwardBatch:
             StrataError: ``rows`` is below the pass's tokens.
         """
         if rows not in self._positions:
-            self._check_rows(rows)
+            self.check_rows(rows)
             positions = np.zeros(rows, dtype=np.int32)
             positions[: self.num_tokens] = self.row_positions
             self._positions[rows] = self.to_device(positions)
         return self._positions[rows]
 
-    def kernel_layout(self, rows: int, width: int = 0) -> tuple[mx.array, mx.array]:
-        """The pass laid out for one call of ``executor.cuda_attention.attention`` over ``rows``
-        rows (``num_tokens``, or more: the extra rows pad the pass and attend to nothing):
-
-        - ``tables``: int32 [inputs, W], each input's slots up to its last new token, padded
-          with 0 to the longest, or to ``width`` where that is wider (W);
-        - ``rows``: int32 [rows, 2], each row's table and position (-1 for padding).
-
-        Made once per pass, for every layer (the first call's ``width`` holds for the pass).
-
-        Raises:
-            StrataError: ``rows`` is below the pass's tokens.
-        """
-        if rows not in self._layouts:
-            self._check_rows(rows)
-            n = self.num_tokens
-            width = max(width, self.table_width)
-            tables = np.zeros((len(self.seq_slots), width), dtype=np.int32)
-            for i, t in enumerate(self.seq_slots):
-                tables[i, : len(t)] = t
-            meta = np.full((rows, 2), -1, dtype=np.int32)
-            meta[:n, 0], meta[:n, 1] = self.row_inputs, self.row_positions
-            self._layouts[rows] = (self.to_device(tables), self.to_device(meta))
-        return self._layouts[rows]
-
     @functools.cached_property
     def table_width(self) -> int:
-        """Slots of the longest input's table (``kernel_layout``'s W without a ``width``)."""
+        """Slots of the longest input's table (up to its last new token)."""
         return max(len(t) for t in self.seq_slots)
 
-    def kernel_groups(self) -> cuda_attention.QueryGroups:
-        """The pass's query rows in groups of one input's consecutive rows, as
-        ``executor.cuda_attention.attention`` shares its copies of keys among them
-        (``executor.cuda_attention.query_groups``; padding rows belong to none, so one answer
-        serves every ``rows`` of ``kernel_layout``). Made once per pass, for every layer."""
-        if self._groups is None:
-            self._groups = cuda_attention.query_groups(
-                self.row_inputs, self.row_positions, self.to_device
-            )
-        return self._groups
+    def check_rows(self, rows: int) -> None:
+        """Refuse a layout of the pass in fewer ``rows`` than its tokens.
 
-    def _check_rows(self, rows: int) -> None:
+        Raises:
+            StrataError: ``rows`` is below ``num_tokens``.
+        """
         if rows < self.num_tokens:
             n = self.num_tokens
             raise StrataError(f"a pass of {n} tokens cannot be laid out in {rows} rows")
@@ -465,8 +418,8 @@ def _pieces(start: int, end: int, tile: int) -> list[tuple[int, int]]:
 
 
 class SequenceCache:
-    """A private paged KV cache for one sequence of at most ``max_tokens`` tokens (the
-    single-request path: ``Engine.generate``), its blocks in order.
+    """A private paged KV cache for one sequence of at most ``max_tokens`` tokens (teacher-forced
+    logits: ``Engine.logits_for``), its blocks in order.
 
     Args:
         n_layers, n_kv_heads, head_dim, dtype: as :class:`PagedKVCache`.

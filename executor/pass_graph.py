@@ -6,22 +6,23 @@ about 10 operations a block) is a large part of its time. On the lent H200 (2026
 Llama-3-8B shape, Q4_0) the warm 24-token chunk after 992 cached tokens took 9.1 ms in-process,
 of which about 3 ms was this Python and 3.3 ms MLX's own scheduling of the graph.
 
-Here such a pass is traced once by ``mx.compile``, in segments of ``SEGMENT_BLOCKS`` blocks (the
+Here such a pass is traced once by ``mx.compile``, in segments of ``segment_blocks`` blocks (the
 model's ordinary ``LlamaModel.blocks``, and ``LlamaModel.head`` in the last, run on placeholder
 arrays), and later passes of the same layout replay the traced graphs from C++, with no Python
 per operation, each segment handed to ``mx.async_eval`` as soon as it is replayed. What varies
 between passes of one layout enters as arrays: the embedded rows, each row's position, the KV
-slots written, the attention tables and row metadata (``ForwardBatch.kernel_layout``) and query
-groups (``ForwardBatch.kernel_groups``), the rows whose logits are returned, and each segment's
-key and value pools (the updated pools come back as outputs, and replace the live ones before
-the segment is evaluated, so that MLX updates a pool in place rather than copying it). What
-fixes the graph's shape is the layout key (:func:`layout_key`): the pass's rows, tokens,
-sequences, table width (padded to a multiple of ``TABLE_SLOTS`` so that a growing sequence keeps
-its graph for that many tokens), logit rows, and the number and largest of the query groups.
+slots written, the attention tables and row metadata (``executor.attention.kernel_layout``) and
+query groups (``executor.attention.kernel_groups``), the rows whose logits are returned, and
+each segment's key and value pools (the updated pools come back as outputs, and replace the live
+ones before the segment is evaluated, so that MLX updates a pool in place rather than copying
+it). What fixes the graph's shape is the layout key (:func:`layout_key`): the pass's rows,
+tokens, sequences, table width (padded to a multiple of ``TABLE_SLOTS`` so that a growing
+sequence keeps its graph for that many tokens), logit rows, and the number and largest of the
+query groups.
 
 Which passes: a dense model (no MoE router, whose choice is read on the host) with every unit
 resident on the device tier (a streamed unit's read is host work per pass), no row tile (the
-batch-invariant mode), at most ``MAX_ROWS`` rows and ``MAX_SEQUENCES`` sequences, where
+batch-invariant mode), at most ``MAX_ROWS`` rows and ``max_sequences`` sequences, where
 Strata's paged kernel attends the whole pass (``kernel_attention``: MLX's CUDA backend; its
 inputs are all arrays, while the other attention paths build masks and gathers from host data).
 A layout is compiled the second time it is seen (``COMPILE_AFTER``): one seen once (a passing
@@ -31,8 +32,11 @@ The replayed graph is the traced pass's graph: the same operations on the same a
 logits are the eager pass's (``tests/test_pass_graph.py`` checks bit equality on the CPU, with
 the kernel replaced by its definition in MLX operations; on the lent H200 the greedy tokens of
 16 sequences were equal, ``bench/prefix_inprocess.py``). Bytes read
-(``WeightStore.bytes_read``) are counted per replay as the traced pass counted them. The
-process's kernel-path settings are part of the key (``ops.settings_epoch``). A trace that raises
+(``WeightStore.bytes_read``) are counted per replay as the traced pass counted them. The graphs
+are the model's own, and so is the runtime config they were traced under (``LlamaModel.config``:
+kernel paths, segments, fused RoPE), fixed for the model's life: the layout alone keys them.
+Which passes compile, and in what segments, is that config's (``compiled_passes``,
+``max_sequences``, ``segment_blocks``: ``executor.config.RuntimeConfig``). A trace that raises
 in Python turns compiled passes off for the KV cache (one warning on stderr) and the pass runs
 eagerly (segments traced before it have written this pass's keys and values already: the eager
 pass writes the same ones again); a replay whose call raises drops its graph and fails the step,
@@ -49,48 +53,19 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import os
 import sys
 import weakref
 from collections import OrderedDict
 from typing import TYPE_CHECKING
 
 import mlx.core as mx
-from strata.executor import cuda_attention
-from strata.executor.ops import row_tile, settings_epoch
+from strata.executor.attention import kernel_attention, kernel_groups, kernel_layout, traced_inputs
+from strata.executor.cuda_attention import QueryGroups
+from strata.executor.ops import row_tile
 
 if TYPE_CHECKING:
     from strata.executor.models.llama import LlamaModel
     from strata.executor.paged_kv import ForwardBatch, PagedKVCache
-
-COMPILED_PASSES = os.environ.get("STRATA_COMPILED_PASSES", "1").lower() not in ("0", "false", "off")
-"""Replay compiled graphs for the passes this module takes (False: every pass eager). On unless
-the environment sets ``STRATA_COMPILED_PASSES=0`` (or ``false``, ``off``). Which passes are
-compiled by default: those of one sequence (``MAX_SEQUENCES``), in segments of 4 blocks
-(``SEGMENT_BLOCKS``).
-
-Measured on the lent H200 (2026-12-03, synthetic Llama-3-8B shape Q4_0, plan ``--concurrency 16
---objective throughput``, ``execute.py bench --concurrency 1,16 --requests 16 --max-tokens 64
---prefix-tokens 1000 --prefix-trials 9``): the warm request after a 1,000-token prefix-cache
-hit (a 16-row pass of 15 tokens after 1,001 cached and lent ones) took 8.9 / 9.1 ms at the
-client with these settings against 12.9 ms eager on the same machine start (prefix TTFT cold /
-warm 5.55x and 5.35x against 4.42x; ``bench/results/2026-12-03.serving-single-start-d-*``),
-and with the defaults as committed (nothing set) on a later start 9.3 / 9.6 ms (6.50x, 5.44x;
-``...serving-defaults-start-f-*``), while 16-sequence decode stayed eager (TPOT p50 11.2-14.3
-ms against 13.6 eager).
-
-Passes of several sequences are not compiled by default: with them, the serving bench's
-16-sequence decode steps ran 60-85 ms apart (TPOT p50 61.5 / 84.1 / 80.8 ms on three machine
-starts, 2026-12-02 and 2026-12-03), though each replayed step took 8.0 ms inside the engine
-(timed around ``ServingEngine.step`` in the server process by a probe outside Strata), with no
-KV pool copied (MLX's peak 24-46 MB over its active memory in a step): the time went between
-steps, outside any pass. The same run with a thread in the server process sampling every
-thread's frames each 0.5 ms had no such stall (steps 8.4 ms, 0.05 ms apart, TPOT p50 11.0 ms;
-``...serving-multi-seg4-probe-start-e.*``, ``...serving-step-probe.*``), and an in-process bench
-never showed it (``bench/warm_pass.py --step16``): a thread-scheduling interaction in the
-server, not yet explained, so 16-sequence decode stays eager.
-``/metrics`` counts the target model's traces and replays (``strata_compiled_pass_traces_total``,
-``strata_compiled_pass_replays_total``)."""
 
 MAX_ROWS = 64
 """Passes of at most this many rows are compiled: those whose host work is a large part (decode
@@ -102,31 +77,12 @@ TABLE_SLOTS = 256
 sequence keeps one graph for that many tokens (the kernel reads a row's slots only up to its
 position: the padding is never read)."""
 
-MAX_SEQUENCES = 1
-"""Passes of at most this many sequences are compiled (0: any number). With one: a prompt's
-chunk of up to ``MAX_ROWS`` rows (after a prefix-cache hit, or a short prompt), a speculative
-verification pass of a lone sequence, a draft model's catch-up chunk of one; not a lone decode,
-which takes MLX's SDPA, not the paged kernel these passes need. Why not more: ``COMPILED_PASSES``.
-``Engine.generate`` (``execute.py run``) makes a KV cache per call, and with it new graphs: a
-layout is traced on its second pass within one call."""
-
 COMPILE_AFTER = 2
 """A layout is traced on its second pass: a layout seen once runs eagerly, costing no trace."""
 
 MAX_GRAPHS = 256
 """Compiled layouts kept per model and KV cache, least recently used dropped first (a graph holds
 only its tape: the weights are the model's own arrays)."""
-
-
-SEGMENT_BLOCKS = 4
-"""Blocks per compiled segment (0: the whole pass in one graph). With N > 0 a pass is traced and
-replayed as consecutive segments of N blocks (the last also runs the output head), each handed to
-``mx.async_eval`` as soon as it is replayed, so that the GPU can compute segment i while the host
-replays and encodes segment i + 1. On the H200 (2026-12-02, the warm 24-token pass of the
-Llama-3-8B shape after a 992-token hit, one process, interleaved, medians of 9;
-``bench/results/2026-12-02.warm-pass-segments.h200.llama3-8b-shape.json``): eager 10.38 ms, one
-graph / segments of 8 / of 4 blocks 9.23 / 8.55 / 8.33 ms, the host's replay (with the segments'
-``mx.async_eval`` calls) 1.17 / 4.01 / 4.38 ms."""
 
 
 @dataclasses.dataclass
@@ -175,12 +131,11 @@ class PassGraphs:
 
     def eligible(self, batch: ForwardBatch, rows: int) -> bool:
         """Whether the pass of ``batch`` over ``rows`` rows is one this module compiles."""
-        from strata.executor.models.llama import kernel_attention
-
         m = self.model
         if rows > MAX_ROWS or row_tile() or not self.resident:
             return False
-        if MAX_SEQUENCES and len(batch.seq_slots) > MAX_SEQUENCES:
+        most = m.config.max_sequences
+        if most and len(batch.seq_slots) > most:
             return False
         a = m.arch
         windows = {la.window for la in m.layers}
@@ -201,11 +156,8 @@ class PassGraphs:
         if self.disabled or not self.eligible(batch, rows):
             return None
         width = table_width(batch)
-        from strata.executor.models import llama
-
-        # What the trace depends on beside the layout: the kernel paths' settings, the
-        # segments, and whether Q/K/V's store RoPEs them (``llama.FUSED_ROPE``).
-        key = (*layout_key(batch, rows, width), settings_epoch(), SEGMENT_BLOCKS, llama.FUSED_ROPE)
+        # The layout alone: everything else the trace depends on is the model's config.
+        key = layout_key(batch, rows, width)
         graph = self._graphs.get(key)
         if graph is None:
             self._seen[key] = self._seen.get(key, 0) + 1
@@ -220,10 +172,10 @@ class PassGraphs:
             if len(self._seen) > 4 * MAX_GRAPHS:  # layouts seen once, long ago
                 self._seen.clear()
         self._graphs.move_to_end(key)
-        tables, meta = batch.kernel_layout(rows, width)
+        tables, meta = kernel_layout(batch, rows, width)
         if tables.shape[1] != width:  # laid out before, unpadded: not this key's shape
             return None
-        groups = batch.kernel_groups().array
+        groups = kernel_groups(batch).array
         inputs = (x, batch.positions(rows), batch.write_slots, tables, meta, groups)
         inputs += (batch.logit_rows,)
         fresh = not graph.ready  # this call traces
@@ -274,10 +226,10 @@ class PassGraphs:
         return logits
 
     def _segments(self) -> list[tuple[int, int]]:
-        """The compiled segments' blocks, ``(first, end)`` each: ``SEGMENT_BLOCKS`` blocks, or
-        the whole pass where it is 0."""
-        n = self.model.arch.block_count
-        step = SEGMENT_BLOCKS if SEGMENT_BLOCKS > 0 else n
+        """The compiled segments' blocks, ``(first, end)`` each: the config's ``segment_blocks``
+        blocks, or the whole pass where it is 0."""
+        n, segment = self.model.arch.block_count, self.model.config.segment_blocks
+        step = segment if segment > 0 else n
         return [(a, min(a + step, n)) for a in range(0, n, step)]
 
     def _tracer(self, key: tuple, rows: int, index: int, first: int, end: int):
@@ -291,14 +243,13 @@ class PassGraphs:
         def trace(x, positions, write_slots, tables, meta, groups, logit_rows, rope, keys, values):
             graph = self._graphs[key]
             assert graph.batch is not None  # set by run() around the call
-            largest = graph.batch.kernel_groups().largest  # in the key: the same for every pass
+            largest = kernel_groups(graph.batch).largest  # in the key: the same for every pass
             batch = dataclasses.replace(
                 graph.batch,
                 write_slots=write_slots,
                 logit_rows=logit_rows,
                 _positions={rows: positions},
-                _layouts={rows: (tables, meta)},
-                _groups=cuda_attention.QueryGroups(groups, largest),
+                backend=traced_inputs(rows, tables, meta, QueryGroups(groups, largest)),
                 _masks=dict(graph.batch._masks),
                 _decode_table=None,
             )
@@ -330,7 +281,7 @@ def layout_key(batch: ForwardBatch, rows: int, width: int) -> tuple[int, ...]:
     """What fixes a compiled pass's graph: rows, tokens, sequences, table width (slots), logit
     rows, and the attention kernel's query groups (their number and the largest's rows, which
     sizes its blocks). Two passes of one key differ only in their arrays' values."""
-    groups = batch.kernel_groups()
+    groups = kernel_groups(batch)
     key = (rows, batch.num_tokens, len(batch.seq_slots), width, batch.logit_rows.shape[0])
     return (*key, groups.array.shape[0], groups.largest)
 
@@ -351,7 +302,7 @@ def compiles(model: LlamaModel, batch: ForwardBatch, kv: PagedKVCache) -> bool:
     """Whether ``model``'s pass of ``batch`` over ``kv`` is one this module compiles (traced on
     its layout's ``COMPILE_AFTER``-th sighting, replayed after): compiled passes on, and the
     pass eligible (:meth:`PassGraphs.eligible`)."""
-    return COMPILED_PASSES and graphs_for(model, kv).eligible(
+    return model.config.compiled_passes and graphs_for(model, kv).eligible(
         batch, model.pass_rows(batch.num_tokens)
     )
 

@@ -24,6 +24,7 @@ import mlx.core as mx
 import numpy as np
 from strata.common.errors import StrataError
 from strata.executor.paged_kv import ForwardBatch, PagedKVCache, SeqInput
+from strata.executor.runner import forward
 
 
 def tier_or_none(store, unit: str) -> str | None:
@@ -93,8 +94,8 @@ class SelfDrafter:
             seqs = [
                 SeqInput([cur[i]], inputs[i].start + j, inputs[i].slots, "last") for i in active
             ]
-            logits = self.model.forward_batch(
-                ForwardBatch.build(seqs), kv, layers=self.layers, skip=self.skip
+            logits = forward(
+                self.model, ForwardBatch.build(seqs), kv, layers=self.layers, skip=self.skip
             )
             picks = np.array(mx.argmax(logits, axis=-1)).tolist()
             for i, tok in zip(active, picks, strict=True):

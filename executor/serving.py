@@ -2,13 +2,15 @@
 
 :class:`ServingEngine` owns one engine thread that does all MLX work. Each step it asks the
 scheduler (``executor.scheduler``: vLLM-style, one token budget shared by prefill chunks and
-decodes, the plan's ``batch`` limits) which sequences advance by how many tokens, runs them as
-one batched forward pass (``LlamaModel.forward_batch`` over ``executor.paged_kv``: every unit,
-streamed ones included, is read once per step for the whole batch), samples one token for each
-sequence whose chunk reached its last known token, and reports it through the request's
-``on_event`` callback. Requests, aborts and prefix-cache resets arrive from other threads through
-a queue and are applied between steps, so the scheduler and the KV block pool are only ever
-touched by the engine thread.
+decodes, the plan's ``batch`` limits) which sequences advance by how many tokens, hands the step
+to its model runner (``executor.runner.ModelRunner.execute``: one batched forward pass over
+``executor.paged_kv``, in which every unit, streamed ones included, is read once for the whole
+batch; then one token sampled for each sequence whose chunk reached its last known token), and
+reports the tokens through each request's ``on_event`` callback. This module keeps the requests,
+the scheduler, the drafter and the events; the runner keeps the KV pool and the passes.
+Requests, aborts and prefix-cache resets arrive from other threads through a queue and are
+applied between steps, so the scheduler and the KV block pool are only ever touched by the
+engine thread.
 
 Speculative decoding (the plan's ``speculative`` section, or a drafter given): the scheduler
 reserves budget and KV blocks for up to K draft tokens after each decode's pending token; before
@@ -37,9 +39,9 @@ computed as prefill pieces, not as the decodes that first computed them, so a pr
 may differ (as may a prefix hit on blocks holding another request's generated tokens).
 Speculative decoding works in this mode: a verification's tokens attend one per piece
 (``SeqInput.one_per_piece``), each as the decode of that token would, and their weight products
-are rows of the same tiles, so every accepted token is the one plain decoding computes. The
-single-request path (``Engine.generate``), on any other thread, is unaffected (the
-row tile is per thread).
+are rows of the same tiles, so every accepted token is the one plain decoding computes.
+Teacher-forced logits (``Engine.logits_for``), on any other thread, are unaffected (the row
+tile is per thread).
 
 Finishing: an end-of-generation token (kept, finish reason ``stop``) unless ``ignore_eos``;
 ``max_tokens`` or the plan's context (``length``); ``abort``; ``error`` when a step fails (every
@@ -62,15 +64,14 @@ from dataclasses import dataclass
 import mlx.core as mx
 import numpy as np
 from strata.common.errors import StrataError
-from strata.executor import cuda_attention, pass_graph
 from strata.executor.block_pool import BlockPool
 from strata.executor.drafters import Drafter, DraftInput, DraftModelDrafter, PromptLookupDrafter
 from strata.executor.engine import Engine
-from strata.executor.host_inputs import InputStaging
-from strata.executor.ops import bucket_rows, set_row_tile
-from strata.executor.paged_kv import ForwardBatch, SeqInput, slot_table
+from strata.executor.ops import set_row_tile
+from strata.executor.paged_kv import PagedKVCache, slot_table
 from strata.executor.plan_loader import load_draft
-from strata.executor.sampling import Sampler, SamplingParams, accept_greedy
+from strata.executor.runner import ModelRunner, TokenLogprob
+from strata.executor.sampling import Sampler, SamplingParams
 from strata.executor.scheduler import Scheduler, SchedulerStep, Sequence
 from strata.executor.self_drafter import SelfDrafter, streamed_units
 
@@ -88,24 +89,6 @@ H200's 4-bit kernel (110 against 88 us for a 14336x4096 weight) and cover a deco
 plans' usual 16 sequences in one call. On the CPU a row costs in proportion: a lone SmolLM2-135M
 decode step took 1,451 ms instead of 110 (measured on the 2-core dev machine)."""
 
-
-WARM_UP_ROW_BUCKETS = mx.cuda.is_available()
-"""Before serving, run one forward pass per row bucket of the weight products
-(``executor.ops.bucket_rows``: 1, 2, 4, ... up to the plan's ``max_num_batched_tokens``), on MLX's
-CUDA backend. There the first product of a new row bucket builds its kernels, and with MLX's
-quantized matmul that took up to a minute (measured on the lent H200, 2026-12-01: a warm
-prefix-cache request whose 37-token suffix was the first 64-row product took 59 s, the next
-one 14 ms), during which the engine thread serves nobody. Built at start, the cost is paid
-before the server accepts requests (a first version, single chunks up to 512 tokens, took 51.8 s
-for the Llama-3-8B shape on a fresh H200; MLX keeps what it compiles on disk,
-``MLX_PTX_CACHE_DIR``, so later starts on one machine pay less). The CPU builds nothing per
-shape: off there."""
-
-STAGE_INPUTS = True
-"""Write each pass's integer inputs (token ids, KV slots, positions, attention tables) into the
-engine thread's kept buffers (``executor.host_inputs``) rather than new arrays. On MLX's CUDA
-backend new arrays cost managed-memory allocations, at times a synchronous copy, and page
-faults when GPU outputs later take their buffers (measured there: see that module)."""
 
 MAX_LOGPROBS = 20
 """Most alternatives per generated token a request may ask log-probabilities of (vLLM's default
@@ -132,20 +115,6 @@ class GenerationRequest:
     params: SamplingParams
     ignore_eos: bool = False
     logprobs: int | None = None
-
-
-@dataclass
-class TokenLogprob:
-    """The model's log-probabilities at one generated token: natural log, float, of the
-    distribution of the raw logits (before temperature, top-k or top-p: what vLLM reports).
-
-    Attributes:
-        logprob: of the generated token.
-        top: the most likely tokens, ``(token id, logprob)``, most likely first (ties by id).
-    """
-
-    logprob: float
-    top: list[tuple[int, float]]
 
 
 @dataclass
@@ -179,12 +148,10 @@ class _Live:
     sampler: Sampler
     on_event: Callable[[TokenEvent], None]
 
-
-LENT_COPY_YIELD_S = 0.0003
-"""Seconds the engine thread sleeps before copying lent KV slots (``ServingEngine.step``), so
-that the server's event loop can send the step's tokens first; about the event loop's wake-up and
-one send on the dev CPU (0.2-0.4 ms, ``executor.server``'s path from a token event to its first
-byte on the socket)."""
+    @property
+    def logprobs(self) -> int | None:
+        """Alternatives per token whose log-probabilities the request asks (None: none)."""
+        return self.req.logprobs
 
 
 class ServingEngine:
@@ -218,6 +185,7 @@ class ServingEngine:
         batch_invariant: bool = False,
     ):
         self.engine = engine
+        self.config = engine.config  # the runtime settings (executor.config), the engine's
         self.batch_invariant = batch_invariant
         self._draft_engine: Engine | None = None
         if drafter is None and speculative:
@@ -233,8 +201,9 @@ class ServingEngine:
         # Batch invariance: attention pieces and chunk ends on KV block boundaries, where
         # prefix-cache hits end too.
         self._tile = b.kv_block_size if batch_invariant else 0
-        self.kv = None  # made on the engine thread: MLX streams belong to the thread that made them
-        self._staging = InputStaging()  # its buffers are made by the first pass that stages
+        # The forward passes; its KV pool is made on the engine thread (MLX streams belong to
+        # the thread that made them).
+        self.runner = ModelRunner(engine.model, self.config, self._tile)
         self.scheduler = Scheduler(
             self.pool,
             b.max_num_seqs,
@@ -243,6 +212,7 @@ class ServingEngine:
             self.context,
             self.num_draft_tokens,
             chunk_align=self._tile,
+            lend_partial_blocks=self.config.lend_partial_blocks,
         )
         self._eog = set(self.tokenizer.eog_ids)
         self._inbox: queue.Queue = queue.Queue()
@@ -267,7 +237,7 @@ class ServingEngine:
             skip = streamed_units(model.store, spec.draft_layers, model.arch.expert_count)
             drafter = SelfDrafter(model, lambda: self.kv, spec.draft_layers, skip)
             return drafter, spec.num_draft_tokens
-        self._draft_engine = Engine(load_draft(loaded))
+        self._draft_engine = Engine(load_draft(loaded), config=self.engine.config)
         b = loaded.plan.batch
         drafter = DraftModelDrafter(
             self._draft_engine, b.kv_num_blocks, b.kv_block_size, target=self.engine
@@ -277,8 +247,9 @@ class ServingEngine:
     # ------------------------------------------------------------------ any thread
 
     def start(self, warm_up: bool | None = None) -> float:
-        """Start the engine thread (idempotent). With ``warm_up`` (None: ``WARM_UP_ROW_BUCKETS``)
-        it first runs one forward pass per row bucket (:meth:`_warm_up`), and this call waits
+        """Start the engine thread (idempotent). With ``warm_up`` (None: the runtime config's
+        ``warm_up_row_buckets``)
+        it first runs one forward pass per row bucket (``ModelRunner.warm_up``), and this call waits
         for it.
 
         Returns:
@@ -290,7 +261,7 @@ class ServingEngine:
         """
         if self._thread is not None:
             return 0.0
-        warm = WARM_UP_ROW_BUCKETS if warm_up is None else warm_up
+        warm = self.config.warm_up_row_buckets if warm_up is None else warm_up
         self._thread = threading.Thread(
             target=self._run, args=(warm,), name="strata-engine", daemon=True
         )
@@ -371,7 +342,7 @@ class ServingEngine:
     def metrics(self) -> dict:
         """A snapshot of the serving counters (read without locking: each value is one int)."""
         read = self.engine.store.counters()
-        traces, replays = pass_graph.counters(self.kv)
+        traces, replays = self.runner.graph_counters()
         return {
             "kv_blocks_total": self.pool.num_blocks,
             "kv_blocks_in_use": self.pool.num_used_blocks(),
@@ -415,10 +386,10 @@ class ServingEngine:
             # Per thread, like the stream: only this thread's products are tiled.
             set_row_tile(BATCH_INVARIANT_ROWS if self.batch_invariant else 0)
             b = self.batch
-            self.kv = self.engine.model.make_paged_cache(b.kv_num_blocks, b.kv_block_size)
+            self.runner.make_kv(b.kv_num_blocks, b.kv_block_size)
             if warm_up:
                 t0 = time.perf_counter()
-                self._warm_up()
+                self.runner.warm_up(b.max_num_batched_tokens, b.max_num_seqs, self.context)
                 self._warm_s = time.perf_counter() - t0
         except Exception as e:  # reported by start()
             self._start_error = f"{type(e).__name__}: {e}"
@@ -458,40 +429,6 @@ class ServingEngine:
             if self.scheduler.has_work():
                 stalled = not self.step()
 
-    def _warm_up(self) -> None:
-        """Forward passes in every row bucket (``WARM_UP_ROW_BUCKETS``), laid out as serving lays
-        them out (the batch-invariant tile included): passes of 1, 2, 4, ... tokens in every
-        bucket of ``executor.ops.bucket_rows`` up to the plan's ``max_num_batched_tokens`` (and
-        the KV pool), as prefill chunks of at most ``cuda_attention.MAX_QUERIES`` tokens (the
-        attention kernel's, which builds nothing per key length and one split kernel per
-        queries a block holds: chunks of 2, 4 and 8 tokens and the decode groups meet each),
-        then decode groups of 2, 4, ...
-        sequences of different lengths up to ``max_num_seqs`` (the output head at those row
-        counts). They write KV slots of free blocks only and touch neither the block pool nor
-        the prefix cache."""
-        limit = min(self.batch.max_num_batched_tokens, self.kv.num_slots, self.context)
-        slots = np.arange(limit, dtype=np.int32)
-        piece = cuda_attention.MAX_QUERIES
-
-        def run(inputs: list[SeqInput]) -> None:
-            mx.eval(self._pass(inputs)[1])
-
-        for n in warm_up_sizes(limit):  # chunk j: positions 0.. in slots from j * piece on
-            run([SeqInput([0] * min(piece, n - j), 0, slots[j:n]) for j in range(0, n, piece)])
-        for b in warm_up_sizes(min(self.batch.max_num_seqs, limit - 1)):
-            if b > 1:  # sequence i: one token at position i
-                run([SeqInput([0], i, slots[: i + 1]) for i in range(b)])
-        chunk = [SeqInput([0, 0], 0, slots[:2])]
-        if limit >= 2 and pass_graph.compiles(
-            self.engine.model, ForwardBatch.build(chunk), self.kv
-        ):
-            # One layout traced (seen COMPILE_AFTER times): the kernels mx.compile fuses are
-            # built here, not in a request. Without it, a request whose pass was the first trace
-            # on a fresh H200 took 3.2-4.2 s (2026-12-02.warm-pass-* results); with it, no
-            # request of a serving bench took over 0.28 s (2026-12-02.serving-compiled-seg4.*).
-            for _ in range(pass_graph.COMPILE_AFTER):
-                run(chunk)
-
     def _reset_if_idle(self) -> bool:
         if self.scheduler.has_work():
             return False
@@ -525,15 +462,20 @@ class ServingEngine:
         finally:
             self._copy_lent_slots()
 
+    @property
+    def kv(self) -> PagedKVCache | None:
+        """The paged KV cache (the runner's; None until the engine thread has made it)."""
+        return self.runner.kv
+
     def _copy_lent_slots(self) -> None:
         """Copy the slots lent to the step's admissions into their own blocks, then release the
         lent blocks (``executor.scheduler.LentSlots``).
 
-        First the thread sleeps ``LENT_COPY_YIELD_S``: the step's token events have woken the
-        server's event loop, which needs the GIL to send them, and the copy's Python and MLX
-        calls (about 130 operations for 32 layers, and a synchronization) would hold it: about
-        1 ms on the dev CPU, 2.5 ms on a slow start of the H200. A sleep lets a waiting thread
-        take the GIL; ``time.sleep(0)`` gives it back before the other thread wakes.
+        First the thread sleeps the config's ``lent_copy_yield_s``: the step's token events have
+        woken the server's event loop, which needs the GIL to send them, and the copy's Python
+        and MLX calls (about 130 operations for 32 layers, and a synchronization) would hold it:
+        about 1 ms on the dev CPU, 2.5 ms on a slow start of the H200. A sleep lets a waiting
+        thread take the GIL; ``time.sleep(0)`` gives it back before the other thread wakes.
 
         A copy that fails leaves the borrowers' blocks wrong: the prefix cache is forgotten
         (``reset_prefix_cache``) and each live sequence holding such a block ends with
@@ -541,13 +483,12 @@ class ServingEngine:
         copies = self.scheduler.take_copies()
         if not copies:
             return
-        time.sleep(LENT_COPY_YIELD_S)
+        time.sleep(self.config.lent_copy_yield_s)
         bs = self.pool.block_size
         src = np.concatenate([c.src * bs + np.arange(c.tokens) for c in copies])
         dst = np.concatenate([c.dst * bs + np.arange(c.tokens) for c in copies])
         try:
-            self.kv.copy_slots(mx.array(src.astype(np.int32)), mx.array(dst.astype(np.int32)))
-            mx.async_eval(self.kv.keys + self.kv.values)  # the GPU is idle: the tokens were read
+            self.runner.copy_slots(src, dst)
         except Exception as e:  # the blocks would hold wrong KV: no one may read them
             print(f"error: copying lent KV slots failed: {e}", file=sys.stderr)
             self.pool.reset_prefix_cache()
@@ -562,7 +503,7 @@ class ServingEngine:
         try:
             if self.drafter is not None:
                 self._draft(step)
-            sampled, logprobs, failed = self._forward(step)
+            out = self.runner.execute(step, self._live)
         except Exception as e:  # a failed step ends its sequences, never the thread
             print(f"error: serving step failed: {e}", file=sys.stderr)
             for c in step.chunks:
@@ -570,7 +511,12 @@ class ServingEngine:
                 if live is not None:
                     self._finish(live, "error", f"the forward pass failed: {e}")
             return True
-        for rid, error in failed.items():  # before update, which then skips their chunks
+        # Counted once verified: a failed step or request verifies nothing.
+        self.spec_proposed += out.draft_proposed
+        self.spec_accepted += out.draft_accepted
+        self.spec_verifications += out.verifications
+        sampled, logprobs = out.sampled, out.logprobs
+        for rid, error in out.failed.items():  # before update, which then skips their chunks
             print(f"error: request {rid}: {error}", file=sys.stderr)
             self._finish(self._live[rid], "error", error)
         self.steps += 1
@@ -622,81 +568,7 @@ class ServingEngine:
             for c in want
         ]
         for c, draft in zip(want, self.drafter.propose(inputs), strict=True):
-            c.set_draft(draft)  # counted once verified (_forward): a failed step verifies none
-
-    def _forward(
-        self, step: SchedulerStep
-    ) -> tuple[dict[str, list[int]], dict[str, list[TokenLogprob]], dict[str, str]]:
-        """Run the step's chunks as one forward pass; the new tokens of each sequence whose chunk
-        reached its last known token: one sampled token, or for a chunk with a draft the
-        accepted drafts and one more (``Sampler.verify``); the log-probabilities of those
-        tokens for the requests that asked for them; and, by request id, the error of each
-        request whose sampling failed (it has no tokens: :meth:`step` ends it)."""
-        bs = self.pool.block_size
-        inputs = []
-        for c in step.chunks:
-            lent = (c.lent.position, c.lent.src, c.lent.tokens) if c.lent else None
-            slots = slot_table(c.seq.block_ids, bs, c.start + c.num_tokens, lent)
-            # Every input returns at least its last row's logits (the forward pass must produce
-            # something to evaluate); only sampling chunks use them; verification needs all.
-            wanted = "all" if c.draft else "last"
-            inputs.append(SeqInput(c.ids, c.start, slots, wanted, one_per_piece=bool(c.draft)))
-        batch, logits = self._pass(inputs)
-        want = [i for i, c in enumerate(step.chunks) if c.sample]
-        if not want:
-            mx.eval(logits)
-            return {}, {}, {}
-        first = np.cumsum([0, *batch.logit_counts])  # chunk i's rows: first[i]:first[i + 1]
-        lives = {i: self._live[step.chunks[i].seq.request_id] for i in want}
-        out: dict[str, list[int]] = {}
-        failed: dict[str, str] = {}
-        host: np.ndarray | None = None  # all logits on the host, when sampling needed them
-        plain = (lives[i].req.params for i in want)
-        if all(p.temperature == 0 and not p.adjusts_logits for p in plain):
-            targets = np.array(mx.argmax(logits, axis=-1)).tolist()  # one host transfer
-            for i in want:
-                rows = targets[first[i] : first[i + 1]]
-                out[lives[i].req.request_id] = accept_greedy(rows, step.chunks[i].draft)
-        else:
-            host = np.array(logits)
-        logprobs: dict[str, list[TokenLogprob]] = {}
-        for i in want:
-            req = lives[i].req
-            try:  # one request's sampling failing ends that request, not the step's others
-                if host is not None:
-                    rows = host[first[i] : first[i + 1]]
-                    out[req.request_id] = lives[i].sampler.verify(rows, step.chunks[i].draft)
-                toks = out[req.request_id]  # token j was chosen from row j of the chunk's rows
-                lives[i].sampler.observe(toks)  # the penalties count what was generated
-                if req.logprobs is not None:
-                    lo = int(first[i])
-                    chosen_from = (
-                        host[lo : lo + len(toks)]
-                        if host is not None
-                        else np.array(logits[lo : lo + len(toks)])
-                    )
-                    logprobs[req.request_id] = token_logprobs(chosen_from, toks, req.logprobs)
-            except Exception as e:
-                out.pop(req.request_id, None)
-                logprobs.pop(req.request_id, None)
-                failed[req.request_id] = f"sampling failed: {type(e).__name__}: {e}"
-                continue
-            draft = step.chunks[i].draft
-            if draft:  # an empty draft is a plain decode, not a verification
-                self.spec_proposed += len(draft)
-                self.spec_accepted += len(toks) - 1
-                self.spec_verifications += 1
-        return out, logprobs, failed
-
-    def _pass(self, inputs: list[SeqInput]) -> tuple[ForwardBatch, mx.array]:
-        """One batched forward pass of ``inputs`` over the KV cache: its layout and its logits
-        (unevaluated), its integer inputs staged where ``STAGE_INPUTS`` says."""
-        staged = self._staging.begin() if STAGE_INPUTS else None
-        batch = ForwardBatch.build(inputs, tile=self._tile, staged=staged)
-        logits = self.engine.model.forward_batch(batch, self.kv)
-        if staged is not None:
-            staged.fence(logits)  # the buffer is rewritten once these are computed
-        return batch, logits
+            c.set_draft(draft)  # counted once verified (_run_step): a failed step verifies none
 
     def _emit(
         self,
@@ -741,41 +613,3 @@ class ServingEngine:
         else:
             self.scheduler.finish(live.seq, reason)
         self._emit(live, tokens or [], reason, error, logprobs)
-
-
-def warm_up_sizes(limit: int) -> list[int]:
-    """Token counts whose passes meet every row bucket of ``executor.ops.bucket_rows`` up to
-    ``limit`` rows: each bucket's size, the last capped at ``limit`` (36: 1, 2, 4, 8, 16, 24,
-    32, 36; 600: 1, ..., 32, 64, 128, 256, 512, 600). Empty below 1."""
-    out = []
-    n = 1
-    while n < limit:
-        out.append(n)
-        n = bucket_rows(n + 1)
-    return out + [limit] if limit >= 1 else out
-
-
-def token_logprobs(rows: np.ndarray, tokens: list[int], top: int) -> list[TokenLogprob]:
-    """Log-probabilities of ``tokens[j]`` under logits ``rows[j]`` and the ``top`` most likely
-    tokens of each row.
-
-    Args:
-        rows: float logits ``[len(tokens), vocab]``.
-        tokens: the token chosen from each row.
-        top: alternatives per row (0 for none).
-
-    Returns:
-        one :class:`TokenLogprob` per token: log-softmax computed in float64.
-    """
-    x = rows.astype(np.float64)
-    x -= x.max(axis=-1, keepdims=True)
-    lp = x - np.log(np.exp(x).sum(axis=-1, keepdims=True))
-    out = []
-    for j, tok in enumerate(tokens):
-        best: list[tuple[int, float]] = []
-        if top:
-            ids = np.argpartition(-lp[j], top - 1)[:top]
-            ids = sorted(ids.tolist(), key=lambda t: (-lp[j, t], t))
-            best = [(int(t), float(lp[j, t])) for t in ids]
-        out.append(TokenLogprob(float(lp[j, tok]), best))
-    return out

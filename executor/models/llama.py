@@ -40,7 +40,6 @@ import ctypes
 import ctypes.util
 import math
 import sys
-import weakref
 from dataclasses import dataclass, replace
 
 import mlx.core as mx
@@ -48,10 +47,10 @@ import numpy as np
 from strata.common import tensors
 from strata.common.errors import StrataError
 from strata.common.schemas import Architecture
-from strata.executor import cuda_attention, pass_graph
+from strata.executor.attention import attend
+from strata.executor.config import RuntimeConfig
 from strata.executor.cuda_mma import Rope
 from strata.executor.ops import (
-    PAD_ROWS,
     QuantLinear,
     bucket_rows,
     fused_qkv,
@@ -60,7 +59,7 @@ from strata.executor.ops import (
     linear_add,
     row_tile,
 )
-from strata.executor.paged_kv import Chunk, ForwardBatch, PagedKVCache, SequenceCache
+from strata.executor.paged_kv import ForwardBatch, PagedKVCache, SequenceCache
 from strata.executor.weights import Weight, WeightStore
 
 ROPE_SCALING_SUPPORTED = ("none", "linear")
@@ -212,8 +211,10 @@ class LlamaModel:
     """A shared expert (``ffn_{gate,up,down}_shexp``) that every token runs, its output gated by
     sigmoid(``ffn_gate_inp_shexp`` . h) (qwen2moe)."""
 
-    def __init__(self, arch: Architecture, store: WeightStore, dtype: mx.Dtype):
-        self.arch, self.store, self.dtype = arch, store, dtype
+    def __init__(
+        self, arch: Architecture, store: WeightStore, dtype: mx.Dtype, config: RuntimeConfig
+    ):
+        self.arch, self.store, self.dtype, self.config = arch, store, dtype, config
         if arch.rope_scaling_type not in ROPE_SCALING_SUPPORTED:
             raise StrataError(
                 f"RoPE scaling {arch.rope_scaling_type!r} is not supported yet "
@@ -225,8 +226,6 @@ class LlamaModel:
         self.routing = self.moe_routing.for_model(arch) if arch.expert_count else None
         self._inv_freqs: tuple[mx.array, float, mx.array] | None = None
         self._rope_params: dict[tuple[float, float], mx.array] = {}
-        # The last pass's batch (weakly) and its kernel_attention answers (_kernel_attention).
-        self._kernel_memo: tuple[weakref.ref, dict] | None = None
 
     # ----------------------------------------------------------------- architecture hooks
 
@@ -303,7 +302,7 @@ class LlamaModel:
         return mx.fast.rms_norm(x, w, self.arch.rms_norm_eps)
 
     def _proj(self, w: dict[str, Weight], name: str, x: mx.array) -> mx.array:
-        y = linear(x, w[name + ".weight"])
+        y = linear(x, w[name + ".weight"], self.config)
         bias = w.get(name + ".bias")
         return y if bias is None else y + bias
 
@@ -349,11 +348,11 @@ class LlamaModel:
     ) -> Rope | None:
         """The RoPE of Q and K for the Q/K/V product's store (``executor.cuda_mma.Rope``: the
         arithmetic of ``mx.fast.rope``, two operations of the graph fewer per block), or None
-        where the block RoPEs them itself: ``FUSED_ROPE`` off, rotation of halves (NEOX), Q/K
-        norms between the product and RoPE, a rotated width that is not even and within the
-        head, or a subclass with its own ``_rope`` or ``_inverse_freqs``."""
+        where the block RoPEs them itself: the config's ``fused_rope`` off, rotation of halves
+        (NEOX), Q/K norms between the product and RoPE, a rotated width that is not even and
+        within the head, or a subclass with its own ``_rope`` or ``_inverse_freqs``."""
         dims, d = self.arch.rope_dimension_count, self.arch.head_dim
-        if not FUSED_ROPE or not self.rope_traditional or self.qk_norm:
+        if not self.config.fused_rope or not self.rope_traditional or self.qk_norm:
             return None
         if dims <= 0 or dims % 2 or dims > d or not self._own_rope:
             return None
@@ -374,28 +373,6 @@ class LlamaModel:
         cls = type(self)
         return cls._rope is LlamaModel._rope and cls._inverse_freqs is LlamaModel._inverse_freqs
 
-    def _kernel_attention(
-        self,
-        batch: ForwardBatch,
-        kv: PagedKVCache,
-        layer: int,
-        heads: int,
-        dtype: mx.Dtype,
-        window: int,
-    ) -> bool:
-        """:func:`kernel_attention`, asked once per pass, pool shape and dtype, and window (every
-        block's pool has one shape and dtype; each ask cost about 6 us of host time per block on
-        the H200). The pass's batch is held weakly."""
-        memo = self._kernel_memo
-        if memo is None or memo[0]() is not batch:
-            memo = self._kernel_memo = (weakref.ref(batch), {})
-        pool = kv.keys[layer]
-        key = (pool.dtype, tuple(pool.shape), heads, dtype, window)
-        ok = memo[1].get(key)
-        if ok is None:
-            ok = memo[1][key] = kernel_attention(batch, kv, layer, heads, dtype, window)
-        return ok
-
     def attention(
         self,
         w: dict[str, Weight],
@@ -409,10 +386,8 @@ class LlamaModel:
         plus its output), R the pass's rows (its N tokens, or more: zero rows that pad it to a
         row bucket, ``pass_rows``).
 
-        Q/K/V are projected for all R rows at once and RoPE'd once, each row at its own position.
-        Where Strata's paged kernel takes the whole pass (``kernel_attention``), one kernel call
-        attends every row over its own sequence's slots; otherwise the batch's layout is followed
-        (``executor.paged_kv``: the decode group together, each prefill chunk on its own).
+        Q/K/V are projected for all R rows at once and RoPE'd once, each row at its own position,
+        and written to the cache; ``executor.attention.attend`` chooses how they attend.
         ``rope_freqs``: Llama 3's frequency factors (the ``globals`` unit), if the model has them.
         """
         a, p, la = self.arch, f"blk.{layer}.", self.layers[layer]
@@ -423,8 +398,10 @@ class LlamaModel:
         ws = [w[name + ".weight"] for name in projs]
         positions = batch.positions(rows)
         qkv, rope = None, None
-        if all(isinstance(wt, QuantLinear) for wt in ws) and not any(
-            name + ".bias" in w for name in projs
+        if (
+            self.config.fused_projections
+            and all(isinstance(wt, QuantLinear) for wt in ws)
+            and not any(name + ".bias" in w for name in projs)
         ):
             # One tensor-core call where it applies, writing Q and K as RoPE takes them (or
             # RoPE'd already, as the cache stores K) and V as the cache stores it (no reshape in
@@ -434,7 +411,7 @@ class LlamaModel:
                 rope = self._fused_rope(la, positions, rope_freqs)
                 k_shape = (rows, kv_heads, d) if rope else (rows, kv_heads, 1, d)
                 shapes = [(rows, heads, 1, d), k_shape, (rows, kv_heads, d)]
-            qkv = fused_qkv(h, ws, shapes, rope)
+            qkv = fused_qkv(h, ws, self.config, shapes, rope)
         if qkv is None:
             qkv, rope = [self._proj(w, name, h) for name in projs], None
         q, k, v = qkv
@@ -455,36 +432,7 @@ class LlamaModel:
         # Every token's K/V goes in before anyone attends: a chunk sees its own tokens. The
         # padding rows write nothing (no-copy row views).
         kv.write(layer, batch.write_slots, k[:n] if rows > n else k, v[:n] if rows > n else v)
-        if self._kernel_attention(batch, kv, layer, heads, q.dtype, la.window):
-            tables, meta = batch.kernel_layout(rows)
-            o = cuda_attention.attention(
-                q,
-                kv.keys[layer],
-                kv.values[layer],
-                tables,
-                meta,
-                self.scale,
-                la.window,
-                flat=True,
-                groups=batch.kernel_groups(),
-            )  # [R, heads * head_dim], as the output projection reads it
-        else:
-            q = q.reshape(rows, heads, d)
-            outs = []
-            b = batch.decode_rows
-            if b:
-                keys, values = kv.gather(layer, batch.decode_table)
-                mask = batch.decode_mask(la.window)
-                o = mx.fast.scaled_dot_product_attention(
-                    q[:b, :, None], keys, values, scale=self.scale, mask=mask
-                )
-                outs.append(o[:, :, 0])  # [B, heads, head_dim]
-            for c in batch.chunks:
-                qc = q[c.row : c.row + c.length].transpose(1, 0, 2)[None]  # [1, heads, T, D]
-                outs.append(chunk_attention(qc, kv, layer, c, la.window, self.scale))
-            if rows > n:  # the padding rows' attention output: zeros
-                outs.append(mx.zeros((rows - n, heads, d), dtype=q.dtype))
-            o = _cat(outs).reshape(1, rows, -1)
+        o = attend(q, kv, layer, batch, la.window, self.scale, self.config)
         return self._output(w, p + "attn_output", o, x, p + "post_attention_norm.weight")
 
     def ffn(self, w: dict[str, Weight], layer: int, x: mx.array) -> mx.array:
@@ -494,10 +442,15 @@ class LlamaModel:
         h = self._norm(x, w[p + "ffn_norm.weight"])
         gate, up = w[p + "ffn_gate.weight"], w[p + "ffn_up.weight"]
         gated = None
-        if self.swiglu and isinstance(gate, QuantLinear) and isinstance(up, QuantLinear):
-            gated = fused_swiglu(h, gate, up)  # one tensor-core call where it applies
+        if (
+            self.config.fused_projections
+            and self.swiglu
+            and isinstance(gate, QuantLinear)
+            and isinstance(up, QuantLinear)
+        ):
+            gated = fused_swiglu(h, gate, up, self.config)  # one tensor-core call where it applies
         if gated is None:
-            gated = self.activation(linear(h, gate)) * linear(h, up)
+            gated = self.activation(linear(h, gate, self.config)) * linear(h, up, self.config)
         return self._output(w, p + "ffn_down", gated, x, p + "post_ffw_norm.weight")
 
     def _output(
@@ -508,9 +461,9 @@ class LlamaModel:
         (``post_norms``, the weight ``post_norm``); the sum in the projection's kernel call
         where it can be (``executor.ops.linear_add``)."""
         if self.post_norms:
-            return x + self._norm(linear(h, w[name + ".weight"]), w[post_norm])
+            return x + self._norm(linear(h, w[name + ".weight"], self.config), w[post_norm])
         # No bias: engine.check_tensors refuses one on these projections.
-        return linear_add(h, w[name + ".weight"], x)
+        return linear_add(h, w[name + ".weight"], x, self.config)
 
     def moe_ffn(self, w: dict[str, Weight], layer: int, x: mx.array) -> mx.array:
         """Mixture-of-experts FFN of block ``layer``: x [1, T, d] -> [1, T, d].
@@ -527,11 +480,11 @@ class LlamaModel:
         token's experts in its top-k order instead: a difference of float rounding only.
         """
         a, p, s, rule = self.arch, f"blk.{layer}.", self.store, self.routing
-        assert rule is not None  # forward() calls this for MoE models only
+        assert rule is not None  # blocks() calls this for MoE models only
         h = self._norm(x, w[p + "ffn_norm.weight"])[0]  # [T, d]
         # The router in float32 whatever the compute dtype, as llama.cpp computes it: a choice
         # between near-equal logits must not hinge on half-precision rounding.
-        logits = linear(h.astype(mx.float32), w[p + "ffn_gate_inp.weight"])  # [T, E]
+        logits = linear(h.astype(mx.float32), w[p + "ffn_gate_inp.weight"], self.config)  # [T, E]
         weights, chosen = route(logits, a.expert_used_count, rule)
         # The router interception: the choice on the host, so that only chosen experts load.
         ids = np.array(chosen, dtype=np.int32)  # [T, k]
@@ -544,9 +497,8 @@ class LlamaModel:
                     continue
                 r = mx.array(rows.astype(np.int32))
                 g = weights[r, mx.array(slots.astype(np.int32))].astype(h.dtype)  # [n]
-                out = out.at[r].add(
-                    self.expert(ws[e], h[_padded_rows(rows)])[: len(rows)] * g[:, None]
-                )
+                picked = h[_padded_rows(rows, self.config.pad_expert_rows)]
+                out = out.at[r].add(self.expert(ws[e], picked)[: len(rows)] * g[:, None])
             out = s.release_experts(layer, out)
         if self.shared_expert:
             out = out + self.shared_ffn(w, layer, h)
@@ -560,8 +512,9 @@ class LlamaModel:
         (``executor.experts.split_gate_up``: gate = the first ff rows, as llama.cpp's
         ``build_moe_ffn`` views it).
         """
-        gate, up = linear(h, ws["gate"]), linear(h, ws["up"])
-        return linear(self.activation(gate) * up, ws["down"])
+        c = self.config
+        gate, up = linear(h, ws["gate"], c), linear(h, ws["up"], c)
+        return linear(self.activation(gate) * up, ws["down"], c)
 
     def shared_ffn(self, w: dict[str, Weight], layer: int, h: mx.array) -> mx.array:
         """The shared expert of block ``layer`` (qwen2moe): h [T, d] (the FFN-normed input) ->
@@ -570,22 +523,23 @@ class LlamaModel:
         p = f"blk.{layer}."
         gate_inp = w[p + "ffn_gate_inp_shexp.weight"]  # [d]
         assert isinstance(gate_inp, mx.array)  # a vector is never stored quantized
-        z = linear(h, gate_inp.reshape(1, -1))  # [T, 1]
-        g = linear(h, w[p + "ffn_gate_shexp.weight"])
-        u = linear(h, w[p + "ffn_up_shexp.weight"])
-        return linear(self.activation(g) * u, w[p + "ffn_down_shexp.weight"]) * mx.sigmoid(z)
+        c = self.config
+        z = linear(h, gate_inp.reshape(1, -1), c)  # [T, 1]
+        g = linear(h, w[p + "ffn_gate_shexp.weight"], c)
+        u = linear(h, w[p + "ffn_up_shexp.weight"], c)
+        return linear(self.activation(g) * u, w[p + "ffn_down_shexp.weight"], c) * mx.sigmoid(z)
 
-    def forward(self, ids: list[int], cache: SequenceCache, all_logits: bool = False) -> mx.array:
-        """Run ``ids`` (the next T tokens of one sequence) through the model and advance
-        ``cache`` past them.
-
-        Returns:
-            float32 logits, [T, vocab] if ``all_logits`` else [1, vocab] for the last token.
-        """
-        seq = cache.next_input(ids, "all" if all_logits else "last")
-        logits = self.forward_batch(ForwardBatch.build([seq]), cache.kv)
-        cache.advance(len(ids))
-        return logits
+    def embed_pass(self, batch: ForwardBatch) -> mx.array:
+        """The pass's rows, [1, rows, d] in the compute dtype: its tokens' embeddings, then zero
+        rows up to ``pass_rows`` (no row-wise operation mixes rows, attention gives them zeros,
+        they write no KV slot, and their logits are never asked for)."""
+        n = batch.num_tokens
+        rows = self.pass_rows(n)
+        x = self.embed(batch.ids, batch.id_array)
+        if rows > n:
+            # Not embedded: a streamed table would read rows for the padding.
+            x = mx.concatenate([x, mx.zeros((1, rows - n, x.shape[2]), dtype=x.dtype)], axis=1)
+        return x
 
     def forward_batch(
         self,
@@ -594,11 +548,30 @@ class LlamaModel:
         layers: int | None = None,
         skip: frozenset[str] = frozenset(),
     ) -> mx.array:
-        """One forward pass over the tokens of several sequences (``executor.paged_kv``): every
-        unit is asked of the store once for the whole batch, so a streamed unit is read once
-        per pass whatever the batch size.
+        """One eager forward pass over the tokens of several sequences (``executor.paged_kv``):
+        :meth:`embed_pass`, then :meth:`forward_rows`. ``executor.runner.forward`` replays a
+        compiled graph instead where one takes the pass.
+
+        Returns:
+            float32 logits [S, vocab] of the batch's ``logit_rows``, in their order.
+        """
+        return self.forward_rows(self.embed_pass(batch), batch, kv, layers, skip)
+
+    def forward_rows(
+        self,
+        x: mx.array,
+        batch: ForwardBatch,
+        kv: PagedKVCache,
+        layers: int | None = None,
+        skip: frozenset[str] = frozenset(),
+    ) -> mx.array:
+        """The pass from its embedded rows ``x`` [1, rows, d] (:meth:`embed_pass`) on: the
+        blocks and the output head, every unit asked of the store once for the whole batch (a
+        streamed unit is read once per pass whatever the batch size), the residual stream
+        handed to ``mx.async_eval`` every ``config.async_eval_blocks`` blocks.
 
         Args:
+            x: the embedded rows.
             batch: the tokens and their KV slots.
             kv: the paged KV cache.
             layers: run only the first ``layers`` blocks, then the output head (the
@@ -609,32 +582,6 @@ class LlamaModel:
         Returns:
             float32 logits [S, vocab] of the batch's ``logit_rows``, in their order.
         """
-        n = batch.num_tokens
-        rows = self.pass_rows(n)
-        x = self.embed(batch.ids, batch.id_array)
-        if rows > n:
-            # Zero rows pad the pass (no row-wise operation mixes rows, attention gives them
-            # zeros, they write no KV slot, and their logits are never asked for). Not embedded:
-            # a streamed table would read rows for them.
-            x = mx.concatenate([x, mx.zeros((1, rows - n, x.shape[2]), dtype=x.dtype)], axis=1)
-        if pass_graph.COMPILED_PASSES and layers is None and not skip:
-            logits = pass_graph.replay(self, batch, kv, x, rows)
-            if logits is not None:
-                return logits
-        return self._pass(x, batch, kv, rows, layers, skip)
-
-    def _pass(
-        self,
-        x: mx.array,
-        batch: ForwardBatch,
-        kv: PagedKVCache,
-        rows: int,
-        layers: int | None,
-        skip: frozenset[str],
-    ) -> mx.array:
-        """:meth:`forward_batch` from the embedded rows ``x`` [1, rows, d] on: the blocks and the
-        output head, the residual stream handed to ``mx.async_eval`` every ``ASYNC_EVAL_BLOCKS``
-        blocks."""
         end = self.arch.block_count if layers is None else layers
         x = self.blocks(x, batch, kv, self.rope_factors(), 0, end, skip, schedule=True)
         return self.head(x, batch)
@@ -663,9 +610,9 @@ class LlamaModel:
         """The residual stream ``x`` [1, rows, d] through blocks ``first .. end - 1``, each unit
         asked of the store as it is needed (``skip``: units left out, their residual passing
         through). ``schedule``: hand the stream to ``mx.async_eval`` every
-        ``ASYNC_EVAL_BLOCKS`` blocks (not while ``executor.pass_graph`` traces, when nothing may
-        be evaluated)."""
-        s = self.store
+        ``config.async_eval_blocks`` blocks (not while ``executor.pass_graph`` traces, when
+        nothing may be evaluated)."""
+        s, every = self.store, self.config.async_eval_blocks
         for i in range(first, end):
             attn, ffn = f"blk.{i}.attn", f"blk.{i}.ffn"
             if attn not in skip:
@@ -675,7 +622,7 @@ class LlamaModel:
                     x = s.release(ffn, self.ffn(s.unit(ffn), i, x))
                 else:
                     x = s.release(ffn, x + self.moe_ffn(s.unit(ffn), i, x))
-            if schedule and ASYNC_EVAL_BLOCKS and (i + 1) % ASYNC_EVAL_BLOCKS == 0:
+            if schedule and every and (i + 1) % every == 0:
                 mx.async_eval(x)
         return x
 
@@ -691,19 +638,20 @@ class LlamaModel:
             # norm) is released before the table is asked for, so that a pool of one slot can
             # stream both.
             x = s.release("output", x)
-            logits = linear(x[0], s.unit("token_embd")["token_embd.weight"]).astype(mx.float32)
+            table = s.unit("token_embd")["token_embd.weight"]
+            logits = linear(x[0], table, self.config).astype(mx.float32)
             return s.release("token_embd", self.final_logits(logits))
-        logits = self.final_logits(linear(x[0], head).astype(mx.float32))
+        logits = self.final_logits(linear(x[0], head, self.config).astype(mx.float32))
         return s.release("output", logits)
 
     def pass_rows(self, tokens: int) -> int:
         """Rows of a forward pass of ``tokens`` tokens: ``executor.ops.bucket_rows(tokens)``
-        where ``PAD_PASS_ROWS`` and the calling thread has no row tile (``executor.ops.
+        where the config's ``pad_pass_rows`` and the calling thread has no row tile (``executor.ops.
         set_row_tile``), for dense models (a MoE block's router would route the padding rows
         to experts); else ``tokens``. Padded once here, every projection of the pass already
         has its bucket's rows, where ``executor.ops.linear`` would otherwise pad and slice
         each product (two operations of its own, hundreds per pass)."""
-        if not PAD_PASS_ROWS or self.routing is not None or row_tile():
+        if not self.config.pad_pass_rows or self.routing is not None or row_tile():
             return tokens
         return bucket_rows(tokens)
 
@@ -712,36 +660,6 @@ class LlamaModel:
         order = ["globals"] if self.has_globals else []
         order += [f"blk.{i}.{k}" for i in range(self.arch.block_count) for k in ("attn", "ffn")]
         return order + ["output"] + (["token_embd"] if self.arch.tied_embeddings else [])
-
-
-PAD_PASS_ROWS = PAD_ROWS
-"""Pad a dense model's forward pass to its row bucket once, at the embedding (``pass_rows``),
-where ``executor.ops.PAD_ROWS`` pads products (MLX's CUDA backend). Measured on the H200
-(2026-12-01, Llama-3-8B shape, in-process, medians of 5): the warm 24-token chunk after 992
-cached tokens 24.9 -> 21.8 ms (every operation costs the host 5-10 us to encode, and a pass of
-24 tokens padded per product had two more per product, 448 in all)."""
-
-ASYNC_EVAL_BLOCKS = 2 if mx.cuda.is_available() else 0
-"""Schedule the residual stream (``mx.async_eval``) after every this many blocks (0: never), as
-soon as it is built, so that the GPU computes those blocks while Python builds the next ones
-(``mx.eval`` at the end otherwise starts the GPU only once the whole pass is built). Measured on
-the H200 (2026-12-01, Llama-3-8B shape, in-process, with the whole-pass attention kernel): one
-decode step 8.8 -> 6.3 ms, a 16-sequence step 14.5 -> 8.8 ms, the warm 24-token chunk 17.2 ->
-12.6 ms, the cold 1,016-token prefill 55 -> 45 ms. On the CPU it changed nothing (SmolLM2, 24
-tokens: 5.34-5.41 against 5.43-5.49 s), so it is off there; Metal was not measured. Every 1, 2 or
-4 blocks (H200, same shape, one process, interleaved, medians of 4): warm chunk 13.4 / 11.6 /
-13.6 ms, cold 66.8 / 56.8 / 60.1 ms, a 16-sequence step 13.3 / 11.2 / 11.3 ms. A second run
-(2026-12-02, another machine start, one process, the warm chunk alone, interleaved, medians of 9,
-``bench/results/2026-12-02.warm-pass-variants.h200.llama3-8b-shape.json``): every 1 / 2 / 4 /
-never 9.85 / 8.01 / 8.36 / 10.92 ms. Each ``mx.async_eval`` encodes the operations built since
-the last and commits them (``mlx/backend/cuda/device.cpp``, ``CommandEncoder::commit``). The
-pass's build took 3.3 ms without any call (never) and 8.8 / 7.0 / 6.9 ms with them (every 1 / 2 /
-4): 5.5, 3.6 and 3.6 ms by difference, so fewer calls cost less, down to 16 of them."""
-
-FUSED_ROPE = True
-"""RoPE Q and K in the fused Q/K/V product's store (``executor.cuda_mma.Rope``) where it applies
-(:meth:`LlamaModel._fused_rope`): two operations of the graph and one reshape fewer per block.
-The arithmetic is ``mx.fast.rope``'s on the same rounded products."""
 
 
 def _log2f(x: float) -> float:
@@ -758,40 +676,6 @@ def _log2f(x: float) -> float:
         return float(np.float32(math.log2(x32)))
 
 
-def kernel_attention(
-    batch: ForwardBatch,
-    kv: PagedKVCache,
-    layer: int,
-    heads: int,
-    dtype: mx.Dtype,
-    window: int = 0,
-) -> bool:
-    """Whether one call of Strata's paged kernel (``executor.cuda_attention``) attends the whole
-    pass in block ``layer`` (sliding ``window``, 0: none): on MLX's CUDA backend, for a pool of
-    the compute ``dtype``, ``heads`` query heads and a pool the kernel takes, every chunk at most
-    ``cuda_attention.MAX_QUERIES`` queries, its scratch within ``cuda_attention.fits`` (a pass
-    too large takes the per-chunk path), and anything but a lone decode that MLX's SDPA takes
-    unmasked (its fused vector kernel; the lone decode was measured against the paged kernel's
-    first design, a block per query and key/value head, 8 for a decode of the Llama-3-8B shape,
-    too few to fill a GPU, and not against the split design since). Longer prefill chunks keep
-    cuDNN (``chunk_attention``). Measured on the H200
-    (2026-12-01, Llama-3-8B shape, in-process, pass padding on, one process, medians of 5): the
-    warm 24-token chunk 21.8 -> 17.2 ms, a 16-sequence decode step 17.8 -> 14.5 ms (whose
-    decodes MLX otherwise attends with a padded gather, a boolean mask and its unfused fallback;
-    the 16-sequence figures moved by about 20% between configurations that cannot differ)."""
-    if not batch.chunks and batch.decode_rows < 2 and batch.decode_mask(window) is None:
-        return False
-    pool = kv.keys[layer]
-    return (
-        pool.dtype == dtype
-        and all(c.length <= cuda_attention.MAX_QUERIES for c in batch.chunks)
-        and cuda_attention.supported(1, heads, pool.shape[1], pool.shape[2], dtype)
-        and cuda_attention.fits(
-            bucket_rows(batch.num_tokens), heads, batch.table_width, pool.shape[2]
-        )
-    )
-
-
 def _has_unit(store: WeightStore, unit: str) -> bool:
     try:
         store.tier(unit)
@@ -800,87 +684,11 @@ def _has_unit(store: WeightStore, unit: str) -> bool:
     return True
 
 
-def chunk_attention(
-    q: mx.array, kv: PagedKVCache, layer: int, c: Chunk, window: int, scale: float
-) -> mx.array:
-    """Attention of one chunk's queries q [1, heads, T, head_dim] over its sequence's keys in
-    block ``layer`` of the paged cache (the chunk's own tokens included, written already), causal
-    and within a sliding ``window`` (0: none); [T, heads, head_dim].
-
-    On MLX's CUDA backend a chunk of up to ``cuda_attention.MAX_QUERIES`` queries takes Strata's
-    paged kernel (``executor.cuda_attention``: one compiled kernel for every query count and key
-    length, where cuDNN builds a plan per shape); where that kernel does not apply (a head size
-    or grouping it does not take, float32), chunks of 2 to ``EXPLICIT_ATTENTION_MAX_QUERIES``
-    queries attend with plain operations, for the same reason. Otherwise the keys are gathered
-    and ``mx.fast.scaled_dot_product_attention`` runs with ``Chunk.attention_mask``."""
-    _, heads, t, d = q.shape
-    pool_k, pool_v = kv.keys[layer], kv.values[layer]
-    if (
-        pool_k.dtype == q.dtype
-        and cuda_attention.supported(t, heads, pool_k.shape[1], d, q.dtype)
-        and cuda_attention.fits(t, heads, c.start + c.length, d)
-    ):
-        rows = q[0].transpose(1, 0, 2)  # [T, heads, head_dim] (the kernel makes it contiguous)
-        return cuda_attention.attention(
-            rows, pool_k, pool_v, c.table, c.kernel_rows(), scale, window, groups=c.kernel_groups()
-        )
-    keys, values = kv.gather(layer, c.table)
-    first, mask = c.attention_mask(window)
-    if first:
-        keys, values = keys[:, :, first:], values[:, :, first:]
-    if 1 < t <= EXPLICIT_ATTENTION_MAX_QUERIES:
-        if isinstance(mask, str):  # "causal", bottom-right aligned: query i sees keys <= L - T + i
-            length = keys.shape[2]
-            mask = mx.arange(length)[None, :] <= mx.arange(length - t, length)[:, None]
-        o = _explicit_attention(q, keys, values, scale, mask)
-    else:
-        o = mx.fast.scaled_dot_product_attention(q, keys, values, scale=scale, mask=mask)
-    return o[0].transpose(1, 0, 2)
-
-
-EXPLICIT_ATTENTION_MAX_QUERIES = 32 if mx.cuda.is_available() else 0
-"""On MLX's CUDA backend, chunks of 2 to this many queries that ``executor.cuda_attention`` does
-not take attend with plain operations (``_explicit_attention``), not cuDNN, whose plan MLX builds
-per exact (query length, key length) shape: a verification chunk or a suffix after a
-prefix-cache hit meets a new one nearly every time (38-53 ms per build on the H200). Slower per
-call (175 us a block at 24 queries by 1,016 keys, 8B shape) but with no build. 0 elsewhere: the
-CPU has no per-shape cost."""
-
-
-def _explicit_attention(
-    q: mx.array, keys: mx.array, values: mx.array, scale: float, mask: mx.array | None
-) -> mx.array:
-    """Softmax attention with plain operations, grouped-query heads as MLX's SDPA maps them
-    (query head i reads kv head i // (heads / kv_heads)): q [B, heads, T, D], keys/values
-    [B, kv_heads, L, D], ``mask`` bool [T, L] (True: seen) or None; [B, heads, T, D] in q's
-    dtype. Scores and softmax in float32, as the fused kernels accumulate."""
-    b, heads, t, d = q.shape
-    kv_heads, length = keys.shape[1], keys.shape[2]
-    group = heads // kv_heads
-    qg = q.reshape(b, kv_heads, group * t, d).astype(mx.float32)
-    scores = (qg * scale) @ keys.astype(mx.float32).transpose(0, 1, 3, 2)
-    scores = scores.reshape(b, kv_heads, group, t, length)
-    if mask is not None:
-        scores = mx.where(mask, scores, -mx.inf)
-    probs = mx.softmax(scores, axis=-1).reshape(b, kv_heads, group * t, length)
-    out = probs @ values.astype(mx.float32)
-    return out.reshape(b, heads, t, d).astype(q.dtype)
-
-
-PAD_EXPERT_ROWS = mx.cuda.is_available()
-"""Pad each expert's row count to a power of two on MLX's CUDA backend, which prepares kernels
-per distinct matmul shape: unpadded, the first MoE prefill of a 55-token prompt took 79 s on the
-H200, one shape per distinct number of tokens choosing an expert; padded, a prefill of T tokens
-has at most log2(T) + 1 shapes (the whole MoE bench, five engines each with a first prefill, then
-finished in 500 s where it had not within 560 s). Elsewhere the extra rows would only cost
-compute, so the CPU and Metal compute exactly the rows that chose the expert."""
-
-
-def _padded_rows(rows: np.ndarray) -> mx.array:
+def _padded_rows(rows: np.ndarray, pad: bool) -> mx.array:
     """``rows`` (int [n]) as an index array, padded to a power of two with copies of its first
-    row where ``PAD_EXPERT_ROWS`` (the extra results are sliced off)."""
+    row where ``pad`` (the config's ``pad_expert_rows``; the extra results are sliced off)."""
     n = len(rows)
-    if PAD_EXPERT_ROWS and n & (n - 1):
+    if pad and n & (n - 1):
         rows = np.concatenate([rows, np.full((1 << n.bit_length()) - n, rows[0])])
     return mx.array(rows.astype(np.int32))
 
@@ -889,11 +697,6 @@ def _shaped(a: mx.array, shape: tuple[int, ...]) -> mx.array:
     """``a`` reshaped to ``shape``, or ``a`` itself where it has that shape already (a reshape
     is an operation of the graph even then)."""
     return a if a.shape == shape else a.reshape(shape)
-
-
-def _cat(parts: list[mx.array]) -> mx.array:
-    """Row-wise concatenation (no copy for a single part)."""
-    return parts[0] if len(parts) == 1 else mx.concatenate(parts)
 
 
 def nn_silu(x: mx.array) -> mx.array:

@@ -1,4 +1,4 @@
-"""A chunk's attention (``executor.models.llama.chunk_attention``): on MLX's CUDA backend chunks of
+"""A chunk's attention (``executor.attention.chunk_attention``): on MLX's CUDA backend chunks of
 up to ``cuda_attention.MAX_QUERIES`` 16-bit queries take Strata's paged kernel
 (``executor.cuda_attention``), elsewhere the gathered keys go to MLX's SDPA with
 ``Chunk.attention_mask``. Both must give softmax attention by its definition: causal, sliding
@@ -9,8 +9,9 @@ from __future__ import annotations
 import mlx.core as mx
 import numpy as np
 import pytest
-from strata.executor import cuda_attention
-from strata.executor.models.llama import chunk_attention
+from strata.executor import attention, cuda_attention
+from strata.executor.attention import chunk_attention, chunk_groups, chunk_rows
+from strata.executor.config import RuntimeConfig
 from strata.executor.paged_kv import ForwardBatch, PagedKVCache, SeqInput
 
 CUDA = mx.cuda.is_available()
@@ -79,7 +80,7 @@ def _chunk_case(heads, kv_heads, t, start, window, d, dtype, seed=0):
 def test_chunk_attention_matches_the_definition(dtype, heads, kv_heads, t, start, window, d):
     """16-bit queries take the paged kernel on CUDA."""
     kv, chunk, q, want = _chunk_case(heads, kv_heads, t, start, window, d, dtype)
-    got = chunk_attention(q, kv, 0, chunk, window, d**-0.5)
+    got = chunk_attention(q, kv, 0, chunk, window, d**-0.5, RuntimeConfig.build())
     assert got.shape == (t, heads, d) and got.dtype == dtype
     # float32 on CUDA is MLX's SDPA with TensorFloat-32 products (7e-4 measured on the H200)
     tol = {mx.float32: 2e-3 if CUDA else 1e-4, mx.float16: 1e-2, mx.bfloat16: 3e-2}[dtype]
@@ -99,9 +100,9 @@ def test_paged_kernel_rows_do_not_depend_on_the_chunk(dtype):
         kv.keys[0],
         kv.values[0],
         chunk.table,
-        chunk.kernel_rows(),
+        chunk_rows(chunk),
         0.088,
-        groups=chunk.kernel_groups(),  # three groups of 8 rows
+        groups=chunk_groups(chunk),  # three groups of 8 rows
     )
     for i in (0, 7, 23):
         alone = cuda_attention.attention(
@@ -120,7 +121,7 @@ def test_paged_kernel_rows_do_not_depend_on_the_chunk(dtype):
         kv.keys[0],
         kv.values[0],
         chunk.table,
-        chunk.kernel_rows(),
+        chunk_rows(chunk),
         0.088,
         flat=True,
     )
@@ -221,16 +222,14 @@ def test_paged_kernel_refuses_a_call_without_rows(monkeypatch):
 def test_a_pass_whose_scratch_is_too_large_takes_the_per_chunk_path(monkeypatch):
     """``kernel_attention`` declines a pass whose split scratch (rows x heads x splits of the
     longest table x (head_dim + 2) floats) exceeds ``MAX_SCRATCH_BYTES``."""
-    from strata.executor.models.llama import kernel_attention
-
     monkeypatch.setattr(mx.cuda, "is_available", lambda: True)
     batch, kv, _, _ = _pass_case(mx.float16, 0)
     need = cuda_attention.scratch_bytes(16, 8, 91, 128)  # 10 tokens in a bucket of 16; W 91
     assert need == 4 * 16 * 8 * 2 * 130 and batch.table_width == 91
     monkeypatch.setattr(cuda_attention, "MAX_SCRATCH_BYTES", need)
-    assert kernel_attention(batch, kv, 0, 8, mx.float16)
+    assert attention.kernel_attention(batch, kv, 0, 8, mx.float16)
     monkeypatch.setattr(cuda_attention, "MAX_SCRATCH_BYTES", need - 1)
-    assert not kernel_attention(batch, kv, 0, 8, mx.float16)
+    assert not attention.kernel_attention(batch, kv, 0, 8, mx.float16)
 
 
 # A pass whose inputs are not in row order: a 5-token suffix after 40 cached tokens, three
@@ -275,12 +274,12 @@ def _pass_case(dtype, window, heads=8, kv_heads=2, d=128, seed=0):
 
 
 def test_kernel_layout_names_each_row_its_table_and_position():
-    """``ForwardBatch.kernel_layout`` and ``positions``: every row points at its own input's
-    slots at its own position (checked against the slot each row writes, which the layout does
-    not compute), padding rows at -1 and position 0."""
+    """``attention.kernel_layout`` and ``ForwardBatch.positions``: every row points at its own
+    input's slots at its own position (checked against the slot each row writes, which the
+    layout does not compute), padding rows at -1 and position 0."""
     batch, _, _, _ = _pass_case(mx.float16, 0)
     n = batch.num_tokens
-    tables, meta = (np.array(a) for a in batch.kernel_layout(n + 3))
+    tables, meta = (np.array(a) for a in attention.kernel_layout(batch, n + 3))
     positions = np.array(batch.positions(n + 3))
     assert n == 10 and positions.shape == (13,) and meta.shape == (13, 2)
     assert meta[:, 0].tolist() == PASS_ROWS + [-1] * 3
@@ -290,7 +289,7 @@ def test_kernel_layout_names_each_row_its_table_and_position():
     written = np.array(batch.write_slots)
     for r in range(n):
         assert tables[meta[r, 0], meta[r, 1]] == written[r]  # the slot the row's token goes to
-    for bad in (batch.kernel_layout, batch.positions):
+    for bad in (lambda r: attention.kernel_layout(batch, r), batch.positions):
         with pytest.raises(Exception, match="cannot be laid out"):
             bad(n - 1)
 
@@ -310,9 +309,9 @@ def test_paged_kernel_attends_a_whole_pass(dtype, window):
     definition over its own sequence, and padding rows are zeros."""
     batch, kv, q, want = _pass_case(dtype, window)
     n = batch.num_tokens
-    tables, meta = batch.kernel_layout(n + 6)
+    tables, meta = attention.kernel_layout(batch, n + 6)
     qq = mx.concatenate([mx.array(q), mx.ones((6, *q.shape[1:]))]).astype(dtype)
-    groups = batch.kernel_groups()
+    groups = attention.kernel_groups(batch)
     assert groups.largest == 5  # the 5-token chunk shares its blocks
     got = cuda_attention.attention(
         qq, kv.keys[0], kv.values[0], tables, meta, 128**-0.5, window, groups=groups
@@ -327,14 +326,13 @@ def test_paged_kernel_attends_a_whole_pass(dtype, window):
 
 def test_explicit_fallback_matches_the_definition(monkeypatch):
     """Where the kernel does not apply on CUDA (say, a head size it does not take), chunks of up
-    to ``EXPLICIT_ATTENTION_MAX_QUERIES`` queries attend with plain operations: forced here."""
-    import strata.executor.models.llama as llama
-
-    monkeypatch.setattr(llama, "EXPLICIT_ATTENTION_MAX_QUERIES", 32)
+    to ``explicit_attention_max_queries`` queries attend with plain operations: forced here."""
+    config = RuntimeConfig.build(explicit_attention_max_queries=32)
     monkeypatch.setattr(cuda_attention, "supported", lambda *a: False)
     for heads, kv_heads, t, start, window, d in CASES:
         kv, chunk, q, want = _chunk_case(heads, kv_heads, t, start, window, d, mx.float32)
-        got = np.array(chunk_attention(q, kv, 0, chunk, window, d**-0.5)).transpose(1, 0, 2)
+        got = chunk_attention(q, kv, 0, chunk, window, d**-0.5, config)
+        got = np.array(got).transpose(1, 0, 2)
         np.testing.assert_allclose(
             got, want, rtol=2e-3 if CUDA else 1e-4, atol=2e-3 if CUDA else 1e-4
         )

@@ -100,6 +100,7 @@ def test_a_staged_batch_lays_out_what_a_fresh_one_does(monkeypatch):
     """Every integer input a pass's kernels read (the CUDA attention kernel's tables, rows and
     groups included, built here on any backend) equals the unstaged array, also where the
     buffer grows in mid-pass."""
+    from strata.executor import attention
     from strata.executor.paged_kv import ForwardBatch, SeqInput
 
     monkeypatch.setattr(host_inputs, "MIN_CAPACITY", 40)
@@ -113,14 +114,18 @@ def test_a_staged_batch_lays_out_what_a_fresh_one_does(monkeypatch):
             (fresh.write_slots, staged.write_slots),
             (fresh.logit_rows, staged.logit_rows),
             (fresh.positions(8), staged.positions(8)),
-            *zip(fresh.kernel_layout(8, 40), staged.kernel_layout(8, 40), strict=True),
-            (fresh.kernel_groups().array, staged.kernel_groups().array),
+            *zip(
+                attention.kernel_layout(fresh, 8, 40),
+                attention.kernel_layout(staged, 8, 40),
+                strict=True,
+            ),
+            (attention.kernel_groups(fresh).array, attention.kernel_groups(staged).array),
         ]
         if not tile:
             pairs.append((fresh.decode_table, staged.decode_table))
         for a, b in zip(fresh.chunks, staged.chunks, strict=True):
-            pairs += [(a.table, b.table), (a.kernel_rows(), b.kernel_rows())]
-            pairs.append((a.kernel_groups().array, b.kernel_groups().array))
+            pairs += [(a.table, b.table), (attention.chunk_rows(a), attention.chunk_rows(b))]
+            pairs.append((attention.chunk_groups(a).array, attention.chunk_groups(b).array))
         for a, b in pairs:
             assert b.dtype == mx.int32 and np.array_equal(np.array(a), np.array(b))
 

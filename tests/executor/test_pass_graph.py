@@ -17,10 +17,12 @@ import pytest
 from attention_reference import attention_by_definition
 from conftest import make_plan_file
 from gguf_factory import write_arch_model
-from strata.executor import pass_graph
+from strata.executor import attention, pass_graph
+from strata.executor.config import RuntimeConfig
 from strata.executor.engine import Engine
 from strata.executor.paged_kv import ForwardBatch, PagedKVCache, SeqInput
 from strata.executor.plan_loader import load_plan
+from strata.executor.runner import forward
 
 NAMES = ["llama3", "gemma3", "mixtral"]
 
@@ -31,11 +33,14 @@ def models(tmp_path_factory, smollm2_gguf) -> dict[str, Path]:
     return {n: write_arch_model(folder / f"{n}.gguf", n, smollm2_gguf) for n in NAMES}
 
 
-@pytest.fixture(autouse=True)
-def any_sequences(monkeypatch):
-    """The mechanism is tested on passes of two sequences (``MAX_SEQUENCES`` lifted); the
-    default's single-sequence rule has its own test."""
-    monkeypatch.setattr(pass_graph, "MAX_SEQUENCES", 0)
+def _engine(plan: Path, compiled: bool, **settings) -> Engine:
+    """A fresh engine of ``plan`` whose runtime config compiles passes or not
+    (``compiled``), with ``settings`` changed. The mechanism is tested on passes of two
+    sequences (``max_sequences`` 0, unless ``settings`` say otherwise); the default's
+    single-sequence rule has its own test."""
+    loaded = load_plan(plan)
+    settings = {"max_sequences": 0, **settings, "compiled_passes": compiled}
+    return Engine(loaded, config=RuntimeConfig.build(loaded.plan.runtime, **settings))
 
 
 def _force_kernel_path(monkeypatch):
@@ -67,13 +72,12 @@ def _steps(model, vocab: int) -> list[ForwardBatch]:
     return batches
 
 
-def _run(model, compiled: bool, monkeypatch) -> tuple[list, list, int, PagedKVCache]:
-    monkeypatch.setattr(pass_graph, "COMPILED_PASSES", compiled)
+def _run(model) -> tuple[list, list, int, PagedKVCache]:
     kv = model.make_paged_cache(32, 4)
     start = model.store.bytes_read["gpu"]
     logits = []
     for batch in _steps(model, model.arch.vocab_size):
-        out = model.forward_batch(batch, kv)
+        out = forward(model, batch, kv)
         mx.eval(out)
         logits.append(np.array(out))
     read = model.store.bytes_read["gpu"] - start
@@ -87,7 +91,7 @@ def _run(model, compiled: bool, monkeypatch) -> tuple[list, list, int, PagedKVCa
 
 @pytest.mark.parametrize(
     "name, segment",
-    [*((n, 0) for n in NAMES), ("llama3", 2), ("llama3", pass_graph.SEGMENT_BLOCKS)],
+    [*((n, 0) for n in NAMES), ("llama3", 2), ("llama3", RuntimeConfig.build().segment_blocks)],
 )
 def test_replayed_pass_equals_eager(name, segment, models, tmp_path, monkeypatch):
     """The same steps eager and compiled: identical logits, KV pool and bytes read; on the dense
@@ -95,11 +99,10 @@ def test_replayed_pass_equals_eager(name, segment, models, tmp_path, monkeypatch
     router's choice is read on the host). The 3-block model in segments of 2 blocks: its pass
     traced and replayed in two graphs (the second runs the head), the same again."""
     _force_kernel_path(monkeypatch)
-    monkeypatch.setattr(pass_graph, "SEGMENT_BLOCKS", segment)
     plan = make_plan_file(str(models[name]), tmp_path / "p.yaml", context=256, concurrency=4)
-    model = Engine(load_plan(plan)).model
-    want, want_kv, want_read, eager_kv = _run(model, False, monkeypatch)
-    got, got_kv, got_read, kv = _run(model, True, monkeypatch)
+    want, want_kv, want_read, eager_kv = _run(_engine(plan, False, segment_blocks=segment).model)
+    model = _engine(plan, True, segment_blocks=segment).model
+    got, got_kv, got_read, kv = _run(model)
     # What /metrics exports: nothing for the eager cache (or none), the graphs' counts here.
     assert pass_graph.counters(eager_kv) == pass_graph.counters(None) == (0, 0)
     assert pass_graph.counters(kv) == ((0, 0) if name == "mixtral" else (1, 3))
@@ -122,24 +125,22 @@ def test_replayed_pass_equals_eager(name, segment, models, tmp_path, monkeypatch
 
 
 def test_only_single_sequence_passes_are_compiled_by_default(models, tmp_path, monkeypatch):
-    """With ``MAX_SEQUENCES`` = 1 (the default) the two-sequence steps run eagerly, while three
+    """With ``max_sequences`` = 1 (the default) the two-sequence steps run eagerly, while three
     chunks of one sequence in one layout run eager, traced, replayed, with the eager logits."""
     _force_kernel_path(monkeypatch)
-    monkeypatch.setattr(pass_graph, "MAX_SEQUENCES", 1)
+    default = RuntimeConfig.build().max_sequences
+    assert default == 1
     plan = make_plan_file(str(models["llama3"]), tmp_path / "p.yaml", context=256, concurrency=4)
-    model = Engine(load_plan(plan)).model
-    *_, kv = _run(model, True, monkeypatch)
+    by_mode = {c: _engine(plan, c, max_sequences=default).model for c in (False, True)}
+    *_, kv = _run(by_mode[True])
     assert pass_graph.counters(kv) == (0, 0)
     slots = np.arange(64, dtype=np.int32)
-    ids = np.random.default_rng(1).integers(0, model.arch.vocab_size, 9).tolist()
+    ids = np.random.default_rng(1).integers(0, by_mode[True].arch.vocab_size, 9).tolist()
     logits = {}
-    for compiled in (False, True):
-        monkeypatch.setattr(pass_graph, "COMPILED_PASSES", compiled)
+    for compiled, model in by_mode.items():
         kv = model.make_paged_cache(32, 4)
         logits[compiled] = [
-            np.array(
-                model.forward_batch(ForwardBatch.build([SeqInput(ids[p : p + 3], p, slots)]), kv)
-            )
+            np.array(forward(model, ForwardBatch.build([SeqInput(ids[p : p + 3], p, slots)]), kv))
             for p in (0, 3, 6)
         ]
     assert pass_graph.counters(kv) == (1, 1)
@@ -158,10 +159,8 @@ def test_the_serving_warm_up_traces_a_layout_where_passes_compile(
     from strata.executor.serving import ServingEngine
 
     _force_kernel_path(monkeypatch)
-    monkeypatch.setattr(pass_graph, "MAX_SEQUENCES", 1)
-    monkeypatch.setattr(pass_graph, "COMPILED_PASSES", compiled)
     plan = make_plan_file(str(models["llama3"]), tmp_path / "p.yaml", context=256, concurrency=4)
-    se = ServingEngine(Engine(load_plan(plan)))
+    se = ServingEngine(_engine(plan, compiled, max_sequences=1))
     try:
         se.start(warm_up=True)
         chunk = ForwardBatch.build([SeqInput([1, 2], 0, np.arange(2, dtype=np.int32))])
@@ -174,23 +173,23 @@ def test_the_serving_warm_up_traces_a_layout_where_passes_compile(
         se.close()
 
 
-def test_the_rope_setting_keys_the_graph(models, tmp_path, monkeypatch):
-    """A pass traced with RoPE in the Q/K/V product's store is not replayed with it off (nor the
-    other way round): the setting is part of the key, so each gets its own trace."""
-    from strata.executor.models import llama
-
+def test_graphs_are_the_models_own(models, tmp_path, monkeypatch):
+    """A pass traced under one runtime config is never replayed under another: the graphs are
+    the model's (whose config is fixed), so a model of another config (RoPE in the Q/K/V
+    product's store off) over the same KV cache traces its own."""
     _force_kernel_path(monkeypatch)
     plan = make_plan_file(str(models["llama3"]), tmp_path / "p.yaml", context=256, concurrency=4)
-    model = Engine(load_plan(plan)).model
-    monkeypatch.setattr(llama, "FUSED_ROPE", True)
-    *_, kv = _run(model, True, monkeypatch)
-    graphs = pass_graph.graphs_for(model, kv)
+    rope_on = _engine(plan, True, fused_rope=True).model
+    *_, kv = _run(rope_on)
+    graphs = pass_graph.graphs_for(rope_on, kv)
     assert (graphs.traces, graphs.replays) == (1, 3)
-    monkeypatch.setattr(llama, "FUSED_ROPE", False)
-    for batch in _steps(model, model.arch.vocab_size)[1:3]:  # the decode layout, twice more
-        mx.eval(model.forward_batch(batch, kv))
-    assert (graphs.traces, graphs.replays) == (2, 3)  # seen once eager, then traced anew
-    assert len(graphs._graphs) == 2
+    rope_off = _engine(plan, True, fused_rope=False).model
+    for batch in _steps(rope_off, rope_off.arch.vocab_size)[1:3]:  # the decode layout, twice
+        mx.eval(forward(rope_off, batch, kv))
+    others = pass_graph.graphs_for(rope_off, kv)
+    assert others is not graphs and others.model is rope_off
+    assert (others.traces, others.replays) == (1, 0)  # seen once eager, then traced anew
+    assert (graphs.traces, graphs.replays) == (1, 3)
 
 
 def test_layout_key_pads_the_table_width():
@@ -204,7 +203,7 @@ def test_layout_key_pads_the_table_width():
         )
         width = pass_graph.table_width(b)
         keys.append(pass_graph.layout_key(b, 2, width))
-        tables, _ = b.kernel_layout(2, width)
+        tables, _ = attention.kernel_layout(b, 2, width)
         assert tables.shape == (2, width) and not np.array(tables)[1, 4:].any()
     assert [k[3] for k in keys] == [256, 256, 256, 512]
     assert keys[0] == keys[1] == keys[2] != keys[3]
@@ -233,10 +232,9 @@ def test_a_pass_that_cannot_be_traced_runs_eagerly(segment, models, tmp_path, mo
     also where the second of two segments refuses after the first was traced and replaced its
     pools."""
     _force_kernel_path(monkeypatch)
-    monkeypatch.setattr(pass_graph, "SEGMENT_BLOCKS", segment)
     plan = make_plan_file(str(models["llama3"]), tmp_path / "p.yaml", context=256, concurrency=4)
-    model = Engine(load_plan(plan)).model
-    want, want_kv, want_read, _ = _run(model, False, monkeypatch)
+    want, want_kv, want_read, _ = _run(_engine(plan, False, segment_blocks=segment).model)
+    model = _engine(plan, True, segment_blocks=segment).model
     compile_ = mx.compile
     made = []
 
@@ -251,7 +249,7 @@ def test_a_pass_that_cannot_be_traced_runs_eagerly(segment, models, tmp_path, mo
         return call
 
     monkeypatch.setattr(pass_graph.mx, "compile", refuses)
-    got, got_kv, got_read, kv = _run(model, True, monkeypatch)
+    got, got_kv, got_read, kv = _run(model)
     graphs = pass_graph.graphs_for(model, kv)
     for a, b in zip([*got, *got_kv], [*want, *want_kv], strict=True):
         np.testing.assert_array_equal(a, b)

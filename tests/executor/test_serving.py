@@ -19,11 +19,14 @@ from attention_reference import attention_by_definition
 from conftest import make_plan_file
 from gguf_factory import ARCH_MODELS, MOE_MODELS, write_arch_model
 from plan_edits import moved_plan as _moved
+from strata.executor.config import RuntimeConfig
 from strata.executor.engine import Engine
+from strata.executor.generate import generate
 from strata.executor.paged_kv import _pieces
 from strata.executor.plan_loader import load_plan
+from strata.executor.runner import warm_up_sizes
 from strata.executor.sampling import SamplingParams
-from strata.executor.serving import GenerationRequest, ServingEngine, TokenEvent, warm_up_sizes
+from strata.executor.serving import GenerationRequest, ServingEngine, TokenEvent
 from test_tiers import _nvme_bytes
 
 NAMES = list(ARCH_MODELS) + list(MOE_MODELS)
@@ -92,8 +95,9 @@ def models(tmp_path_factory, smollm2_gguf) -> dict[str, Path]:
 def test_batch_equals_alone(name, invariant, models, tmp_path):
     """Every architecture: 16 mixed requests (prefill chunks and decodes in the same steps, a
     sliding window on gemma3, experts on the MoE ones) give the ids each gives alone, and alone
-    equals the single-request path (``Engine.generate``). The batch's prompts are the ones run
-    alone, so the prefix cache serves their full blocks: the same ids with and without a hit.
+    equals one request of ``executor.generate`` (``strata run``'s). The batch's prompts are the
+    ones run alone, so the prefix cache serves their full blocks: the same ids with and without a
+    hit.
     Batch-invariant mode (llama3, and gemma3 for its 8-token window inside 16-token pieces):
     the same, a cold batch after a prefix-cache reset too, and what makes it hold on backends
     whose kernels are not batch-invariant (this CPU's are): each request attends in the same
@@ -129,9 +133,7 @@ def test_batch_equals_alone(name, invariant, models, tmp_path):
                 assert pieces[f"c-{i}"] == pieces[f"a-{i}"] >= pieces[f"b-{i}"]
                 assert all(lo // 16 == (hi - 1) // 16 for lo, hi in pieces[f"c-{i}"])
         r0 = _requests("x", vocab, 1)[0]
-        single = se.engine.generate(
-            r0.prompt_ids, SamplingParams(), r0.max_tokens, stop_at_eog=False
-        )
+        single = generate(se, r0.prompt_ids, SamplingParams(), r0.max_tokens, stop_at_eog=False)
         m = se.metrics()
     finally:
         se.close()
@@ -253,11 +255,13 @@ def test_staged_inputs_give_the_ids_of_fresh_arrays(models, tmp_path, monkeypatc
     )
     out = {}
     for staged in (True, False):
-        monkeypatch.setattr(serving_module, "STAGE_INPUTS", staged)
-        se = _serve(plan)
+        loaded = load_plan(plan)
+        config = RuntimeConfig.build(loaded.plan.runtime, stage_inputs=staged)
+        se = ServingEngine(Engine(loaded, config=config))
+        se.start()
         try:
             out[staged] = run_all(se, _requests("s", se.vocab_size, BATCH, seed=3))
-            grown = se._staging.grown
+            grown = se.runner.staging.grown
         finally:
             se.close()
         assert (grown > 0) == staged
@@ -497,9 +501,9 @@ def test_warm_up_runs_every_row_bucket_and_leaves_no_state(models, tmp_path):
     for warm in (False, True):
         se = ServingEngine(Engine(load_plan(plan)))
         seen = []
-        forward = se.engine.model.forward_batch
-        se.engine.model.forward_batch = lambda b, kv, seen=seen, forward=forward, **k: (
-            seen.append(len(b.ids)) or forward(b, kv, **k)
+        run = se.runner.run  # one forward pass of the runner's (its inputs' tokens counted)
+        se.runner.run = lambda inputs, seen=seen, run=run: (
+            seen.append(sum(len(s.ids) for s in inputs)) or run(inputs)
         )
         try:
             took = se.start(warm_up=warm)
@@ -536,7 +540,7 @@ def test_a_failed_warm_up_is_reported_and_stops_the_thread(models, tmp_path):
     def broken(*a, **k):
         raise RuntimeError("out of memory")
 
-    se.engine.model.forward_batch = broken
+    se.runner.run = broken
     with pytest.raises(StrataError, match="could not start: RuntimeError: out of memory"):
         se.start(warm_up=True)
     assert not se._thread.is_alive()
@@ -623,21 +627,21 @@ def test_pass_padding_and_whole_pass_attention_change_no_row(name, models, tmp_p
     - pass padding (``LlamaModel.pass_rows``): every block's product is one call of the
       bucket's rows (none of ``linear``'s own padding), a MoE model is not padded (its router
       would route the padding), and the logits and the whole KV pool are the unpadded pass's;
-    - the whole-pass attention path (``kernel_attention``; the kernel replaced by its
+    - the whole-pass attention path (``attention.kernel_attention``; the kernel replaced by its
       definition in MLX operations, padding on): the same logits and KV pool."""
-    import strata.executor.models.llama as llama
     import strata.executor.ops as ops
-    from strata.executor import cuda_attention
+    from strata.executor import attention, cuda_attention
     from strata.executor.paged_kv import ForwardBatch, SeqInput
 
-    monkeypatch.setattr(ops, "PAD_ROWS", False)  # CUDA's default; only the pass is padded here
-    monkeypatch.setattr(llama, "PAD_PASS_ROWS", False)
     plan = make_plan_file(str(models[name]), tmp_path / "p.yaml", context=CONTEXT, concurrency=4)
-    model = Engine(load_plan(plan)).model
-    vocab = model.arch.vocab_size
+    loaded = load_plan(plan)
+    # Products unpadded (CUDA pads them): only the pass is padded here, where it is asked.
+    plain = RuntimeConfig.build(loaded.plan.runtime, pad_rows=False, pad_pass_rows=False)
+    by_padding = {p: Engine(loaded, config=plain.replace(pad_pass_rows=p)).model for p in (0, 1)}
+    vocab = by_padding[0].arch.vocab_size
     shapes = [(5, 20), (1, 9), (11, 0), (1, 33), (3, 40)]  # (tokens, start): 21 tokens, bucket 32
 
-    def run() -> tuple[np.ndarray, list[np.ndarray], list[int]]:
+    def run(model) -> tuple[np.ndarray, list[np.ndarray], list[int]]:
         kv = model.make_paged_cache(60, 4)
         seqs, used = [], 0
         for t, start in shapes:
@@ -654,16 +658,16 @@ def test_pass_padding_and_whole_pass_attention_change_no_row(name, models, tmp_p
         rows: list[int] = []
         real = ops._linear
         monkeypatch.setattr(
-            ops, "_linear", lambda x, w: rows.append(x.size // x.shape[-1]) or real(x, w)
+            ops, "_linear", lambda x, w, c: rows.append(x.size // x.shape[-1]) or real(x, w, c)
         )
         logits = model.forward_batch(ForwardBatch.build(seqs), kv)
         monkeypatch.setattr(ops, "_linear", real)
         return np.array(logits), [np.array(a) for a in kv.keys + kv.values], rows
 
-    want, want_kv, plain_rows = run()
+    want, want_kv, plain_rows = run(by_padding[0])
     assert 21 in plain_rows and 32 not in plain_rows
-    monkeypatch.setattr(llama, "PAD_PASS_ROWS", True)
-    got, got_kv, padded_rows = run()
+    model = by_padding[1]
+    got, got_kv, padded_rows = run(model)
     assert got.shape == want.shape == (21, vocab)
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
     for a, b in zip(got_kv, want_kv, strict=True):
@@ -676,11 +680,13 @@ def test_pass_padding_and_whole_pass_attention_change_no_row(name, models, tmp_p
         assert set(padded_rows[:-1]) == {24} and padded_rows[-1] == 21
 
     taken = []
-    decide = llama.kernel_attention
-    monkeypatch.setattr(llama, "kernel_attention", lambda *a: taken.append(decide(*a)) or taken[-1])
+    decide = attention.kernel_attention
+    monkeypatch.setattr(
+        attention, "kernel_attention", lambda *a: taken.append(decide(*a)) or taken[-1]
+    )
     monkeypatch.setattr(cuda_attention, "supported", lambda t, h, kvh, d, dt: h % kvh == 0)
     monkeypatch.setattr(cuda_attention, "attention", attention_by_definition)
-    got, got_kv, _ = run()
+    got, got_kv, _ = run(model)
     assert taken and all(taken)
     np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
     for a, b in zip(got_kv, want_kv, strict=True):

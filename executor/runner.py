@@ -1,0 +1,318 @@
+"""The model runner: a scheduled batch turned into logits, and a serving step into tokens.
+
+As vLLM v1's model runner is to its engine core, this module is to ``executor.serving``: the
+serving engine keeps the requests, the scheduler and the events; the runner, given a scheduler
+step, lays its chunks out over the paged KV cache (``executor.paged_kv``), writes their integer
+inputs into kept buffers (``executor.host_inputs``), runs one forward pass (replayed from a
+compiled graph where ``executor.pass_graph`` takes it, else eager: :func:`forward`), and samples
+each finished chunk's next token, or verifies its speculative draft (``Sampler.verify``,
+``accept_greedy``), with the log-probabilities a request asked for. It also warms the kernels
+up before serving (:meth:`ModelRunner.warm_up`).
+
+The model (``executor.models``) only computes a pass; whether that pass is replayed is decided
+here, so the model never imports the graphs that trace it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import mlx.core as mx
+import numpy as np
+from strata.executor import cuda_attention, pass_graph
+from strata.executor.config import RuntimeConfig
+from strata.executor.host_inputs import InputStaging
+from strata.executor.models.llama import LlamaModel
+from strata.executor.ops import bucket_rows
+from strata.executor.paged_kv import ForwardBatch, PagedKVCache, SeqInput, SequenceCache, slot_table
+from strata.executor.sampling import Sampler, accept_greedy
+from strata.executor.scheduler import SchedulerStep
+
+
+def forward(
+    model: LlamaModel,
+    batch: ForwardBatch,
+    kv: PagedKVCache,
+    layers: int | None = None,
+    skip: frozenset[str] = frozenset(),
+) -> mx.array:
+    """One forward pass of ``batch`` over ``kv``: replayed from a compiled graph where the
+    model's config compiles passes and ``executor.pass_graph`` takes this one (every block, no
+    unit skipped), else eager (``LlamaModel.forward_rows``).
+
+    Args:
+        model: the model.
+        batch: the tokens and their KV slots.
+        kv: the paged KV cache.
+        layers, skip: the self-drafter's early exit and layer skip (``LlamaModel.forward_rows``);
+            such a pass is always eager.
+
+    Returns:
+        float32 logits [S, vocab] of the batch's ``logit_rows``, in their order (unevaluated).
+    """
+    x = model.embed_pass(batch)
+    if model.config.compiled_passes and layers is None and not skip:
+        logits = pass_graph.replay(model, batch, kv, x, x.shape[1])
+        if logits is not None:
+            return logits
+    return model.forward_rows(x, batch, kv, layers, skip)
+
+
+def forward_sequence(
+    model: LlamaModel, ids: list[int], cache: SequenceCache, all_logits: bool = False
+) -> mx.array:
+    """Run ``ids`` (the next T tokens of one sequence) through ``model`` (:func:`forward`) and
+    advance ``cache`` past them.
+
+    Returns:
+        float32 logits, [T, vocab] if ``all_logits`` else [1, vocab] for the last token.
+
+    Raises:
+        StrataError: the sequence would exceed the cache's ``max_tokens``.
+    """
+    seq = cache.next_input(ids, "all" if all_logits else "last")
+    logits = forward(model, ForwardBatch.build([seq]), cache.kv)
+    cache.advance(len(ids))
+    return logits
+
+
+@dataclass
+class TokenLogprob:
+    """The model's log-probabilities at one generated token: natural log, float, of the
+    distribution of the raw logits (before temperature, top-k or top-p: what vLLM reports).
+
+    Attributes:
+        logprob: of the generated token.
+        top: the most likely tokens, ``(token id, logprob)``, most likely first (ties by id).
+    """
+
+    logprob: float
+    top: list[tuple[int, float]]
+
+
+class SampledRequest(Protocol):
+    """What the runner reads of a live request to sample its tokens."""
+
+    @property
+    def sampler(self) -> Sampler:
+        """The request's sampler (its parameters, seeded generator and penalties)."""
+        ...
+
+    @property
+    def logprobs(self) -> int | None:
+        """Alternatives per token whose log-probabilities it asks (None: none)."""
+        ...
+
+
+@dataclass
+class StepOutput:
+    """What one step computed (:meth:`ModelRunner.execute`).
+
+    Attributes:
+        sampled: by request id, the new tokens of each sequence whose chunk reached its last
+            known token: one sampled token, or for a chunk with a draft the accepted drafts and
+            one more.
+        logprobs: by request id, the log-probabilities of those tokens, for the requests that
+            asked for them.
+        failed: by request id, the error of each request whose sampling failed (it has no
+            tokens).
+        draft_proposed, draft_accepted: draft tokens verified and accepted in this step.
+        verifications: chunks with a non-empty draft that were verified.
+    """
+
+    sampled: dict[str, list[int]] = field(default_factory=dict)
+    logprobs: dict[str, list[TokenLogprob]] = field(default_factory=dict)
+    failed: dict[str, str] = field(default_factory=dict)
+    draft_proposed: int = 0
+    draft_accepted: int = 0
+    verifications: int = 0
+
+
+class ModelRunner:
+    """The forward passes of one serving engine, on its engine thread.
+
+    Args:
+        model: the target model.
+        config: the runtime settings (``stage_inputs``: staged integer inputs).
+        tile: the attention tile of batch-invariant serving (``ForwardBatch.build``; 0: none).
+
+    Attributes:
+        kv: the paged KV cache (:meth:`make_kv`, on the engine thread; None before).
+        staging: the kept input buffers (made by the first pass that stages).
+    """
+
+    def __init__(self, model: LlamaModel, config: RuntimeConfig, tile: int = 0):
+        self.model, self.config, self.tile = model, config, tile
+        self.kv: PagedKVCache | None = None
+        self.staging = InputStaging()
+
+    def make_kv(self, num_blocks: int, block_size: int) -> PagedKVCache:
+        """Make the KV pool: ``num_blocks`` blocks of ``block_size`` tokens. Call it on the
+        thread that runs the passes (MLX streams belong to the thread that made them)."""
+        self.kv = self.model.make_paged_cache(num_blocks, block_size)
+        return self.kv
+
+    def run(self, inputs: list[SeqInput]) -> tuple[ForwardBatch, mx.array]:
+        """One batched forward pass of ``inputs`` over the KV cache: its layout and its logits
+        (unevaluated), its integer inputs staged where the config's ``stage_inputs`` says."""
+        staged = self.staging.begin() if self.config.stage_inputs else None
+        batch = ForwardBatch.build(inputs, tile=self.tile, staged=staged)
+        logits = forward(self.model, batch, self.kv)
+        if staged is not None:
+            staged.fence(logits)  # the buffer is rewritten once these are computed
+        return batch, logits
+
+    def execute(self, step: SchedulerStep, live: Mapping[str, SampledRequest]) -> StepOutput:
+        """Run the step's chunks as one forward pass and sample what it finished
+        (:class:`StepOutput`). ``live``: the step's requests by id.
+
+        Greedy requests without logit adjustments take one argmax on the device and one host
+        transfer; otherwise the logits come to the host and each request's sampler chooses (or
+        verifies its draft). One request's sampling failing ends that request, not the step's
+        others; a failed pass raises.
+        """
+        bs = self.kv.block_size
+        inputs = []
+        for c in step.chunks:
+            lent = (c.lent.position, c.lent.src, c.lent.tokens) if c.lent else None
+            slots = slot_table(c.seq.block_ids, bs, c.start + c.num_tokens, lent)
+            # Every input returns at least its last row's logits (the forward pass must produce
+            # something to evaluate); only sampling chunks use them; verification needs all.
+            wanted = "all" if c.draft else "last"
+            inputs.append(SeqInput(c.ids, c.start, slots, wanted, one_per_piece=bool(c.draft)))
+        batch, logits = self.run(inputs)
+        want = [i for i, c in enumerate(step.chunks) if c.sample]
+        out = StepOutput()
+        if not want:
+            mx.eval(logits)
+            return out
+        first = np.cumsum([0, *batch.logit_counts])  # chunk i's rows: first[i]:first[i + 1]
+        rids = {i: step.chunks[i].seq.request_id for i in want}
+        lives = {i: live[rids[i]] for i in want}
+        host: np.ndarray | None = None  # all logits on the host, when sampling needed them
+        plain = (lives[i].sampler.params for i in want)
+        if all(p.temperature == 0 and not p.adjusts_logits for p in plain):
+            targets = np.array(mx.argmax(logits, axis=-1)).tolist()  # one host transfer
+            for i in want:
+                rows = targets[first[i] : first[i + 1]]
+                out.sampled[rids[i]] = accept_greedy(rows, step.chunks[i].draft)
+        else:
+            host = np.array(logits)
+        for i in want:
+            rid, req = rids[i], lives[i]
+            try:  # one request's sampling failing ends that request, not the step's others
+                if host is not None:
+                    rows = host[first[i] : first[i + 1]]
+                    out.sampled[rid] = req.sampler.verify(rows, step.chunks[i].draft)
+                toks = out.sampled[rid]  # token j was chosen from row j of the chunk's rows
+                req.sampler.observe(toks)  # the penalties count what was generated
+                if req.logprobs is not None:
+                    lo = int(first[i])
+                    chosen_from = (
+                        host[lo : lo + len(toks)]
+                        if host is not None
+                        else np.array(logits[lo : lo + len(toks)])
+                    )
+                    out.logprobs[rid] = token_logprobs(chosen_from, toks, req.logprobs)
+            except Exception as e:
+                out.sampled.pop(rid, None)
+                out.logprobs.pop(rid, None)
+                out.failed[rid] = f"sampling failed: {type(e).__name__}: {e}"
+                continue
+            draft = step.chunks[i].draft
+            if draft:  # an empty draft is a plain decode, not a verification
+                out.draft_proposed += len(draft)
+                out.draft_accepted += len(toks) - 1
+                out.verifications += 1
+        return out
+
+    def warm_up(self, max_tokens: int, max_seqs: int, context: int) -> None:
+        """Forward passes in every row bucket, laid out as serving lays them out (the
+        batch-invariant tile included): passes of 1, 2, 4, ... tokens in every bucket of
+        ``executor.ops.bucket_rows`` up to ``max_tokens`` (the plan's
+        ``max_num_batched_tokens``; and the KV pool, and the ``context``), as prefill chunks of
+        at most ``cuda_attention.MAX_QUERIES`` tokens (the attention kernel's, which builds
+        nothing per key length and one split kernel per queries a block holds: chunks of 2, 4
+        and 8 tokens and the decode groups meet each), then decode groups of 2, 4, ...
+        sequences of different lengths up to ``max_seqs`` (the output head at those row
+        counts). They write KV slots of free blocks only and touch neither the block pool nor
+        the prefix cache.
+
+        Raises:
+            whatever a forward pass raises (the serving engine then fails to start).
+        """
+        limit = min(max_tokens, self.kv.num_slots, context)
+        slots = np.arange(limit, dtype=np.int32)
+        piece = cuda_attention.MAX_QUERIES
+
+        def run(inputs: list[SeqInput]) -> None:
+            mx.eval(self.run(inputs)[1])
+
+        for n in warm_up_sizes(limit):  # chunk j: positions 0.. in slots from j * piece on
+            run([SeqInput([0] * min(piece, n - j), 0, slots[j:n]) for j in range(0, n, piece)])
+        for b in warm_up_sizes(min(max_seqs, limit - 1)):
+            if b > 1:  # sequence i: one token at position i
+                run([SeqInput([0], i, slots[: i + 1]) for i in range(b)])
+        chunk = [SeqInput([0, 0], 0, slots[:2])]
+        if limit >= 2 and pass_graph.compiles(self.model, ForwardBatch.build(chunk), self.kv):
+            # One layout traced (seen COMPILE_AFTER times): the kernels mx.compile fuses are
+            # built here, not in a request. Without it, a request whose pass was the first trace
+            # on a fresh H200 took 3.2-4.2 s (2026-12-02.warm-pass-* results); with it, no
+            # request of a serving bench took over 0.28 s (2026-12-02.serving-compiled-seg4.*).
+            for _ in range(pass_graph.COMPILE_AFTER):
+                run(chunk)
+
+    def copy_slots(self, src: np.ndarray, dst: np.ndarray) -> None:
+        """Copy every layer's keys and values of slots ``src`` into slots ``dst`` (int [N]
+        each; ``PagedKVCache.copy_slots``) and schedule the pools' evaluation.
+
+        Raises:
+            whatever MLX raises: the ``dst`` slots may then hold wrong keys and values.
+        """
+        kv = self.kv
+        kv.copy_slots(mx.array(src.astype(np.int32)), mx.array(dst.astype(np.int32)))
+        mx.async_eval(kv.keys + kv.values)  # the GPU is idle: the step's tokens were read
+
+    def graph_counters(self) -> tuple[int, int]:
+        """``(traces, replays)`` of the compiled passes over the KV cache so far."""
+        return pass_graph.counters(self.kv)
+
+
+def warm_up_sizes(limit: int) -> list[int]:
+    """Token counts whose passes meet every row bucket of ``executor.ops.bucket_rows`` up to
+    ``limit`` rows: each bucket's size, the last capped at ``limit`` (36: 1, 2, 4, 8, 16, 24,
+    32, 36; 600: 1, ..., 32, 64, 128, 256, 512, 600). Empty below 1."""
+    out = []
+    n = 1
+    while n < limit:
+        out.append(n)
+        n = bucket_rows(n + 1)
+    return out + [limit] if limit >= 1 else out
+
+
+def token_logprobs(rows: np.ndarray, tokens: list[int], top: int) -> list[TokenLogprob]:
+    """Log-probabilities of ``tokens[j]`` under logits ``rows[j]`` and the ``top`` most likely
+    tokens of each row.
+
+    Args:
+        rows: float logits ``[len(tokens), vocab]``.
+        tokens: the token chosen from each row.
+        top: alternatives per row (0 for none).
+
+    Returns:
+        one :class:`TokenLogprob` per token: log-softmax computed in float64.
+    """
+    x = rows.astype(np.float64)
+    x -= x.max(axis=-1, keepdims=True)
+    lp = x - np.log(np.exp(x).sum(axis=-1, keepdims=True))
+    out = []
+    for j, tok in enumerate(tokens):
+        best: list[tuple[int, float]] = []
+        if top:
+            ids = np.argpartition(-lp[j], top - 1)[:top]
+            ids = sorted(ids.tolist(), key=lambda t: (-lp[j, t], t))
+            best = [(int(t), float(lp[j, t])) for t in ids]
+        out.append(TokenLogprob(float(lp[j, tok]), best))
+    return out
