@@ -31,8 +31,8 @@ class RuntimeConfig:
 
     pad_rows: bool
     """Pad a product's row count up to ``ops.bucket_rows`` (``ops.linear``). MLX's CUDA backend
-    prepares its matmul kernels per distinct shape (the expert matmuls of a first MoE prefill
-    took 79 s on the H200 before their rows were padded: ``pad_expert_rows``). A serving step's
+    prepares its matmul kernels per distinct shape, and a new shape's first call can take up to a
+    minute (docs/kernels.md#row-buckets). A serving step's
     row count is its batch's token count, which changes with every mix of decodes and prefill
     chunks; bucketed, the shapes are a few dozen. The padded zero rows cost compute only, and a
     decode step's products are bound by reading the weights, not by rows. Default: on MLX's CUDA
@@ -53,19 +53,16 @@ class RuntimeConfig:
 
     pad_pass_rows: bool
     """Pad a dense model's forward pass to its row bucket once, at the embedding
-    (``LlamaModel.pass_rows``), where ``pad_rows`` pads products. Measured on the H200
-    (2026-12-01, Llama-3-8B shape, in-process, medians of 5): the warm 24-token chunk after 992
-    cached tokens 24.9 -> 21.8 ms (every operation costs the host 5-10 us to encode, and a pass
-    of 24 tokens padded per product had two more per product, 448 in all). Default:
-    ``pad_rows``'s (on MLX's CUDA backend)."""
+    (``LlamaModel.pass_rows``), where ``pad_rows`` pads products: padding per product costs two
+    host operations per product (docs/kernels.md#row-buckets). Default: ``pad_rows``'s (on MLX's
+    CUDA backend)."""
 
     pad_expert_rows: bool
     """Pad each expert's row count to a power of two (``models.llama._padded_rows``, copies of
     its first row; the extra results are sliced off). MLX's CUDA backend prepares kernels per
-    distinct matmul shape: unpadded, the first MoE prefill of a 55-token prompt took 79 s on the
-    H200, one shape per distinct number of tokens choosing an expert; padded, a prefill of T
-    tokens has at most log2(T) + 1 shapes (the whole MoE bench, five engines each with a first
-    prefill, then finished in 500 s where it had not within 560 s). Default: on MLX's CUDA
+    distinct matmul shape: unpadded, a prefill has one shape per distinct number of tokens
+    choosing an expert; padded, a prefill of T tokens has at most log2(T) + 1
+    (docs/kernels.md#row-buckets). Default: on MLX's CUDA
     backend; elsewhere the extra rows would only cost compute, so the CPU and Metal compute
     exactly the rows that chose the expert."""
 
@@ -73,19 +70,11 @@ class RuntimeConfig:
     """Schedule the residual stream (``mx.async_eval``) after every this many blocks (0: never),
     as soon as it is built, so that the GPU computes those blocks while Python builds the next
     ones (``mx.eval`` at the end otherwise starts the GPU only once the whole pass is built).
-    ``planner.costmodel`` assumes this overlap. Measured on the H200 (2026-12-01, Llama-3-8B
-    shape, in-process, with the whole-pass attention kernel): one decode step 8.8 -> 6.3 ms, a
-    16-sequence step 14.5 -> 8.8 ms, the warm 24-token chunk 17.2 -> 12.6 ms, the cold
-    1,016-token prefill 55 -> 45 ms. Every 1, 2 or 4 blocks (same shape, one process,
-    interleaved, medians of 4): warm chunk 13.4 / 11.6 / 13.6 ms, cold 66.8 / 56.8 / 60.1 ms, a
-    16-sequence step 13.3 / 11.2 / 11.3 ms. A second run (2026-12-02, another machine start, the
-    warm chunk alone, medians of 9, ``warm-pass-variants`` results file): every 1 / 2 / 4 / never
-    9.85 / 8.01 / 8.36 / 10.92 ms. Each ``mx.async_eval`` encodes the operations built since the
-    last and commits them (``mlx/backend/cuda/device.cpp``, ``CommandEncoder::commit``); the
-    pass's build took 3.3 ms without any call and 8.8 / 7.0 / 6.9 ms with them (every 1 / 2 /
-    4), so fewer calls cost less, down to 16 of them. Default: 2 on MLX's CUDA backend; 0
-    elsewhere (on the CPU it changed nothing, SmolLM2, 24 tokens: 5.34-5.41 against 5.43-5.49 s;
-    Metal was not measured)."""
+    ``planner.costmodel`` assumes this overlap. Each ``mx.async_eval`` encodes the operations
+    built since the last and commits them (``mlx/backend/cuda/device.cpp``,
+    ``CommandEncoder::commit``), so a call per block costs more than it gains; every 2 blocks was
+    the fastest measured (docs/kernels.md#scheduling-blocks-as-they-are-built). Default: 2 on
+    MLX's CUDA backend; 0 elsewhere (on the CPU it changed nothing; Metal was not measured)."""
 
     fused_projections: bool
     """A block's Q/K/V and its FFN's gate/up take one fused tensor-core call each
@@ -104,8 +93,8 @@ class RuntimeConfig:
     """Chunks of 2 to this many queries that ``executor.cuda_attention`` does not take attend
     with plain operations (``models.llama._explicit_attention``), not cuDNN, whose plan MLX
     builds per exact (query length, key length) shape: a verification chunk or a suffix after a
-    prefix-cache hit meets a new one nearly every time (38-53 ms per build on the H200). Slower
-    per call (175 us a block at 24 queries by 1,016 keys, 8B shape) but with no build. Default:
+    prefix-cache hit meets a new one nearly every time, and each build takes tens of ms. Slower
+    per call, but with no build (docs/kernels.md#attention). Default:
     32 on MLX's CUDA backend, 0 elsewhere (the CPU has no per-shape cost)."""
 
     # ------------------------------------------------------- compiled passes (pass_graph)
@@ -116,15 +105,8 @@ class RuntimeConfig:
     ``segment_blocks`` blocks. Default: ``STRATA_COMPILED_PASSES`` (``strata.common.envs``), on
     unless set off.
 
-    Measured on the lent H200 (2026-12-03, synthetic Llama-3-8B shape Q4_0, plan
-    ``--concurrency 16 --objective throughput``, ``execute.py bench --concurrency 1,16
-    --requests 16 --max-tokens 64 --prefix-tokens 1000 --prefix-trials 9``): the warm request
-    after a 1,000-token prefix-cache hit (a 16-row pass of 15 tokens after 1,001 cached and lent
-    ones) took 8.9 / 9.1 ms at the client with these settings against 12.9 ms eager on the same
-    machine start (prefix TTFT cold / warm 5.55x and 5.35x against 4.42x; the
-    ``serving-single-start-d`` results files), and with the defaults as committed (nothing set)
-    on a later start 9.3 / 9.6 ms (6.50x, 5.44x; ``serving-defaults-start-f``), while
-    16-sequence decode stayed eager (TPOT p50 11.2-14.3 ms against 13.6 eager). ``/metrics``
+    With them the warm request after a prefix-cache hit gains a few ms at the client
+    (docs/kernels.md#compiled-passes). ``/metrics``
     counts the target model's traces and replays (``strata_compiled_pass_traces_total``,
     ``strata_compiled_pass_replays_total``)."""
 
@@ -134,26 +116,16 @@ class RuntimeConfig:
     speculative verification pass of a lone sequence, a draft model's catch-up chunk of one; not
     a lone decode, which takes MLX's SDPA, not the paged kernel these passes need. Default: 1.
 
-    Why not more: with passes of several sequences compiled, the serving bench's 16-sequence
-    decode steps ran 60-85 ms apart (TPOT p50 61.5 / 84.1 / 80.8 ms on three machine starts of
-    the H200, 2026-12-02 and 2026-12-03), though each replayed step took 8.0 ms inside the
-    engine (timed around ``ServingEngine.step`` in the server process by a probe outside
-    Strata), with no KV pool copied (MLX's peak 24-46 MB over its active memory in a step): the
-    time went between steps, outside any pass. The same run with a thread in the server process
-    sampling every thread's frames each 0.5 ms had no such stall (steps 8.4 ms, 0.05 ms apart,
-    TPOT p50 11.0 ms; the ``serving-multi-seg4-probe-start-e`` and ``serving-step-probe``
-    results files), and an in-process bench never showed it (``warm_pass.py --step16``): a
-    thread-scheduling interaction in the server, not yet explained."""
+    Why not more: with passes of several sequences compiled, the server's 16-sequence decode
+    steps stalled 60-85 ms between steps, a thread-scheduling interaction not yet explained
+    (docs/kernels.md#compiled-passes)."""
 
     segment_blocks: int
     """Blocks per compiled segment (0: the whole pass in one graph). With N > 0 a pass is traced
     and replayed as consecutive segments of N blocks (the last also runs the output head), each
     handed to ``mx.async_eval`` as soon as it is replayed, so that the GPU can compute segment i
-    while the host replays and encodes segment i + 1. Default: 4. On the H200 (2026-12-02, the
-    warm 24-token pass of the Llama-3-8B shape after a 992-token hit, one process, interleaved,
-    medians of 9; the ``warm-pass-segments`` results file): eager 10.38 ms, one graph / segments
-    of 8 / of 4 blocks 9.23 / 8.55 / 8.33 ms, the host's replay (with the segments'
-    ``mx.async_eval`` calls) 1.17 / 4.01 / 4.38 ms."""
+    while the host replays and encodes segment i + 1. Default: 4, the fastest measured
+    (docs/kernels.md#compiled-passes)."""
 
     # --------------------------------------------------------------------------- serving
 
@@ -161,20 +133,18 @@ class RuntimeConfig:
     """Before serving, run one forward pass per row bucket of the weight products
     (``ops.bucket_rows``: 1, 2, 4, ... up to the plan's ``max_num_batched_tokens``;
     ``ServingEngine.start``). On MLX's CUDA backend the first product of a new row bucket builds
-    its kernels, and with MLX's quantized matmul that took up to a minute (measured on the lent
-    H200, 2026-12-01: a warm prefix-cache request whose 37-token suffix was the first 64-row
-    product took 59 s, the next one 14 ms), during which the engine thread serves nobody. Built
-    at start, the cost is paid before the server accepts requests (a first version, single
-    chunks up to 512 tokens, took 51.8 s for the Llama-3-8B shape on a fresh H200; MLX keeps
-    what it compiles on disk, ``MLX_PTX_CACHE_DIR``, so later starts on one machine pay less).
+    its kernels, and with MLX's quantized matmul that took up to a minute, during which the
+    engine thread serves nobody (docs/kernels.md#warm-up). Built at start, the cost is paid
+    before the server accepts requests (MLX keeps what it compiles on disk,
+    ``MLX_PTX_CACHE_DIR``, so later starts on one machine pay less).
     Default: on MLX's CUDA backend; off elsewhere (the CPU builds nothing per shape)."""
 
     stage_inputs: bool
     """Write each serving pass's integer inputs (token ids, KV slots, positions, attention
     tables) into the engine thread's kept buffers (``executor.host_inputs``) rather than new
     arrays. On MLX's CUDA backend new arrays cost managed-memory allocations, at times a
-    synchronous copy, and page faults when GPU outputs later take their buffers (measured there:
-    see that module). Default: on."""
+    synchronous copy, and page faults when GPU outputs later take their buffers
+    (docs/kernels.md#input-staging). Default: on."""
 
     lent_copy_yield_s: float
     """Seconds the engine thread sleeps before copying lent KV slots (``ServingEngine.step``), so
@@ -192,12 +162,10 @@ class RuntimeConfig:
     stage_direct_reads: bool
     """Direct-I/O reads of streamed units land in a host buffer and are copied into the slot
     (``executor.streaming.SlotArena``), rather than being read straight into it. A DMA from the
-    disk into the memory behind an MLX CUDA array is not coherent with what the GPU then reads:
-    measured on the H200, greedy decoding of an FFN-streamed SmolLM2-shaped model gave different
-    tokens from run to run (2 of 4 runs) when O_DIRECT read into the slots, and the resident
-    model's tokens in 4 of 4 runs when the same bytes came in through the CPU (buffered reads,
-    or this copy). The copy costs a memcpy of the streamed bytes (measured there: the
-    FFN-streamed SmolLM2 decoded at 30.4 tok/s with it, 39.8 without). Default: on MLX's CUDA
+    disk into the memory behind an MLX CUDA array is not coherent with what the GPU then reads
+    (greedy tokens changed from run to run), while bytes that come in through the CPU are. The
+    copy costs a memcpy of the streamed bytes (docs/tier-streaming.md#the-nvme-tier-at-run-time).
+    Default: on MLX's CUDA
     backend; on unified-memory Apple silicon and the CPU the reads land in place."""
 
     def __post_init__(self) -> None:
