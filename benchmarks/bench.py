@@ -1,7 +1,9 @@
 """``execute.py bench``: measured throughput of a plan, next to what the plan predicted.
 
-One run measures, on this machine:
-- prefill and decode tokens/s (greedy, a fixed number of decode steps after a warm-up);
+One request through the engine ``serve`` runs (``executor.generate``: its warm-up, kernels and
+the plan's speculative decoding), after a warm-up request, measures on this machine:
+- prefill and decode tokens/s (greedy, a fixed number of tokens; the prefix cache emptied
+  first, so the whole prompt is computed);
 - streamed bytes per decoded token, the disk bytes/s the NVMe tier achieved during decode, and, in
   the same run, the raw direct-I/O sequential read bandwidth of the file it streams from;
 - I/O wait per token (time the compute thread waited for a prefetch);
@@ -24,9 +26,11 @@ from pathlib import Path
 
 from strata.common.errors import StrataError
 from strata.executor.engine import Engine
+from strata.executor.generate import Generation, generate
 from strata.executor.plan_loader import LoadedPlan, load_plan
 from strata.executor.profile import read_sequential
 from strata.executor.sampling import SamplingParams
+from strata.executor.serving import ServingEngine
 
 RAW_READ_MIN_BYTES = 256 << 20
 """Least bytes of the raw direct-I/O read test; it reads one decode step's streamed bytes when
@@ -39,10 +43,29 @@ WARMUP_TOKENS = 4
 """Tokens generated before timing: first-use kernel compilation, allocator caches, the pool."""
 
 
-def _timed_generate(engine: Engine, prompt: list[int], n: int):
-    """Warm up, then generate ``n`` greedy tokens; the second generation's result."""
-    engine.generate(prompt, SamplingParams(), WARMUP_TOKENS, stop_at_eog=False)
-    return engine.generate(prompt, SamplingParams(), n, stop_at_eog=False)
+def _serving(loaded: LoadedPlan, expert_cache_mode: str | None = None) -> ServingEngine:
+    """The engine ``serve`` runs for ``loaded`` (its warm-up, kernels, prefix cache, the plan's
+    speculative decoding), started."""
+    serving = ServingEngine(Engine(loaded, expert_cache_mode=expert_cache_mode))
+    try:
+        serving.start()
+    except BaseException:
+        serving.close()
+        raise
+    return serving
+
+
+def _timed_generate(serving: ServingEngine, prompt: list[int], n: int) -> Generation:
+    """Warm up, then generate ``n`` greedy tokens; the second generation's result. The prefix
+    cache is emptied between the two, so the timed prefill computes the whole prompt.
+
+    Raises:
+        StrataError: the prefix cache could not be emptied (a request still running).
+    """
+    generate(serving, prompt, SamplingParams(), WARMUP_TOKENS, stop_at_eog=False)
+    if not serving.reset_prefix_cache():
+        raise StrataError("the bench's warm-up request is still running; the prefix cache stays")
+    return generate(serving, prompt, SamplingParams(), n, stop_at_eog=False)
 
 
 def _resident_run(loaded: LoadedPlan, prompt: list[int], n: int) -> tuple[list[int], float]:
@@ -54,12 +77,12 @@ def _resident_run(loaded: LoadedPlan, prompt: list[int], n: int) -> tuple[list[i
     plan = loaded.plan.model_copy(deep=True)
     for p in plan.placement:
         p.tier = "gpu"
-    engine = Engine(LoadedPlan(plan, loaded.path, loaded.gguf, loaded.desc))
+    serving = _serving(LoadedPlan(plan, loaded.path, loaded.gguf, loaded.desc))
     try:
-        gen = _timed_generate(engine, prompt, n)
+        gen = _timed_generate(serving, prompt, n)
         return gen.output_ids, gen.stats["decode_tok_s"]
     finally:
-        engine.close()
+        serving.close()
 
 
 def _ffn_streamed_fraction(loaded: LoadedPlan) -> float | None:
@@ -103,13 +126,13 @@ def _expert_modes(loaded: LoadedPlan, ids: list[int], n: int, modes: list[str]) 
     (a cold cache warmed by the same warm-up), decode steps only."""
     out = {}
     for mode in modes:
-        engine = Engine(loaded, expert_cache_mode=mode)
+        serving = _serving(loaded, mode)
         try:
-            gen = _timed_generate(engine, ids, n)
+            gen = _timed_generate(serving, ids, n)
         finally:
-            engine.close()
+            serving.close()
         s = gen.stats
-        steps = max(1, s["decode_steps"])
+        steps = max(1, s["decode_tokens"])
         ex = s["decode_experts"]
         out[mode] = {
             "decode_tok_s": s["decode_tok_s"],
@@ -142,17 +165,18 @@ def bench(
         StrataError: a bad plan or prompt, or generated ids that fail the check.
     """
     loaded = load_plan(plan_path)
-    engine = Engine(loaded)
+    serving = _serving(loaded)
+    engine = serving.engine
     try:
         ids = engine.tokenizer.encode(prompt)
-        gen = _timed_generate(engine, ids, max_tokens)
+        gen = _timed_generate(serving, ids, max_tokens)
         pool = engine.store.pool or engine.store.experts_cache
         direct = pool.method if pool is not None else None
         step_bytes = gen.stats["decode_bytes_read"]["nvme"] // max(1, gen.stats["decode_steps"])
         threads = loaded.plan.prefetch.io_threads
         raw = _raw_read(engine.store.pack_path, step_bytes, threads) if pool is not None else None
     finally:
-        engine.close()
+        serving.close()
     resident_tok_s = None
     if check == "resident":
         want, resident_tok_s = _resident_run(loaded, ids, max_tokens)
@@ -170,7 +194,7 @@ def bench(
                 "bench's); bench the same --prompt, or make the reference with it"
             )
     s = gen.stats
-    steps = max(1, s["decode_steps"])
+    steps = max(1, s["decode_tokens"])  # per decoded token (speculation: several per step)
     decode_s = s["decode_s"]
     nvme = s["decode_bytes_read"]["nvme"]  # decode steps only: prefill streams every unit too
     predicted = loaded.plan.prediction.decode_tok_s if loaded.plan.prediction else None

@@ -70,8 +70,10 @@ def cmd_run(args: argparse.Namespace) -> None:
     import mlx.core as mx
     from strata.executor.chat import NO_TEMPLATE, ChatError
     from strata.executor.engine import Engine
+    from strata.executor.generate import generate
     from strata.executor.plan_loader import load_plan
     from strata.executor.sampling import SamplingParams
+    from strata.executor.serving import ServingEngine
 
     params = SamplingParams(args.temperature, args.top_k, args.top_p, args.seed)
     t0 = time.perf_counter()
@@ -83,9 +85,14 @@ def cmd_run(args: argparse.Namespace) -> None:
         if not loaded.desc.architecture.expert_count:
             raise StrataError("--save-routing-profile needs a mixture-of-experts model")
         writable_parent(Path(args.save_routing_profile))
+    # The engine `serve` runs (warm-up, kernels, paged KV cache, the plan's speculative
+    # decoding), with one request.
     engine = Engine(loaded, expert_cache_mode=args.expert_cache)
-    load_s = time.perf_counter() - t0
-    load_peak_mlx = int(mx.get_peak_memory())  # generate() resets MLX's peak: loading's own
+    try:
+        serving = ServingEngine(engine)
+    except BaseException:
+        engine.close()
+        raise
 
     def write(piece: str) -> None:
         sys.stdout.write(piece)
@@ -93,12 +100,17 @@ def cmd_run(args: argparse.Namespace) -> None:
 
     try:
         ids = prompt_ids_for(engine, args)
-        gen = engine.generate(ids, params, args.max_tokens, None if args.json else write)
+        engine.check_prompt(ids)  # before the warm-up, not after
+        warm_up_s = serving.start()
+        load_s = time.perf_counter() - t0
+        load_peak_mlx = int(mx.get_peak_memory())  # generate() resets MLX's peak: loading's own
+        gen = generate(serving, ids, params, args.max_tokens, None if args.json else write)
     finally:
-        engine.close()  # I/O threads stop on success, errors and Ctrl-C alike
+        serving.close()  # the engine thread and the I/O threads stop on success, errors, Ctrl-C
     if args.save_routing_profile:
         _save_routing(engine, loaded, Path(args.save_routing_profile))
     gen.stats["load_s"] = round(load_s, 3)
+    gen.stats["warm_up_s"] = round(warm_up_s, 3)
     gen.stats["load_peak_mlx_bytes"] = load_peak_mlx
     if args.json:
         out = {
@@ -117,7 +129,8 @@ def cmd_run(args: argparse.Namespace) -> None:
         f"{s['decode_tok_s']:.1f} tok/s, peak RSS {format_size(s['peak_rss_bytes'])}, peak MLX "
         f"{format_size(s['peak_mlx_bytes'])}, read "
         + ", ".join(f"{t} {format_size(b)}" for t, b in s["bytes_read"].items())
-        + f", load {load_s:.1f} s",
+        + f", load {load_s:.1f} s"
+        + (f" (warm-up {warm_up_s:.1f} s)" if warm_up_s else ""),
         file=sys.stderr,
     )
     ex = s.get("experts")
@@ -126,6 +139,13 @@ def cmd_run(args: argparse.Namespace) -> None:
             f"[experts] hit rate {ex['hit_rate']:.1%} ({ex['hits']} hits, {ex['misses']} "
             f"misses), prefetch {ex['prefetch_used']} used / {ex['prefetch_wasted']} wasted / "
             f"{ex['prefetch_issued']} issued, {ex['uses_gpu']} pinned uses",
+            file=sys.stderr,
+        )
+    sp = s.get("speculative")
+    if sp and sp["spec_proposed_tokens"]:
+        print(
+            f"[speculative] {sp['spec_accepted_tokens']} of {sp['spec_proposed_tokens']} draft "
+            f"tokens accepted in {sp['spec_verification_steps']} verifications",
             file=sys.stderr,
         )
 

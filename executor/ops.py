@@ -26,7 +26,7 @@ matmul differently with the call's row count M (measured on an H200: a row's res
 not on the other rows' contents), so a token's projections would depend on what else is in the
 batch. With a row tile T, :func:`linear` computes every product in calls of exactly T rows, so a
 row's result is the same whatever the batch. The setting is per thread: the serving engine's
-thread turns it on for itself, and any other thread (``Engine.generate``) is unaffected.
+thread turns it on for itself, and any other thread (``Engine.logits_for``) is unaffected.
 """
 
 from __future__ import annotations

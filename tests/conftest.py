@@ -117,6 +117,18 @@ def smollm2_engine(smollm2_plan):
 
 
 @pytest.fixture(scope="session")
+def smollm2_serving(smollm2_engine):
+    """The serving engine over ``smollm2_engine``, started: what ``strata run`` generates with
+    (``executor.generate.generate``). Closing it at the end closes the engine too."""
+    from strata.executor.serving import ServingEngine
+
+    serving = ServingEngine(smollm2_engine)
+    serving.start()
+    yield serving
+    serving.close()
+
+
+@pytest.fixture(scope="session")
 def reference_cases() -> list[dict]:
     """llama.cpp's outputs on the visible reference cases (copied from shared/reference)."""
     return json.loads((DATA / "llamacpp_visible.json").read_text())
@@ -128,3 +140,37 @@ def gemma3_gguf() -> Path:
     from strata.common.catalog import resolve_model
 
     return resolve_model("gemma3-270m").path
+
+
+SLOW_FIXTURES = frozenset(
+    {
+        "smollm2_gguf",
+        "smollm2_plan",
+        "budget_plans",
+        "smollm2_engine",
+        "smollm2_serving",
+        "gemma3_gguf",
+    }
+)
+"""Fixtures that load a real model: a test using any of them (directly or through another
+fixture) is marked ``slow``, so ``pytest -m "not slow"`` is the fast tier for everyday work."""
+
+
+def _has_gpu() -> bool:
+    """Whether MLX has a GPU backend here (CUDA or Metal): ``gpu`` tests are skipped without."""
+    import mlx.core as mx
+
+    return mx.cuda.is_available() or mx.metal.is_available()
+
+
+def pytest_collection_modifyitems(config, items):
+    gpu = None
+    for item in items:
+        if SLOW_FIXTURES.intersection(item.fixturenames):
+            item.add_marker(pytest.mark.slow)
+        if item.get_closest_marker("gpu") is not None:
+            gpu = _has_gpu() if gpu is None else gpu
+            if not gpu:
+                item.add_marker(
+                    pytest.mark.skip(reason="needs a GPU (MLX's CUDA or Metal backend)")
+                )

@@ -51,6 +51,27 @@ def test_run_json(smollm2_plan):
     assert set(out["stats"]["bytes_read"]) == {"gpu", "ram", "nvme"}
 
 
+def test_run_honours_the_plans_speculative_section(smollm2_plan, tmp_path):
+    """``run`` decodes with the plan's speculative section (prompt lookup here), as ``serve``
+    does: drafts verified and accepted, fewer decode steps than tokens, and the greedy ids of
+    the plan without it."""
+    spec = tmp_path / "spec.yaml"
+    cli(
+        "plan.py", "plan", "--model", "smollm2-135m", "--profile", str(DEV_PROFILE),
+        "--context", "512", "--speculative", "prompt_lookup", "--num-draft-tokens", "4",
+        "-o", str(spec),
+    )  # fmt: skip
+    prompt = "one two three four five six seven eight. one two three four five six seven eight."
+    args = ("--prompt", prompt, "--max-tokens", "16", "--json")
+    plain = json.loads(cli("execute.py", "run", str(smollm2_plan), *args).stdout)
+    out = json.loads(cli("execute.py", "run", str(spec), *args).stdout)
+    assert "speculative" not in plain["stats"]
+    s = out["stats"]["speculative"]
+    assert s["spec_verification_steps"] > 0 and s["spec_accepted_tokens"] > 0
+    assert out["stats"]["decode_steps"] < out["stats"]["decode_tokens"]
+    assert out["output_ids"] == plain["output_ids"]
+
+
 def test_run_streams_text_and_stats(smollm2_plan, tmp_path):
     msgs = tmp_path / "m.json"
     msgs.write_text(

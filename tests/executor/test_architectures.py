@@ -32,13 +32,16 @@ from reference_check import (
     references_by_model,
     regenerated_models,
     resident_engine,
+    started_serving,
 )
 from strata.common.describe import classify, describe
 from strata.executor.engine import Engine, check_tensors
+from strata.executor.generate import generate
 from strata.executor.models import model_class
 from strata.executor.models.gemma3 import Gemma3Model
 from strata.executor.plan_loader import load_plan
 from strata.executor.sampling import SamplingParams
+from strata.executor.serving import ServingEngine
 
 GAP = 1.0
 """llama.cpp's top-2 gap from which our argmax must match: the synthetic threshold (random weights
@@ -75,6 +78,12 @@ def arch(request, arch_ggufs, tmp_path_factory):
     yield from resident_engine(request.param, arch_ggufs[request.param], tmp_path_factory, CONTEXT)
 
 
+@pytest.fixture(scope="module")
+def arch_serving(arch):
+    """The serving engine over ``arch``'s engine (``strata run``'s), started."""
+    yield from started_serving(arch[2])
+
+
 def test_references_cover_every_architecture_and_case(arch_references):
     cases = [c["id"] for f in ("cases_visible.json", "cases_arch.json") for c in _read(f)]
     assert set(arch_references) == set(NAMES)
@@ -97,11 +106,11 @@ def test_correctness_rule_against_llamacpp(arch, arch_references, record_propert
     assert_correctness_rule(name, engine, arch_references[name], GAP, TOL, record_property)
 
 
-def test_greedy_decode_follows_llamacpp_until_a_near_tie(arch, arch_references):
-    """Free-running greedy decode (the KV-cache path, one token at a time)."""
-    name, _, engine = arch
+def test_greedy_decode_follows_llamacpp_until_a_near_tie(arch, arch_serving, arch_references):
+    """Free-running greedy decode (``strata run``'s serving engine, one token at a time)."""
+    name = arch[0]
     for ref in arch_references[name]:
-        assert greedy_divergence(engine, ref, GAP) is None, name
+        assert greedy_divergence(arch_serving, ref, GAP) is None, name
 
 
 def test_chunked_prefill_matches_one_pass(arch, arch_references):
@@ -129,7 +138,7 @@ PLACEMENTS = ("ram", "nvme", "mixed")
 
 
 @pytest.mark.parametrize("placement", PLACEMENTS)
-def test_every_tier_is_bit_identical(arch, arch_references, placement, tmp_path):
+def test_every_tier_is_bit_identical(arch, arch_serving, arch_references, placement, tmp_path):
     """All units on ram, all on nvme, or mixed (attention on ram; FFN, output and globals
     streamed from nvme; embedding on gpu): logits bit-identical to all-resident, same greedy ids."""
     name, plan, engine = arch
@@ -141,16 +150,18 @@ def test_every_tier_is_bit_identical(arch, arch_references, placement, tmp_path)
     loaded = load_plan(moved)
     tiers = set(loaded.plan.tier_of().values())
     assert tiers == ({"gpu", "ram", "nvme"} if placement == "mixed" else {placement})
-    other = Engine(loaded)
+    serving = ServingEngine(Engine(loaded))
+    serving.start()
+    other = serving.engine
     try:
         for ref in arch_references[name]:
             ids = ref["prompt_ids"] + ref["greedy_ids"][:8]
             assert np.array_equal(other.logits_for(ids), engine.logits_for(ids)), ref["case"]
-            a = other.generate(ref["prompt_ids"], SamplingParams(), 4).output_ids
-            b = engine.generate(ref["prompt_ids"], SamplingParams(), 4).output_ids
+            a = generate(serving, ref["prompt_ids"], SamplingParams(), 4).output_ids
+            b = generate(arch_serving, ref["prompt_ids"], SamplingParams(), 4).output_ids
             assert a == b, ref["case"]
     finally:
-        other.close()
+        serving.close()
 
 
 # --------------------------------------------------------------------------- descriptions

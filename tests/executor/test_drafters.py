@@ -30,8 +30,10 @@ from gguf_factory import write_tiny_llama
 from strata.common.errors import StrataError
 from strata.executor.drafters import DraftInput, DraftModelDrafter, PromptLookupDrafter
 from strata.executor.engine import Engine
+from strata.executor.generate import generate
 from strata.executor.plan_loader import load_plan
 from strata.executor.sampling import SamplingParams
+from strata.executor.serving import ServingEngine
 
 CUT = ROOT / "scripts" / "cut_gguf.py"
 
@@ -178,12 +180,13 @@ def test_cut_gguf_runs(cut4, tmp_path):
     assert desc.architecture.block_count == 4
     assert sum(u.name.startswith("blk.") for u in desc.units) == 8
     plan = make_plan_file(str(cut4), tmp_path / "cut4.yaml", desc=desc, context=256)
-    engine = Engine(load_plan(plan))
+    serving = ServingEngine(Engine(load_plan(plan)))
+    serving.start()
     try:
-        ids = engine.tokenizer.encode("The capital of France is")
-        gen = engine.generate(ids, SamplingParams(), max_tokens=4, stop_at_eog=False)
+        ids = serving.tokenizer.encode("The capital of France is")
+        gen = generate(serving, ids, SamplingParams(), max_tokens=4, stop_at_eog=False)
     finally:
-        engine.close()
+        serving.close()
     assert len(gen.output_ids) == 4
     assert all(0 <= t < desc.architecture.vocab_size for t in gen.output_ids)
 
@@ -215,19 +218,19 @@ PROMPTS = [
 ]
 
 
-def _greedy(engine: Engine, ids: list[int], n: int) -> list[int]:
-    gen = engine.generate(ids, SamplingParams(), max_tokens=n, stop_at_eog=False)
+def _greedy(serving: ServingEngine, ids: list[int], n: int) -> list[int]:
+    gen = generate(serving, ids, SamplingParams(), max_tokens=n, stop_at_eog=False)
     return gen.output_ids
 
 
 @pytest.fixture(scope="module")
-def greedy(smollm2_engine) -> list[tuple[list[int], list[int]]]:
+def greedy(smollm2_serving) -> list[tuple[list[int], list[int]]]:
     """(prompt ids, the target's first 11 greedy tokens) of each of ``PROMPTS``."""
-    prompts = [smollm2_engine.tokenizer.encode(p) for p in PROMPTS]
-    return [(p, _greedy(smollm2_engine, p, 11)) for p in prompts]
+    prompts = [smollm2_serving.tokenizer.encode(p) for p in PROMPTS]
+    return [(p, _greedy(smollm2_serving, p, 11)) for p in prompts]
 
 
-def test_draft_model_matches_target_greedy(smollm2_engine, greedy, worker):
+def test_draft_model_matches_target_greedy(smollm2_engine, smollm2_serving, greedy, worker):
     eng = smollm2_engine
     prompts = [p for p, _ in greedy]
     cont = [c for _, c in greedy]
@@ -250,7 +253,7 @@ def test_draft_model_matches_target_greedy(smollm2_engine, greedy, worker):
     worker(d.accepted, "r1", len(prompts[1]) + 2)
     seqs[2] = prompts[2] + cont[2][:2]
     worker(d.accepted, "r2", len(prompts[2]) + 1)
-    after1 = _greedy(eng, seqs[1], 7)
+    after1 = _greedy(smollm2_serving, seqs[1], 7)
     got = worker(d.propose, [DraftInput(f"r{i}", s, 4) for i, s in enumerate(seqs)])
     assert got == [cont[0][6:10], after1[:4], cont[2][2:6]]
     assert d.passes == max(ks) + 4
@@ -261,7 +264,7 @@ def test_draft_model_matches_target_greedy(smollm2_engine, greedy, worker):
     seqs[2] = seqs[2] + [next(t for t in (13, 42, 1000) if t != cont[2][2])]
     worker(d.accepted, "r2", len(seqs[2]))
     got = worker(d.propose, [DraftInput("r1", seqs[1], 3), DraftInput("r2", seqs[2], 3)])
-    assert got == [after1[4:7], _greedy(eng, seqs[2], 3)]
+    assert got == [after1[4:7], _greedy(smollm2_serving, seqs[2], 3)]
 
     assert d.pool.num_used_blocks() > 0
     for i in range(3):

@@ -39,16 +39,19 @@ from reference_check import (
     references_by_model,
     regenerated_models,
     resident_engine,
+    started_serving,
 )
 from strata.common.describe import describe
 from strata.common.errors import StrataError
 from strata.common.schemas import Architecture
 from strata.executor.engine import Engine, check_tensors
 from strata.executor.experts import split_gate_up
+from strata.executor.generate import generate
 from strata.executor.models import ARCHITECTURES, MOE_ROUTING, model_class
 from strata.executor.models.llama import NORM_SUM_MIN, LlamaModel, MoeRouting, route
 from strata.executor.plan_loader import load_plan
 from strata.executor.sampling import SamplingParams
+from strata.executor.serving import ServingEngine
 
 GAP = 1.0
 """llama.cpp's top-2 gap from which our argmax must match (the synthetic threshold, as
@@ -86,6 +89,12 @@ def moe(request, moe_ggufs, tmp_path_factory):
     yield from resident_engine(request.param, moe_ggufs[request.param], tmp_path_factory, CONTEXT)
 
 
+@pytest.fixture(scope="module")
+def moe_serving(moe):
+    """The serving engine over ``moe``'s engine (``strata run``'s), started."""
+    yield from started_serving(moe[2])
+
+
 def _cases() -> list[dict]:
     return [c for f in CASE_FILES for c in json.loads((DATA / f).read_text())]
 
@@ -115,11 +124,12 @@ def test_correctness_rule_against_llamacpp(moe, moe_references, record_property)
     assert_correctness_rule(name, engine, moe_references[name], GAP, TOL, record_property)
 
 
-def test_greedy_decode_follows_llamacpp_until_a_near_tie(moe, moe_references):
-    """Free-running greedy decode (the KV-cache path, one token and one routing at a time)."""
-    name, _, engine = moe
+def test_greedy_decode_follows_llamacpp_until_a_near_tie(moe, moe_serving, moe_references):
+    """Free-running greedy decode (``strata run``'s serving engine, one token and one routing at
+    a time)."""
+    name = moe[0]
     for ref in moe_references[name]:
-        assert greedy_divergence(engine, ref, GAP) is None, name
+        assert greedy_divergence(moe_serving, ref, GAP) is None, name
 
 
 def test_chunked_prefill_matches_one_pass(moe, moe_references):
@@ -438,15 +448,17 @@ def test_tiers_are_bit_identical(moe, moe_references, placement, tmp_path):
         moved = _placed(plan, tmp_path / "p.yaml", "ram", [".ffn", *experts])
     else:
         moved = _placed(plan, tmp_path / "p.yaml", "nvme", experts, slots=2)
-    other = Engine(load_plan(moved))
+    serving = ServingEngine(Engine(load_plan(moved)))
+    serving.start()
+    other = serving.engine
     try:
         ref = moe_references[name][0]
         ids = ref["prompt_ids"] + ref["greedy_ids"][:8]
         assert np.array_equal(other.logits_for(ids), engine.logits_for(ids))
-        a = other.generate(ref["prompt_ids"], SamplingParams(), 4).output_ids
+        a = generate(serving, ref["prompt_ids"], SamplingParams(), 4).output_ids
         assert a == ref["greedy_ids"][:4]
     finally:
-        other.close()
+        serving.close()
 
 
 # --------------------------------------------------------------------------- tensors and refusals

@@ -15,8 +15,10 @@ from strata.common.errors import PlanError
 from strata.common.schemas import Plan
 from strata.common.yamlio import read_yaml, write_yaml
 from strata.executor.engine import Engine
+from strata.executor.generate import generate
 from strata.executor.plan_loader import load_plan
 from strata.executor.sampling import SamplingParams
+from strata.executor.serving import ServingEngine
 
 PROMPT = [1, 17, 400, 2048, 77, 9001, 31, 5, 600, 12000, 42, 7, 88, 1234, 3, 999]
 CONTEXT = 64
@@ -53,10 +55,12 @@ def _experts_on_nvme(resident: Path, out: Path, slots: int, prefetch: int) -> Pa
 
 
 def _run(plan: Path, mode: str | None = None):
-    engine = Engine(load_plan(plan), expert_cache_mode=mode)
+    serving = ServingEngine(Engine(load_plan(plan), expert_cache_mode=mode))
+    serving.start()
+    engine = serving.engine
     try:
         logits = engine.logits_for(PROMPT)
-        gen = engine.generate(PROMPT, SamplingParams(), DECODE, stop_at_eog=False)
+        gen = generate(serving, PROMPT, SamplingParams(), DECODE, stop_at_eog=False)
         expert_bytes = {
             name: u.nbytes
             for name, u in (engine.store._pack.units.items() if engine.store._pack else [])
@@ -64,7 +68,7 @@ def _run(plan: Path, mode: str | None = None):
         }
         return logits, gen, expert_bytes
     finally:
-        engine.close()
+        serving.close()
 
 
 def test_placements_and_cache_modes_are_bit_identical(moe_plans):
@@ -178,7 +182,9 @@ def test_routing_profile_round_trip_through_the_command_lines(moe_plans, tmp_pat
     assert ec.preload and len(ec.preload) == ec.slots - k - ec.prefetch
     loaded = load_plan(out)
     assert loaded.routing is not None and loaded.routing.counts == doc["counts"]
-    engine = Engine(loaded)
+    serving = ServingEngine(Engine(loaded))
+    serving.start()
+    engine = serving.engine
     try:
         assert engine.store.experts_cache.preloaded == len(ec.preload)
         from strata.executor.experts import PRIOR_TOKENS
@@ -187,10 +193,10 @@ def test_routing_profile_round_trip_through_the_command_lines(moe_plans, tmp_pat
         want = np.asarray(doc["counts"]) * PRIOR_TOKENS / tokens
         assert np.allclose(engine.store.routing.rank, want)
         assert engine.store.routing.counts.sum() == 0  # this run's own counts start empty
-        gen = engine.generate(PROMPT, SamplingParams(), DECODE, stop_at_eog=False)
+        gen = generate(serving, PROMPT, SamplingParams(), DECODE, stop_at_eog=False)
         first = engine.store.experts_cache.counters()
     finally:
-        engine.close()
+        serving.close()
     assert gen.output_ids == _run(resident)[1].output_ids
     assert first["hits"] > 0 and first["preloaded"] == len(ec.preload)
     # The plan names its profile: a moved or edited profile is refused with the fix.

@@ -14,6 +14,7 @@ import json
 import pytest
 from conftest import DATA
 from reference_check import RuleResult, check_case, greedy_divergence, prompt_ids
+from strata.executor.generate import generate
 from strata.executor.sampling import SamplingParams
 
 GAP = 0.5
@@ -43,10 +44,11 @@ def test_teacher_forced_and_top10(smollm2_engine, reference_cases, record_proper
     assert result.checked > 20
 
 
-def test_greedy_decode_matches_llamacpp_until_a_near_tie(smollm2_engine, reference_cases):
-    """Free-running greedy decode (the KV-cache path) follows llama.cpp's greedy tokens."""
+def test_greedy_decode_matches_llamacpp_until_a_near_tie(smollm2_serving, reference_cases):
+    """Free-running greedy decode (``strata run``'s serving engine) follows llama.cpp's greedy
+    tokens."""
     for ref, _ in _cases(reference_cases):
-        assert greedy_divergence(smollm2_engine, ref, GAP) is None
+        assert greedy_divergence(smollm2_serving, ref, GAP) is None
 
 
 def test_gemma3_270m_teacher_forced_and_top10(gemma3_gguf, reference_cases, tmp_path):
@@ -84,10 +86,10 @@ def test_gemma3_270m_teacher_forced_and_top10(gemma3_gguf, reference_cases, tmp_
 
 
 @pytest.mark.parametrize("temperature", [0.8])
-def test_seeded_sampling_is_deterministic(smollm2_engine, temperature):
-    ids = smollm2_engine.tokenizer.encode("Once upon a time")
+def test_seeded_sampling_is_deterministic(smollm2_serving, temperature):
+    ids = smollm2_serving.tokenizer.encode("Once upon a time")
     runs = [
-        smollm2_engine.generate(ids, SamplingParams(temperature, 0, 0.95, seed), 24).output_ids
+        generate(smollm2_serving, ids, SamplingParams(temperature, 0, 0.95, seed), 24).output_ids
         for seed in (7, 7, 8)
     ]
     assert runs[0] == runs[1]

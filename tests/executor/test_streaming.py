@@ -15,26 +15,38 @@ import pytest
 from conftest import ROOT
 from strata.common.errors import StrataError
 from strata.executor import streaming
+from strata.executor.config import RuntimeConfig
 from strata.executor.engine import Engine
+from strata.executor.generate import generate
 from strata.executor.plan_loader import load_plan
 from strata.executor.sampling import SamplingParams
+from strata.executor.serving import ServingEngine
 
 
 def _io_threads() -> list[str]:
-    """Names of the streaming threads alive in this process (prefetch and read workers)."""
+    """Names of the threads of Strata's alive in this process (the serving engine's, prefetch
+    and read workers)."""
     return [t.name for t in threading.enumerate() if t.name.startswith("strata-")]
 
 
+def _serving(engine: Engine) -> ServingEngine:
+    """A started serving engine over ``engine`` (``strata run``'s)."""
+    serving = ServingEngine(engine)
+    serving.start()
+    return serving
+
+
 def _generate_until_error(budget_plans, monkeypatch, fault) -> StrataError:
-    engine = Engine(load_plan(budget_plans["ffn-nvme"]))
+    serving = _serving(Engine(load_plan(budget_plans["ffn-nvme"])))
+    engine = serving.engine
     try:
         monkeypatch.setattr(streaming, "pread_into", fault)
         # Slots already read before the fault still serve; the next read fails loudly.
         with pytest.raises(StrataError) as e:
             for _ in range(3):
-                engine.generate([504, 3575], SamplingParams(), 2)
+                generate(serving, [504, 3575], SamplingParams(), 2)
     finally:
-        engine.close()
+        serving.close()
     assert not engine.store.pool  # closed
     assert _io_threads() == []  # and its threads joined
     return e.value
@@ -57,7 +69,7 @@ def test_failed_read_is_an_error(budget_plans, monkeypatch):
 
 
 def test_ctrl_c_stops_the_io_threads(budget_plans):
-    engine = Engine(load_plan(budget_plans["ffn-nvme"]))
+    serving = _serving(Engine(load_plan(budget_plans["ffn-nvme"])))
     assert _io_threads()  # the prefetch thread runs while the engine is open
 
     def interrupt(piece: str) -> None:
@@ -65,9 +77,9 @@ def test_ctrl_c_stops_the_io_threads(budget_plans):
 
     with pytest.raises(KeyboardInterrupt):
         try:
-            engine.generate([504, 3575], SamplingParams(), 4, on_text=interrupt)
+            generate(serving, [504, 3575], SamplingParams(), 4, on_text=interrupt)
         finally:
-            engine.close()  # what execute.py run does on every way out
+            serving.close()  # what execute.py run does on every way out
     assert _io_threads() == []
 
 
@@ -96,21 +108,22 @@ def test_ctrl_c_in_execute_run_exits_cleanly(budget_plans):
 
 
 def test_staged_reads_give_the_same_weights(budget_plans, monkeypatch):
-    """The CUDA read path (``STAGE_DIRECT_READS``: direct I/O into a host buffer, then a copy
-    into the slot) gives the same greedy ids as reads straight into the slots, through the
-    chunking of units larger than one buffer (a CHUNK shrunk to force several per unit)."""
+    """The CUDA read path (``RuntimeConfig.stage_direct_reads``: direct I/O into a host buffer,
+    then a copy into the slot) gives the same greedy ids as this backend's default reads, through
+    the chunking of units larger than one buffer (a CHUNK shrunk to force several per unit)."""
 
-    def ids():
-        engine = Engine(load_plan(budget_plans["ffn-nvme"]))
+    def ids(**settings):
+        loaded = load_plan(budget_plans["ffn-nvme"])
+        engine = Engine(loaded, config=RuntimeConfig.build(loaded.plan.runtime, **settings))
+        serving = _serving(engine)
         try:
             assert engine.store.pool is not None
-            return engine.generate([504, 3575, 28], SamplingParams(), 6).output_ids
+            return generate(serving, [504, 3575, 28], SamplingParams(), 6).output_ids
         finally:
-            engine.close()
+            serving.close()
 
     want = ids()
     monkeypatch.setattr(streaming, "CHUNK", 64 << 10)
-    monkeypatch.setattr(streaming, "STAGE_DIRECT_READS", True)
     real_init = streaming.SlotArena.__init__
 
     def staged_init(self, *a, **k):
@@ -126,6 +139,6 @@ def test_staged_reads_give_the_same_weights(budget_plans, monkeypatch):
         return real_pread(fd, mv, off)
 
     monkeypatch.setattr(streaming, "pread_into", pread)
-    assert ids() == want
+    assert ids(stage_direct_reads=True) == want
     assert staged and {kind for kind, _ in staged} == {"mmap"}  # into the host buffer
     assert max(n for _, n in staged) <= 64 << 10

@@ -9,10 +9,12 @@ from __future__ import annotations
 import mlx.core as mx
 import numpy as np
 import pytest
-from strata.executor.engine import Engine, Generation
+from strata.executor.engine import Engine
+from strata.executor.generate import Generation, generate
 from strata.executor.pack import PackStore
 from strata.executor.plan_loader import load_plan
 from strata.executor.sampling import SamplingParams
+from strata.executor.serving import ServingEngine
 
 GPU_RAM = {"gpu", "ram"}
 PLACEMENTS = {
@@ -44,14 +46,16 @@ def _nvme_bytes(engine: Engine, passes: int, tokens: int) -> int:
 
 
 @pytest.fixture(scope="module")
-def resident_runs(smollm2_engine, reference_cases) -> list[tuple[dict, np.ndarray, Generation]]:
+def resident_runs(
+    smollm2_engine, smollm2_serving, reference_cases
+) -> list[tuple[dict, np.ndarray, Generation]]:
     """Per SmolLM2 reference case: the all-resident plan's teacher-forced logits (prompt and
     ``TOKENS`` greedy ids) and its greedy generation of ``TOKENS`` tokens."""
     runs = []
     for ref in reference_cases:
         if ref["model_file"].startswith("SmolLM2"):
             logits = smollm2_engine.logits_for(ref["prompt_ids"] + ref["greedy_ids"][:TOKENS])
-            gen = smollm2_engine.generate(ref["prompt_ids"], SamplingParams(), TOKENS)
+            gen = generate(smollm2_serving, ref["prompt_ids"], SamplingParams(), TOKENS)
             runs.append((ref, logits, gen))
     return runs
 
@@ -67,18 +71,21 @@ def test_planned_tiers_are_bit_identical(budget_plans, resident_runs, name):
     moved = {u: t for u, t in tiers.items() if t not in allowed(u)}
     assert not moved, f"the planner no longer places {name} as this test expects: {moved}"
     assert used <= set(tiers.values()), f"{name} uses only {set(tiers.values())}"
-    engine = Engine(loaded)
+    serving = ServingEngine(Engine(loaded))
+    serving.start()
+    engine = serving.engine
     try:
         for ref, logits, b in resident_runs:
             prompt, case = ref["prompt_ids"], ref["case"]
             ids = prompt + ref["greedy_ids"][:TOKENS]
             assert np.array_equal(engine.logits_for(ids), logits), case
-            a = engine.generate(prompt, SamplingParams(), TOKENS)
+            a = generate(serving, prompt, SamplingParams(), TOKENS)
             assert a.output_ids == b.output_ids, case
             decoded = len(a.output_ids) - 1  # the last token is sampled, never run
-            passes = -(-len(prompt) // engine.prefill_chunk) + decoded
+            computed = len(prompt) - a.stats["cached_tokens"]  # a shared prefix is cached
+            passes = -(-computed // engine.prefill_chunk) + decoded
             # Counted per use, when the compute thread takes a unit: exact per call.
-            want = _nvme_bytes(engine, passes, len(prompt) + decoded)
+            want = _nvme_bytes(engine, passes, computed + decoded)
             assert a.stats["bytes_read"]["nvme"] == want, case
             # Honest counters: bytes are counted on the tier they came from, and only there.
             for t in ("gpu", "ram", "nvme"):
@@ -88,7 +95,7 @@ def test_planned_tiers_are_bit_identical(budget_plans, resident_runs, name):
             if pool is not None:
                 assert pool.bytes_read % 4096 == 0  # whole aligned units, as preadv returned them
     finally:
-        engine.close()
+        serving.close()
 
 
 def test_loaded_smollm2_stays_packed(smollm2_engine):

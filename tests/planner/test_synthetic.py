@@ -167,18 +167,25 @@ def test_weights_have_the_documented_scale(tiny):
 
 def test_executor_runs_it_with_finite_logits(tmp_path, tiny):
     from strata.executor.engine import Engine
+    from strata.executor.generate import generate
     from strata.executor.plan_loader import load_plan
     from strata.executor.sampling import SamplingParams
+    from strata.executor.serving import ServingEngine
 
     plan = make_plan_file(str(tiny), tmp_path / "plan.yaml", context=256)
-    eng = Engine(load_plan(plan))
-    ids = eng.tokenizer.encode("The capital of France is")
-    assert ids == [504, 3575, 282, 4649, 314]  # SmolLM2's ids: the real tokenizer came along
-    logits = eng.logits_for(ids)
-    assert logits.shape == (len(ids), 49152)
-    assert np.isfinite(logits).all()
-    assert 1.5 < logits.std(axis=1).mean() < 6  # about logit_std (3), not collapsed or exploded
-    gen = eng.generate(ids, SamplingParams(), max_tokens=4)
+    serving = ServingEngine(Engine(load_plan(plan)))
+    serving.start()
+    eng = serving.engine
+    try:
+        ids = eng.tokenizer.encode("The capital of France is")
+        assert ids == [504, 3575, 282, 4649, 314]  # SmolLM2's ids: the real tokenizer came along
+        logits = eng.logits_for(ids)
+        assert logits.shape == (len(ids), 49152)
+        assert np.isfinite(logits).all()
+        assert 1.5 < logits.std(axis=1).mean() < 6  # about logit_std (3), not collapsed
+        gen = generate(serving, ids, SamplingParams(), max_tokens=4)
+    finally:
+        serving.close()
     assert len(gen.output_ids) == 4
 
 

@@ -1,0 +1,248 @@
+"""One request through the serving engine, with its measured figures: ``strata run`` and
+``strata bench``.
+
+``run``, ``bench`` and ``serve`` share one engine (:class:`~strata.executor.serving.ServingEngine`:
+its warm-up, kernels, paged KV cache, prefix cache and the plan's speculative decoding), so a
+plan decodes at the same speed whichever command runs it. :func:`generate` submits one request,
+streams its text to a callback on the caller's thread and measures what happened: time to the
+first token (prefill) and after it (decode), bytes read per tier, I/O wait, host copies, expert
+cache counters and speculative decoding's drafts, each as the difference of the engine's own
+counters around the request. One request at a time: a request running beside it would be
+counted in its figures.
+"""
+
+from __future__ import annotations
+
+import itertools
+import queue
+import resource
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import mlx.core as mx
+from strata.common.errors import StrataError
+from strata.executor.sampling import SamplingParams
+from strata.executor.serving import THREAD_CHECK_S, GenerationRequest, ServingEngine, TokenEvent
+from strata.executor.tokenizer import StreamDecoder
+
+TIERS = ("gpu", "ram", "nvme")
+
+_request_ids = itertools.count()
+"""Numbers the requests of :func:`generate` (ids unique in this process)."""
+
+
+@dataclass
+class Generation:
+    """The result of one request.
+
+    Attributes:
+        prompt_ids: the prompt's token ids.
+        output_ids: generated ids, including a final end-of-generation token if one was produced.
+        text: the generated text (special tokens dropped, as llama.cpp does).
+        stats: the request's figures (:func:`generate`): ``prefill_tok_s``, ``decode_tok_s``,
+            ``peak_rss_bytes``, ``peak_mlx_bytes``, ``bytes_read`` ({tier: bytes}), token and
+            step counts, ``finish_reason``, ...
+    """
+
+    prompt_ids: list[int]
+    output_ids: list[int]
+    text: str
+    stats: dict = field(default_factory=dict)
+
+
+def peak_rss_bytes() -> int:
+    """Peak resident set size of this process, bytes.
+
+    On Linux ``VmHWM`` (/proc/self/status), the high-water mark of this program's own memory:
+    ``ru_maxrss`` carries over the RSS of the process that started it (exec keeps the larger of
+    the two), so a run started from a big process, such as a test runner, would report that
+    process's size. Elsewhere ``ru_maxrss`` (bytes on macOS).
+    """
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024  # kB
+    except OSError:
+        pass
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return int(rss if sys.platform == "darwin" else rss * 1024)
+
+
+def expert_delta(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
+    """Expert counters between two ``WeightStore.expert_counters`` readings, rates recomputed
+    (hit rate over this span's uses, prefetch accuracy over its used + wasted prefetches)."""
+    d = {
+        k: after[k] - before.get(k, 0) for k in after if k not in ("hit_rate", "prefetch_accuracy")
+    }
+    if "hits" in d:
+        uses = d["hits"] + d["misses"]
+        d["hit_rate"] = round(d["hits"] / uses, 6) if uses else 0.0
+        done = d["prefetch_used"] + d["prefetch_wasted"]
+        d["prefetch_accuracy"] = round(d["prefetch_used"] / done, 6) if done else 0.0
+        d["prefetch_pending"] = after["prefetch_pending"]
+        d["io_wait_s"] = round(d["io_wait_s"], 6)
+    rates = ("hit_rate", "prefetch_accuracy", "io_wait_s")
+    return {k: v if k in rates else int(v) for k, v in d.items()}
+
+
+@dataclass
+class _Mark:
+    """The engine's counters at one moment of a request (read on the thread that saw it)."""
+
+    t: float
+    read: dict[str, float]
+    copy_s: float
+    experts: dict[str, float]
+    serving: dict
+
+    @classmethod
+    def now(cls, serving: ServingEngine) -> _Mark:
+        store = serving.engine.store
+        return cls(
+            time.perf_counter(),
+            store.counters(),
+            store.copy_seconds,
+            store.expert_counters(),
+            serving.metrics(),
+        )
+
+
+def generate(
+    serving: ServingEngine,
+    prompt_ids: list[int],
+    params: SamplingParams,
+    max_tokens: int = 256,
+    on_text: Callable[[str], None] | None = None,
+    stop_at_eog: bool = True,
+) -> Generation:
+    """Generate up to ``max_tokens`` tokens after ``prompt_ids`` as one request of ``serving``
+    (started), and measure it.
+
+    Generation stops at the GGUF's end-of-generation tokens (kept in ``output_ids``), at
+    ``max_tokens``, or at the plan's context (``finish_reason`` ``stop``, ``length`` or
+    ``context``). With ``max_tokens`` 0 the prompt is computed and its token dropped.
+
+    Args:
+        serving: a started serving engine with no other request running.
+        prompt_ids: token ids of the prompt.
+        params: sampling parameters (temperature 0 = greedy; seeded: the same tokens each run).
+        max_tokens: most tokens to generate.
+        on_text: called on this thread with each new piece of text as it is decoded (never a
+            split UTF-8 character); an exception it raises (Ctrl-C) aborts the request.
+        stop_at_eog: stop at an end-of-generation token (benchmarks run a fixed length).
+
+    Returns:
+        the request's ids, text and ``stats``: ``prompt_tokens``, ``cached_tokens`` (prompt
+        tokens the prefix cache served), ``output_tokens``, ``finish_reason``, ``prefill_s``
+        (submission to the first token) and ``prefill_tok_s`` (prompt tokens computed per
+        second), ``decode_s`` (first to last token), ``decode_tokens`` (after the first),
+        ``decode_tok_s``, ``prefill_steps`` and ``decode_steps`` (the engine's forward passes),
+        ``peak_rss_bytes``, ``peak_mlx_bytes``, ``bytes_read`` and ``decode_bytes_read``
+        ({tier: bytes}, each use of a unit counted once), ``io_wait_s``, ``decode_io_wait_s``,
+        ``host_copy_s``, ``decode_host_copy_s``; for a mixture-of-experts model ``experts`` and
+        ``decode_experts`` (the expert cache's counters); with speculative decoding
+        ``speculative`` (drafts proposed and accepted, verifications).
+
+    Raises:
+        StrataError: a negative ``max_tokens``; a prompt the plan can never run (empty, ids
+            outside the vocabulary, no room in the context or the KV cache); a forward pass
+            that failed (its message).
+    """
+    if max_tokens < 0:
+        raise StrataError(f"--max-tokens {max_tokens} is negative")
+    rid = f"generate-{next(_request_ids)}"
+    req = GenerationRequest(rid, list(prompt_ids), max(1, max_tokens), params, not stop_at_eog)
+    events: queue.SimpleQueue[tuple[TokenEvent, _Mark | None]] = queue.SimpleQueue()
+    first: list[_Mark] = []
+
+    def on_event(ev: TokenEvent) -> None:  # on the engine thread, between its steps
+        mark = None
+        if (ev.token_ids and not first) or ev.finish_reason is not None:
+            mark = _Mark.now(serving)
+            if ev.token_ids and not first:
+                first.append(mark)  # the prompt's counters, before any decode step
+        events.put((ev, mark))
+
+    mx.reset_peak_memory()
+    start = _Mark.now(serving)
+    serving.submit(req, on_event)
+    stream = StreamDecoder(serving.tokenizer)
+    out: list[int] = []
+    try:
+        while True:
+            try:  # a timeout lets Ctrl-C in while the engine computes
+                ev, end = events.get(timeout=THREAD_CHECK_S)
+            except queue.Empty:
+                continue
+            if on_text is not None:
+                kept = ev.token_ids[: max(0, max_tokens - len(out))]
+                piece = "".join(stream.push(t) for t in kept)
+                if piece:
+                    on_text(piece)
+            out.extend(ev.token_ids)
+            if ev.finish_reason is not None:
+                break
+    except BaseException:  # Ctrl-C or a failing callback: the engine drops the request
+        serving.abort(rid)
+        raise
+    if ev.finish_reason == "error":
+        raise StrataError(ev.error or "the request failed")
+    if ev.finish_reason == "abort":
+        raise StrataError("the request was aborted: the serving engine stopped")
+    if on_text is not None:
+        tail = stream.flush()
+        if tail:
+            on_text(tail)
+    if end is None or not first:
+        raise StrataError(f"the request ended ({ev.finish_reason}) without a token")
+    del out[max_tokens:]  # max_tokens 0: the prompt's token is dropped
+    finish = ev.finish_reason
+    if finish == "length" and len(out) < max_tokens:
+        finish = "context"  # the plan's context ended it, not max_tokens
+    stats = _stats(start, first[0], end, len(prompt_ids), ev.cached_tokens, len(out), finish)
+    if serving.engine.loaded.desc.architecture.expert_count:
+        stats["experts"] = expert_delta(start.experts, end.experts)
+        stats["decode_experts"] = expert_delta(first[0].experts, end.experts)
+    if serving.drafter is not None:
+        stats["speculative"] = {
+            k: end.serving[k] - start.serving[k]
+            for k in ("spec_proposed_tokens", "spec_accepted_tokens", "spec_verification_steps")
+        }
+    return Generation(list(prompt_ids), out, serving.tokenizer.decode(out), stats)
+
+
+def _stats(
+    start: _Mark, first: _Mark, end: _Mark, prompt: int, cached: int, output: int, finish: str
+) -> dict:
+    """The figures of :func:`generate` from the counters at submission, first and last token."""
+    prefill_s, decode_s = first.t - start.t, end.t - first.t
+    computed = prompt - cached
+    decoded = max(0, output - 1)
+
+    def read(a: _Mark, b: _Mark) -> dict[str, int]:
+        return {t: int(b.read[t] - a.read[t]) for t in TIERS}
+
+    return {
+        "prompt_tokens": prompt,
+        "cached_tokens": cached,
+        "output_tokens": output,
+        "finish_reason": finish,
+        "prefill_s": round(prefill_s, 6),
+        "prefill_tok_s": round(computed / prefill_s, 3) if prefill_s > 0 else 0.0,
+        "decode_s": round(decode_s, 6),
+        "decode_tokens": decoded,
+        "decode_tok_s": round(decoded / decode_s, 3) if decoded and decode_s > 0 else 0.0,
+        "prefill_steps": first.serving["steps"] - start.serving["steps"],
+        "decode_steps": end.serving["steps"] - first.serving["steps"],
+        "peak_rss_bytes": peak_rss_bytes(),
+        "peak_mlx_bytes": int(mx.get_peak_memory()),
+        "bytes_read": read(start, end),
+        "decode_bytes_read": read(first, end),
+        "io_wait_s": round(end.read["io_wait_s"] - start.read["io_wait_s"], 6),
+        "decode_io_wait_s": round(end.read["io_wait_s"] - first.read["io_wait_s"], 6),
+        "host_copy_s": round(end.copy_s - start.copy_s, 6),
+        "decode_host_copy_s": round(end.copy_s - first.copy_s, 6),
+    }
