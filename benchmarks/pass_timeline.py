@@ -2,10 +2,11 @@
 """Where a warm pass's time goes on the GPU's own clock: its kernels, and the GPU's idle time
 between them, from CUPTI through PyTorch's profiler (an NVIDIA machine with PyTorch installed).
 
-A serving engine of a plan (``executor.serving.ServingEngine``) is driven from this thread, as in
-``benchmarks/warm_pass.py``: per round and variant, a prefix-cache reset, a cold request (a
-``--document-tokens`` document and a 16-token suffix, the process's own settings) and a warm one
-(the document, another suffix: its whole KV blocks hit; the variant's settings). CUPTI records
+Serving engines of a plan (``executor.serving.ServingEngine``), one per variant with the
+variant's runtime config, are driven from this thread, as in ``benchmarks/warm_pass.py``: per
+round and variant, in the variant's engine, a prefix-cache reset, a cold request (a
+``--document-tokens`` document and a 16-token suffix) and a warm one (the document, another
+suffix: its whole KV blocks hit). CUPTI records
 every kernel, copy and fill of the process, MLX's included, whatever library launched it. The
 first ``--skip`` rounds run unrecorded (kernel builds; a compiled layout is traced on its second
 pass). Each recorded warm request is a span on the trace's clock, from just before its
@@ -60,9 +61,6 @@ import numpy as np
 from strata.benchmarks import prefix_inprocess as pi
 from strata.benchmarks import warm_pass as wp
 from strata.executor import pass_graph
-from strata.executor.engine import Engine
-from strata.executor.plan_loader import load_plan
-from strata.executor.serving import ServingEngine
 
 GAP_US = 2.0
 """Idle gaps of at least this many microseconds are counted and listed (shorter ones are the
@@ -170,28 +168,29 @@ def main() -> None:
         from torch.profiler import ProfilerActivity, profile, record_function
     except ImportError:
         raise SystemExit("pass_timeline.py needs PyTorch (its profiler reads CUPTI)") from None
-    names = wp.checked_variants(ap, args)
-    defaults = wp.settings()
-    serving = ServingEngine(Engine(load_plan(args.plan)))
+    variants = wp.checked_variants(ap, args)
+    names = [v.name for v in variants]
+    engines = wp.serving_engines(args.plan, variants)
     rng = np.random.default_rng(0)
-    vocab = serving.vocab_size
+    vocab = next(iter(engines.values())).vocab_size
     doc = rng.integers(0, vocab, args.document_tokens).tolist()
 
     def round_(recorded: list | None) -> None:
-        for v in names:
-            wp.restore(defaults)  # the cold request as the process's settings run it
+        for v in variants:
+            serving = engines[v.name]
+            wp.cache_off(v.nocache)
             serving.reset_prefix_cache()
             pi.run(serving, [doc + rng.integers(0, vocab, 16).tolist()], 1)
-            wp.use(v)
             c0 = pass_graph.counters(serving.kv)
-            with record_function(f"warm:{v}"):
+            with record_function(f"warm:{v.name}"):
                 t, ev, _ = pi.run(serving, [doc + rng.integers(0, vocab, 16).tolist()], 1)
             replayed = pass_graph.counters(serving.kv)[1] - c0[1]
             if recorded is not None:
-                recorded.append((v, (next(iter(ev.values()))[0] - t) * 1e3, replayed))
+                recorded.append((v.name, (next(iter(ev.values()))[0] - t) * 1e3, replayed))
 
     try:
-        serving.start(None)
+        for serving in engines.values():
+            serving.start(None)
         for _ in range(args.skip):
             round_(None)
         torch.cuda.init()
@@ -204,8 +203,9 @@ def main() -> None:
         trace = folder / f"pass_timeline.{int(time.time())}.json"
         prof.export_chrome_trace(str(trace))
     finally:
-        wp.restore(defaults)
-        serving.close()
+        wp.cache_off(False)
+        for serving in engines.values():
+            serving.close()
     events = json.loads(trace.read_text())["traceEvents"]
     spans = [
         (e["name"].split(":", 1)[1], e["ts"], e["ts"] + e["dur"])

@@ -2,7 +2,9 @@
 """Prefix-cache TTFT and decode steps, in-process (no HTTP), variants of the forward pass
 against each other in one process, and where a warm pass spends its host time.
 
-The serving engine of a plan (``executor.serving.ServingEngine``) is driven from this thread:
+Serving engines of a plan (``executor.serving.ServingEngine``), one per variant, each with the
+variant's runtime config (``executor.config.RuntimeConfig``: its own weights and KV cache, so N
+variants need N times the memory), are driven from this thread:
 
 - ``cold``: a prompt of a 1,000-token document (``--document-tokens``) and a 16-token suffix,
   after a prefix-cache reset;
@@ -13,11 +15,12 @@ The serving engine of a plan (``executor.serving.ServingEngine``) is driven from
 Each is the time from submission to the event on the engine thread. Variants (``--variants``),
 interleaved round by round: ``fused`` (as shipped: on MLX's CUDA backend a block's Q/K/V and
 gate/up take ``executor.ops.fused_qkv`` / ``fused_swiglu`` for 2-32 rows), ``unfused``
-(those two functions made to decline, so the model makes its seven projection calls), and
+(``fused_projections`` off, so the model makes its seven projection calls), and
 ``async1`` / ``async2`` / ``async4`` (fused, the residual stream scheduled with
-``mx.async_eval`` every 1, 2 or 4 blocks: ``executor.models.llama.ASYNC_EVAL_BLOCKS``), and
+``mx.async_eval`` every 1, 2 or 4 blocks: ``async_eval_blocks``), and
 ``eager`` / ``compiled`` (fused, with ``executor.pass_graph``'s compiled passes off or on;
-``fused`` keeps the process's setting, ``STRATA_COMPILED_PASSES``, and the others are eager). A
+``fused`` keeps the environment's setting, ``STRATA_COMPILED_PASSES``, and the others are
+eager). A
 compiled layout is traced on its second pass: give ``--rounds`` of 4 or more to see replays in
 the medians.
 ``--breakdown`` then times four warm passes of the first variant part by part (each function
@@ -66,40 +69,36 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 import strata.executor.models.llama as llama
-from strata.executor import pass_graph
+import strata.executor.runner as runner_module
+from strata.executor import attention, pass_graph
+from strata.executor.config import RuntimeConfig
 from strata.executor.engine import Engine
 from strata.executor.paged_kv import ForwardBatch
 from strata.executor.plan_loader import load_plan
 from strata.executor.sampling import SamplingParams
 from strata.executor.serving import GenerationRequest, ServingEngine
 
-_FUSED = (llama.fused_qkv, llama.fused_swiglu)
-_UNFUSED = (lambda *a: None, lambda *a: None)
-_ASYNC = llama.ASYNC_EVAL_BLOCKS
-VARIANTS = {
-    "fused": (_FUSED, _ASYNC, pass_graph.COMPILED_PASSES),
-    "eager": (_FUSED, _ASYNC, False),
-    "compiled": (_FUSED, _ASYNC, True),
-    # Eager: a compiled graph would replay what was traced under another variant's functions.
-    "unfused": (_UNFUSED, _ASYNC, False),
-    "async1": (_FUSED, 1, False),
-    "async2": (_FUSED, 2, False),
-    "async4": (_FUSED, 4, False),
+VARIANTS: dict[str, dict] = {
+    "fused": {},
+    "eager": {"compiled_passes": False},
+    # Passes of any number of sequences (the 16-sequence decode steps too, where a server, and
+    # ``fused``, compile only passes of one).
+    "compiled": {"compiled_passes": True, "max_sequences": 0},
+    "unfused": {"fused_projections": False, "compiled_passes": False},
+    "async1": {"async_eval_blocks": 1, "compiled_passes": False},
+    "async2": {"async_eval_blocks": 2, "compiled_passes": False},
+    "async4": {"async_eval_blocks": 4, "compiled_passes": False},
 }
-"""Variant -> (the model module's (fused_qkv, fused_swiglu), its ``ASYNC_EVAL_BLOCKS``,
-``executor.pass_graph.COMPILED_PASSES``)."""
+"""Variant -> its changes to the plan's runtime config (``RuntimeConfig.replace``)."""
 
 
-_MAX_SEQUENCES = pass_graph.MAX_SEQUENCES
-
-
-def use(variant: str) -> None:
-    """Set the model module as ``variant`` says; ``compiled`` compiles passes of any number of
-    sequences (``pass_graph.MAX_SEQUENCES`` = 0: the 16-sequence decode steps too, where a
-    server, and ``fused``, compile only passes of one)."""
-    (llama.fused_qkv, llama.fused_swiglu), llama.ASYNC_EVAL_BLOCKS, compiled = VARIANTS[variant]
-    pass_graph.COMPILED_PASSES = compiled
-    pass_graph.MAX_SEQUENCES = 0 if variant == "compiled" else _MAX_SEQUENCES
+def serving_engines(plan: str, names: list[str]) -> dict[str, ServingEngine]:
+    """A serving engine of ``plan`` per variant of ``names`` (not started), each with the
+    plan's runtime config changed as :data:`VARIANTS` says: the plan is loaded once, the
+    weights once per engine."""
+    loaded = load_plan(plan)
+    base = RuntimeConfig.build(loaded.plan.runtime)
+    return {v: ServingEngine(Engine(loaded, config=base.replace(**VARIANTS[v]))) for v in names}
 
 
 WAIT_S = 300.0
@@ -163,22 +162,22 @@ def breakdown(serving: ServingEngine, prompts: list[list[int]]) -> dict[str, dic
     model, totals = serving.engine.model, {}
     parts = [
         (serving, "step", "serving step"),
-        (serving, "_forward", "forward + sampling"),
-        (model, "forward_batch", "forward_batch (build)"),
+        (serving.runner, "execute", "forward + sampling"),
+        (runner_module, "forward", "runner.forward (build)"),
         (mx, "async_eval", "mx.async_eval"),
         (llama, "fused_qkv", "fused_qkv"),
         (llama, "fused_swiglu", "fused_swiglu"),
         (llama, "linear", "linear"),
         (llama, "linear_add", "linear_add"),
-        (llama.cuda_attention, "attention", "cuda_attention.attention"),
-        (llama, "kernel_attention", "kernel_attention (check)"),
+        (attention.cuda_attention, "attention", "cuda_attention.attention"),
+        (attention, "kernel_attention", "kernel_attention (check)"),
         (mx.fast, "rope", "mx.fast.rope"),
         (mx.fast, "rms_norm", "mx.fast.rms_norm"),
         (serving.kv, "write", "kv.write"),
         (model.store, "unit", "store.unit"),
         (model.store, "release", "store.release"),
         (ForwardBatch, "positions", "batch.positions"),
-        (ForwardBatch, "kernel_layout", "batch.kernel_layout"),
+        (attention, "kernel_layout", "attention.kernel_layout"),
     ]
     restore = [_timed(owner, name, label, totals) for owner, name, label in parts]
     try:
@@ -209,12 +208,13 @@ def main() -> None:
     unknown = [v for v in names if v not in VARIANTS]
     if unknown or args.rounds < 2:
         ap.error(f"variants are {sorted(VARIANTS)}; --rounds is at least 2 (round 0 builds)")
-    serving = ServingEngine(Engine(load_plan(args.plan)))
+    engines = serving_engines(args.plan, names)
     t0 = time.perf_counter()
-    serving.start(False if args.no_warm_up else None)
+    for serving in engines.values():
+        serving.start(False if args.no_warm_up else None)
     print(f"warm-up {time.perf_counter() - t0:.1f} s")
     rng = np.random.default_rng(0)
-    vocab = serving.vocab_size
+    vocab = engines[names[0]].vocab_size
     doc = rng.integers(0, vocab, args.document_tokens).tolist()
     short = [rng.integers(0, vocab, 8).tolist() for _ in range(16)]
     res = {v: {"cold": [], "warm": [], "step16": [], "compiled": []} for v in names}
@@ -222,7 +222,7 @@ def main() -> None:
     try:
         for rnd in range(args.rounds):
             for v in names:
-                use(v)
+                serving = engines[v]
                 compiled0 = pass_graph.counters(serving.kv)
                 serving.reset_prefix_cache()
                 t, ev, _ = run(serving, [doc + rng.integers(0, vocab, 16).tolist()], 1)
@@ -247,9 +247,8 @@ def main() -> None:
                 )
         parts = None
         if args.breakdown:
-            use(names[0])
             warm = [doc + rng.integers(0, vocab, 16).tolist() for _ in range(4)]
-            parts = breakdown(serving, warm)
+            parts = breakdown(engines[names[0]], warm)
             print(f"four warm passes of {names[0]}, part by part:")
             for label, p in parts.items():
                 print(
@@ -257,8 +256,8 @@ def main() -> None:
                     f"{p['per_call_us']:9.2f} us/call"
                 )
     finally:
-        use("fused")
-        serving.close()
+        for serving in engines.values():
+            serving.close()
     out = {"plan": args.plan, "rounds": res, "medians_ms": {}, "tokens_equal": {}}
     if parts is not None:
         out["breakdown_warm_x4"] = parts

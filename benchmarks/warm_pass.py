@@ -1,12 +1,14 @@
 #!/usr/bin/env python3
 """The warm pass after a prefix-cache hit, variant against variant, in one process.
 
-A serving engine of a plan (``executor.serving.ServingEngine``) is driven from this thread. A
-document of ``--document-tokens`` tokens is cached by a cold request (each round, after a
-prefix-cache reset); then each variant sends one warm request (the document and a new 16-token
-suffix, one output token), variants interleaved round by round. Per request: ``ttft`` (submission
-to the token event), ``fwd`` (the forward pass and sampling, ``ServingEngine._forward``),
-``build`` (``LlamaModel.forward_batch``: Python's building of the graph and, eager, its
+Each variant is a runtime config (``executor.config.RuntimeConfig``) and has its own serving
+engine of the plan (``executor.serving.ServingEngine``: its own weights and KV cache, so N
+variants need N times the memory), all driven from this thread, variants interleaved round by
+round. Each round, in each variant's engine, a document of ``--document-tokens`` tokens is
+cached by a cold request (after a prefix-cache reset), then one warm request follows (the
+document and a new 16-token suffix, one output token). Per warm request: ``ttft`` (submission
+to the token event), ``fwd`` (the forward pass and sampling, ``ModelRunner.execute``),
+``build`` (``executor.runner.forward``: Python's building of the graph and, eager, its
 ``mx.async_eval`` calls; compiled, the replay of every segment and its ``mx.async_eval``) and
 ``replay`` (``pass_graph.PassGraphs.run``), in ms. The first ``--skip`` rounds are not counted
 (kernel builds, compiled traces); compiled rows count only where the pass replayed.
@@ -23,21 +25,21 @@ column.
 
 Variants (``--variants``, comma-separated):
 
-- ``eagerN``: eager, ``mx.async_eval`` every N blocks (0: never,
-  ``executor.models.llama.ASYNC_EVAL_BLOCKS``);
+- ``eagerN``: eager, ``mx.async_eval`` every N blocks (0: never; the config's
+  ``compiled_passes`` off, ``async_eval_blocks`` N);
 - ``compiledN``: ``executor.pass_graph``'s compiled pass in segments of N blocks
-  (``SEGMENT_BLOCKS``; 0: one graph), passes of any number of sequences compiled
-  (``MAX_SEQUENCES`` = 0: the 16-sequence steps too, where a server compiles only passes of one);
+  (``segment_blocks``; 0: one graph), passes of any number of sequences compiled
+  (``max_sequences`` 0: the 16-sequence steps too, where a server compiles only passes of one);
 - either with ``-rope-off``: RoPE by ``mx.fast.rope`` rather than in the Q/K/V product's store
-  (``executor.models.llama.FUSED_ROPE``);
-- then with ``-nocache``: MLX's buffer cache off (``mx.set_cache_limit(0)``), so that a freed
-  buffer is never handed to a later array (on MLX's CUDA backend one cache serves host-built
-  arrays in managed memory and GPU outputs alike);
+  (``fused_rope`` off);
+- then with ``-nocache``: MLX's buffer cache off (``mx.set_cache_limit(0)`` around the variant's
+  requests), so that a freed buffer is never handed to a later array (on MLX's CUDA backend one
+  cache serves host-built arrays in managed memory and GPU outputs alike);
 - and with ``-fresh``: each pass's integer inputs as new arrays rather than written into the
-  engine's kept buffers (``executor.serving.STAGE_INPUTS``, ``executor.host_inputs``);
-- last, with ``-whole``: prefix-cache hits of whole blocks only (``executor.scheduler
-  .LEND_PARTIAL_BLOCKS`` off), so the warm pass computes the document's tokens after its last
-  whole block again (24 tokens instead of 16 for a 1,000-token document in blocks of 16).
+  engine's kept buffers (``stage_inputs`` off, ``executor.host_inputs``);
+- last, with ``-whole``: prefix-cache hits of whole blocks only (``lend_partial_blocks`` off),
+  so the warm pass computes the document's tokens after its last whole block again (24 tokens
+  instead of 16 for a 1,000-token document in blocks of 16).
 
 usage: python benchmarks/warm_pass.py PLAN [--rounds 12] [--skip 3]
        [--variants eager2,eager2-rope-off,compiled0,compiled4] [--step16 N] [-o FILE.json]
@@ -60,89 +62,68 @@ import json
 import re
 import statistics
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
-import strata.executor.models.llama as llama
-import strata.executor.scheduler as scheduler_module
-import strata.executor.serving as serving_module
+import strata.executor.runner as runner_module
 from strata.benchmarks import prefix_inprocess as pi
 from strata.executor import pass_graph
+from strata.executor.config import RuntimeConfig
 from strata.executor.engine import Engine
 from strata.executor.plan_loader import load_plan
 from strata.executor.serving import ServingEngine
 
 
-def use(variant: str) -> None:
-    """Set the model module, ``pass_graph``, the serving engine and MLX's buffer cache as
-    ``variant`` says (see the module docstring).
+@dataclass(frozen=True)
+class Variant:
+    """One variant: its name, the runtime config its engine runs, and whether MLX's buffer cache
+    is off around its requests (``-nocache``: MLX's process-wide setting, not Strata's)."""
+
+    name: str
+    config: RuntimeConfig
+    nocache: bool
+
+
+def variant(name: str, base: RuntimeConfig) -> Variant:
+    """The variant ``name`` (module docstring) over the runtime config ``base``.
 
     Raises:
         SystemExit: an unknown variant.
     """
-    m = re.fullmatch(r"(eager|compiled)([0-9]+)(-rope-off)?(-nocache)?(-fresh)?(-whole)?", variant)
-    if m:
-        kind, n, rope_off, nocache, fresh, whole = m.groups()
-        compiled = kind == "compiled"
-        llama.ASYNC_EVAL_BLOCKS = pi._ASYNC if compiled else int(n)
-        pass_graph.COMPILED_PASSES = compiled
-        if compiled:
-            pass_graph.SEGMENT_BLOCKS = int(n)
-            pass_graph.MAX_SEQUENCES = 0
-        llama.FUSED_ROPE = rope_off is None
-        _set_cache_limit(0 if nocache else _CACHE_LIMIT)
-        serving_module.STAGE_INPUTS = fresh is None
-        scheduler_module.LEND_PARTIAL_BLOCKS = whole is None
-        return
-    raise SystemExit(
-        f"unknown variant {variant!r}: eagerN or compiledN, then -rope-off, -nocache, -fresh and "
-        "-whole, each optional, in that order"
-    )
+    m = re.fullmatch(r"(eager|compiled)([0-9]+)(-rope-off)?(-nocache)?(-fresh)?(-whole)?", name)
+    if not m:
+        raise SystemExit(
+            f"unknown variant {name!r}: eagerN or compiledN, then -rope-off, -nocache, -fresh "
+            "and -whole, each optional, in that order"
+        )
+    kind, n, rope_off, nocache, fresh, whole = m.groups()
+    changes: dict = {"compiled_passes": kind == "compiled"}
+    if kind == "compiled":
+        changes |= {"segment_blocks": int(n), "max_sequences": 0}
+    else:
+        changes["async_eval_blocks"] = int(n)
+    changes |= {"fused_rope": rope_off is None, "stage_inputs": fresh is None}
+    changes["lend_partial_blocks"] = whole is None
+    return Variant(name, base.replace(**changes), nocache is not None)
 
 
 _CACHE_LIMIT = mx.set_cache_limit(0)
 """MLX's buffer-cache limit at import (bytes), which the variants without ``-nocache`` keep."""
 mx.set_cache_limit(_CACHE_LIMIT)  # MLX reports the limit only by setting another: read it once
 
-_cache_limit = _CACHE_LIMIT
-"""The limit :func:`use` and :func:`restore` set last (read here, not from MLX, so that reading it
-never sets another while the engine thread allocates)."""
+
+def cache_off(off: bool) -> None:
+    """MLX's buffer cache off (limit 0) or back at its limit at import."""
+    mx.set_cache_limit(0 if off else _CACHE_LIMIT)
 
 
-def _set_cache_limit(limit: int) -> None:
-    global _cache_limit
-    mx.set_cache_limit(limit)
-    _cache_limit = limit
-
-
-def settings() -> tuple:
-    """The settings a variant changes (:func:`use`), to put back with :func:`restore`."""
-    return (
-        llama.ASYNC_EVAL_BLOCKS,
-        llama.FUSED_ROPE,
-        pass_graph.COMPILED_PASSES,
-        pass_graph.SEGMENT_BLOCKS,
-        pass_graph.MAX_SEQUENCES,
-        _cache_limit,
-        serving_module.STAGE_INPUTS,
-        scheduler_module.LEND_PARTIAL_BLOCKS,
-    )
-
-
-def restore(saved: tuple) -> None:
-    """Put back what :func:`settings` returned."""
-    (
-        llama.ASYNC_EVAL_BLOCKS,
-        llama.FUSED_ROPE,
-        pass_graph.COMPILED_PASSES,
-        pass_graph.SEGMENT_BLOCKS,
-        pass_graph.MAX_SEQUENCES,
-        limit,
-        serving_module.STAGE_INPUTS,
-        scheduler_module.LEND_PARTIAL_BLOCKS,
-    ) = saved
-    _set_cache_limit(limit)
+def serving_engines(plan: str, variants: list[Variant]) -> dict[str, ServingEngine]:
+    """A serving engine of ``plan`` per variant, each with the variant's runtime config (not
+    started): the plan is loaded once, the weights once per engine."""
+    loaded = load_plan(plan)
+    return {v.name: ServingEngine(Engine(loaded, config=v.config)) for v in variants}
 
 
 def step16(serving: ServingEngine, rng: np.random.Generator, tokens: int) -> dict:
@@ -181,17 +162,14 @@ def add_arguments(ap: argparse.ArgumentParser, rounds: int, skip: int, variants:
     ap.add_argument("-o", "--output")
 
 
-def checked_variants(ap: argparse.ArgumentParser, args: argparse.Namespace) -> list[str]:
-    """``--variants`` as a list, each tried by :func:`use` (an unknown one ends the program) and
-    the process's settings put back; ``--skip`` and ``--rounds`` refused out of range."""
+def checked_variants(ap: argparse.ArgumentParser, args: argparse.Namespace) -> list[Variant]:
+    """``--variants`` as variants over the plan's runtime config (:func:`variant`: an unknown
+    one ends the program, before any engine loads); ``--skip`` and ``--rounds`` refused out of
+    range."""
     if args.skip < 0 or args.rounds <= args.skip:
         ap.error("--skip must be 0 or more and --rounds above it")
-    names = args.variants.split(",")
-    defaults = settings()
-    for v in names:
-        use(v)
-    restore(defaults)
-    return names
+    base = RuntimeConfig.build(load_plan(args.plan).plan.runtime)
+    return [variant(v, base) for v in args.variants.split(",")]
 
 
 def main() -> None:
@@ -201,32 +179,32 @@ def main() -> None:
     args = ap.parse_args()
     if args.step16 and args.step16 < 8:
         ap.error("--step16 must be 0 (off) or at least 8")
-    names = checked_variants(ap, args)  # before the engine loads, whose warm-up they leave alone
-    defaults = settings()
-    serving = ServingEngine(Engine(load_plan(args.plan)))
+    variants = checked_variants(ap, args)
+    names = [v.name for v in variants]
+    engines = serving_engines(args.plan, variants)
     t0 = time.perf_counter()
-    serving.start(None)
+    for serving in engines.values():
+        serving.start(None)
     print(f"warm-up {time.perf_counter() - t0:.1f} s")
     rng = np.random.default_rng(0)
-    vocab = serving.vocab_size
+    vocab = next(iter(engines.values())).vocab_size
     doc = rng.integers(0, vocab, args.document_tokens).tolist()
     totals: dict[str, list] = {}
-    model = serving.engine.model
-    timers = [
-        pi._timed(serving, "_forward", "fwd", totals),
-        pi._timed(model, "forward_batch", "build", totals),
+    timers = [pi._timed(s.runner, "execute", "fwd", totals) for s in engines.values()]
+    timers += [
+        pi._timed(runner_module, "forward", "build", totals),
         pi._timed(pass_graph.PassGraphs, "run", "replay", totals),
     ]
     rows: dict[str, list[dict]] = {v: [] for v in names}
-    cold = []
+    cold: dict[str, list[float]] = {v: [] for v in names}
     try:
         for rnd in range(args.rounds):
-            restore(defaults)
-            serving.reset_prefix_cache()
-            t, ev, _ = pi.run(serving, [doc + rng.integers(0, vocab, 16).tolist()], 1)
-            cold.append(next(iter(ev.values()))[0] - t)
-            for v in names:
-                use(v)
+            for v in variants:
+                serving = engines[v.name]
+                cache_off(v.nocache)
+                serving.reset_prefix_cache()
+                t, ev, _ = pi.run(serving, [doc + rng.integers(0, vocab, 16).tolist()], 1)
+                cold[v.name].append(next(iter(ev.values()))[0] - t)
                 totals.clear()
                 c0 = pass_graph.counters(serving.kv)
                 t, ev, _ = pi.run(serving, [doc + rng.integers(0, vocab, 16).tolist()], 1)
@@ -236,24 +214,29 @@ def main() -> None:
                 def ms(label: str) -> float:
                     return round(totals.get(label, [0, 0.0])[1] * 1e3, 3)
 
-                rows[v].append(
+                rows[v.name].append(
                     {"ttft": round(ttft * 1e3, 3), "fwd": ms("fwd"), "build": ms("build")}
                     | {"replay": ms("replay"), "traced": c1[0] - c0[0]}
                     | {"replayed": c1[1] - c0[1]}
                     | (step16(serving, rng, args.step16) if args.step16 else {})
                 )
             print(
-                f"round {rnd}: cold {cold[-1] * 1e3:.1f} ms; "
-                + ", ".join(f"{v} {_line(rows[v][-1])}" for v in names)
+                f"round {rnd}: "
+                + ", ".join(
+                    f"{v} cold {cold[v][-1] * 1e3:.1f} warm {_line(rows[v][-1])}" for v in names
+                )
             )
     finally:
         for undo in reversed(timers):
             undo()
-        restore(defaults)
-        serving.close()
+        cache_off(False)
+        for serving in engines.values():
+            serving.close()
     out = {
         "plan": args.plan,
-        "cold_median_ms": round(statistics.median(cold[args.skip :]) * 1e3, 2),
+        "cold_median_ms": {
+            v: round(statistics.median(cold[v][args.skip :]) * 1e3, 2) for v in names
+        },
     }
     out |= {"median_ms": {}, "rows": rows}
     for v in names:
