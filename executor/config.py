@@ -91,7 +91,7 @@ class RuntimeConfig:
 
     explicit_attention_max_queries: int
     """Chunks of 2 to this many queries that ``executor.cuda_attention`` does not take attend
-    with plain operations (``models.llama._explicit_attention``), not cuDNN, whose plan MLX
+    with plain operations (``attention._explicit_attention``), not cuDNN, whose plan MLX
     builds per exact (query length, key length) shape: a verification chunk or a suffix after a
     prefix-cache hit meets a new one nearly every time, and each build takes tens of ms. Slower
     per call, but with no build (docs/kernels.md#attention). Default:
