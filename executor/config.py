@@ -3,12 +3,13 @@
 :meth:`RuntimeConfig.build` makes it from the plan's ``runtime`` section (the kernel paths the
 profile measured), the environment (``strata.common.envs``) and the backend MLX runs on (several
 defaults differ on MLX's CUDA backend). ``executor.engine.Engine`` builds one and hands it down:
-to the model (``LlamaModel.config``: pass padding, RoPE, attention, async evaluation, compiled
-passes), through it to the kernels (``executor.ops``: the kernel path of each product), to the
-weight streams (``stage_direct_reads``), the serving engine and its scheduler. Nothing else
-carries a runtime setting: a test or bench that wants another one builds a config
-(``RuntimeConfig.build(runtime, fused_rope=False)`` or ``dataclasses.replace``) and gives it to
-``Engine(..., config=...)``.
+to the model (``LlamaModel.config``: pass padding, fused products and RoPE, async evaluation),
+through it to the attention backend (``executor.attention``) and the kernels (``executor.ops``:
+the kernel path of each product), to the weight streams (``stage_direct_reads``), and to the
+serving engine, its model runner (compiled passes, staged inputs, warm-up) and its scheduler
+(``lend_partial_blocks``). Nothing else carries a runtime setting: a test or bench that wants
+another one builds a config (``RuntimeConfig.build(runtime, fused_rope=False)`` or
+``config.replace(...)``) and gives it to ``Engine(..., config=...)``.
 """
 
 from __future__ import annotations
