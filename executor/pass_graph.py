@@ -31,7 +31,7 @@ batch composition) runs as before rather than paying a trace. Everything else ru
 The replayed graph is the traced pass's graph: the same operations on the same arrays, so its
 logits are the eager pass's (``tests/test_pass_graph.py`` checks bit equality on the CPU, with
 the kernel replaced by its definition in MLX operations; on the lent H200 the greedy tokens of
-16 sequences were equal, ``bench/prefix_inprocess.py``). Bytes read
+16 sequences were equal, ``benchmarks/prefix_inprocess.py``). Bytes read
 (``WeightStore.bytes_read``) are counted per replay as the traced pass counted them. The graphs
 are the model's own, and so is the runtime config they were traced under (``LlamaModel.config``:
 kernel paths, segments, fused RoPE), fixed for the model's life: the layout alone keys them.
@@ -45,7 +45,7 @@ graph that fails when its outputs are evaluated fails that step like any failed 
 stays cached.
 
 What it gains is measured in the README (Serving, "The graph replayed per shape"):
-``bench/prefix_inprocess.py --variants eager,compiled``, and ``execute.py bench`` against a
+``benchmarks/prefix_inprocess.py --variants eager,compiled``, and ``execute.py bench`` against a
 server started with ``STRATA_COMPILED_PASSES=0`` (every pass eager).
 """
 
