@@ -176,6 +176,8 @@ def generate(
             try:  # a timeout lets Ctrl-C in while the engine computes
                 ev, end = events.get(timeout=THREAD_CHECK_S)
             except queue.Empty:
+                if not serving.running():
+                    raise StrataError("the serving engine stopped during the request") from None
                 continue
             if on_text is not None:
                 kept = ev.token_ids[: max(0, max_tokens - len(out))]

@@ -306,6 +306,11 @@ class ServingEngine:
         """Stop a request and free its KV blocks (no more events; unknown ids are ignored)."""
         self._inbox.put(("abort", request_id, None))
 
+    def running(self) -> bool:
+        """Whether the engine thread runs (started, not stopped): a caller waiting for a
+        request's events checks it, since a stopped thread sends no more."""
+        return self._thread is not None and self._thread.is_alive()
+
     def reset_prefix_cache(self) -> bool:
         """Forget every cached prefix (``BlockPool.reset_prefix_cache``), as vLLM's
         ``reset_prefix_cache``: applied on the engine thread between steps; waits until it is.
