@@ -97,8 +97,8 @@ def whole_pass(
     window: int,
 ) -> bool:
     """:func:`kernel_attention`, asked once per pass, pool shape and dtype, and window (every
-    block's pool has one shape and dtype; each ask cost about 6 us of host time per block on
-    the H200): the answer is kept in the batch's ``backend`` memo."""
+    block's pool has one shape and dtype, and each ask cost a few us of host time per block):
+    the answer is kept in the batch's ``backend`` memo."""
     pool = kv.keys[layer]
     key = ("whole", pool.dtype, tuple(pool.shape), heads, dtype, window)
     ok = batch.backend.get(key)
@@ -123,11 +123,9 @@ def kernel_attention(
     unmasked (its fused vector kernel; the lone decode was measured against the paged kernel's
     first design, a block per query and key/value head, 8 for a decode of the Llama-3-8B shape,
     too few to fill a GPU, and not against the split design since). Longer prefill chunks keep
-    cuDNN (``chunk_attention``). Measured on the H200
-    (2026-12-01, Llama-3-8B shape, in-process, pass padding on, one process, medians of 5): the
-    warm 24-token chunk 21.8 -> 17.2 ms, a 16-sequence decode step 17.8 -> 14.5 ms (whose
-    decodes MLX otherwise attends with a padded gather, a boolean mask and its unfused fallback;
-    the 16-sequence figures moved by about 20% between configurations that cannot differ)."""
+    cuDNN (``chunk_attention``). One call for the whole pass saved a few ms a pass over one per
+    chunk (a pass's decodes otherwise take a padded gather, a boolean mask and MLX's unfused
+    fallback): docs/kernels.md#the-paged-attention-kernel."""
     if not batch.chunks and batch.decode_rows < 2 and batch.decode_mask(window) is None:
         return False
     pool = kv.keys[layer]

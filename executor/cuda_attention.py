@@ -5,11 +5,10 @@ A chunk of a few queries (a prompt's suffix after a prefix-cache hit, a speculat
 of K + 1 tokens) attends over its sequence's cached keys. MLX sends a multi-query
 ``mx.fast.scaled_dot_product_attention`` to cuDNN, whose execution plan MLX builds and caches per
 exact (query length, key length, mask) shape (``mlx/backend/cuda/scaled_dot_product_attention.cpp``,
-``sdpa_cache``). Such chunks meet a new shape nearly every time. Measured on the lent H200
-(2026-12-01, Llama-3-8B shape, the serving engine in-process): a warm request whose suffix length
-was new took 62-107 ms against about 20 ms for a seen one, the difference being cuDNN's plan
-build; padded into buckets with an additive mask, the shapes were few but cuDNN took 0.2-1.7 s
-to build each bucket's plan. ``bench/chunk_attention.py`` times these kernels against cuDNN.
+``sdpa_cache``). Such chunks meet a new shape nearly every time, and a plan's build cost more
+than the attention itself; bucketing the shapes made each bucket's build slower still
+(docs/kernels.md#the-paged-attention-kernel). ``benchmarks/kernels/chunk_attention.py`` times
+these kernels against cuDNN.
 
 The kernels are compiled once per (dtype, query heads per key head, head dimension, sliding
 window, and for the split kernel the queries a block holds: 1, 2, 4 or 8; serving's warm-up
@@ -42,8 +41,8 @@ A query's arithmetic depends only on its own position and keys: tiles and splits
 key positions (multiples of 32 and ``SPLIT_KEYS``), a warp walks its tiles in order, a tensor-core
 product's row depends on that row's inputs alone, and a tile with no key a row sees leaves the
 row as it was (weights of zero, a factor of one). Outputs are deterministic, and a query's output
-is the same bit for bit alone, in any group and in any pass (batch invariance): on the H200 a
-query alone and in a group of 8 gave equal outputs (``tests/test_chunk_attention.py``). One
+is the same bit for bit alone, in any group and in any pass (batch invariance: a query alone and
+in a group of 8 give equal outputs, ``tests/executor/test_chunk_attention.py``). One
 caveat: a key another query of the group sees enters the row's product as zero weight times its
 value, so a non-finite value there (a float16 overflow in a later token) would reach the row,
 where alone it would not. The sum of the weights is taken in float32 before they are rounded for
@@ -55,20 +54,8 @@ The split kernel's float32 scratch holds ``head_dim + 2`` floats per row, query 
 the longest sequence's table, whatever each row's own length: :func:`fits` bounds it
 (``MAX_SCRATCH_BYTES``), and callers attend larger passes otherwise.
 
-History, measured on the lent H200 (8B heads: 32 query heads, 8 key/value heads of 128; per call
-in a chain of 100 dependent calls, wall clock, so each call also pays MLX's cost of launching
-two kernels: the shortest case, 2 queries by 300 keys, took 37-40 us in all). One block per
-query and key/value head, each warp reading keys straight from the pool: a warm 24-token pass
-spent 2.36 ms of its 8.61 ms of kernel time here (Nsight Compute, 2026-12-02,
-``bench/pass_kernels.py``). The split design with CUDA-core arithmetic (one warp per query, each
-lane one key; every warp converted the tile's 16-bit keys and values to float32 itself): 2.06 ms
-of 7.18 (split 1.78, combine 0.28; ``bench/results/2026-12-02.pass-kernels-split.h200.llama3-8b-
-shape.json``). These tensor-core splits against it, same machine, two runs each
-(``bench/results/2026-12-02.attention-tc-ab.h200.json``; float16 outputs within 6.1e-5 of each
-other): 24 queries by 1,016 keys 72.9-77.3 / 62.9-64.8 us, 64 by 2,000 178.9-179.3 / 78.4-79.0,
-16 decodes of about 1,016 keys 74.3-74.4 / 65.1-66.0, 5 by 1,016 58.7-67.7 / 59.8-61.2, 2 by 300
-39.9-40.4 / 36.6-38.5. In a serving pass the gain did not show clearly end to end
-(``bench/results/2026-12-02.prefix-tc-http.*``).
+The designs before this one (a block per query and key/value head; splits on CUDA cores) and
+their timings against it: docs/kernels.md#the-paged-attention-kernel.
 
 A query at position p sees keys ``j <= p`` of its table (and ``p - j < window`` with a sliding
 window): for a chunk, MLX's bottom-right causal mask.
@@ -88,18 +75,17 @@ __all__ = ["GROUP_QUERIES", "MAX_QUERIES", "QueryGroups", "attention", "query_gr
 
 MAX_QUERIES = 64
 """Most queries of a chunk this kernel takes; longer chunks (prefill) keep cuDNN's flash kernel,
-whose tensor cores win there (64 queries by 2,000 keys, 8B shape: 230 us here, 108 us for cuDNN
-once its plan is built, with the kernel before the split design; 79 us for the tensor-core splits,
-in a chain of calls: a longer chunk may gain here too, unmeasured) and whose per-shape plan is
-paid once per prompt chunk."""
+whose tensor cores won there against this kernel's first design (the split design has not been
+timed against it beyond 64 queries: docs/kernels.md#the-paged-attention-kernel) and whose
+per-shape plan is paid once per prompt chunk."""
 
 GROUP_QUERIES = 8
 """Most queries of one sequence that share a block's copies of keys (:func:`query_groups`)."""
 
 TILES = 2
 """Tiles of 32 keys per split: ``SPLIT_KEYS`` keys. Fixed, since a query's rounding depends on
-it. 2 against 4 and 8 on the H200 (2026-12-02, ``bench/results/2026-12-02.attention-split-ab.
-h200.json``): as fast or faster in every case timed."""
+it. 2 was as fast as 4 and 8, or faster, in every case timed
+(docs/kernels.md#the-paged-attention-kernel)."""
 
 SPLIT_KEYS = TILES * 32
 """Keys per split (blocks per query and key/value head: its keys / ``SPLIT_KEYS``)."""
@@ -571,7 +557,7 @@ _LAUNCHES: dict[tuple, tuple] = {}
 """Call signature (the arrays' shapes and dtypes, scale, window, ``flat``, groups) -> the
 kernels' launch arguments, validated on the signature's first call: a pass's blocks repeat one
 signature, and validating each call cost the host several us of the few tens a pass's block may
-take (H200 host, 2026-12-01)."""
+take."""
 
 _MAX_LAUNCHES = 1024
 """Signatures kept (emptied past this: the key length of ``tables`` changes from pass to pass)."""

@@ -7,19 +7,14 @@ managed memory, and one buffer cache serves those arrays and the GPU's outputs a
 and moves a device buffer it hands to a host array into managed memory with a synchronous
 ``cudaMemcpy``). A pass that builds its inputs afresh therefore pays, before its first kernel:
 
-- a ``cudaMallocManaged`` for each input the cache cannot serve (10-86 us each on the lent
-  H200's host), and where the cache hands a host array a buffer that a GPU operation wrote, the
-  synchronous copy of that buffer into managed memory (213-343 us a warm pass in one profile,
-  55-686 in another) and the device buffer's ``cudaFreeAsync`` (8-44 us);
+- a ``cudaMallocManaged`` for each input the cache cannot serve, and where the cache hands a
+  host array a buffer that a GPU operation wrote, a synchronous copy of that buffer into managed
+  memory and the device buffer's ``cudaFreeAsync``;
 - and at its end it frees them into the cache, where a later GPU operation's output can land in
-  pages the CPU wrote last: the GPU's write then faults them over. On the H200 a gather whose
-  48 KB output took such a buffer ran 124 us against 33 us (p50); a GPU's read of host-written
-  managed memory cost nothing measurable (a gather through host-built token ids 51.9 us,
-  through ids in device memory 52.2; ``bench/results/2026-12-02.managed-memory-probes.h200.json``).
+  pages the CPU wrote last: the GPU's write then faults them over.
 
-(``bench/pass_timeline.py`` lists a pass's CUDA calls before its first kernel:
-``bench/results/2026-12-02.pass-timeline-nocache.*``.) Turning MLX's cache off instead made every
-allocation a CUDA call, and warm passes slower (eager 13.2 -> 16.2 ms).
+Turning MLX's cache off instead made every allocation a CUDA call, and warm passes slower. The
+costs of each, and what staging gained: docs/kernels.md#input-staging.
 
 Here :class:`InputStaging` keeps ``SLOTS`` int32 buffers (made once from host data, so managed
 memory on CUDA; grown by doubling when a pass needs more); each pass writes its inputs into the
@@ -35,14 +30,6 @@ pass that failed before recording one (it may have left lazy reads of its buffer
 yet evaluated), or whose fence fails to evaluate, gives up its buffer: the next user makes a new
 one. A pass's handle refuses inputs once a later pass has begun on its buffer. A staged array
 is never donated to an operation's output: the staging object keeps a reference to its buffer.
-
-Measured on the lent H200 (2026-12-02, synthetic Llama-3-8B shape, the warm 24-token pass after a
-992-token prefix-cache hit, one process, interleaved, medians of 5;
-``bench/results/2026-12-02.pass-timeline-staged.*``): eager 10.07 -> 9.33 ms, compiled in
-segments of 4 9.03 -> 8.21 ms; the lead before the first kernel 2.16 -> 1.61 and 1.91 -> 1.62 ms.
-Staged beat fresh in 4 of 5 interleaved pairs of each variant. The embedding lookup's two
-float16 gathers of 24 rows did not improve (summed 227-767 us staged, medians 326 / 303 us
-against 254 / 235 fresh): that cost has another cause, not found.
 """
 
 from __future__ import annotations

@@ -21,11 +21,11 @@ Kernel paths: which kernel computes a quantized product, and whether its rows ar
 bucket, is the runtime config's (``executor.config.RuntimeConfig``: ``pad_rows``, ``mma_rows``,
 ``dequant_min_rows``), handed to every product by the model that calls it.
 
-Row tiles (batch-invariant serving, ``set_row_tile``): MLX's CUDA kernels round a row of a
-matmul differently with the call's row count M (measured on an H200: a row's result depends on M,
-not on the other rows' contents), so a token's projections would depend on what else is in the
-batch. With a row tile T, :func:`linear` computes every product in calls of exactly T rows, so a
-row's result is the same whatever the batch. The setting is per thread: the serving engine's
+Row tiles (batch-invariant serving, ``set_row_tile``): MLX's CUDA kernels round a row of a matmul
+differently with the call's row count M (a row's result depends on M, not on the other rows'
+contents: docs/kernels.md#batch-invariance), so a token's projections would depend on what else is
+in the batch. With a row tile T, :func:`linear` computes every product in calls of exactly T rows,
+so a row's result is the same whatever the batch. The setting is per thread: the serving engine's
 thread turns it on for itself, and any other thread (``Engine.logits_for``) is unaffected.
 """
 
@@ -63,12 +63,10 @@ def bucket_rows(rows: int) -> int:
     2x the rows, at most 256 extra rows).
 
     24 is a bucket because the tensor-core kernel (``executor.cuda_mma``, the plans' path for
-    2-32 rows on the H200) computes whole 8-row column tiles, padding or not: a 24-token pass
-    padded to 32 rows spent 141 us a block in its four calls against 124 at 24 (Nsight Compute,
-    H200, 2026-12-02, Llama-3-8B shape, ``bench/results/2026-12-02.mma-profile.h200.json``),
-    0.54 ms a pass. Not 40, 48 or 56: those rows take MLX's quantized matmul there, whose first
-    call at a new row count built kernels for up to a minute (``RuntimeConfig.
-    warm_up_row_buckets``)."""
+    2-32 rows on NVIDIA GPUs) computes whole 8-row column tiles, padding or not, so padding 24
+    rows to 32 costs a quarter more of its work. Not 40, 48 or 56: those rows take MLX's
+    quantized matmul there, whose first call at a new row count builds kernels for up to a
+    minute (``RuntimeConfig.warm_up_row_buckets``). Figures: docs/kernels.md#row-buckets."""
     if 16 < rows <= 24:
         return 24
     if rows <= 256:
@@ -250,8 +248,8 @@ def fused_qkv(
     viewed so) and equal to its :func:`linear` bit for bit; None where that call does not apply
     (see ``_fusable``): project each through :func:`linear` then. With ``rope``, Q and K come
     RoPE'd as ``mx.fast.rope`` would rotate those products (``cuda_mma.Rope``). On MLX's CUDA
-    backend each call costs about 8 us beside its work (a chain of trivial custom kernels on the
-    H200, 2026-12-01): a block of a few dozen rows made seven projection calls."""
+    backend each call costs the host several us beside its work, and a block of a few dozen rows
+    made seven projection calls (docs/kernels.md#the-tensor-core-4-bit-matmul)."""
     if not _fusable(x, ws, config):
         return None
     signature = (ws[0].signature, ws[1].signature, ws[2].signature)

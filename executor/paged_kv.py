@@ -100,10 +100,9 @@ class PagedKVCache:
 
         The rows are gathered and evaluated first (one synchronization), then written by one
         scatter per pool, left lazy, which updates the pool in place. Gathered and scattered in
-        one graph, every scatter copied its whole pool instead (MLX 0.32, dev CPU, 32 layers of
-        8.4 MB pools: 17-30 ms and 143 MB more peak memory, against about 1 ms and 1 MB; on the
-        H200 a request that followed waited 3-4 ms): the pool was still an input of the gather
-        when its scatter ran, so the scatter could not take its buffer."""
+        one graph, every scatter copied its whole pool instead (MLX 0.32: the pool was still an
+        input of the gather when its scatter ran, so the scatter could not take its buffer;
+        costs in docs/benchmarks.md#prefix-cache-ttft)."""
         rows = [pool[src] for pool in (*self.keys, *self.values)]
         mx.eval(rows)
         n = len(self.keys)

@@ -2,9 +2,8 @@
 
 A decode step or a short prefill chunk of a large model does little work on the GPU, and the
 Python that builds its graph (every block's norms, projections, RoPE, KV write and attention:
-about 10 operations a block) is a large part of its time. On the lent H200 (2026-12-01,
-Llama-3-8B shape, Q4_0) the warm 24-token chunk after 992 cached tokens took 9.1 ms in-process,
-of which about 3 ms was this Python and 3.3 ms MLX's own scheduling of the graph.
+about 10 operations a block) is a large part of its time, with MLX's own scheduling of the
+graph (docs/kernels.md#compiled-passes).
 
 Here such a pass is traced once by ``mx.compile``, in segments of ``segment_blocks`` blocks (the
 model's ordinary ``LlamaModel.blocks``, and ``LlamaModel.head`` in the last, run on placeholder
@@ -28,25 +27,24 @@ inputs are all arrays, while the other attention paths build masks and gathers f
 A layout is compiled the second time it is seen (``COMPILE_AFTER``): one seen once (a passing
 batch composition) runs as before rather than paying a trace. Everything else runs as before.
 
-The replayed graph is the traced pass's graph: the same operations on the same arrays, so its
-logits are the eager pass's (``tests/test_pass_graph.py`` checks bit equality on the CPU, with
-the kernel replaced by its definition in MLX operations; on the lent H200 the greedy tokens of
-16 sequences were equal, ``benchmarks/prefix_inprocess.py``). Bytes read
-(``WeightStore.bytes_read``) are counted per replay as the traced pass counted them. The graphs
-are the model's own, and so is the runtime config they were traced under (``LlamaModel.config``:
-kernel paths, segments, fused RoPE), fixed for the model's life: the layout alone keys them.
-Which passes compile, and in what segments, is that config's (``compiled_passes``,
-``max_sequences``, ``segment_blocks``: ``executor.config.RuntimeConfig``). A trace that raises
-in Python turns compiled passes off for the KV cache (one warning on stderr) and the pass runs
-eagerly (segments traced before it have written this pass's keys and values already: the eager
-pass writes the same ones again); a replay whose call raises drops its graph and fails the step,
-its earlier segments' writes left in the slots of that step's sequences. Evaluation is lazy: a
-graph that fails when its outputs are evaluated fails that step like any failed forward pass, and
-stays cached.
+The replayed graph is the traced pass's graph: the same operations on the same arrays, so its logits
+are the eager pass's (``tests/executor/test_pass_graph.py`` checks bit equality on the CPU, with the
+kernel replaced by its definition in MLX operations; on a GPU the greedy tokens of 16 sequences were
+equal, ``benchmarks/prefix_inprocess.py``). Bytes read (``WeightStore.bytes_read``) are counted per
+replay as the traced pass counted them. The graphs are the model's own, and so is the runtime config
+they were traced under (``LlamaModel.config``: kernel paths, segments, fused RoPE), fixed for the
+model's life: the layout alone keys them. Which passes compile, and in what segments, is that
+config's (``compiled_passes``, ``max_sequences``, ``segment_blocks``:
+``executor.config.RuntimeConfig``). A trace that raises in Python turns compiled passes off for the
+KV cache (one warning on stderr) and the pass runs eagerly (segments traced before it have written
+this pass's keys and values already: the eager pass writes the same ones again); a replay whose call
+raises drops its graph and fails the step, its earlier segments' writes left in the slots of that
+step's sequences. Evaluation is lazy: a graph that fails when its outputs are evaluated fails that
+step like any failed forward pass, and stays cached.
 
-What it gains is measured in the README (Serving, "The graph replayed per shape"):
-``benchmarks/prefix_inprocess.py --variants eager,compiled``, and ``execute.py bench`` against a
-server started with ``STRATA_COMPILED_PASSES=0`` (every pass eager).
+What it gains (docs/kernels.md#compiled-passes) is measured by ``benchmarks/prefix_inprocess.py
+--variants eager,compiled``, and by ``strata bench`` against a server started with
+``STRATA_COMPILED_PASSES=0`` (every pass eager).
 """
 
 from __future__ import annotations

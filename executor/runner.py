@@ -258,9 +258,8 @@ class ModelRunner:
         chunk = [SeqInput([0, 0], 0, slots[:2])]
         if limit >= 2 and pass_graph.compiles(self.model, ForwardBatch.build(chunk), self.kv):
             # One layout traced (seen COMPILE_AFTER times): the kernels mx.compile fuses are
-            # built here, not in a request. Without it, a request whose pass was the first trace
-            # on a fresh H200 took 3.2-4.2 s (2026-12-02.warm-pass-* results); with it, no
-            # request of a serving bench took over 0.28 s (2026-12-02.serving-compiled-seg4.*).
+            # built here, not in a request, whose first trace took seconds on a fresh GPU
+            # (docs/kernels.md#compiled-passes).
             for _ in range(pass_graph.COMPILE_AFTER):
                 run(chunk)
 

@@ -84,10 +84,9 @@ before it tries again (instead of a busy loop)."""
 
 BATCH_INVARIANT_ROWS = 16
 """Row tile of every weight product in batch-invariant serving (``executor.ops.set_row_tile``):
-a step's rows are computed 16 at a time, the last tile padded. 16 rows cost about one row on the
-H200's 4-bit kernel (110 against 88 us for a 14336x4096 weight) and cover a decode batch of the
-plans' usual 16 sequences in one call. On the CPU a row costs in proportion: a lone SmolLM2-135M
-decode step took 1,451 ms instead of 110 (measured on the 2-core dev machine)."""
+a step's rows are computed 16 at a time, the last tile padded. On a GPU's 4-bit kernel 16 rows
+cost about one, and they cover a decode batch of the plans' usual 16 sequences in one call; on
+the CPU a row costs in proportion (docs/kernels.md#batch-invariance)."""
 
 
 MAX_LOGPROBS = 20
@@ -478,9 +477,9 @@ class ServingEngine:
 
         First the thread sleeps the config's ``lent_copy_yield_s``: the step's token events have
         woken the server's event loop, which needs the GIL to send them, and the copy's Python
-        and MLX calls (about 130 operations for 32 layers, and a synchronization) would hold it:
-        about 1 ms on the dev CPU, 2.5 ms on a slow start of the H200. A sleep lets a waiting
-        thread take the GIL; ``time.sleep(0)`` gives it back before the other thread wakes.
+        and MLX calls (about 130 operations for 32 layers, and a synchronization) would hold it
+        for a millisecond or more (docs/kernels.md#host-costs-around-the-pass). A sleep lets a
+        waiting thread take the GIL; ``time.sleep(0)`` gives it back before the other thread wakes.
 
         A copy that fails leaves the borrowers' blocks wrong: the prefix cache is forgotten
         (``reset_prefix_cache``) and each live sequence holding such a block ends with
