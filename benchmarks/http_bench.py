@@ -4,10 +4,8 @@ The bench starts ``execute.py serve PLAN`` as a subprocess on a free loopback po
 API key, so nothing else on the machine can send it requests), waits for ``/health``, and drives
 ``POST /v1/completions`` with streamed (server-sent events) requests from an ``aiohttp`` asyncio
 client, exactly as an OpenAI client would. The client is aiohttp, not httpx, because the client's
-own overhead lands in every TTFT the bench reports: against the same server on the H200 host
-(2026-12-01), a warm streamed request's TTFT was 17.7 ms with aiohttp and 23.0 ms with httpx,
-and a ``/health`` round trip 0.40 ms with aiohttp, 1.35 ms with httpx (0.25 ms over raw
-sockets); vLLM's serving benchmark uses aiohttp for the same reason. The server is always stopped
+own overhead lands in every TTFT the bench reports (measured: ``docs/benchmarks.md``, Serving);
+vLLM's serving benchmark uses aiohttp for the same reason. The server is always stopped
 (SIGTERM, then SIGKILL after ``SERVER_STOP_TIMEOUT_S``), on success, errors and Ctrl-C alike.
 With ``--batch-invariant`` the server is started with it (``ServingEngine``'s batch-invariant
 mode, meant to make the text check below hold on every backend), and the figures show what the

@@ -11,13 +11,7 @@ call at a shape not met before (cuDNN builds its plan there). First it checks th
 the float32 softmax attention of the same inputs (within 1e-2, float16). Output: JSON ``{"heads
 case": {"TxL": {"kernel_us", "cudnn_us", "kernel_first_ms", "cudnn_first_ms"}}}``.
 
-Measured on the lent H200 on 2026-12-01
-(``benchmarks/results/2026-12-01.chunk-attention.h200.json``; kernel / cuDNN per call): 8B heads,
-24x1,016: 90.7 / 76.1 us; 5x1,016: 61.2 / 76.2; 2x300: 39.9 / 49.9; 64x2,000: 230.0 / 107.9; SmolLM2
-heads 24x1,016: 47.6 / 57.2; a first call at a new shape 0.2-0.9 ms against 47-70 ms. (Earlier the
-same day, as a scratch script on another machine: 76 / 51, 47 / 49, 29 / 41, 210 / 76 on the 8B
-heads.) Those are the kernel before the split design; the split kernels against it: git history's
-``bench/results/2026-12-02.attention-split-ab.h200.json``.
+Figures and their result file: ``docs/kernels.md`` (Attention).
 
 usage: python benchmarks/kernels/chunk_attention.py OUT.json   (needs MLX's CUDA backend)
 """

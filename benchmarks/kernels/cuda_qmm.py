@@ -17,15 +17,9 @@ dequantize the word in registers and multiply it into every row of ``x`` (read t
 cache), accumulating in float32; a butterfly reduction across the warp finishes each sum. A
 row's result does not depend on M or the other rows (batch-invariant by construction).
 
-Measured on the lent H200 (MLX 0.32.4, 2026-11-30, best of 7, Llama-3-8B FFN weights, 4-bit,
-MLX / Strata in us): gate/up [14336, 4096] M1 107/109, M2 172/113, M4 211/129, M8 132/157,
-M16 133/275, M32 185/649; down [4096, 14336] M1 116/137, M2 145/124, M4 207/138, M8 413/156,
-M16 318/245, M32 471/647. Results within 1e-3 relative of MLX's; each row equal alone and in
-the batch. So it wins for 2-8 rows (where MLX's kernel is erratic) and loses at 1 and at 16+,
-where continuous batching's c16 step is: float32 FMAs on CUDA cores and per-row reloads of
-``x`` bound it, where MLX's loses to memory. A kernel that moves the cap needs tensor cores
-(``mma``) over tiles of 16 rows. A variant loading four words per lane (16 bytes) did not
-finish compiling or running within 90 s there; large M (32) was slow to compile too.
+It beat MLX's kernel only at 2-8 rows, and lost at 1 and at 16 and more, where continuous
+batching's steps are: float32 products on CUDA cores and per-row reloads of ``x`` bound it. The
+figures: ``docs/kernels.md`` (The tensor-core 4-bit matmul).
 
 usage: python benchmarks/kernels/cuda_qmm.py [--rows 1,2,4,8,16] [-o FILE.json]
 (needs MLX's CUDA backend)

@@ -12,10 +12,7 @@ bfloat16, and that the tensor-core kernel is within 1e-3 (float16) of the float3
 equal alone. Output: JSON ``{"NxK": {"dequant_mlx_us", "dequant_ours_us", "ours_GBps", "rows":
 {rows: [quantized us, dense us, matmul-only us, tensor-core us or null]}}}``.
 
-Measured on the lent H200 on 2026-11-30 with this code before the tensor-core path was added
-(then run as a scratch script; this file has not run there since):
-``benchmarks/results/2026-11-30.dequant-kernel.h200.json`` (the H200 profile's
-``dequant_matmul_min_rows`` of 128 is the crossover of its 14336x4096 row).
+Figures and their result file: ``docs/kernels.md`` (The dequantization kernel).
 
 usage: python benchmarks/kernels/dequant_kernel.py OUT.json   (needs MLX's CUDA backend)
 """

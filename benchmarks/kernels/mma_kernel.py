@@ -22,22 +22,11 @@ usage: python benchmarks/kernels/mma_kernel.py [--rows 8,16,24,32,64] [-o FILE.j
 ``--sweep TARGET_WARPS:LOAD_WORDS,...`` instead times a block's four calls (``swiglu`` by
 gate/up, ``matmul`` by down with the residual-free form, ``matmul3`` by Q/K/V, ``matmul`` by O)
 under each pair of the module's launch constants (each checked against the float32 product by
-the down weight first), and their sum per block. On the lent H200 (2026-12-02, a scratch
-version of this loop, the first two settings run beside a CPU-bound job), us per block at 16 /
-24 / 32 rows: 2048:32 (the defaults) 178 / 220 / 212; 2048:16 173 / 209 / 227; 2048:64 216 /
-198 / 238; 4096:32 209 / 258 / 270; 4096:64 235 / 252 / 274; 8192:32 220 / 256 / 297; 8192:64
-243 / 258 / 293 (1024 splits Q/K/V weights of one block differently: ``matmul3`` refuses it).
-No setting is better at every row count: the defaults stay. These times are wall clock per call
-in a chain, MLX's host cost of each call included: Nsight Compute gave the defaults' four calls
-124 us of GPU time a block at 24 rows (2026-12-02,
-git history's ``bench/results/2026-12-02.mma-profile.h200.json``).
+the down weight first), and their sum per block. These times are wall clock per call in a
+chain, MLX's host cost of each call included.
 
-Measured on the lent H200 (MLX 0.32.4, 2026-12-01) with this script's first version (the
-``matmul`` part; the WMMA kernel it replaced timed beside it), us per call, this kernel / WMMA /
-MLX: [14336, 4096] 8 rows 32 / 64-77 / 44-47, 16 rows 34-42 / 57-65 / 42-47, 32 rows 48-54 /
-84-85 / 78-87, 64 rows 97-114 / 189-201 / 75; [4096, 14336] 16 rows 38-43 / 60-69 / 46-49;
-[4096, 4096] 16 rows 19-23 / 26-28 / 16-17; [1024, 4096] 16 rows 18-27 / 17-24 / 8-10. The
-``qkv`` and ``swiglu`` parts have not run yet.
+Figures (the launch constants' sweep, the first version's ``matmul`` part against the WMMA
+kernel and MLX's) and their result file: ``docs/kernels.md`` (The tensor-core 4-bit matmul).
 """
 
 from __future__ import annotations

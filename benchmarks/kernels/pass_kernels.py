@@ -22,14 +22,7 @@ the caches before each, so the sum is then an upper estimate of the GPU's busy t
 ``--summarize`` reads ncu's text report: the number of kernels, their summed GPU time, and per
 kernel name (template arguments included) the time and the count, longest first.
 
-Measured on the lent H200 (2026-12-02, synthetic Llama-3-8B shape, Q4_0, plan ``--concurrency
-16 --objective throughput``; a scratch version of this script, run with ncu's default cache
-control, whose warm suffix was new too and which had no token check): 368 kernels, 8.61 ms of
-GPU time, each kernel run alone with empty caches, in a pass that takes about 10 ms in-process:
-the SwiGLU products 2.37 ms (32 calls), chunk attention 2.36 ms (32), the output and down
-projections 1.62 ms (64), Q/K/V 0.73 ms (32), RoPE 0.33, the KV write (scatter) 0.29, RMS norms
-0.27, the embedding lookup's gathers 0.51 ms, the LM head 0.09
-(git history's ``bench/results/2026-12-02.pass-kernels.h200.llama3-8b-shape.json``).
+Figures: ``docs/kernels.md`` (Where a warm pass's time goes; Attention).
 """
 
 from __future__ import annotations
