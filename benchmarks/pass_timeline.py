@@ -36,15 +36,7 @@ Variants as in ``benchmarks/warm_pass.py`` (``eagerN``, ``compiledN``, ``-rope-o
 usage: python benchmarks/pass_timeline.py PLAN [--rounds 6] [--skip 2] [--variants eager2]
        [--trace DIR] [-o FILE.json]
 
-Measured on the lent H200 (2026-12-02, synthetic Llama-3-8B shape Q4_0, medians of 5 warm
-passes, 333 kernels each; git history's
-``bench/results/2026-12-02.pass-timeline.h200.llama3-8b-shape.json``,
-an earlier version of this script whose spans were the same): compiled in segments of 4, ttft
-8.62 ms, lead 2.07, GPU busy 6.04, idle 0.25; compiled in one graph 9.65 / 3.26 / 6.01 / 0.21;
-eager every 2 blocks 13.38 / 2.25 / 6.18 / 4.92, its idle time in 15 gaps of 167-403 us a pass,
-each after a block's down projection (where ``mx.async_eval`` is called every 2 blocks) and
-before the next norm (0.60 ms idle on another start, ``...pass-timeline-devcopies.*``). The
-warm pass's first kernels are the embedding lookup's three gathers, side by side for 72-526 us.
+Figures: ``docs/kernels.md`` (Where a warm pass's time goes).
 """
 
 from __future__ import annotations

@@ -37,24 +37,8 @@ Each round line also gives the compiled passes traced and replayed in it
 (``pass_graph.counters``); ``--no-warm-up`` skips the engine's warm-up, so that round 0 (not
 counted) builds the kernels.
 
-Measured on the lent H200 (2026-12-01, synthetic Llama-3-8B shape, Q4_0, rounds 1-2 of 3): fused
-cold 46.7 ms, warm 10.1 ms (4.6x), step16 10.2 ms; unfused 49.1, 11.5 (4.3x), 15.3 (git history's
-``bench/results/2026-12-01.prefix-fused-inprocess.h200.llama3-8b-shape.json``). That was a scratch
-first version of this script, which did not compare the tokens, and its fused variant read Q/K/V and
-gate/up stacked into one weight each at load time. The kernels that now read each weight where it
-lies, with the launch cache and the residual added in the output projections, were timed by a
-scratch variant of this driver (2026-12-01, later session; its async and breakdown parts are now
-``async1``/``async2``/``async4`` and ``--breakdown`` here, not yet run as this file): cold 45.6-66.8
-ms, warm 9.25-13.4 ms (4.9-5.0x) on two machines (docs/benchmarks.md#prefix-cache-ttft); a warm pass
-of 9.1 ms spent 3.3 ms in ``mx.async_eval``, 0.88 in ``fused_qkv``, 0.85 in the output projections,
-0.62 in ``fused_swiglu``, 0.40 in the attention kernel's calls.
-
-This file on the lent H200 (2026-12-02, ``--variants eager,compiled --rounds 6``, medians of rounds
-1-5): eager cold 45.5 ms, warm 9.57 ms (4.76x), 16-sequence step 8.71 ms; compiled 45.0, 10.7
-(4.21x), 7.38, its greedy tokens equal to eager's for 16 of 16 sequences
-(``benchmarks/results/2026-12-02.prefix-compiled-inprocess.h200.llama3-8b-shape.json``; the
-breakdown and the runs under MLX's CUDA settings are in
-docs/kernels.md#where-a-warm-passs-time-goes).
+Figures: ``docs/kernels.md`` (Compiled passes; Where a warm pass's time goes) and
+``docs/benchmarks.md`` (In-process probes).
 """
 
 from __future__ import annotations

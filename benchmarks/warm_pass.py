@@ -44,15 +44,8 @@ Variants (``--variants``, comma-separated):
 usage: python benchmarks/warm_pass.py PLAN [--rounds 12] [--skip 3]
        [--variants eager2,eager2-rope-off,compiled0,compiled4] [--step16 N] [-o FILE.json]
 
-Measured on the lent H200 with a scratch version of this script (2026-12-02, synthetic
-Llama-3-8B shape Q4_0; git history's
-``bench/results/2026-12-02.warm-pass-*.h200.llama3-8b-shape.json``):
-eager every 1 / 2 / 4 / never 9.85 / 8.01 / 8.36 / 10.92 ms; RoPE in the store off / on 11.74 /
-10.38; compiled in one graph / segments of 8 / of 4 9.23 / 8.55 / 8.33. This file, a later
-session, another machine start (``...warm-pass-step16.*``): warm pass eager2 8.91,
-eager2-rope-off 8.00, compiled0 8.84, compiled4 8.77; 16-sequence step 6.88 / 9.84 / 7.64 / 6.86.
-RoPE by ``mx.fast.rope`` was faster there and slower on the earlier start: within the noise
-between machine starts.
+Figures: ``docs/kernels.md`` (Scheduling blocks as they are built; Where a warm pass's time
+goes) and ``docs/benchmarks.md`` (In-process probes).
 """
 
 from __future__ import annotations
