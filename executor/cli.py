@@ -101,6 +101,8 @@ def cmd_run(args: argparse.Namespace) -> None:
     try:
         ids = prompt_ids_for(engine, args)
         engine.check_prompt(ids)  # before the warm-up, not after
+        if engine.config.warm_up_row_buckets:  # as serve says it (the GPU: up to a minute)
+            print("building kernels for every batch size ...", file=sys.stderr, flush=True)
         warm_up_s = serving.start()
         load_s = time.perf_counter() - t0
         load_peak_mlx = int(mx.get_peak_memory())  # generate() resets MLX's peak: loading's own
