@@ -158,7 +158,6 @@ if TYPE_CHECKING:
 
 T = TypeVar("T")
 
-EXECUTE = Path(__file__).resolve().parent.parent / "execute.py"
 
 PROMPT_TOKENS = (48, 96, 160, 256, 64, 128, 200, 32)
 """Default prompt lengths, tokens (``--prompt-tokens``); prompt ``i`` takes entry ``i % len``, at
@@ -363,9 +362,9 @@ class ServerProcess:
 
     @staticmethod
     def serve_command(plan: Path, api_key: str, batch_invariant: bool = False) -> list[str]:
-        """``execute.py serve PLAN`` on 127.0.0.1, any free port, with ``api_key`` (and
-        ``--batch-invariant``)."""
-        return [sys.executable, str(EXECUTE), "serve", str(plan.resolve())] + [
+        """``strata serve PLAN`` (this interpreter's ``-m strata``, so an installed package needs
+        no clone) on 127.0.0.1, any free port, with ``api_key`` (and ``--batch-invariant``)."""
+        return [sys.executable, "-m", "strata", "serve", str(plan.resolve())] + [
             "--host",
             "127.0.0.1",
             "--port",

@@ -52,14 +52,14 @@ _MODE_KEYS = (
 
 def _run(*args: str) -> None:
     print("+", " ".join(args), file=sys.stderr, flush=True)
-    subprocess.run([sys.executable, *args], cwd=ROOT, check=True)
+    subprocess.run([sys.executable, "-m", "strata", *args], cwd=ROOT, check=True)
 
 
 def _bench(plan: Path, out: Path, tokens: int, modes: str | None) -> dict:
     result = out / f"{plan.stem}.bench.json"
     extra = ["--expert-cache-modes", modes] if modes else []
     _run(
-        "execute.py", "bench", str(plan), "--max-tokens", str(tokens), "--prompt", BENCH_PROMPT,
+        "bench", str(plan), "--max-tokens", str(tokens), "--prompt", BENCH_PROMPT,
         *extra, "-o", str(result),
     )  # fmt: skip
     return json.loads(result.read_text())
@@ -103,7 +103,7 @@ def _replan(
     measured per-token time beside the uniform plan's (``r``, benched in the same run)."""
     rp = out / f"skewed.{source}.routing.json"
     _run(
-        "execute.py", "run", str(uniform_plan), "--prompt", prompt,
+        "run", str(uniform_plan), "--prompt", prompt,
         "--max-tokens", str(profile_tokens), "--save-routing-profile", str(rp), "--json",
     )  # fmt: skip
     profiled = out / f"skewed-{source}-profiled-plan.yaml"
@@ -153,13 +153,13 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.out).resolve()
     out.mkdir(parents=True, exist_ok=True)
     tok = ["--tokenizer", args.tokenizer] if args.tokenizer else []
-    plan = ["plan.py", "plan", "--profile", args.profile, "--context", CONTEXT]
+    plan = ["plan", "--profile", args.profile, "--context", CONTEXT]
     summary: dict = {"profile": args.profile, "shape": args.shape}
     modes_keys = _MODE_KEYS
     for routing in args.routings.split(","):
         model = out / f"moe-{routing}.gguf"
         if not model.exists():
-            _run("synth.py", "--shape", args.shape, "--routing", routing, *tok, "-o", str(model))
+            _run("synth", "--shape", args.shape, "--routing", routing, *tok, "-o", str(model))
         resident = out / f"{routing}-resident.yaml"
         _run(*plan, "--model", str(model), "-o", str(resident))
         doc = yaml.safe_load(resident.read_text())

@@ -36,13 +36,13 @@ CONTEXT = "256"
 
 def _run(*args: str) -> None:
     print("+", " ".join(args), file=sys.stderr, flush=True)
-    subprocess.run([sys.executable, *args], cwd=ROOT, check=True)
+    subprocess.run([sys.executable, "-m", "strata", *args], cwd=ROOT, check=True)
 
 
 def _bench(plan: Path, out: Path, tokens: int) -> dict:
     result = out / f"{plan.stem}.bench.json"
     _run(
-        "execute.py", "bench", str(plan), "--max-tokens", str(tokens),
+        "bench", str(plan), "--max-tokens", str(tokens),
         "-o", str(result), "--plot", str(out / f"{plan.stem}.bench.png"),
     )  # fmt: skip
     return json.loads(result.read_text())
@@ -62,10 +62,10 @@ def main(argv: list[str] | None = None) -> int:
 
     deep, small = out / "deep.gguf", out / "small.gguf"
     if not deep.exists():
-        _run("synth.py", *DEEP, *tok, "-o", str(deep))
+        _run("synth", *DEEP, *tok, "-o", str(deep))
     if not small.exists():
-        _run("synth.py", *SMALL, *tok, "-o", str(small))
-    plan = ["plan.py", "plan", "--profile", args.profile, "--context", CONTEXT]
+        _run("synth", *SMALL, *tok, "-o", str(small))
+    plan = ["plan", "--profile", args.profile, "--context", CONTEXT]
     _run(*plan, "--model", str(deep), "-o", str(out / "deep-resident.yaml"))
     _run(*plan, "--model", str(small), "-o", str(out / "small-resident.yaml"))
     import yaml  # after the subprocesses: only the summary needs it

@@ -43,6 +43,7 @@ from typing import TYPE_CHECKING, Protocol
 import mlx.core as mx
 import numpy as np
 from strata.common.errors import StrataError
+from strata.executor import pass_graph
 from strata.executor.block_pool import BlockPool
 from strata.executor.paged_kv import ForwardBatch, PagedKVCache, SeqInput, slot_table
 from strata.executor.runner import forward
@@ -92,6 +93,10 @@ class Drafter(Protocol):
 
     def release(self, request_id: str) -> None:
         """The sequence finished or was aborted: drop its state (unknown ids are ignored)."""
+        ...
+
+    def close(self) -> None:
+        """The engine thread is ending: drop what it made (KV pool, compiled passes)."""
         ...
 
 
@@ -144,6 +149,9 @@ class PromptLookupDrafter:
     def release(self, request_id: str) -> None:
         """Drop the sequence's n-gram index."""
         self._index.pop(request_id, None)
+
+    def close(self) -> None:
+        """Nothing made on the engine thread."""
 
     def _index_for(self, x: DraftInput) -> _NgramIndex:
         """The request's index, extended to every n-gram ending before the last token (the
@@ -368,6 +376,14 @@ class DraftModelDrafter:
         st = self._seqs.pop(request_id, None)
         if st is not None and st.blocks:
             self.pool.free(st.blocks)
+
+    def close(self) -> None:
+        """Drop the draft KV pool and its compiled passes on the engine thread, which made them
+        (``pass_graph.release`` says why)."""
+        if self.kv is not None:
+            mx.synchronize()
+            pass_graph.release(self.kv)
+            self.kv = None
 
     # ---------------------------------------------------------------- internals
 

@@ -51,6 +51,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import gc
 import sys
 import weakref
 from collections import OrderedDict
@@ -309,6 +310,16 @@ def counters(kv: PagedKVCache | None) -> tuple[int, int]:
     """``(traces, replays)`` of the compiled passes over ``kv`` so far ((0, 0) when none ran)."""
     graphs = None if kv is None else _BY_CACHE.get(kv)
     return (0, 0) if graphs is None else (graphs.traces, graphs.replays)
+
+
+def release(kv: PagedKVCache) -> None:
+    """Drop the compiled passes traced over ``kv`` now, on the calling thread.
+
+    Call it on the thread that traced them, before that thread ends: on MLX's CUDA backend a
+    compiled pass that outlives the thread that traced it aborts the process at exit
+    ("terminate called without an active exception"; docs/kernels.md, Compiled passes)."""
+    if _BY_CACHE.pop(kv, None) is not None:
+        gc.collect()  # a graph's cycles must not wait for a later collection on another thread
 
 
 def graphs_for(model: LlamaModel, kv: PagedKVCache) -> PassGraphs:

@@ -154,6 +154,14 @@ class ModelRunner:
         self.kv = self.model.make_paged_cache(num_blocks, block_size)
         return self.kv
 
+    def close(self) -> None:
+        """Finish the queued work and drop the KV pool and its compiled passes; call it on the
+        thread that made them, before it ends (``pass_graph.release`` says why)."""
+        if self.kv is not None:
+            mx.synchronize()
+            pass_graph.release(self.kv)
+            self.kv = None
+
     def run(self, inputs: list[SeqInput]) -> tuple[ForwardBatch, mx.array]:
         """One batched forward pass of ``inputs`` over the KV cache: its layout and its logits
         (unevaluated), its integer inputs staged where the config's ``stage_inputs`` says."""

@@ -110,3 +110,6 @@ class SelfDrafter:
 
     def release(self, request_id: str) -> None:
         """Nothing held per sequence."""
+
+    def close(self) -> None:
+        """Nothing of its own: it drafts in the target's KV cache, which the runner drops."""

@@ -419,6 +419,10 @@ class ServingEngine:
                 if kind == "stop":
                     for rid in list(self._live):
                         self._finish(self._live[rid], "abort")
+                    # On this thread, which traced the compiled passes (pass_graph.release).
+                    if self.drafter is not None:
+                        self.drafter.close()
+                    self.runner.close()
                     return
                 if kind == "submit":
                     self._admit(arg, cb)

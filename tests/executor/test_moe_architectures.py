@@ -44,6 +44,7 @@ from reference_check import (
 from strata.common.describe import describe
 from strata.common.errors import StrataError
 from strata.common.schemas import Architecture
+from strata.executor.config import RuntimeConfig
 from strata.executor.engine import Engine, check_tensors
 from strata.executor.experts import split_gate_up
 from strata.executor.generate import generate
@@ -356,7 +357,7 @@ def test_moe_block_matches_a_numpy_statement(arch):
     for group in (1, 3, 8):
         cls = model_class(a)
         model = cls.__new__(cls)  # the MoE block needs only these attributes
-        model.arch, model.routing = a, MOE_ROUTING[arch]
+        model.arch, model.routing, model.config = a, MOE_ROUTING[arch], RuntimeConfig.build()
         experts = {
             e: dict(zip(("gate", "up", "down"), map(mx.array, m), strict=True))
             for e, m in ex.items()
@@ -539,6 +540,7 @@ def test_fused_gate_up_expert_is_gate_then_up():
     down = mx.array(rng.normal(size=(4, 6)).astype(np.float32))
     h = mx.array(rng.normal(size=(3, 4)).astype(np.float32))
     model = LlamaModel.__new__(LlamaModel)
+    model.config = RuntimeConfig.build()
     split = split_gate_up({"gate_up": mx.concatenate([gate, up]), "down": down})
     assert set(split) == {"gate", "up", "down"}
     assert np.array_equal(np.array(split["gate"]), np.array(gate))
