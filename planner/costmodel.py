@@ -606,47 +606,58 @@ def weights_by_tier(desc: ModelDescription, tiers: Mapping[str, str]) -> dict[st
     return out
 
 
+@dataclass(frozen=True)
+class PinnedPlacement:
+    """A placement to score or size: every unit's tier, the prefetch depth and, where a plan
+    states them (``of``), its own pool, batch limits and expert cache; None means what ``depth``
+    and the request imply (``pool_for``, ``batch_limits``, ``expert_cache_for`` with the working
+    slots alone). A hand-written plan may state other ones than the planner would."""
+
+    tiers: Mapping[str, str]
+    """Unit name -> ``gpu`` / ``ram`` / ``nvme``, for every unit of the model description."""
+    depth: int
+    """Prefetch depth: units the I/O threads read ahead (0 = synchronous reads)."""
+    pool: Pool | None = None
+    batch: BatchLimits | None = None
+    experts: ExpertCache | None = None
+
+    @classmethod
+    def of(cls, plan: Plan) -> PinnedPlacement:
+        """The plan's own placement, prefetch depth, pool, batch limits and expert cache."""
+        return cls(plan.tier_of(), plan.prefetch.depth, plan.pool, plan.batch, plan.expert_cache)
+
+    def resolve(
+        self, desc: ModelDescription, request: Request
+    ) -> tuple[Pool, BatchLimits, ExpertCache]:
+        """The pool, batch limits and expert cache: the stated ones, else their defaults.
+
+        Raises:
+            PlanError: ``tiers`` does not cover exactly the units of ``desc``.
+        """
+        _check_tiers(desc, self.tiers)
+        return (
+            self.pool or pool_for(desc, self.tiers, self.depth),
+            self.batch or batch_limits(request),
+            self.experts if self.experts is not None else expert_cache_for(desc, self.tiers),
+        )
+
+
 def capacity_use(
-    desc: ModelDescription,
-    profile: HardwareProfile,
-    request: Request,
-    tiers: Mapping[str, str],
-    depth: int,
-    *,
-    pool: Pool | None = None,
-    batch: BatchLimits | None = None,
-    experts: ExpertCache | None = None,
+    desc: ModelDescription, profile: HardwareProfile, request: Request, placement: PinnedPlacement
 ) -> list[tuple[CapacityRow, int]]:
     """Each capacity row with the bytes a pinned placement puts in it (``used <= capacity`` fits).
 
-    Args:
-        tiers: unit name -> tier, for every unit of ``desc``.
-        depth: prefetch depth (units read ahead).
-        pool, batch: a plan's own pool and batch limits; default: what ``depth`` and ``request``
-            imply (``pool_for``, ``batch_limits``).
-        experts: the plan's expert cache; default ``expert_cache_for`` (working slots only).
-
     Raises:
-        PlanError: ``tiers`` does not cover exactly the units of ``desc``.
+        PlanError: the placement's tiers do not cover exactly the units of ``desc``.
     """
-    _check_tiers(desc, tiers)
-    pool = pool or pool_for(desc, tiers, depth)
-    cache = experts if experts is not None else expert_cache_for(desc, tiers)
-    weights = weights_by_tier(desc, tiers)
+    pool, batch, cache = placement.resolve(desc, request)
+    weights = weights_by_tier(desc, placement.tiers)
     pool_bytes = pool.slots * pool.slot_bytes + cache.slots * cache.slot_bytes
     return [(r, r.used(weights, pool_bytes)) for r in capacity_rows(desc, profile, request, batch)]
 
 
 def tier_memory(
-    desc: ModelDescription,
-    profile: HardwareProfile,
-    request: Request,
-    tiers: Mapping[str, str],
-    depth: int,
-    *,
-    pool: Pool | None = None,
-    batch: BatchLimits | None = None,
-    experts: ExpertCache | None = None,
+    desc: ModelDescription, profile: HardwareProfile, request: Request, placement: PinnedPlacement
 ) -> dict[str, TierMemory]:
     """Bytes per tier under a pinned placement, for ``Plan.memory``.
 
@@ -654,15 +665,12 @@ def tier_memory(
     machines the pool is counted on gpu (device slots) and on ram (host staging buffers).
 
     Raises:
-        PlanError: ``tiers`` does not cover exactly the units of ``desc``.
+        PlanError: the placement's tiers do not cover exactly the units of ``desc``.
     """
-    _check_tiers(desc, tiers)
-    batch = batch or batch_limits(request)
-    pool = pool or pool_for(desc, tiers, depth)
-    cache = experts if experts is not None else expert_cache_for(desc, tiers)
+    pool, batch, cache = placement.resolve(desc, request)
     pool_bytes = pool.slots * pool.slot_bytes
     cache_bytes = cache.slots * cache.slot_bytes
-    weights = weights_by_tier(desc, tiers)
+    weights = weights_by_tier(desc, placement.tiers)
     cap = capacities(profile, request)
     return {
         "gpu": TierMemory(
@@ -758,15 +766,7 @@ def io_stall(
 
 
 def score(
-    desc: ModelDescription,
-    profile: HardwareProfile,
-    request: Request,
-    tiers: Mapping[str, str],
-    depth: int,
-    *,
-    pool: Pool | None = None,
-    batch: BatchLimits | None = None,
-    experts: ExpertCache | None = None,
+    desc: ModelDescription, profile: HardwareProfile, request: Request, placement: PinnedPlacement
 ) -> Prediction:
     """Predict one decode step of a pinned placement with the cost model (see module docstring).
 
@@ -774,11 +774,8 @@ def score(
         desc: the model description.
         profile: the machine.
         request: context, concurrency and objective (which sets the batch B).
-        tiers: unit name -> ``gpu`` / ``ram`` / ``nvme`` for every unit of ``desc``.
-        depth: prefetch depth (units the I/O threads read ahead; 0 = synchronous reads).
-        pool, batch: a plan's own pool and batch limits (for hand-written plans); default what
-            ``depth`` and ``request`` imply.
-        experts: the plan's expert cache (slots, prefetch); default the working slots alone.
+        placement: every unit's tier, the prefetch depth, and a plan's own pool, batch limits
+            and expert cache (for hand-written plans) or None for their defaults.
 
     Returns:
         The step time split into compute / host copy / disk / I/O stall (seconds), the bottleneck,
@@ -788,11 +785,12 @@ def score(
         step. It does not check that the placement fits (``capacity_use`` does).
 
     Raises:
-        PlanError: ``tiers`` does not cover exactly the units of ``desc``, or the profile has a
-            zero bandwidth or compute throughput.
+        PlanError: the placement's tiers do not cover exactly the units of ``desc``, or the
+            profile has a zero bandwidth or compute throughput.
     """
-    cache = experts if experts is not None else expert_cache_for(desc, tiers)
-    use = capacity_use(desc, profile, request, tiers, depth, pool=pool, batch=batch, experts=cache)
+    _, batch, cache = placement.resolve(desc, request)
+    use = capacity_use(desc, profile, request, placement)
+    tiers, depth = placement.tiers, placement.depth
     costs = unit_costs(desc, profile, request, batch)
     unified = profile.unified_memory
     dense = [c for u, c in zip(desc.units, costs, strict=True) if u.expert is None]
@@ -836,18 +834,9 @@ def objective(prediction: Prediction, request: Request, batch: BatchLimits | Non
 def score_plan(plan: Plan, desc: ModelDescription, profile: HardwareProfile) -> Prediction:
     """Score an existing (possibly hand-written) plan on a machine with the cost model.
 
-    Uses the plan's own placement, prefetch depth, pool and batch limits.
+    Uses the plan's own placement, prefetch depth, pool and batch limits (``PinnedPlacement.of``).
 
     Raises:
         PlanError: the plan's placement does not match ``desc``'s units.
     """
-    return score(
-        desc,
-        profile,
-        plan.request,
-        plan.tier_of(),
-        plan.prefetch.depth,
-        pool=plan.pool,
-        batch=plan.batch,
-        experts=plan.expert_cache,
-    )
+    return score(desc, profile, plan.request, PinnedPlacement.of(plan))

@@ -99,6 +99,7 @@ from strata.common.sizes import format_size
 from strata.planner.costmodel import (
     MAX_DEPTH,
     CapacityRow,
+    PinnedPlacement,
     UnitCost,
     batch_limits,
     capacity_rows,
@@ -734,7 +735,7 @@ def _shortfall_message(
     pool = pool_for(desc, tiers, depth)
     weights = weights_by_tier(desc, tiers)
     parts, flags, short = [], [], {}
-    for row, used in capacity_use(desc, profile, request, tiers, depth):
+    for row, used in capacity_use(desc, profile, request, PinnedPlacement(tiers, depth)):
         if used <= row.capacity:
             continue
         short[row.name] = used - row.capacity
@@ -816,7 +817,8 @@ def _step_units(
     """The exact step time of the model's current (integral) decisions, in solver time units."""
     tiers, depth = _decisions(desc, m)
     cache = _expert_cache(desc, m, tiers)
-    return score(desc, profile, request, tiers, depth, experts=cache).step_s / m.tau
+    pinned = PinnedPlacement(tiers, depth, experts=cache)
+    return score(desc, profile, request, pinned).step_s / m.tau
 
 
 class _Infeasible(Exception):
@@ -944,7 +946,8 @@ def solve(
 
     pool = pool_for(desc, tiers, depth)
     cache = _expert_cache(desc, m, tiers)
-    prediction = score(desc, profile, request, tiers, depth, experts=cache)
+    pinned = PinnedPlacement(tiers, depth, experts=cache)
+    prediction = score(desc, profile, request, pinned)
     streams = bool(pool.slots or cache.slots)
     return Solution(
         placement=[
@@ -956,7 +959,7 @@ def solve(
         prefetch=Prefetch(depth=depth, io_threads=profile.nvme.queue_depth if streams else 0),
         expert_cache=cache,
         batch=batch_limits(request),
-        memory=tier_memory(desc, profile, request, tiers, depth, experts=cache),
+        memory=tier_memory(desc, profile, request, pinned),
         prediction=prediction,
         solver=SolverResult(
             name=f"CBC {cbc_version()} (PuLP {pulp.__version__})",

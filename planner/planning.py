@@ -19,7 +19,7 @@ from strata.common.schemas import (
 )
 from strata.common.sizes import format_size
 from strata.common.yamlio import canonical_sha256, read_yaml
-from strata.planner.costmodel import tier_memory
+from strata.planner.costmodel import PinnedPlacement, tier_memory
 from strata.planner.ilp import solve, solver_description
 from strata.planner.routing import apply_routing_profile, read_routing_profile
 from strata.planner.speculative import (
@@ -116,14 +116,7 @@ def build_plan(
         # The memory section shows the tiers' full capacities; the draft's bytes are listed in
         # the speculative section (explain adds them to the gpu total).
         plan.memory = tier_memory(  # type: ignore[assignment]
-            desc,
-            profile,
-            request,
-            plan.tier_of(),
-            plan.prefetch.depth,
-            pool=plan.pool,
-            batch=plan.batch,
-            experts=plan.expert_cache,
+            desc, profile, request, PinnedPlacement.of(plan)
         )
     plan.speculative = plan_speculative(plan, desc, profile, spec, draft=draft, plan_path=plan_path)
     sp = plan.speculative

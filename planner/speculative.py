@@ -50,7 +50,7 @@ import functools
 import math
 import os
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from strata.common.catalog import CATALOG, resolve_model
@@ -66,6 +66,7 @@ from strata.common.schemas import (
 )
 from strata.common.sizes import format_size
 from strata.planner.costmodel import (
+    PinnedPlacement,
     activation_bytes,
     batch_size,
     capacities,
@@ -191,16 +192,9 @@ def verify_seconds(desc: ModelDescription, profile: HardwareProfile, plan: Plan,
     """
     b = batch_size(plan.request, plan.batch)
     req = _batch_request(plan.request, b * (k + 1))
-    pred = score(
-        desc,
-        profile,
-        req,
-        plan.tier_of(),
-        plan.prefetch.depth,
-        pool=plan.pool,
-        experts=plan.expert_cache,
-    )
-    return pred.step_s
+    # Not the plan's batch limits: their max_num_seqs would cap the pass's B (k + 1) tokens.
+    verified = replace(PinnedPlacement.of(plan), batch=None)
+    return score(desc, profile, req, verified).step_s
 
 
 def draft_model_seconds(
@@ -208,7 +202,7 @@ def draft_model_seconds(
 ) -> float:
     """Seconds of one draft-model pass of ``b`` tokens (one per sequence), every unit on gpu."""
     tiers = {u.name: "gpu" for u in draft.units}
-    return score(draft, profile, _batch_request(request, b), tiers, 0).step_s
+    return score(draft, profile, _batch_request(request, b), PinnedPlacement(tiers, 0)).step_s
 
 
 def self_units(
@@ -493,16 +487,7 @@ def free_device_bytes(
 ) -> int:
     """Device bytes the plan leaves free: the least slack of the capacity rows that hold the
     device's contents (gpu; gpu + ram on unified memory), less the draft model's bytes."""
-    use = capacity_use(
-        desc,
-        profile,
-        plan.request,
-        plan.tier_of(),
-        plan.prefetch.depth,
-        pool=plan.pool,
-        batch=plan.batch,
-        experts=plan.expert_cache,
-    )
+    use = capacity_use(desc, profile, plan.request, PinnedPlacement.of(plan))
     free = min(r.capacity - used for r, used in use if "gpu" in r.weight_tiers)
     return free - (draft.reserve if draft is not None else 0)
 

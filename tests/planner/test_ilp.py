@@ -13,6 +13,7 @@ from strata.common.schemas import TIERS, Fingerprints, Request
 from strata.common.yamlio import to_yaml
 from strata.planner.costmodel import (
     MAX_DEPTH,
+    PinnedPlacement,
     activation_bytes,
     batch_limits,
     batch_size,
@@ -43,12 +44,12 @@ def _brute_force(desc, profile, request):
     for assign in itertools.product(TIERS, repeat=len(names)):
         tiers = dict(zip(names, assign, strict=True))
         for depth in range(MAX_DEPTH + 1):
-            use = capacity_use(desc, profile, request, tiers, depth)
+            use = capacity_use(desc, profile, request, PinnedPlacement(tiers, depth))
             short = sum(max(0, used - row.capacity) for row, used in use)
             if short:
                 least_short = short if least_short is None else min(least_short, short)
                 continue
-            obj = objective(score(desc, profile, request, tiers, depth), request)
+            obj = objective(score(desc, profile, request, PinnedPlacement(tiers, depth)), request)
             if best is None or obj < best[0]:
                 best = (obj, tiers, depth)
     return best or (None, least_short)
@@ -114,7 +115,7 @@ def test_ilp_equals_brute_force(seed: int) -> None:
         return
     sol = solve(desc, profile, request)
     tiers = {p.unit: p.tier for p in sol.placement}
-    use = capacity_use(desc, profile, request, tiers, sol.prefetch.depth)
+    use = capacity_use(desc, profile, request, PinnedPlacement(tiers, sol.prefetch.depth))
     assert all(used <= row.capacity for row, used in use)
     got = objective(sol.prediction, request)
     assert got == pytest.approx(best[0], rel=1e-9, abs=0)
@@ -153,7 +154,8 @@ def _check_solution(sol: Solution, desc, profile, request) -> None:
     names = [p.unit for p in sol.placement]
     assert sorted(names) == sorted(u.name for u in desc.units)  # every unit exactly once
     tiers = {p.unit: p.tier for p in sol.placement}
-    for row, used in capacity_use(desc, profile, request, tiers, sol.prefetch.depth):
+    pinned = PinnedPlacement(tiers, sol.prefetch.depth)
+    for row, used in capacity_use(desc, profile, request, pinned):
         assert used <= row.capacity, row.name
     assert sol.memory["gpu"].weights == sum(p.bytes for p in sol.placement if p.tier == "gpu")
     assert sol.memory["ram"].weights == sum(p.bytes for p in sol.placement if p.tier == "ram")
@@ -166,7 +168,7 @@ def _check_solution(sol: Solution, desc, profile, request) -> None:
     else:
         assert (sol.pool.slots, sol.pool.slot_bytes, sol.prefetch.depth) == (0, 0, 0)
         assert sol.prefetch.io_threads == 0
-    assert sol.prediction == score(desc, profile, request, tiers, sol.prefetch.depth)
+    assert sol.prediction == score(desc, profile, request, pinned)
     b = batch_size(request)
     assert sol.prediction.decode_tok_s == pytest.approx(b / sol.prediction.step_s)
 
@@ -321,7 +323,12 @@ def test_score_rejects_a_placement_that_misses_units() -> None:
     desc = make_desc([U(f"blk.{i}.ffn", "ffn", i, MIB) for i in range(2)])
     profile = make_profile(gpu_bytes=GIB, ram_bytes=GIB)
     with pytest.raises(PlanError, match="units without a tier: blk.1.ffn"):
-        score(desc, profile, Request(context=16, concurrency=1), {"blk.0.ffn": "gpu"}, 0)
+        score(
+            desc,
+            profile,
+            Request(context=16, concurrency=1),
+            PinnedPlacement({"blk.0.ffn": "gpu"}, 0),
+        )
 
 
 def _blocks_instance(seed: int):
@@ -361,9 +368,13 @@ def test_io_stall_charges_blocks_whose_attention_and_ffn_both_stream() -> None:
     assert interleaved_blocks(desc, both) == [0, 2]
     stall = sum(costs[f"blk.{i}.ffn"].read_s - costs[f"blk.{i}.attn"].compute_s for i in (0, 2))
     assert stall > 0
-    assert score(desc, profile, request, both, 1).io_stall_s == pytest.approx(stall)
-    assert score(desc, profile, request, both, 2).io_stall_s == 0  # a third slot hides it
-    assert score(desc, profile, request, ffn_only, 1).io_stall_s == 0
+
+    def stall_s(tiers: dict[str, str], depth: int) -> float:
+        return score(desc, profile, request, PinnedPlacement(tiers, depth)).io_stall_s
+
+    assert stall_s(both, 1) == pytest.approx(stall)
+    assert stall_s(both, 2) == 0  # a third slot hides it
+    assert stall_s(ffn_only, 1) == 0
 
 
 def test_streamed_attention_goes_to_blocks_whose_ffn_stays() -> None:

@@ -10,6 +10,7 @@ import pytest
 from strata.common.errors import PlanError
 from strata.common.schemas import TIERS, ExpertCache, ModelDescription, Request, RoutingProfile
 from strata.planner.costmodel import (
+    PinnedPlacement,
     activation_bytes,
     batch_limits,
     capacity_use,
@@ -65,10 +66,15 @@ def _brute_force(desc: ModelDescription, profile, request):
             slot_choices = range(working_slots(desc, m), streamed + working_slots(desc, m) + 1)
             for slots in slot_choices if streamed else [0]:
                 cache = expert_cache_for(desc, tiers, slots, m) if streamed else ExpertCache()
-                use = capacity_use(desc, profile, request, tiers, depth, experts=cache)
+                use = capacity_use(
+                    desc, profile, request, PinnedPlacement(tiers, depth, experts=cache)
+                )
                 if any(used > row.capacity for row, used in use):
                     continue
-                obj = objective(score(desc, profile, request, tiers, depth, experts=cache), request)
+                obj = objective(
+                    score(desc, profile, request, PinnedPlacement(tiers, depth, experts=cache)),
+                    request,
+                )
                 if best is None or obj < best:
                     best = obj
     assert n_exp
@@ -106,7 +112,9 @@ def test_ilp_equals_brute_force_with_experts(seed):
         return
     sol = solve(desc, profile, request)
     tiers = {p.unit: p.tier for p in sol.placement}
-    use = capacity_use(desc, profile, request, tiers, sol.prefetch.depth, experts=sol.expert_cache)
+    use = capacity_use(
+        desc, profile, request, PinnedPlacement(tiers, sol.prefetch.depth, experts=sol.expert_cache)
+    )
     assert all(used <= row.capacity for row, used in use)
     assert objective(sol.prediction, request) == pytest.approx(best, rel=1e-9)
 
