@@ -1361,7 +1361,7 @@ def http_bench(
             result["mismatches"] += bad
             result["scaling"][str(c)] = level["vs_level_1"]
             result["levels"].append(_ordered(level))
-            _log_level(level, log)
+            print(_level_line(level), file=log, flush=True)
         if work.prefix is not None:
             p = work.prefix
             gpu = "cpu" not in result["machine"]["mlx_device"]
@@ -1372,7 +1372,7 @@ def http_bench(
             result["prefix_cache"] = _prefix_result(
                 p, trials, batch.kv_block_size, lends=not batch_invariant
             )
-            _log_prefix(result["prefix_cache"], log)
+            print(_prefix_line(result["prefix_cache"]), file=log, flush=True)
     prefix_ok = result["prefix_cache"] is None or result["prefix_cache"]["check_passed"]
     result["check_passed"] = all(lv["check_passed"] for lv in result["levels"]) and prefix_ok
     result["measured_at"] = time.strftime("%Y-%m-%dT%H:%M:%S")
@@ -1500,18 +1500,17 @@ def _peak(value: int | None) -> str:
     return f"not sampled (level under {METRICS_POLL_S} s)" if value is None else str(value)
 
 
-def _log_level(lv: dict, log: TextIO) -> None:
+def _level_line(lv: dict) -> str:
+    """The log line of one concurrency level's result."""
     s, ttft, tpot = lv["server"], lv["ttft_s"], lv["tpot_s"]
-    print(
+    return (
         f"bench: concurrency {lv['concurrency']}: {lv['requests']} requests, "
         f"{lv['aggregate_tok_s']:.2f} tok/s aggregate (x{lv['vs_level_1']:.2f} level 1), "
         f"TTFT p50 {_ms(ttft['p50'])} p99 {_ms(ttft['p99'])}, "
         f"TPOT p50 {_ms(tpot['p50'])} p99 {_ms(tpot['p99'])}, "
         f"KV blocks peak {_peak(s['kv_blocks_peak'])}/{s['kv_blocks_total']}, "
         f"preemptions {s['preemptions']}, warm-up {lv['warmup']['wall_s']:.1f} s, "
-        f"texts {_texts_verdict(lv)}" + (" (queued: above max_num_seqs)" if lv["queued"] else ""),
-        file=log,
-        flush=True,
+        f"texts {_texts_verdict(lv)}" + (" (queued: above max_num_seqs)" if lv["queued"] else "")
     )
 
 
@@ -1529,16 +1528,15 @@ def _cut(cold: float | None, warm: float | None) -> str:
     return f"{cold / warm:.2f}x" if cold and warm else "-"
 
 
-def _log_prefix(p: dict, log: TextIO) -> None:
+def _prefix_line(p: dict) -> str:
+    """The log line of the prefix-cache test's result."""
     cold_s, warm_s = p["cold_server_ttft_s"], p["warm_server_ttft_s"]
-    print(
+    return (
         f"bench: prefix cache: {p['prefix_tokens']}-token prefix, TTFT cold "
         f"{_ms(p['cold_ttft_s'])}, warm {_ms(p['warm_ttft_s'])} (cut "
         f"{_cut(p['cold_ttft_s'], p['warm_ttft_s'])}; in the server: cold {_ms(cold_s)}, warm "
         f"{_ms(warm_s)}, cut {_cut(cold_s, warm_s)}), "
-        f"{p['warm_hit_tokens']} hit tokens" + ("" if p["check_passed"] else " — NO HIT"),
-        file=log,
-        flush=True,
+        f"{p['warm_hit_tokens']} hit tokens" + ("" if p["check_passed"] else " — NO HIT")
     )
 
 
