@@ -25,16 +25,19 @@ Writes ``summary.json`` in ``--out``. Usage (from the project root):
 
 from __future__ import annotations
 
-import argparse
 import json
-import subprocess
 import sys
 from pathlib import Path
 
 import yaml
+from strata.benchmarks.streamed_plans import (
+    CONTEXT,
+    model_mlx_bytes,
+    quarter_budget,
+    run_strata,
+    streaming_parser,
+)
 
-ROOT = Path(__file__).resolve().parent.parent
-CONTEXT = "256"
 BENCH_PROMPT = "The history of the city begins in the early middle ages, when"
 PROFILE_TEXT = (
     "Mixture-of-experts language models route every token to a few experts per layer. "
@@ -50,15 +53,10 @@ _MODE_KEYS = (
 """Per expert-cache mode figures kept in the summary."""
 
 
-def _run(*args: str) -> None:
-    print("+", " ".join(args), file=sys.stderr, flush=True)
-    subprocess.run([sys.executable, "-m", "strata", *args], cwd=ROOT, check=True)
-
-
 def _bench(plan: Path, out: Path, tokens: int, modes: str | None) -> dict:
     result = out / f"{plan.stem}.bench.json"
     extra = ["--expert-cache-modes", modes] if modes else []
-    _run(
+    run_strata(
         "bench", str(plan), "--max-tokens", str(tokens), "--prompt", BENCH_PROMPT,
         *extra, "-o", str(result),
     )  # fmt: skip
@@ -102,12 +100,14 @@ def _replan(
     re-planned plan (its own mode, then ``cache`` and ``prefetch``), and set its predicted and
     measured per-token time beside the uniform plan's (``r``, benched in the same run)."""
     rp = out / f"skewed.{source}.routing.json"
-    _run(
+    run_strata(
         "run", str(uniform_plan), "--prompt", prompt,
         "--max-tokens", str(profile_tokens), "--save-routing-profile", str(rp), "--json",
     )  # fmt: skip
     profiled = out / f"skewed-{source}-profiled-plan.yaml"
-    _run(*plan, "--model", str(model), *budgets, "--routing-profile", str(rp), "-o", str(profiled))
+    run_strata(
+        *plan, "--model", str(model), *budgets, "--routing-profile", str(rp), "-o", str(profiled)
+    )
     r2 = _bench(profiled, out, tokens, "cache,prefetch")
     ec = yaml.safe_load(profiled.read_text())["expert_cache"]
     keys = _MODE_KEYS
@@ -136,13 +136,8 @@ def _replan(
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--profile", required=True, help="hardware profile YAML")
-    p.add_argument("--out", required=True, help="folder for models, plans and results")
-    p.add_argument("--tokens", type=int, default=32, help="decode steps per bench (32)")
-    p.add_argument("--tiers", default="gpu,ram,nvme", help="tiers of the streamed plans")
+    p = streaming_parser(__doc__.splitlines()[0], tokens=32)
     p.add_argument("--shape", default="mixtral-bench", help="synth.py MoE preset")
-    p.add_argument("--tokenizer", default=None, help="GGUF to copy the tokenizer from (offline)")
     p.add_argument(
         "--routings", default="skewed,uniform", help="models to bench: skewed, uniform or both"
     )
@@ -159,15 +154,13 @@ def main(argv: list[str] | None = None) -> int:
     for routing in args.routings.split(","):
         model = out / f"moe-{routing}.gguf"
         if not model.exists():
-            _run("synth", "--shape", args.shape, "--routing", routing, *tok, "-o", str(model))
+            run_strata("synth", "--shape", args.shape, "--routing", routing, *tok, "-o", str(model))
         resident = out / f"{routing}-resident.yaml"
-        _run(*plan, "--model", str(model), "-o", str(resident))
-        doc = yaml.safe_load(resident.read_text())
-        model_bytes = sum(x["bytes"] for x in doc["placement"])
-        budget = model_bytes // 4
-        budgets = ["--gpu-budget", str(budget), "--ram-budget", str(budget), "--tiers", args.tiers]
+        run_strata(*plan, "--model", str(model), "-o", str(resident))
+        model_bytes = model_mlx_bytes(resident)
+        budget, budgets = quarter_budget(model_bytes, args.tiers)
         uniform_plan = out / f"{routing}-uniform-plan.yaml"
-        _run(*plan, "--model", str(model), *budgets, "-o", str(uniform_plan))
+        run_strata(*plan, "--model", str(model), *budgets, "-o", str(uniform_plan))
         r = _bench(uniform_plan, out, args.tokens, "none,cache,prefetch")
         s = {
             "model_mlx_bytes": model_bytes,

@@ -22,26 +22,25 @@ Needs ~5 GiB free on the cache disk (model + packed store).
 
 from __future__ import annotations
 
-import argparse
 import json
-import subprocess
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+from strata.benchmarks.streamed_plans import (
+    CONTEXT,
+    model_mlx_bytes,
+    quarter_budget,
+    run_strata,
+    streaming_parser,
+)
+
 DEEP = ["--shape", "llama3-1b", "--layers", "32", "--ffn", "16384", "--ftype", "Q4_0"]
 SMALL = ["--shape", "smollm2-135m", "--ftype", "Q4_1"]
-CONTEXT = "256"
-
-
-def _run(*args: str) -> None:
-    print("+", " ".join(args), file=sys.stderr, flush=True)
-    subprocess.run([sys.executable, "-m", "strata", *args], cwd=ROOT, check=True)
 
 
 def _bench(plan: Path, out: Path, tokens: int) -> dict:
     result = out / f"{plan.stem}.bench.json"
-    _run(
+    run_strata(
         "bench", str(plan), "--max-tokens", str(tokens),
         "-o", str(result), "--plot", str(out / f"{plan.stem}.bench.png"),
     )  # fmt: skip
@@ -49,34 +48,22 @@ def _bench(plan: Path, out: Path, tokens: int) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--profile", required=True, help="hardware profile YAML")
-    p.add_argument("--out", required=True, help="folder for models, plans and results")
-    p.add_argument("--tokens", type=int, default=8, help="decode steps per bench (8)")
-    p.add_argument("--tiers", default="gpu,ram,nvme", help="tiers of the streamed plan")
-    p.add_argument("--tokenizer", default=None, help="GGUF to copy the tokenizer from (offline)")
-    args = p.parse_args(argv)
+    args = streaming_parser(__doc__.splitlines()[0], tokens=8).parse_args(argv)
     out = Path(args.out).resolve()
     out.mkdir(parents=True, exist_ok=True)
     tok = ["--tokenizer", args.tokenizer] if args.tokenizer else []
 
     deep, small = out / "deep.gguf", out / "small.gguf"
     if not deep.exists():
-        _run("synth", *DEEP, *tok, "-o", str(deep))
+        run_strata("synth", *DEEP, *tok, "-o", str(deep))
     if not small.exists():
-        _run("synth", *SMALL, *tok, "-o", str(small))
+        run_strata("synth", *SMALL, *tok, "-o", str(small))
     plan = ["plan", "--profile", args.profile, "--context", CONTEXT]
-    _run(*plan, "--model", str(deep), "-o", str(out / "deep-resident.yaml"))
-    _run(*plan, "--model", str(small), "-o", str(out / "small-resident.yaml"))
-    import yaml  # after the subprocesses: only the summary needs it
-
-    resident = yaml.safe_load((out / "deep-resident.yaml").read_text())
-    model_bytes = sum(p["bytes"] for p in resident["placement"])
-    budget = model_bytes // 4  # the device budget: a quarter of the model
-    _run(
-        *plan, "--model", str(deep), "--gpu-budget", str(budget), "--ram-budget", str(budget),
-        "--tiers", args.tiers, "-o", str(out / "deep-streamed.yaml"),
-    )  # fmt: skip
+    run_strata(*plan, "--model", str(deep), "-o", str(out / "deep-resident.yaml"))
+    run_strata(*plan, "--model", str(small), "-o", str(out / "small-resident.yaml"))
+    model_bytes = model_mlx_bytes(out / "deep-resident.yaml")
+    budget, budgets = quarter_budget(model_bytes, args.tiers)
+    run_strata(*plan, "--model", str(deep), *budgets, "-o", str(out / "deep-streamed.yaml"))
 
     summary = {"profile": args.profile, "model_mlx_bytes": model_bytes, "device_budget": budget}
     summary["budget_ratio"] = round(model_bytes / budget, 2)
