@@ -157,10 +157,10 @@ fixture) is marked ``slow``, so ``pytest -m "not slow"`` is the fast tier for ev
 
 
 def _has_gpu() -> bool:
-    """Whether MLX has a GPU backend here (CUDA or Metal): ``gpu`` tests are skipped without."""
+    """Whether MLX's CUDA backend is here: ``gpu`` tests (Strata's CUDA kernels) skip without."""
     import mlx.core as mx
 
-    return mx.cuda.is_available() or mx.metal.is_available()
+    return mx.cuda.is_available()
 
 
 def pytest_collection_modifyitems(config, items):
@@ -172,5 +172,5 @@ def pytest_collection_modifyitems(config, items):
             gpu = _has_gpu() if gpu is None else gpu
             if not gpu:
                 item.add_marker(
-                    pytest.mark.skip(reason="needs a GPU (MLX's CUDA or Metal backend)")
+                    pytest.mark.skip(reason="needs MLX's CUDA backend")
                 )

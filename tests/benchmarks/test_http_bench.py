@@ -52,6 +52,7 @@ def _bench_args(plan: Path, *extra: str) -> list[str]:
     return ["execute.py", "bench", str(plan), "--max-tokens", "4", "--requests", "2", *extra]
 
 
+@pytest.mark.slow  # starts a server and runs every level
 def test_serving_bench_end_to_end(serving_plan, tmp_path):
     out, png = tmp_path / "serving.json", tmp_path / "serving.png"
     args = _bench_args(serving_plan, "--concurrency", "2,1", "--prompt-tokens", "16,24")

@@ -88,7 +88,7 @@ def test_chunk_attention_matches_the_definition(dtype, heads, kv_heads, t, start
     np.testing.assert_allclose(got, want, rtol=tol, atol=tol)
 
 
-@pytest.mark.skipif(not CUDA, reason="the paged kernel runs on MLX's CUDA backend")
+@pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [mx.float16, mx.bfloat16])
 def test_paged_kernel_rows_do_not_depend_on_the_chunk(dtype):
     """A query's output is the same, bit for bit, alone (a one-query call over its own keys)
@@ -301,7 +301,7 @@ def test_a_short_slot_table_is_refused():
         ForwardBatch.build([SeqInput([1, 2], 5, np.arange(6, dtype=np.int32))])
 
 
-@pytest.mark.skipif(not CUDA, reason="the paged kernel runs on MLX's CUDA backend")
+@pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [mx.float16, mx.bfloat16])
 @pytest.mark.parametrize("window", [0, 6])
 def test_paged_kernel_attends_a_whole_pass(dtype, window):

@@ -82,7 +82,7 @@ def test_cuda_dequantize_refuses_off_cuda():
         cuda_dequant.dequantize(w.weight, w.scales, w.biases, 32, 4, mx.float16)
 
 
-@pytest.mark.skipif(not CUDA, reason="needs MLX's CUDA backend")
+@pytest.mark.gpu
 @pytest.mark.parametrize(
     "bits, group, dtype",
     [(4, 32, mx.float16), (8, 32, mx.float16), (4, 64, mx.bfloat16), (4, 128, mx.float16)],
@@ -94,7 +94,7 @@ def test_cuda_dequantize_is_the_correctly_rounded_weight(bits, group, dtype):
     assert mx.array_equal(got, _dense_reference(w, dtype))
 
 
-@pytest.mark.skipif(not CUDA, reason="needs MLX's CUDA backend")
+@pytest.mark.gpu
 def test_cuda_dequantize_refuses_what_it_cannot_unpack():
     w = _weight(8, 64, dtype=mx.float16)
     assert not cuda_dequant.supported(3, 32, mx.float16)
@@ -137,7 +137,7 @@ def test_tensor_core_kernel_refuses_off_cuda():
     assert (lo.value, hi.value, times) == (0, 0, {}) and "does not apply" in lo.how
 
 
-@pytest.mark.skipif(not CUDA, reason="needs MLX's CUDA backend")
+@pytest.mark.gpu
 @pytest.mark.parametrize("rows", [1, 2, 5, 16, 24, 33, 64])
 @pytest.mark.parametrize("group, dtype", [(32, mx.float16), (64, mx.bfloat16), (128, mx.float16)])
 @pytest.mark.parametrize(
@@ -162,7 +162,7 @@ def test_tensor_core_kernel_matches_the_dequantized_product(rows, group, dtype, 
     assert mx.array_equal(cuda_mma.matmul(x[:1], w.weight, w.scales, w.biases, group)[0], got[0])
 
 
-@pytest.mark.skipif(not CUDA, reason="needs MLX's CUDA backend")
+@pytest.mark.gpu
 @pytest.mark.parametrize("lead", [(1, 16), (2, 8), (1, 5), (3,)])
 def test_tensor_core_kernels_take_any_rank_and_write_the_shapes_asked(lead):
     """``x`` of any rank gives ``[..., n]`` equal to the 2-D product (8-row multiples written in
@@ -197,7 +197,7 @@ def test_tensor_core_kernels_take_any_rank_and_write_the_shapes_asked(lead):
             cuda_mma.matmul(x, *bad, 32)
 
 
-@pytest.mark.skipif(not CUDA, reason="needs MLX's CUDA backend")
+@pytest.mark.gpu
 @pytest.mark.parametrize("rows", [8, 16, 5])
 @pytest.mark.parametrize("dtype", [mx.float16, mx.bfloat16])
 def test_tensor_core_matmul_adds_the_residual_bit_for_bit(rows, dtype):
@@ -237,14 +237,14 @@ def test_linear_add_is_the_residual_plus_the_product():
     assert wide.shape == (3, 3, 64) and mx.array_equal(wide, column + ops.linear(x, w, CONFIG))
 
 
-@pytest.mark.skipif(not CUDA, reason="needs MLX's CUDA backend")
+@pytest.mark.gpu
 def test_tensor_core_range_measurement_reports_every_row_count():
     lo, hi, times = measure_mma_rows((256, 512), "float16", repeats=1)
     assert set(times) == {2, 4, 8, 16, 32, 64}
     assert (lo.value, hi.value) == mma_range(times)
 
 
-@pytest.mark.skipif(not CUDA, reason="needs MLX's CUDA backend")
+@pytest.mark.gpu
 @pytest.mark.parametrize("rows", [1, 5, 24, 33])
 @pytest.mark.parametrize("dtype", [mx.float16, mx.bfloat16])
 @pytest.mark.parametrize(
@@ -419,7 +419,7 @@ def test_only_the_models_own_silu_takes_the_fused_swiglu():
     assert not object.__new__(Gemma3Model).swiglu
 
 
-@pytest.mark.skipif(not CUDA, reason="needs MLX's CUDA backend")
+@pytest.mark.gpu
 @pytest.mark.parametrize("rows", [1, 5, 24])
 @pytest.mark.parametrize("dtype", [mx.float16, mx.bfloat16])
 @pytest.mark.parametrize(
