@@ -46,7 +46,12 @@ WARMUP_TOKENS = 4
 def _serving(loaded: LoadedPlan, expert_cache_mode: str | None = None) -> ServingEngine:
     """The engine ``serve`` runs for ``loaded`` (its warm-up, kernels, prefix cache, the plan's
     speculative decoding), started."""
-    serving = ServingEngine(Engine(loaded, expert_cache_mode=expert_cache_mode))
+    engine = Engine(loaded, expert_cache_mode=expert_cache_mode)
+    try:
+        serving = ServingEngine(engine)
+    except BaseException:
+        engine.close()
+        raise
     try:
         serving.start()
     except BaseException:

@@ -2,7 +2,7 @@
 
 Every schema forbids unknown keys (a YAML typo is an error naming the key, not a silent default),
 bounds its numbers, and documents each field. Sizes are integer bytes, bandwidths bytes/s, times
-seconds. ``planner.yamlio`` writes them with stable key order so two documents diff cleanly.
+seconds. ``strata.common.yamlio`` writes them with stable key order so two documents diff cleanly.
 
 Format versions are ``MAJOR.MINOR``: a reader refuses a different major version (the meaning of a
 field changed) and accepts any minor version of its own major (fields were only added).

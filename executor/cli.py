@@ -70,7 +70,7 @@ def cmd_run(args: argparse.Namespace) -> None:
     import mlx.core as mx
     from strata.executor.chat import NO_TEMPLATE, ChatError
     from strata.executor.engine import Engine
-    from strata.executor.generate import generate
+    from strata.executor.generate import generate, request_for
     from strata.executor.plan_loader import load_plan
     from strata.executor.sampling import SamplingParams
     from strata.executor.serving import ServingEngine
@@ -100,12 +100,13 @@ def cmd_run(args: argparse.Namespace) -> None:
 
     try:
         ids = prompt_ids_for(engine, args)
-        engine.check_prompt(ids)  # before the warm-up, not after
+        # The whole request is checked before the warm-up (on a GPU up to a minute), not after.
+        serving.validate(request_for(ids, params, args.max_tokens))
+        load_s = time.perf_counter() - t0
+        load_peak_mlx = int(mx.get_peak_memory())  # generate() resets MLX's peak: loading's own
         if engine.config.warm_up_row_buckets:  # as serve says it (the GPU: up to a minute)
             print("building kernels for every batch size ...", file=sys.stderr, flush=True)
         warm_up_s = serving.start()
-        load_s = time.perf_counter() - t0
-        load_peak_mlx = int(mx.get_peak_memory())  # generate() resets MLX's peak: loading's own
         gen = generate(serving, ids, params, args.max_tokens, None if args.json else write)
     finally:
         serving.close()  # the engine thread and the I/O threads stop on success, errors, Ctrl-C
@@ -241,8 +242,7 @@ def add_commands(sub) -> None:
         "--batch-invariant",
         action="store_true",
         help="greedy outputs identical alone and in any batch, with or without a prefix-cache "
-        "hit, on every backend (prefill and decodes in 16-row tiles, attention per KV block); "
-        "no speculative decoding",
+        "hit, on every backend (prefill and decodes in 16-row tiles, attention per KV block)",
     )
 
     pr = sub.add_parser("profile", help="measure this machine's hardware profile")

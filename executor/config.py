@@ -55,8 +55,8 @@ class RuntimeConfig:
     pad_pass_rows: bool
     """Pad a dense model's forward pass to its row bucket once, at the embedding
     (``LlamaModel.pass_rows``), where ``pad_rows`` pads products: padding per product costs two
-    host operations per product (docs/kernels.md#row-buckets). Default: ``pad_rows``'s (on MLX's
-    CUDA backend)."""
+    host operations per product (docs/kernels.md#row-buckets). Default: on MLX's CUDA backend
+    (set on its own: ``pad_rows=False`` leaves it as it is)."""
 
     pad_expert_rows: bool
     """Pad each expert's row count to a power of two (``models.llama._padded_rows``, copies of

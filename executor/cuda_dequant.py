@@ -8,11 +8,11 @@ vector store (16 bytes for 4-bit float16), so reads and writes are coalesced. It
 ``mx.dequantize`` on large weights and loses a few us to its launch on small ones (figures,
 ``benchmarks/kernels/dequant_kernel.py``: docs/kernels.md#the-dequantization-kernel).
 
-Layout (``executor.quant``): element ``j`` of a word sits at bits ``bits * j``; ``w = scale * q +
-bias`` per group of ``group_size`` elements along a row. The product is computed in float32 and
-rounded once to the output dtype, so each element is the correctly rounded value of the exact
-dequantized weight (``mx.dequantize`` with float16 scales computes in float16, which can differ
-from it in the last bit).
+Layout (``strata.common.quant``): element ``j`` of a word sits at bits ``bits * j``;
+``w = scale * q + bias`` per group of ``group_size`` elements along a row. The product is computed
+in float32 and rounded once to the output dtype, so each element is the correctly rounded value
+of the exact dequantized weight (``mx.dequantize`` with float16 scales computes in float16,
+which can differ from it in the last bit).
 """
 
 from __future__ import annotations

@@ -45,8 +45,8 @@ dtype's own ``+``, bit for bit the separate add), one operation of the graph few
 output projection. Each call's launch (validation, grid, template) is worked out once per
 signature (:data:`_LAUNCHES`).
 
-Layout (``executor.quant``): element ``j`` of a uint32 word sits at bits ``4 * j``; ``w = scale * q
-+ bias`` per group of ``group_size`` (32, 64 or 128) elements along a row."""
+Layout (``strata.common.quant``): element ``j`` of a uint32 word sits at bits ``4 * j``;
+``w = scale * q + bias`` per group of ``group_size`` (32, 64 or 128) elements along a row."""
 
 from __future__ import annotations
 

@@ -110,6 +110,21 @@ class _Mark:
         )
 
 
+def request_for(
+    prompt_ids: list[int], params: SamplingParams, max_tokens: int, stop_at_eog: bool = True
+) -> GenerationRequest:
+    """The serving request :func:`generate` submits (a fresh id; ``max_tokens`` 0 asks for one
+    token, which is not kept), so a caller can ``ServingEngine.validate`` it first.
+
+    Raises:
+        StrataError: a negative ``max_tokens``.
+    """
+    if max_tokens < 0:
+        raise StrataError(f"--max-tokens {max_tokens} is negative")
+    rid = f"generate-{next(_request_ids)}"
+    return GenerationRequest(rid, list(prompt_ids), max(1, max_tokens), params, not stop_at_eog)
+
+
 def generate(
     serving: ServingEngine,
     prompt_ids: list[int],
@@ -151,20 +166,20 @@ def generate(
             outside the vocabulary, no room in the context or the KV cache); a forward pass
             that failed (its message).
     """
-    if max_tokens < 0:
-        raise StrataError(f"--max-tokens {max_tokens} is negative")
-    rid = f"generate-{next(_request_ids)}"
-    req = GenerationRequest(rid, list(prompt_ids), max(1, max_tokens), params, not stop_at_eog)
+    req = request_for(prompt_ids, params, max_tokens, stop_at_eog)
+    rid = req.request_id
     events: queue.SimpleQueue[tuple[TokenEvent, _Mark | None]] = queue.SimpleQueue()
     first: list[_Mark] = []
 
     def on_event(ev: TokenEvent) -> None:  # on the engine thread, between its steps
         mark = None
-        if (ev.token_ids and not first) or ev.finish_reason is not None:
-            mark = _Mark.now(serving)
-            if ev.token_ids and not first:
-                first.append(mark)  # the prompt's counters, before any decode step
-        events.put((ev, mark))
+        try:
+            if (ev.token_ids and not first) or ev.finish_reason is not None:
+                mark = _Mark.now(serving)
+                if ev.token_ids and not first:
+                    first.append(mark)  # the prompt's counters, before any decode step
+        finally:  # the event reaches the caller even if reading the counters failed
+            events.put((ev, mark))
 
     mx.reset_peak_memory()
     start = _Mark.now(serving)

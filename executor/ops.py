@@ -7,7 +7,7 @@ computes the same numbers whichever tier (memory, device) the planner puts it on
 
 Compute dtype is float32 on CPU: MLX's CPU backend is about 30x slower in float16 here.
 
-Scales (measured on MLX 0.32.4, CPU): ``executor.quant.repack`` stores scales/biases as
+Scales (measured on MLX 0.32.4, CPU): ``strata.common.quant.repack`` stores scales/biases as
 float16 where that is exact. ``mx.quantized_matmul`` with float32 activations accepts them
 (it inserts a cast of scales/biases to the activation dtype on every call; the result is
 bit-identical to passing float32 scales), costing ~5-8 % at batch 1 on CPU. So
@@ -104,7 +104,7 @@ class QuantLinear:
         weight: uint32 ``[rows, cols * bits // 32]``.
         scales: float ``[rows, cols // group_size]``.
         biases: same dtype and shape as ``scales``; ``w = scales * q + biases``.
-        bits: bits per element (4, 5 or 8 for the GGUF types ``executor.quant`` repacks).
+        bits: bits per element (4, 5 or 8 for the GGUF types ``strata.common.quant`` repacks).
         group_size: elements per scale/bias group (32, or 128 for Q3_K).
     """
 
@@ -171,8 +171,8 @@ def to_mlx(w: PackedWeight | np.ndarray, dtype: mx.Dtype | None = None) -> Quant
     """Move a repacked weight (host numpy) into MLX arrays.
 
     Args:
-        w: a :class:`executor.quant.PackedWeight` or a plain float numpy array, as
-            returned by :func:`executor.quant.repack`.
+        w: a :class:`strata.common.quant.PackedWeight` or a plain float numpy array, as
+            returned by :func:`strata.common.quant.repack`.
         dtype: None keeps the stored dtypes (least memory). Otherwise the compute dtype:
             scales/biases of a quantized weight, or a plain float array, are converted to
             it once here (e.g. ``mx.float32`` on CPU, saving a cast per call). Only exact
@@ -406,7 +406,7 @@ def _kernel_path(
 
 def quantized_product(x: mx.array, w: QuantLinear, path: str) -> mx.array:
     """``x @ w.T`` for a quantized ``w`` by one of the kernel paths (:func:`kernel_path` picks
-    one per call; ``planner.profile`` times exactly this function):
+    one per call; ``executor.profile`` times exactly this function):
 
     - ``quantized``: ``mx.quantized_matmul``;
     - ``mma``: Strata's tensor-core kernel (``executor.cuda_mma``), MLX's CUDA backend;

@@ -1,7 +1,7 @@
-"""Measure this machine into a :class:`~planner.schemas.HardwareProfile`.
+"""Measure this machine into a :class:`~strata.common.schemas.HardwareProfile`.
 
-Each number is a :class:`~planner.schemas.Figure` that says how it was obtained. What is measured,
-and how (units: bytes, bytes/s, FLOP/s, seconds):
+Each number is a :class:`~strata.common.schemas.Figure` that says how it was obtained. What is
+measured, and how (units: bytes, bytes/s, FLOP/s, seconds):
 
 - memory: host RAM from ``psutil.virtual_memory().total``; the device working set from MLX
   (Metal's ``max_recommended_working_set_size``, CUDA's free device memory) or, on the CPU backend,

@@ -15,6 +15,7 @@ here, so the model never imports the graphs that trace it.
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -236,7 +237,9 @@ class ModelRunner:
                 out.verifications += 1
         return out
 
-    def warm_up(self, max_tokens: int, max_seqs: int, context: int) -> None:
+    def warm_up(
+        self, max_tokens: int, max_seqs: int, context: int, stop: threading.Event | None = None
+    ) -> None:
         """Forward passes in every row bucket, laid out as serving lays them out (the
         batch-invariant tile included): passes of 1, 2, 4, ... tokens in every bucket of
         ``executor.ops.bucket_rows`` up to ``max_tokens`` (the plan's
@@ -246,7 +249,8 @@ class ModelRunner:
         and 8 tokens and the decode groups meet each), then decode groups of 2, 4, ...
         sequences of different lengths up to ``max_seqs`` (the output head at those row
         counts). They write KV slots of free blocks only and touch neither the block pool nor
-        the prefix cache.
+        the prefix cache. ``stop``, once set (the engine closing: Ctrl-C), skips the passes
+        left.
 
         Raises:
             whatever a forward pass raises (the serving engine then fails to start).
@@ -256,7 +260,8 @@ class ModelRunner:
         piece = cuda_attention.MAX_QUERIES
 
         def run(inputs: list[SeqInput]) -> None:
-            mx.eval(self.run(inputs)[1])
+            if stop is None or not stop.is_set():
+                mx.eval(self.run(inputs)[1])
 
         for n in warm_up_sizes(limit):  # chunk j: positions 0.. in slots from j * piece on
             run([SeqInput([0] * min(piece, n - j), 0, slots[j:n]) for j in range(0, n, piece)])

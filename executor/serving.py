@@ -189,6 +189,16 @@ class ServingEngine:
         self._draft_engine: Engine | None = None
         if drafter is None and speculative:
             drafter, num_draft_tokens = self._plan_drafter()
+        try:
+            self._setup(drafter, num_draft_tokens)
+        except BaseException:
+            if self._draft_engine is not None:  # the draft model's I/O threads, loaded above
+                self._draft_engine.close()
+            raise
+
+    def _setup(self, drafter: Drafter | None, num_draft_tokens: int) -> None:
+        """The rest of ``__init__``: a failure here closes the draft model loaded before it."""
+        engine, batch_invariant = self.engine, self.batch_invariant
         self.drafter = drafter
         self.num_draft_tokens = num_draft_tokens if drafter is not None else 0
         plan = engine.loaded.plan
@@ -218,6 +228,7 @@ class ServingEngine:
         self._live: dict[str, _Live] = {}
         self._thread: threading.Thread | None = None
         self._ready = threading.Event()  # set once the thread serves (after any warm-up)
+        self._stopping = threading.Event()  # set by close(): the warm-up stops early
         self._warm_s, self._start_error = 0.0, None  # the engine thread's start, for start()
         self.steps = self.batched_tokens = 0
         # Speculative decoding: draft tokens verified and accepted, verification chunks.
@@ -337,6 +348,7 @@ class ServingEngine:
     def close(self) -> None:
         """Abort what is left (events ``abort``), stop the thread and the engine's I/O."""
         if self._thread is not None and self._thread.is_alive():
+            self._stopping.set()  # a warm-up in progress ends after its current pass
             self._inbox.put(("stop", None, None))
             self._thread.join()
         self.engine.close()
@@ -383,6 +395,22 @@ class ServingEngine:
     # ------------------------------------------------------------------ engine thread
 
     def _run(self, warm_up: bool) -> None:
+        try:
+            self._serve(warm_up)
+        finally:
+            self._release()
+
+    def _release(self) -> None:
+        """Drop the drafter's and the runner's KV pools and compiled passes on this thread,
+        which made them, however it ends (``pass_graph.release`` says why)."""
+        closers = [self.runner.close] + ([self.drafter.close] if self.drafter else [])
+        for close in closers:
+            try:
+                close()
+            except Exception as e:  # the other must still be released
+                print(f"error: releasing the engine thread's buffers: {e}", file=sys.stderr)
+
+    def _serve(self, warm_up: bool) -> None:
         # MLX streams are thread-local (MLX >= 0.31.2): this thread computes on its own stream,
         # and the KV pool is made here so that its lazy arrays belong to it.
         try:
@@ -393,13 +421,19 @@ class ServingEngine:
             self.runner.make_kv(b.kv_num_blocks, b.kv_block_size)
             if warm_up:
                 t0 = time.perf_counter()
-                self.runner.warm_up(b.max_num_batched_tokens, b.max_num_seqs, self.context)
+                # Its all-zero ids are not traffic: no routing recorded for a routing profile.
+                with self.engine.store.routing_unrecorded():
+                    self.runner.warm_up(
+                        b.max_num_batched_tokens, b.max_num_seqs, self.context, self._stopping
+                    )
                 self._warm_s = time.perf_counter() - t0
         except Exception as e:  # reported by start()
             self._start_error = f"{type(e).__name__}: {e}"
             self._ready.set()
             return
         self._ready.set()
+        if self._stopping.is_set():
+            return
         stalled = False  # the last step could schedule nothing
         while True:
             idle = not self.scheduler.has_work()
@@ -419,10 +453,6 @@ class ServingEngine:
                 if kind == "stop":
                     for rid in list(self._live):
                         self._finish(self._live[rid], "abort")
-                    # On this thread, which traced the compiled passes (pass_graph.release).
-                    if self.drafter is not None:
-                        self.drafter.close()
-                    self.runner.close()
                     return
                 if kind == "submit":
                     self._admit(arg, cb)

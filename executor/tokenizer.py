@@ -997,7 +997,7 @@ class GGUFTokenizer:
         """Build the tokenizer of the GGUF file at ``path``.
 
         Raises:
-            planner.errors.GGUFError: the file is missing or not a valid GGUF.
+            strata.common.errors.GGUFError: the file is missing or not a valid GGUF.
             TokenizerError: its tokenizer metadata is missing, malformed or not supported yet.
         """
         from strata.common.gguf_file import open_gguf

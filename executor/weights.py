@@ -17,7 +17,8 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 
 import mlx.core as mx
 import numpy as np
@@ -119,6 +120,7 @@ class WeightStore:
         }
         self.experts_cache: ExpertCache | None = None
         self.routing = RoutingTracker(desc.architecture)
+        self._record_routing = True  # off inside routing_unrecorded()
         self.expert_uses = {"gpu": 0, "ram": 0}
         self._group_needs_eval = False
 
@@ -186,6 +188,16 @@ class WeightStore:
             )
             self.experts_cache.preload(preload or [])
 
+    @contextmanager
+    def routing_unrecorded(self) -> Iterator[None]:
+        """Forward passes inside record no routing (the serving warm-up's all-zero ids are not
+        traffic: they would skew the routing profile and the co-activation prefetch)."""
+        self._record_routing = False
+        try:
+            yield
+        finally:
+            self._record_routing = True
+
     def route(self, layer: int, chosen: np.ndarray) -> list[list[int]]:
         """Record block ``layer``'s routing and group its experts for loading.
 
@@ -200,7 +212,8 @@ class WeightStore:
             ``layer + 1``'s likely experts are queued for reading after this block's own.
         """
         chosen = np.asarray(chosen, dtype=np.int64)
-        self.routing.observe(layer, chosen)
+        if self._record_routing:
+            self.routing.observe(layer, chosen)
         ids = [int(e) for e in np.unique(chosen)]
         # Always predicted (top-k), so a routing profile carries the prediction's recall.
         guess = self.routing.predict(layer + 1, chosen, chosen.shape[1])

@@ -31,7 +31,7 @@ _BLOCK = re.compile(r"^blk\.(\d+)\.(.+)$")
 
 
 def infer_role(name: str) -> tuple[int | None, str]:
-    """(layer, role) from a unit name as ``planner.describe`` writes them (``blk.3.ffn``,
+    """(layer, role) from a unit name as ``strata.common.describe`` writes them (``blk.3.ffn``,
     ``blk.3.expert.5``, ``token_embd``, ``output``); ``other`` when the name says nothing."""
     m = _BLOCK.match(name)
     if not m:

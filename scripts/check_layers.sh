@@ -10,9 +10,14 @@ tmp=$(mktemp -d)
 trap 'rm -rf "$tmp"' EXIT
 mkdir "$tmp/strata"
 cp strata/*.py "$tmp/strata/"
-for d in common planner executor benchmarks; do
-  cp -r "$d" "$tmp/strata/$d"
-done
+# Every subpackage folder that pyproject maps (strata.X = "folder"), so a new one is checked too.
+.venv/bin/python - "$tmp" <<'PY'
+import shutil, sys, tomllib
+dirs = tomllib.load(open("pyproject.toml", "rb"))["tool"]["setuptools"]["package-dir"]
+for package, folder in dirs.items():
+    if package.count(".") == 1:
+        shutil.copytree(folder, f"{sys.argv[1]}/strata/{package.split('.')[1]}")
+PY
 find "$tmp" -name __pycache__ -prune -exec rm -rf {} +
 cd "$tmp"
 PYTHONPATH="$tmp" "$repo/.venv/bin/lint-imports" "$repo/.importlinter" --no-cache "$@"

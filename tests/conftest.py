@@ -171,6 +171,4 @@ def pytest_collection_modifyitems(config, items):
         if item.get_closest_marker("gpu") is not None:
             gpu = _has_gpu() if gpu is None else gpu
             if not gpu:
-                item.add_marker(
-                    pytest.mark.skip(reason="needs MLX's CUDA backend")
-                )
+                item.add_marker(pytest.mark.skip(reason="needs MLX's CUDA backend"))

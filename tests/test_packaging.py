@@ -60,3 +60,14 @@ def test_wheel_holds_one_top_level_package_and_the_command(tmp_path):
     }
     assert "strata/executor/server/app.py" in names and "strata/common/schemas.py" in names
     assert "strata = strata.cli:main" in entry_points
+
+
+def test_the_command_line_imports_no_mlx():
+    """``strata describe|plan|explain|diff`` (and ``plan.py``) run where MLX is absent or slow
+    to import: the command layer and the planner's commands import MLX only inside the
+    executor's commands. import-linter cannot check this (it counts imports inside functions)."""
+    code = "import sys, strata.cli; print(sorted(m for m in sys.modules if m.startswith('mlx')))"
+    out = subprocess.run(
+        [sys.executable, "-c", code], check=True, capture_output=True, text=True, cwd=ROOT
+    )
+    assert out.stdout.strip() == "[]"

@@ -6,7 +6,7 @@ For each weight shape (a Llama-3-8B block's FFN and attention projections, SmolL
 in groups of 32, float16: the dequantizing pass of each kernel, then for 1 to 512 rows the
 quantized matmul, the dense path (our dequantize + matmul), the matmul alone and, up to 64 rows,
 the tensor-core path (``executor.cuda_mma``), each the best of 7 calls timed one at a time
-(evaluated and synchronized), as ``planner.profile``'s kernel-path tests time them. First it
+(evaluated and synchronized), as ``strata.executor.profile``'s kernel-path tests time them. First it
 checks that the dequantize kernel is exact for 4 and 8 bits, groups of 32 to 128, float16 and
 bfloat16, and that the tensor-core kernel is within 1e-3 (float16) of the float32 product, each row
 equal alone. Output: JSON ``{"NxK": {"dequant_mlx_us", "dequant_ours_us", "ours_GBps", "rows":
@@ -34,7 +34,7 @@ SHAPES = ((14336, 4096), (4096, 14336), (4096, 4096), (1024, 4096), (1536, 576),
 
 def best(fn, repeats: int = 7) -> float:
     """Best seconds of ``fn`` (which evaluates, so each call waits for the GPU) over ``repeats``
-    calls after one untimed call: the profile's timing (``planner.profile``)."""
+    calls after one untimed call: the profile's timing (``strata.executor.profile``)."""
     return _best_seconds(fn, repeats)
 
 

@@ -12,7 +12,7 @@ The llama decoder (``executor/models/llama.py``) with:
   ``attention.key_length`` (llama.cpp's rule; the 62-block 27B uses 1/sqrt(width / heads), its
   query_pre_attn_scalar);
 - sliding-window attention where ``gemma3.attention.sliding_window`` is set: the windowed blocks
-  (``planner.describe``: all but every 6th, or ``attention.sliding_window_pattern``) see the
+  (``strata.common.describe``: all but every 6th, or ``attention.sliding_window_pattern``) see the
   last ``sliding_window`` tokens with RoPE base ``rope.freq_base_swa`` (10000 by default) and no
   position scaling; the global blocks use ``rope.freq_base`` and ``rope.scaling.factor``;
 - final logit soft-capping, ``c * tanh(logits / c)``, when the GGUF has

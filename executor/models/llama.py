@@ -76,7 +76,7 @@ MOE_GGUF_KEYS = {
     "expert_weights_norm": "norm",
     "expert_weights_scale": "scale",
 }
-"""The routing keys a GGUF may carry (``{arch}.<key>``, read into the ``planner.schemas.
+"""The routing keys a GGUF may carry (``{arch}.<key>``, read into the ``strata.common.schemas.
 Architecture`` fields of the same names: None or 0 when absent) -> the :class:`MoeRouting`
 field each sets."""
 

@@ -12,7 +12,7 @@ from gguf_factory import write_arch_model
 from strata.executor.block_pool import BlockPool
 from strata.executor.engine import Engine
 from strata.executor.plan_loader import load_plan
-from strata.executor.runner import ModelRunner, forward
+from strata.executor.runner import ModelRunner
 from strata.executor.sampling import Sampler, SamplingParams
 from strata.executor.scheduler import Scheduler, SeqStatus, Sequence
 
@@ -72,21 +72,3 @@ def test_scheduled_steps_give_the_greedy_tokens_of_teacher_forcing(engine):
     assert [len(v) for v in logprobs.values()] == [0, 4, 0]
     for tok, lp in zip(seqs["r1"].output_ids, logprobs["r1"], strict=True):
         assert lp.top[0][0] == tok and len(lp.top) == 3
-
-
-def test_forward_is_the_eager_pass_where_nothing_compiles(engine):
-    """``runner.forward`` on the CPU (no paged kernel, so no compiled pass): the model's eager
-    ``forward_batch`` bit for bit, and the same KV written."""
-    from strata.executor.paged_kv import ForwardBatch, SeqInput
-
-    model = engine.model
-    ids = np.random.default_rng(1).integers(0, model.arch.vocab_size, 9).tolist()
-    slots = np.arange(9, dtype=np.int32)
-    out = []
-    for run in (lambda b, kv: forward(model, b, kv), model.forward_batch):
-        kv = model.make_paged_cache(4, 4)
-        logits = run(ForwardBatch.build([SeqInput(ids, 0, slots, "all")]), kv)
-        out.append((np.array(logits), [np.array(a) for a in kv.keys]))
-    np.testing.assert_array_equal(out[0][0], out[1][0])
-    for a, b in zip(out[0][1], out[1][1], strict=True):
-        np.testing.assert_array_equal(a, b)
