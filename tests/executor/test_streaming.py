@@ -23,10 +23,12 @@ from strata.executor.sampling import SamplingParams
 from strata.executor.serving import ServingEngine
 
 
-def _io_threads() -> list[str]:
+def _io_threads(before: frozenset[threading.Thread] = frozenset()) -> list[str]:
     """Names of the threads of Strata's alive in this process (the serving engine's, prefetch
-    and read workers)."""
-    return [t.name for t in threading.enumerate() if t.name.startswith("strata-")]
+    and read workers) but for ``before`` (another test file's session engine may still run)."""
+    return [
+        t.name for t in threading.enumerate() if t.name.startswith("strata-") and t not in before
+    ]
 
 
 def _serving(engine: Engine) -> ServingEngine:
@@ -37,6 +39,7 @@ def _serving(engine: Engine) -> ServingEngine:
 
 
 def _generate_until_error(budget_plans, monkeypatch, fault) -> StrataError:
+    before = frozenset(threading.enumerate())
     serving = _serving(Engine(load_plan(budget_plans["ffn-nvme"])))
     engine = serving.engine
     try:
@@ -48,7 +51,7 @@ def _generate_until_error(budget_plans, monkeypatch, fault) -> StrataError:
     finally:
         serving.close()
     assert not engine.store.pool  # closed
-    assert _io_threads() == []  # and its threads joined
+    assert _io_threads(before) == []  # and its threads joined
     return e.value
 
 
@@ -69,8 +72,9 @@ def test_failed_read_is_an_error(budget_plans, monkeypatch):
 
 
 def test_ctrl_c_stops_the_io_threads(budget_plans):
+    before = frozenset(threading.enumerate())
     serving = _serving(Engine(load_plan(budget_plans["ffn-nvme"])))
-    assert _io_threads()  # the prefetch thread runs while the engine is open
+    assert _io_threads(before)  # the prefetch thread runs while the engine is open
 
     def interrupt(piece: str) -> None:
         raise KeyboardInterrupt
@@ -80,7 +84,7 @@ def test_ctrl_c_stops_the_io_threads(budget_plans):
             generate(serving, [504, 3575], SamplingParams(), 4, on_text=interrupt)
         finally:
             serving.close()  # what execute.py run does on every way out
-    assert _io_threads() == []
+    assert _io_threads(before) == []
 
 
 def test_ctrl_c_in_execute_run_exits_cleanly(budget_plans):
