@@ -1,4 +1,4 @@
-"""``execute.py bench``: measured throughput of a plan, next to what the plan predicted.
+"""``strata bench``: measured throughput of a plan, next to what the plan predicted.
 
 One request through the engine ``serve`` runs (``executor.generate``: its warm-up, kernels and
 the plan's speculative decoding), after a warm-up request, measures on this machine:
@@ -170,6 +170,11 @@ def bench(
         StrataError: a bad plan or prompt, or generated ids that fail the check.
     """
     loaded = load_plan(plan_path)
+    if expert_modes and not loaded.desc.architecture.expert_count:
+        raise StrataError(
+            f"--expert-cache-modes: {plan_path}'s model has no experts (not a mixture-of-experts "
+            "model); leave the option out"
+        )
     serving = _serving(loaded)
     engine = serving.engine
     try:

@@ -1,4 +1,4 @@
-"""``strata bench`` (also ``execute.py bench``): its arguments, and which bench runs.
+"""``strata bench`` (also ``strata bench``): its arguments, and which bench runs.
 
 Without ``--concurrency`` it measures one request through the engine (``bench.py``: tok/s, bytes
 read, I/O wait, memory, the ids checked against an all-resident run); with it, it starts ``serve``

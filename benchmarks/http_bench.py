@@ -1,6 +1,6 @@
-"""``execute.py bench --concurrency``: a plan served over the real HTTP API, measured.
+"""``strata bench --concurrency``: a plan served over the real HTTP API, measured.
 
-The bench starts ``execute.py serve PLAN`` as a subprocess on a free loopback port (with a random
+The bench starts ``strata serve PLAN`` as a subprocess on a free loopback port (with a random
 API key, so nothing else on the machine can send it requests), waits for ``/health``, and drives
 ``POST /v1/completions`` with streamed (server-sent events) requests from an ``aiohttp`` asyncio
 client, exactly as an OpenAI client would. The client is aiohttp, not httpx, because the client's
@@ -337,7 +337,7 @@ def make_text(tok: GGUFTokenizer, seed: str, n_tokens: int) -> tuple[str, int]:
 
 
 class ServerProcess:
-    """``execute.py serve`` as a subprocess on a free loopback port; a context manager that
+    """``strata serve`` as a subprocess on a free loopback port; a context manager that
     always stops it.
 
     Args:
@@ -961,7 +961,7 @@ def _check_room(name: str, need: int, context: int, pool_tokens: int, fix: str) 
     if need > context:
         raise StrataError(
             f"{name} needs {need} tokens per sequence but the plan's context is {context} "
-            f"tokens; re-plan with a larger --context (plan.py plan ... --context {need}), or "
+            f"tokens; re-plan with a larger --context (strata plan ... --context {need}), or "
             f"{fix}"
         )
     if need > pool_tokens:
@@ -1610,7 +1610,7 @@ def refuse_serving_options(args: argparse.Namespace) -> None:
 
 
 def cmd_http_bench(args: argparse.Namespace) -> None:
-    """``execute.py bench PLAN --concurrency ...``: run, write the JSON (``-o`` or stdout) and
+    """``strata bench PLAN --concurrency ...``: run, write the JSON (``-o`` or stdout) and
     the plot, then fail if a check failed.
 
     Raises:

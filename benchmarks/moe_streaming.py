@@ -2,17 +2,17 @@
 """MoE expert-streaming bench: synthetic MoE models at least 4x the device budget, experts
 streamed from NVMe through the expert cache, on a skewed-routing and a uniform-routing model.
 
-For each routing (``synth.py --routing skewed|uniform``, the same shape and weights otherwise):
+For each routing (``strata synth --routing skewed|uniform``, the same shape and weights otherwise):
 
 1. plan the model with a device budget a quarter of its MLX size (uniform expert access: no
    routing profile), and bench it with the three expert-cache modes in one run — (a) ``none``
    (every expert use reads), (b) ``cache`` (the cache alone), (c) ``prefetch`` (cache +
    co-activation prefetch) — reporting hit rate, prefetch accuracy, tok/s, misses and bytes per
    token, each run's ids checked against the all-resident run;
-2. skewed model only, twice: measure a routing profile (``execute.py run
+2. skewed model only, twice: measure a routing profile (``strata run
    --save-routing-profile``, ``--profile-tokens`` generated tokens) on (i) a *different* text and
    (ii) the workload itself (the bench's prompt: profile-guided optimization's usual setting, a
-   recorded run of the traffic), re-plan with ``plan.py plan --routing-profile``, bench that plan
+   recorded run of the traffic), re-plan with ``strata plan --routing-profile``, bench that plan
    (its own mode, and ``cache`` and ``prefetch``), and set its predicted and measured per-token
    time beside the uniform plan's (and the uniform plan scored under the measured routing, so
    both predictions use the same routing). A synthetic model's routing is a function of the

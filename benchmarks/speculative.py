@@ -10,7 +10,7 @@ Tasks (greedy, ``ignore_eos``, ``--tokens`` output tokens, raw text prompts, no 
   one variable renamed, the code fence already opened, so the model copies (prompt lookup's case);
 - ``free``: free text, the opening of a short story (a sentence to continue).
 
-Placements (plans made with ``plan.py plan``'s code, ``planner.planning.build_plan``, context
+Placements (plans made with ``strata plan``'s code, ``planner.planning.build_plan``, context
 1024, concurrency 1, on ``--profile``):
 
 - ``resident``: the plan as solved;
@@ -105,7 +105,7 @@ def _cut_gguf(model: Path, blocks: int, out: Path) -> Path:
 
 
 def _make_plan(model: Path, profile: Path, path: Path) -> Path:
-    """``plan.py plan --model MODEL --profile PROFILE --context 1024 --concurrency 1``."""
+    """``strata plan --model MODEL --profile PROFILE --context 1024 --concurrency 1``."""
     from strata.common.schemas import Request
     from strata.common.yamlio import write_yaml
     from strata.planner.planning import build_plan

@@ -4,7 +4,7 @@
 Writes a synthetic GGUF (Llama-3.2-1B width and heads, 32 blocks, FFN 16384, Q4_0: 2.0 GiB on
 disk, 2.2 GiB in MLX form), plans it twice on a profile — once with a device budget a quarter of
 the model's size (and, with ``--tiers gpu,nvme``, no RAM tier), once all-resident — and runs
-``execute.py bench`` on both plus, for a small-model point, a SmolLM2-135M-shaped synthetic model.
+``strata bench`` on both plus, for a small-model point, a SmolLM2-135M-shaped synthetic model.
 Every bench checks its generated ids against the all-resident run. Prints one JSON summary with
 the issue-3 acceptance figures:
 

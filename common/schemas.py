@@ -193,8 +193,8 @@ class ModelDescription(Strict):
 
 
 class RoutingProfile(Strict):
-    """Measured MoE routing of one model (``execute.py run --save-routing-profile``), which
-    ``plan.py plan --routing-profile`` uses in place of uniform top-k/n access. Arrays are
+    """Measured MoE routing of one model (``strata run --save-routing-profile``), which
+    ``strata plan --routing-profile`` uses in place of uniform top-k/n access. Arrays are
     nested lists: [layer][expert] and [layer][expert][expert]."""
 
     format_version: str = ROUTING_VERSION

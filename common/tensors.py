@@ -1,7 +1,7 @@
 """Which tensors each architecture has: GGUF names and shapes from the hyperparameters.
 
 The one inventory that the executor's load check (``executor.engine.check_tensors``, through the
-models' ``expected_shapes``), ``plan.py describe --arch`` (``planner.archdesc``) and ``synth.py``
+models' ``expected_shapes``), ``strata describe --arch`` (``planner.archdesc``) and ``synth.py``
 (``planner.synthetic``) read, so a tensor or a shape rule is written once. It follows gguf-py's
 ``constants.py`` (``MODEL_TENSORS``: the tensors per ``general.architecture``; ``TENSOR_NAMES``:
 their names, used here) and adds what gguf-py does not say: each tensor's shape as a function of

@@ -1,5 +1,5 @@
 """The executor's commands (``strata run|serve|profile``, also ``execute.py`` and
-``plan.py profile``; ``bench`` is ``strata.benchmarks.cli``'s): their arguments and what each does.
+``strata profile``; ``bench`` is ``strata.benchmarks.cli``'s): their arguments and what each does.
 
 Text streams to stdout as it is generated and stats go to stderr; ``--json`` prints one object
 (``prompt_ids``, ``output_ids``, ``text``, ``stats``) instead. User errors are one line on stderr
@@ -198,7 +198,7 @@ def cmd_profile(args: argparse.Namespace) -> None:
 def add_commands(sub) -> None:
     """Add the executor's subcommands (run, serve, profile) to ``sub``."""
     r = sub.add_parser("run", help="generate text from a prompt with a plan")
-    r.add_argument("plan", help="plan file written by plan.py plan (or by hand)")
+    r.add_argument("plan", help="plan file written by strata plan (or by hand)")
     src = r.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompt", help="raw text, tokenized with the GGUF's own BOS rule")
     src.add_argument("--messages", help='JSON file: [{"role": ..., "content": ...}, ...]')
@@ -219,11 +219,11 @@ def add_commands(sub) -> None:
     r.add_argument(
         "--save-routing-profile",
         metavar="FILE",
-        help="MoE: write the measured routing (JSON) for plan.py plan --routing-profile",
+        help="MoE: write the measured routing (JSON) for strata plan --routing-profile",
     )
 
     s = sub.add_parser("serve", help="serve a plan over an OpenAI-compatible HTTP API")
-    s.add_argument("plan", help="plan file written by plan.py plan (or by hand)")
+    s.add_argument("plan", help="plan file written by strata plan (or by hand)")
     s.add_argument("--host", default="127.0.0.1", help="address to listen on (127.0.0.1)")
     s.add_argument("--port", type=int, default=8000, help="TCP port (8000; 0 = any free port)")
     s.add_argument(

@@ -28,7 +28,7 @@ are loaded, and only after they are known:
   index). In ``prefetch`` mode the ``prefetch`` most likely ones the cache does not hold yet
   are read while block l computes, so block l+1 finds them cached.
 - **Routing profile**: the tracker's counts, saved as JSON (``RoutingProfile``), let
-  ``plan.py plan --routing-profile FILE`` replace uniform top-k/n access with measured
+  ``strata plan --routing-profile FILE`` replace uniform top-k/n access with measured
   frequencies and the measured prediction recall. A plan made with one names it, and the
   executor seeds the tracker with it (``PRIOR_TOKENS`` tokens' worth) and reads the plan's
   ``expert_cache.preload`` (the profile's hot streamed experts) into the cache at start.
@@ -264,7 +264,7 @@ class ExpertCache:
         if slots < 1:
             raise StrataError(
                 f"the plan's expert cache has {slots} slots but experts stream from NVMe; "
-                "re-plan (plan.py plan) or give the cache slots"
+                "re-plan (strata plan) or give the cache slots"
             )
         self.store, self.mode = store, mode
         self._streamed = set(units)

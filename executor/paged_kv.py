@@ -77,7 +77,7 @@ class PagedKVCache:
         if num_blocks < 1 or block_size < 1:
             raise StrataError(
                 f"a KV cache of {num_blocks} blocks of {block_size} tokens cannot hold a token; "
-                "re-plan (plan.py plan) with a larger context"
+                "re-plan (strata plan) with a larger context"
             )
         self.num_blocks, self.block_size = num_blocks, block_size
         shape = (num_blocks * block_size, n_kv_heads, head_dim)

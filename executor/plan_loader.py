@@ -3,7 +3,7 @@
 A plan names its model by catalog name or path with the file's size and sha256, and its profile by
 path and canonical sha256. ``load_plan`` refuses a plan whose model file or profile changed since
 planning, and one whose units do not match the model (a hand-written plan with a typo, or a plan of
-another model), each with a message that says to re-run ``plan.py plan``. A speculative plan's
+another model), each with a message that says to re-run ``strata plan``. A speculative plan's
 draft model (``speculative.draft_model``: catalog name, or a path relative to the plan's folder) is
 checked the same way: present, same size, sha256 and header.
 """
@@ -56,7 +56,7 @@ def _draft_model_path(path: Path, ref: DraftModelRef) -> Path:
     Raises:
         PlanError: unknown catalog name, missing file, or a file that changed since planning.
     """
-    again = "re-run plan.py plan with --speculative draft_model --draft-model MODEL"
+    again = "re-run strata plan with --speculative draft_model --draft-model MODEL"
     if ref.name:
         if ref.name not in CATALOG:
             raise PlanError(f"{path}: plan names unknown catalog draft model {ref.name!r}; {again}")
@@ -96,7 +96,7 @@ def _routing_profile(path: Path, plan: Plan) -> RoutingProfile | None:
     fp = plan.fingerprints
     if fp.routing_profile_sha256 is None or fp.routing_profile_path is None:
         return None  # no profile, or a 1.3 plan that recorded only its hash
-    again = "re-run plan.py plan --routing-profile FILE (or plan without one)"
+    again = "re-run strata plan --routing-profile FILE (or plan without one)"
     where = Path(os.path.normpath(path.parent / Path(fp.routing_profile_path).expanduser()))
     if not where.is_file():
         raise PlanError(
@@ -116,14 +116,14 @@ def _check_self(path: Path, plan: Plan, desc: ModelDescription) -> None:
     if sp.draft_layers > n:
         raise PlanError(
             f"{path}: speculative.draft_layers is {sp.draft_layers} but the model has {n} "
-            f"blocks; give 1..{n} or re-run plan.py plan --speculative self"
+            f"blocks; give 1..{n} or re-run strata plan --speculative self"
         )
     tiers = plan.tier_of()
     streamed = [u.name for u in desc.units if u.layer is None and tiers[u.name] == "nvme"]
     if streamed:
         raise PlanError(
             f"{path}: speculative method self needs {', '.join(streamed)} in memory but the "
-            "placement streams it from NVMe; place it on gpu or ram, or re-run plan.py plan "
+            "placement streams it from NVMe; place it on gpu or ram, or re-run strata plan "
             "--speculative self (or --speculative prompt_lookup)"
         )
 
@@ -137,7 +137,7 @@ def _model_path(plan: Plan, plan_dir: Path) -> Path:
         )
     if src.name:
         if src.name not in CATALOG:
-            raise PlanError(f"plan names unknown catalog model {src.name!r}; re-run plan.py plan")
+            raise PlanError(f"plan names unknown catalog model {src.name!r}; re-run strata plan")
         return resolve_model(src.name).path
     p = Path(src.path or "").expanduser()
     for candidate in (p, plan_dir / p):
@@ -167,14 +167,14 @@ def load_plan(path: str | Path) -> LoadedPlan:
     if src.size_bytes is not None and size != src.size_bytes:
         raise PlanError(
             f"{path}: model file {model_path} is {size} bytes but the plan was made for "
-            f"{src.size_bytes} bytes; the model changed — re-run plan.py plan"
+            f"{src.size_bytes} bytes; the model changed — re-run strata plan"
         )
     digest = file_sha256(model_path)  # remembered in the cache: hashed once per file version
     if src.sha256 is not None:
         if digest != src.sha256:
             raise PlanError(
                 f"{path}: model file {model_path} has sha256 {digest[:12]}… but the plan was made "
-                f"for {src.sha256[:12]}…; the model changed — re-run plan.py plan"
+                f"for {src.sha256[:12]}…; the model changed — re-run strata plan"
             )
     want = plan.fingerprints.request_sha256
     if want is not None and canonical_sha256(plan.request) != want:
@@ -184,24 +184,24 @@ def load_plan(path: str | Path) -> LoadedPlan:
             f"{path}: its request section (context, concurrency, objective, budgets) is not the "
             "request it was planned for: edited after planning (or planned by a Strata with "
             f"another request format; this plan is format {plan.format_version}), so its "
-            "placement and KV cache no longer follow from it; re-run plan.py plan"
+            "placement and KV cache no longer follow from it; re-run strata plan"
         )
     ref = plan.fingerprints.profile
     if ref is not None:
         prof_path = path.parent / ref.path
         if not prof_path.is_file():
-            raise PlanError(f"{path}: its profile {prof_path} is missing; re-run plan.py plan")
+            raise PlanError(f"{path}: its profile {prof_path} is missing; re-run strata plan")
         profile = read_yaml(prof_path, HardwareProfile)
         if canonical_sha256(profile) != ref.sha256:
             raise PlanError(
                 f"{path}: profile {prof_path} changed since this plan was made (its figures, or "
-                "the fields this version of Strata reads from profiles); re-run plan.py plan"
+                "the fields this version of Strata reads from profiles); re-run strata plan"
             )
     draft_ref = plan.speculative.draft_model
     draft_path = _draft_model_path(path, draft_ref) if draft_ref is not None else None
     g = open_gguf(model_path)
     if src.header_sha256 and g.header_sha256 != src.header_sha256:
-        raise PlanError(f"{path}: model header changed since planning; re-run plan.py plan")
+        raise PlanError(f"{path}: model header changed since planning; re-run strata plan")
     resolved = ResolvedModel(model_path, None, size, digest)
     desc = describe_gguf(g, source_for(resolved, g.header_sha256))
     seen: set[str] = set()
@@ -217,7 +217,7 @@ def load_plan(path: str | Path) -> LoadedPlan:
         raise PlanError(
             f"{path}: the plan's units do not match the model "
             f"(missing {missing}, unknown {extra}); "
-            "re-run plan.py plan"
+            "re-run strata plan"
         )
     tiers = plan.tier_of()
     on_gpu = [u.name for u in desc.units if u.expert is not None and tiers[u.name] == "gpu"]
@@ -225,14 +225,14 @@ def load_plan(path: str | Path) -> LoadedPlan:
         raise PlanError(
             f"{path}: expert_cache.pinned lists {len(plan.expert_cache.pinned)} experts but the "
             f"placement keeps {len(on_gpu)} on gpu; make them agree (pinned = the expert units "
-            "placed on gpu) or re-run plan.py plan"
+            "placed on gpu) or re-run strata plan"
         )
     streamed = {u.name for u in desc.units if u.expert is not None and tiers[u.name] == "nvme"}
     stray = [u for u in plan.expert_cache.preload if u not in streamed]
     if stray:
         raise PlanError(
             f"{path}: expert_cache.preload lists {stray[0]}, which is not an expert the "
-            "placement streams from nvme; list streamed experts only or re-run plan.py plan"
+            "placement streams from nvme; list streamed experts only or re-run strata plan"
         )
     if plan.speculative.method == "self":
         _check_self(path, plan, desc)
@@ -251,7 +251,7 @@ def load_draft(loaded: LoadedPlan) -> LoadedPlan:
 
     if loaded.draft_path is None:
         raise PlanError(
-            f"{loaded.path}: the plan has no draft model; re-run plan.py plan with "
+            f"{loaded.path}: the plan has no draft model; re-run strata plan with "
             "--speculative draft_model --draft-model MODEL"
         )
     g = open_gguf(loaded.draft_path)

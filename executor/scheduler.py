@@ -273,7 +273,7 @@ class Scheduler:
                 raise StrataError(
                     f"chunks aligned to {chunk_align} tokens (batch-invariant serving: the KV "
                     f"block size) need {name} >= {chunk_align}, but the plan has {value}; "
-                    f"set batch.{name} to at least {chunk_align} (plan.py plan, or edit the plan), "
+                    f"set batch.{name} to at least {chunk_align} (strata plan, or edit the plan), "
                     "or serve without batch invariance"
                 )
         self.pool = pool

@@ -22,7 +22,7 @@ sequence past the accepted tokens only, which rolls the rejected drafts' KV back
 draft tokens verified and accepted, verifications (``spec_stats``), counted once a draft's
 sampling succeeded (a failed step or request verifies nothing).
 
-Batch invariance (``batch_invariant=True``, ``execute.py serve --batch-invariant``): greedy outputs
+Batch invariance (``batch_invariant=True``, ``strata serve --batch-invariant``): greedy outputs
 are meant to be identical for a request run alone or in any batch, and with or without a
 prefix-cache hit, also where MLX's kernels round a row differently with the shape of the call
 (its CUDA backend; tested bit for bit on the CPU only, whose kernels are batch-invariant

@@ -1,6 +1,6 @@
 """Model descriptions of GGUF files you don't have: architecture hyperparameters + a file type.
 
-``plan.py describe --arch FILE.yaml --ftype Q4_K_M`` describes the GGUF that llama.cpp would
+``strata describe --arch FILE.yaml --ftype Q4_K_M`` describes the GGUF that llama.cpp would
 make of a model: the tensors its converter writes for the architecture (names and shapes), the
 GGML type llama.cpp's quantizer picks for each under the file type, and their bytes. The result is
 an ordinary ``ModelDescription`` (units, access, FLOPs built by ``strata.common.describe``'s own
@@ -425,7 +425,7 @@ def describe_spec(spec: ArchSpec, ftype: gguf.LlamaFileType) -> ModelDescription
 
 
 def describe_arch(path: str | Path, ftype: str) -> ModelDescription:
-    """``plan.py describe --arch FILE --ftype NAME``: the description of a model you don't have.
+    """``strata describe --arch FILE --ftype NAME``: the description of a model you don't have.
 
     Raises:
         StrataError: unknown file type (lists the supported ones), an architecture file that is

@@ -51,7 +51,7 @@ def cmd_describe(args: argparse.Namespace) -> None:
 
 
 def request_from_args(args: argparse.Namespace) -> Request:
-    """The planning request from ``plan.py plan``'s options (sizes parsed, bounds checked)."""
+    """The planning request from ``strata plan``'s options (sizes parsed, bounds checked)."""
     return parse_doc(
         {
             "context": args.context,
@@ -191,7 +191,7 @@ def add_commands(sub) -> None:
     pl.add_argument(
         "--routing-profile",
         metavar="FILE",
-        help="MoE: measured routing (execute.py run --save-routing-profile) in place of uniform "
+        help="MoE: measured routing (strata run --save-routing-profile) in place of uniform "
         "top-k/n expert access",
     )
     pl.add_argument("--profile", required=True, help="hardware profile YAML")

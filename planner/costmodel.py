@@ -300,7 +300,7 @@ def step_compute_s(costs: Sequence[UnitCost], overlapped: bool) -> float:
 def _rate(value: float, what: str) -> float:
     if value <= 0:
         raise PlanError(
-            f"hardware profile has {what} = 0; measure it (plan.py profile) or fix the profile"
+            f"hardware profile has {what} = 0; measure it (strata profile) or fix the profile"
         )
     return value
 
@@ -473,7 +473,7 @@ def _check_tiers(desc: ModelDescription, tiers: Mapping[str, str]) -> None:
             parts.append(f"unknown tiers for: {', '.join(bad[:5])} (tiers are {', '.join(TIERS)})")
         raise PlanError(
             f"placement does not match the model description ({'; '.join(parts)}); "
-            "re-run plan.py for this model"
+            "re-run strata plan for this model"
         )
 
 

@@ -1,4 +1,4 @@
-"""``plan.py diff``: what differs between two plans (e.g. the same model on two machines).
+"""``strata diff``: what differs between two plans (e.g. the same model on two machines).
 
 Shares the grouping and formatting helpers of ``planner.explain``: tier moves are reported per role
 over contiguous layer ranges (``ffn blk 10–29: gpu → nvme, 20 units, 32.1 MiB``).

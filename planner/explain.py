@@ -1,4 +1,4 @@
-"""``plan.py explain``: a plan in words — where each unit is, what fills each tier, what binds.
+"""``strata explain``: a plan in words — where each unit is, what fills each tier, what binds.
 
 Also home of the grouping and formatting helpers ``planner.diff`` shares: units grouped by role
 into runs of contiguous layers (``blk 0–9``), times and rates formatted for people.
@@ -361,7 +361,7 @@ def expert_cache_label(plan: Plan) -> str:
 def _prediction_lines(plan: Plan) -> list[str]:
     p = plan.prediction
     if p is None:
-        return ["Prediction: none (hand-written plan; run plan.py to score it)"]
+        return ["Prediction: none (hand-written plan; run strata plan to score it)"]
     b = batch_size(plan.request, plan.batch)
     # The cost model's step: I/O threads overlap the compute thread only with prefetch depth >= 1.
     overlap = plan.prefetch.depth >= 1
@@ -392,7 +392,7 @@ def _speculative_lines(plan: Plan, desc: ModelDescription | None) -> list[str]:
     """The speculative section: drafter, K, acceptance and its source, the step it predicts."""
     sp = plan.speculative
     if sp.method == "none":
-        return ["Speculative decoding: none (plan.py plan --speculative METHOD to enable)"]
+        return ["Speculative decoding: none (strata plan --speculative METHOD to enable)"]
     k = sp.num_draft_tokens
     lines = [
         f"Speculative decoding: {METHOD_LABELS[sp.method]}, K = {k} draft token"

@@ -45,8 +45,8 @@ def build_plan(
     """Solve the placement ILP and return the plan, fingerprinted for ``plan_path``.
 
     The model is ``model`` (catalog name or GGUF path, described here) or, when given, the
-    already-built description ``desc`` (e.g. from ``plan.py plan --arch``; ``model`` is then
-    ignored). ``routing_profile`` (a file of ``execute.py run --save-routing-profile``)
+    already-built description ``desc`` (e.g. from ``strata plan --arch``; ``model`` is then
+    ignored). ``routing_profile`` (a file of ``strata run --save-routing-profile``)
     replaces uniform expert access with the measured one (``planner.routing``).
 
     ``speculative`` (default: none) chooses the drafter's K for the placement. A draft model is

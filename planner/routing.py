@@ -1,7 +1,7 @@
-"""Measured MoE routing in the model description: ``plan.py plan --routing-profile FILE``.
+"""Measured MoE routing in the model description: ``strata plan --routing-profile FILE``.
 
 Without a profile every expert of a block is read by a decoded token with probability ``k / n``
-(uniform top-k of n). ``execute.py run --save-routing-profile FILE`` records how often each
+(uniform top-k of n). ``strata run --save-routing-profile FILE`` records how often each
 expert was chosen, and which experts followed which in the next block; ``apply_routing_profile``
 puts the measured frequencies into the description's expert units, so the planner pins the
 experts that are actually hot, and the measured recall of the successor prediction becomes the
@@ -52,7 +52,7 @@ def apply_routing_profile(desc: ModelDescription, doc: RoutingProfile) -> ModelD
         raise PlanError(
             "the routing profile was measured on another model (its header sha256 "
             f"{doc.header_sha256[:12]} is not this model's {desc.model.header_sha256[:12]}); "
-            "measure it with execute.py run --save-routing-profile on a plan of this model"
+            "measure it with strata run --save-routing-profile on a plan of this model"
         )
     if (doc.layers, doc.expert_count) != (a.block_count, a.expert_count):
         raise PlanError(

@@ -92,14 +92,14 @@ ASSUMED_ACCEPTANCE: dict[str, tuple[float, str]] = {
         0.5,
         "assumed 0.5 for prompt lookup: how many n-gram drafts are accepted depends on how much "
         "of the output repeats the prompt (most for summarization, retrieval QA and code "
-        "editing, least for open chat; Saxena 2023), so a middle figure until execute.py bench "
+        "editing, least for open chat; Saxena 2023), so a middle figure until strata bench "
         "measures it",
     ),
     "draft_model": (
         0.6,
         "assumed 0.6 for a draft model of the same vocabulary: Leviathan et al. 2023 (table 3) "
         "measured 0.5-0.9 for drafts 10-100x smaller than their targets; the low end of that, "
-        "until execute.py bench measures it",
+        "until strata bench measures it",
     ),
 }
 """Method -> (assumed acceptance rate, the reason stated in the plan)."""
@@ -133,7 +133,7 @@ def expected_tokens(k: int, a: float) -> float:
 
 @dataclass(frozen=True)
 class SpeculativeRequest:
-    """What ``plan.py plan --speculative ...`` asked for (not stored: the plan records the result).
+    """What ``strata plan --speculative ...`` asked for (not stored: the plan records the result).
 
     Attributes:
         method: ``none``, ``prompt_lookup``, ``draft_model`` or ``self``.
@@ -623,7 +623,7 @@ def plan_speculative(
             f"{f:.3g} the share of the target's {2 * n} sublayers (attention, feed-forward) it "
             f"runs ({best.layers} of {n} blocks, {len(skipped)} streamed units skipped): "
             f"Draft & Verify (Zhang et al. 2023) measured about 0.8 when skipping half the "
-            "layers, scaled down linearly with what is skipped, until execute.py bench "
+            "layers, scaled down linearly with what is skipped, until strata bench "
             "measures it"
         )
     source = "assumed"
@@ -631,7 +631,7 @@ def plan_speculative(
         # A measured rate replaces the assumption; the self-drafter keeps the layers the assumed
         # curve chose (the rate was measured at them), and K is chosen again for it.
         a, source = spec.acceptance_rate, "measured"
-        how = "given with --acceptance-rate (measured, e.g. by execute.py bench)"
+        how = "given with --acceptance-rate (measured, e.g. by strata bench)"
         best = _best([_Choice(k, best.layers, a, verify[k], best.draft_s) for k in ks], b)
     return Speculative(
         method=spec.method,  # type: ignore[arg-type]

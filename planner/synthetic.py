@@ -66,7 +66,7 @@ full model, in every routing mode). Tensors are generated in chunks of rows (a s
 tensor as E × rows rows) and streamed to disk: memory stays around ``_CHUNK_BYTES`` times a small
 factor whatever the model size.
 
-Routing (MoE shapes; ``routing=``, ``synth.py --routing``)
+Routing (MoE shapes; ``routing=``, ``strata synth --routing``)
 ---------------------------------------------------------
 
 Fixed targets of ``skewed`` (:mod:`planner.synthetic_routing`, set before any measurement): each

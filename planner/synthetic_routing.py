@@ -101,7 +101,7 @@ def expert_lanes(n_expert: int, layers: int, seed: int) -> np.ndarray:
     Args:
         n_expert: experts per layer.
         layers: MoE layers.
-        seed: the model's seed (``synth.py --seed``).
+        seed: the model's seed (``strata synth --seed``).
 
     Returns:
         int64 [layers, n_expert]: row l is a permutation seeded by (seed, "lanes", l), so a model
@@ -158,7 +158,7 @@ def file_successors(model: str | Path | gguf.GGUFReader) -> np.ndarray:
     if not n or layers is None:
         raise StrataError(f"{path}: not a mixture-of-experts model (no {arch}.expert_count)")
     if seed is None:
-        raise StrataError(f"{path}: no {SEED_KEY}: not a synthetic model written by synth.py")
+        raise StrataError(f"{path}: no {SEED_KEY}: not a synthetic model written by strata synth")
     return successor_permutations(int(n), int(layers), int(seed))
 
 

@@ -89,7 +89,7 @@ def test_plan_is_byte_identical_and_stale_model_refused(tmp_path):
     assert a.read_bytes() == b.read_bytes()
     write_tiny_llama(model, seed=1)  # same shapes, other weights: the file changed
     done = cli("execute.py", "run", str(a), "--prompt", "hi", ok=False)
-    assert_one_line_error(done, "changed", "re-run plan.py plan")
+    assert_one_line_error(done, "changed", "re-run strata plan")
 
 
 def test_changed_profile_refused(tmp_path):

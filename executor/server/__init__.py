@@ -1,4 +1,4 @@
-"""An OpenAI-compatible HTTP API over the serving engine (``strata serve``, ``execute.py serve``).
+"""An OpenAI-compatible HTTP API over the serving engine (``strata serve``, ``strata serve``).
 
 Routes: ``POST /v1/chat/completions`` and ``POST /v1/completions`` (streamed as server-sent events
 or not), ``GET /v1/models``, ``GET /health`` and ``GET /metrics`` (Prometheus text format). The

@@ -254,7 +254,7 @@ def serve(
     model_name: str | None = None,
     batch_invariant: bool = False,
 ) -> None:
-    """Load a plan and serve it until Ctrl-C or SIGTERM (``execute.py serve``).
+    """Load a plan and serve it until Ctrl-C or SIGTERM (``strata serve``).
 
     Prints ``serving MODEL on http://HOST:PORT`` to stderr once requests are accepted.
     ``batch_invariant``: ``ServingEngine``'s mode of that name (``--batch-invariant``).

@@ -328,7 +328,7 @@ def test_loader_checks_the_draft_model_file(smollm2_desc, draft_gguf, tmp_path) 
     data[-1] ^= 0xFF  # same size, other bytes
     draft.write_bytes(bytes(data))
     os.utime(draft, ns=(1, 1))
-    with pytest.raises(PlanError, match=r"draft model file .* sha256 .*re-run plan.py plan with"):
+    with pytest.raises(PlanError, match=r"draft model file .* sha256 .*re-run strata plan with"):
         load_plan(out)
     draft.unlink()
     with pytest.raises(PlanError, match=r"draft model ../models/draft.gguf is not found"):
@@ -397,7 +397,7 @@ def test_cli_plan_and_explain(tmp_path, capsys) -> None:
 
 def test_explain_self_and_none(budget, smollm2_desc, dev_profile) -> None:
     plan = budget["ffn-nvme"]
-    assert "Speculative decoding: none (plan.py plan --speculative METHOD" in explain(plan)
+    assert "Speculative decoding: none (strata plan --speculative METHOD" in explain(plan)
     plan = plan.model_copy(deep=True)
     plan.speculative = plan_speculative(plan, smollm2_desc, dev_profile, SpeculativeRequest("self"))
     text = explain(plan)  # without the description: roles from the unit names
