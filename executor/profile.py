@@ -575,8 +575,8 @@ def measure_dequant_crossover(
     by an [n, k] 4-bit weight (groups of 32) for each of ``DEQUANT_ROWS``. The figure is the
     smallest row count from which the dense path is faster at every larger count measured (0
     when it never is). Why it is measured: on NVIDIA, MLX's quantized matmul is slow for a few
-    rows (a batch of 16 decoded tokens took 10x one token on a Llama-3-8B shape,
-    ``../shared/models.md``), while dequantizing costs a fixed pass over the weights; where the
+    rows (a batch of 16 decoded tokens took 10x one token on a Llama-3-8B shape:
+    docs/kernels.md#kernel-paths), while dequantizing costs a fixed pass over the weights; where the
     quantized kernel scales well (Apple, the CPU) the dense path never wins.
 
     One call at a time, not a chain of dependent calls: the dense path adds a kernel per
