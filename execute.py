@@ -3,15 +3,7 @@
 
 import sys
 
-try:
-    from strata.cli import execute_main
-except ModuleNotFoundError as e:  # a clone whose Python has not installed Strata
-    print(
-        f"error: {e}; Strata is not installed in this Python ({sys.executable}): run "
-        "`bash scripts/setup.sh` and use .venv/bin/python, or `pip install .`",
-        file=sys.stderr,
-    )
-    sys.exit(2)
+from strata.entry import run
 
 if __name__ == "__main__":
-    sys.exit(execute_main())
+    sys.exit(run("execute_main"))
