@@ -246,6 +246,15 @@ class Figure(Strict):
     )
     source: Source = Field(description="measured here, from a spec sheet, derived, or assumed")
     how: str = Field(min_length=1, description="method and date, or the spec's source")
+    samples: int | None = Field(
+        default=None, ge=1, description="measurements taken (the value is their median)"
+    )
+    spread: float | None = Field(
+        default=None,
+        ge=0,
+        allow_inf_nan=False,
+        description="(max - min) / median of those measurements: how steady the figure is",
+    )
 
 
 class GPUTier(Strict):
