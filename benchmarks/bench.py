@@ -212,7 +212,7 @@ def bench(
     disk_bound = raw["bytes_s"] / per_token if raw and raw["bytes_s"] and per_token else None
     result = {
         "plan": str(plan_path),
-        "model": loaded.plan.fingerprints.model.name or loaded.plan.fingerprints.model.path,
+        "model": loaded.plan.model.name or loaded.plan.model.path,
         "tiers": {
             t: sum(1 for p in loaded.plan.placement if p.tier == t) for t in ("gpu", "ram", "nvme")
         },

@@ -78,7 +78,7 @@ def _rescored(plan_path: Path, profile_path: Path, routing: Path) -> float:
     from strata.planner.routing import apply_routing_profile, read_routing_profile
 
     plan = read_yaml(plan_path, Plan)
-    desc, _ = describe(plan.fingerprints.model.path)
+    desc, _ = describe(plan.model.path or "")
     desc = apply_routing_profile(desc, read_routing_profile(routing))
     return score_plan(plan, desc, read_yaml(profile_path, HardwareProfile)).step_s
 

@@ -111,7 +111,7 @@ def _make_plan(model: Path, profile: Path, path: Path) -> Path:
     from strata.planner.planning import build_plan
 
     req = Request(context=CONTEXT, concurrency=1)
-    write_yaml(build_plan(str(model), profile, req, path), path)
+    write_yaml(build_plan(str(model), profile, req), path)
     return path
 
 
@@ -120,7 +120,6 @@ def _streamed_copy(resident: Path, out: Path, first_block: int) -> tuple[Path, l
     import yaml
 
     data = yaml.safe_load(resident.read_text())
-    data["fingerprints"]["profile"] = None  # a hand-written plan need not name a profile
     moved = []
     for p in data["placement"]:
         m = re.fullmatch(r"blk\.(\d+)\.ffn", p["unit"])

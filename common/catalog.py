@@ -239,3 +239,81 @@ def resolve_model(spec: str, *, progress: bool = False) -> ResolvedModel:
     if not path.is_file():
         raise GGUFError(f"{spec}: not a file")
     return ResolvedModel(path, None, path.stat().st_size, file_sha256(path, progress=progress))
+
+
+def routing_cache_path(sha256: str) -> Path:
+    """Where ``strata plan`` keeps a copy of a routing profile, by its canonical sha256."""
+    return cache_dir() / "routing" / f"{sha256}.yaml"
+
+
+def cached_by_sha256(sha256: str) -> list[Path]:
+    """Files this machine has hashed before whose content is ``sha256`` and which are unchanged
+    since (same path, size, mtime and ctime as when hashed): the model cache by sha256."""
+    try:
+        known = json.loads(_hash_cache_file().read_text())
+    except (OSError, ValueError):
+        return []
+    out = []
+    for key, digest in known.items() if isinstance(known, dict) else ():
+        if digest != sha256:
+            continue
+        path, *stamp = key.rsplit("|", 3)
+        try:
+            st = Path(path).stat()
+        except OSError:
+            continue
+        if stamp == [str(st.st_size), str(st.st_mtime_ns), str(st.st_ctime_ns)]:
+            out.append(Path(path))
+    return sorted(out)
+
+
+def locate_model(
+    *,
+    name: str | None,
+    path: str | None,
+    sha256: str | None,
+    given: str | Path | None = None,
+    base: Path | None = None,
+) -> tuple[Path, str]:
+    """Find a plan's model file on this machine: ``given`` (``--model PATH``) if any, else the
+    path hint (absolute; a relative one also from ``base``, the plan's folder), else the catalog
+    name, else a file this machine hashed to ``sha256`` before. The caller checks the size and
+    sha256 of what it gets.
+
+    Returns:
+        The file and how it was found (for messages), e.g. ``(Path(...), "--model")``.
+
+    Raises:
+        StrataError: nothing found; the message lists every place looked and the fix.
+    """
+    if given is not None:
+        p = Path(given).expanduser()
+        if not p.is_file():
+            raise StrataError(f"--model {given}: no such file")
+        return p, "--model"
+    looked = []
+    if path:
+        hint = Path(path).expanduser()
+        for candidate in [hint] + ([base / hint] if base and not hint.is_absolute() else []):
+            if candidate.is_file():
+                return candidate, "the plan's path hint"
+            looked.append(str(candidate))
+    if name:
+        if name not in CATALOG:
+            raise StrataError(
+                f"the plan names catalog model {name!r}, which this Strata does not know "
+                f"(it knows {', '.join(CATALOG)}); pass --model PATH to its GGUF file"
+            )
+        return resolve_model(name).path, "the catalog"
+    if sha256:
+        for known, entry in CATALOG.items():
+            if entry.sha256 == sha256:
+                return resolve_model(known).path, "the catalog (by sha256)"
+        found = cached_by_sha256(sha256)
+        if found:
+            return found[0], "the model cache (by sha256)"
+        looked.append(f"files hashed before in {cache_dir()} (sha256 {sha256[:12]}…)")
+    raise StrataError(
+        f"the plan's model is not on this machine (looked at {'; '.join(looked) or 'nothing'}); "
+        "pass --model PATH to the GGUF file it was planned for"
+    )

@@ -22,7 +22,7 @@ Role = Literal["embedding", "attention", "norm", "ffn", "expert", "router", "out
 
 DESCRIPTION_VERSION = "1.1"
 PROFILE_VERSION = "1.1"
-PLAN_VERSION = "1.4"
+PLAN_VERSION = "2.0"
 ROUTING_VERSION = "1.0"
 
 
@@ -337,30 +337,63 @@ class HardwareProfile(Strict):
 # --------------------------------------------------------------------------- plan
 
 
-class ProfileRef(Strict):
-    """Which profile a plan was made for."""
+class RoutingRef(Strict):
+    """The routing profile a MoE plan was made with: its identity and where it was."""
 
-    name: str
-    path: str = Field(description="profile file, relative to the plan file's folder")
-    sha256: str = Field(description="sha256 of the profile's canonical content")
-
-
-class Fingerprints(Strict):
-    """What a plan was made from; the executor refuses a plan whose inputs changed."""
-
-    model: ModelSource
-    profile: ProfileRef | None = Field(default=None, description="None for a hand-written plan")
-    request_sha256: str | None = None
-    routing_profile_sha256: str | None = Field(
-        default=None, description="the routing profile the expert access came from (MoE)"
-    )
-    routing_profile_path: str | None = Field(
+    sha256: str = Field(description="sha256 of the routing profile's canonical content")
+    path: str | None = Field(
         default=None,
-        description="that routing profile's file, relative to the plan file's folder; the "
-        "executor seeds its routing tracker from it (LFU counts, prefetch predictions)",
+        description="where it was when planned (absolute): a hint; the executor also looks in "
+        "the cache, where strata plan keeps a copy by sha256",
     )
+
+
+class Provenance(Strict):
+    """How a plan was made. Nothing here decides how it runs: the digests let ``strata explain``
+    and ``strata run`` tell a plan the solver wrote from one edited since."""
+
     planner_version: str | None = None
     solver: str | None = Field(default=None, description="solver name, version and options")
+    profile_file: str | None = Field(
+        default=None,
+        description="name of the profile file the machine figures were read from (for review "
+        "only: the figures themselves are in the plan's machine section)",
+    )
+    routing_profile: RoutingRef | None = Field(
+        default=None, description="the routing profile the expert access came from (MoE)"
+    )
+    request_sha256: str | None = Field(
+        default=None, description="canonical sha256 of the request section as planned"
+    )
+    decisions_sha256: str | None = Field(
+        default=None,
+        description="canonical sha256 of the decisions as the solver wrote them (runtime, "
+        "placement, pool, prefetch, expert cache, batch limits, speculative settings); a plan "
+        "whose decisions no longer match is shown as edited by hand",
+    )
+
+
+class UnitCosts(Strict):
+    """One placement unit as the cost model sees it (from the model description): enough to
+    re-score a plan's decisions without the GGUF file."""
+
+    name: str
+    role: Role
+    layer: int | None = Field(default=None, ge=0)
+    expert: int | None = Field(default=None, ge=0)
+    bytes: int = Field(ge=0, description="bytes in MLX form")
+    access: float = Field(ge=0, le=1, description="fraction one decoded token reads")
+    flops: int = Field(ge=0, description="multiply-adds x 2 of one decoded token")
+
+
+class ModelCosts(Strict):
+    """What the cost model needs of the model, embedded so that any view of the plan (explain,
+    diff, check, bench) is computed from the plan alone."""
+
+    architecture: Architecture
+    kv_elements_per_token: int = Field(ge=0)
+    routing: RoutingSummary | None = None
+    units: list[UnitCosts]
 
 
 class Request(Strict):
@@ -376,6 +409,48 @@ class Request(Strict):
         min_length=1,
         description="tiers the plan may use (e.g. [gpu, ram] for an executor without streaming)",
     )
+
+    prompt_tokens: list[int] = Field(
+        min_length=2,
+        max_length=2,
+        description="[shortest, longest] prompt the plan is for, tokens: the cost model prices "
+        "time to first token over this range (the objective at its midpoint); default "
+        "[min(128, context / 4), min(1024, context / 2)]",
+    )
+    output_tokens: int = Field(
+        default=256,
+        ge=1,
+        description="tokens generated per request: weighs time to first token against decode "
+        "in the objective",
+    )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _default_prompts(cls, data: object) -> object:
+        if isinstance(data, dict) and data.get("prompt_tokens") is None:
+            c = data.get("context")
+            if isinstance(c, int) and c >= 1:
+                data = {
+                    **data,
+                    "prompt_tokens": [max(1, min(128, c // 4)), max(1, min(1024, c // 2))],
+                }
+        return data
+
+    @field_validator("prompt_tokens")
+    @classmethod
+    def _prompt_range(cls, v: list[int]) -> list[int]:
+        if v[0] < 1 or v[1] < v[0]:
+            raise ValueError(f"give [shortest, longest] with 1 <= shortest <= longest (got {v})")
+        return v
+
+    @model_validator(mode="after")
+    def _prompts_fit(self) -> Request:
+        if self.prompt_tokens[1] >= self.context and self.context > 1:
+            raise ValueError(
+                f"prompt_tokens {self.prompt_tokens[1]} leaves no room in a context of "
+                f"{self.context} tokens; give a longer context or shorter prompts"
+            )
+        return self
 
     @field_validator("tiers")
     @classmethod
@@ -471,6 +546,17 @@ class Prediction(Strict):
     bottleneck: Literal["compute", "host_copy", "disk"]
     decode_tok_s: float = Field(ge=0, description="aggregate decode tokens/s at the plan's batch")
     binding: list[str] = Field(default_factory=list, description="constraints at their bound")
+    prefill_chunk_s: float | None = Field(
+        default=None,
+        ge=0,
+        description="one prefill chunk of batch.prefill_chunk tokens of one sequence, seconds "
+        "(every unit read once per chunk: streamed units are read again for each chunk)",
+    )
+    ttft_s: list[float] = Field(
+        default_factory=list,
+        description="time to first token of one sequence at request.prompt_tokens' shortest and "
+        "longest prompt, seconds",
+    )
 
 
 class SolverResult(Strict):
@@ -519,7 +605,8 @@ class DraftModelRef(Strict):
 
     name: str | None = Field(description="catalog name (e.g. smollm2-135m), None for a path")
     path: str | None = Field(
-        description="GGUF file, relative to the plan file's folder (None for a catalog model)"
+        description="the GGUF file it was planned with (absolute): a hint, looked for as the "
+        "target model is (None for a catalog model)"
     )
     size_bytes: int = Field(ge=0, description="file size")
     sha256: str = Field(description="file sha256")
@@ -618,10 +705,18 @@ class Speculative(Strict):
 
 
 class Plan(Strict):
-    """A plan: where every unit lives and how the executor runs. Hand-writable."""
+    """A plan: where every unit lives and how the executor runs, self-contained: the model's
+    identity, the machine figures it was solved with and the model's cost inputs are inside it,
+    so that it can be judged, diffed and run from any folder or machine. Hand-writable."""
 
     format_version: str = PLAN_VERSION
-    fingerprints: Fingerprints
+    model: ModelSource = Field(
+        description="the model's identity (sha256, size, header) and where to find it: catalog "
+        "name, and the absolute path it was planned from (a hint)"
+    )
+    machine: HardwareProfile = Field(
+        description="the hardware figures the plan was solved with, each with its provenance"
+    )
     request: Request
     runtime: Runtime = Field(default_factory=Runtime)
     placement: list[Placement]
@@ -633,6 +728,26 @@ class Plan(Strict):
     memory: dict[Tier, TierMemory] | None = None
     prediction: Prediction | None = None
     solver: SolverResult | None = None
+    costs: ModelCosts = Field(
+        description="the model as the cost model sees it: views of the plan re-score its "
+        "decisions from this and the machine figures"
+    )
+    provenance: Provenance = Field(default_factory=Provenance)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _version_first(cls, data: object) -> object:
+        # A plan of another major version fails on its version, not on the keys it renamed.
+        if isinstance(data, dict) and "format_version" in data:
+            v = str(data["format_version"])
+            if v.split(".")[0] != PLAN_VERSION.split(".")[0]:
+                raise ValueError(
+                    f"this plan is format {v}; this Strata reads plan format "
+                    f"{PLAN_VERSION.split('.')[0]}.x (self-contained plans: the machine figures "
+                    "and the model's identity inside the plan); re-run strata plan with the same "
+                    "options to write it in the new format"
+                )
+        return data
 
     @field_validator("format_version")
     @classmethod

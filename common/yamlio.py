@@ -1,7 +1,8 @@
 """Reading and writing the YAML documents so that they diff cleanly and fail clearly.
 
 Writing: keys in schema order, integers as integers, floats rounded to 6 significant digits,
-block style, a trailing newline; the same document always gives the same bytes.
+block style (a list of flat mappings one mapping per line), a trailing newline; the same
+document always gives the same bytes.
 Reading: a file that is missing, not YAML, or does not match its schema raises ``SchemaError``
 with one line naming the file, the key path and the fix.
 """
@@ -46,20 +47,37 @@ def _str(dumper: yaml.SafeDumper, data: str) -> yaml.Node:
     return dumper.represent_scalar("tag:yaml.org,2002:str", data, style=style)
 
 
+class _Row(dict):
+    """A mapping of scalars written on one line (a placement entry, a unit's costs)."""
+
+
+def _scalar(v: object) -> bool:
+    return v is None or isinstance(v, str | int | float | bool)
+
+
 def _list(dumper: yaml.SafeDumper, data: list) -> yaml.Node:
-    # Short lists of numbers (shapes) read best on one line; everything else in block style.
+    # Short lists of numbers (shapes) read best on one line; lists of flat mappings (placement,
+    # unit costs) one mapping per line, so that moving a unit is a one-line diff; everything else
+    # in block style.
     flow = bool(data) and all(isinstance(v, int | float) for v in data)
+    if data and all(isinstance(v, dict) and all(map(_scalar, v.values())) for v in data):
+        data = [_Row(v) for v in data]
     return dumper.represent_sequence("tag:yaml.org,2002:seq", data, flow_style=flow)
+
+
+def _row(dumper: yaml.SafeDumper, data: _Row) -> yaml.Node:
+    return dumper.represent_mapping("tag:yaml.org,2002:map", data.items(), flow_style=True)
 
 
 _Dumper.add_representer(str, _str)
 _Dumper.add_representer(list, _list)
+_Dumper.add_representer(_Row, _row)
 
 
 def to_yaml(doc: BaseModel) -> str:
     """Serialize a schema document to YAML text (stable bytes for equal documents)."""
     data = _round(doc.model_dump(mode="json"))
-    return yaml.dump(data, Dumper=_Dumper, sort_keys=False, width=100, allow_unicode=True)
+    return yaml.dump(data, Dumper=_Dumper, sort_keys=False, width=160, allow_unicode=True)
 
 
 def write_yaml(doc: BaseModel, path: str | Path) -> None:
@@ -75,8 +93,13 @@ def write_yaml(doc: BaseModel, path: str | Path) -> None:
 
 def canonical_sha256(doc: BaseModel) -> str:
     """sha256 of a document's canonical JSON form: formatting and comments do not change it."""
-    data = _round(doc.model_dump(mode="json"))
-    return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()
+    return sha256_of(doc.model_dump(mode="json"))
+
+
+def sha256_of(data: object) -> str:
+    """sha256 of JSON-able data in canonical form (sorted keys, floats as ``to_yaml`` writes
+    them), so that a value read back from YAML hashes as the one written."""
+    return hashlib.sha256(json.dumps(_round(data), sort_keys=True).encode()).hexdigest()
 
 
 def _where(loc: tuple) -> str:
@@ -84,7 +107,7 @@ def _where(loc: tuple) -> str:
 
 
 _KIND_KEYS = {
-    "Plan": {"fingerprints", "placement"},
+    "Plan": {"placement", "batch"},
     "HardwareProfile": {"gpu", "nvme", "os_reserve_bytes"},
     "ModelDescription": {"tensors", "units", "architecture"},
 }

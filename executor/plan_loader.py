@@ -1,26 +1,32 @@
-"""Loading a plan and checking that its inputs still match (Terraform's plan/apply habit).
+"""Loading a plan and checking that its model is the one it was made for (Terraform's
+plan/apply habit).
 
-A plan names its model by catalog name or path with the file's size and sha256, and its profile by
-path and canonical sha256. ``load_plan`` refuses a plan whose model file or profile changed since
-planning, and one whose units do not match the model (a hand-written plan with a typo, or a plan of
-another model), each with a message that says to re-run ``strata plan``. A speculative plan's
-draft model (``speculative.draft_model``: catalog name, or a path relative to the plan's folder) is
-checked the same way: present, same size, sha256 and header.
+A plan is self-contained: it names its model by identity (size, sha256, header; catalog name and
+an absolute path as hints), so ``load_plan`` finds the file wherever the plan was copied
+(``catalog.locate_model``: ``--model``, the hint, the catalog, the files this machine hashed
+before) and refuses a file whose bytes are not the planned ones, or a plan whose units do not
+match the model (a hand-written plan with a typo, or a plan of another model), each with a message
+that names the fix. A speculative plan's draft model is found and checked the same way. Whether
+the machine can hold the plan is ``strata.check``'s question, asked before this.
 """
 
 from __future__ import annotations
 
-import os
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from strata.common.catalog import CATALOG, ResolvedModel, file_sha256, resolve_model
+from strata.common.catalog import (
+    ResolvedModel,
+    file_sha256,
+    locate_model,
+    routing_cache_path,
+)
 from strata.common.describe import describe_gguf, source_for
 from strata.common.errors import PlanError
 from strata.common.gguf_file import GGUFFile, open_gguf
 from strata.common.schemas import (
     DraftModelRef,
-    HardwareProfile,
     ModelDescription,
     Plan,
     RoutingProfile,
@@ -46,67 +52,76 @@ class LoadedPlan:
     desc: ModelDescription
     draft_path: Path | None = None
     routing: RoutingProfile | None = None
-    """The routing profile the plan was made with (``fingerprints.routing_profile_path``), checked
+    """The routing profile the plan was made with (``provenance.routing_profile``), checked
     against its sha256; the executor seeds its routing tracker from it."""
 
 
-def _draft_model_path(path: Path, ref: DraftModelRef) -> Path:
-    """The plan's draft model file, checked against its size, sha256 and header sha256.
+def _checked_file(
+    path: Path, found: Path, how: str, size: int | None, sha256: str | None, what: str, again: str
+) -> str:
+    """``found``'s sha256, checked against the planned size and sha256.
 
     Raises:
-        PlanError: unknown catalog name, missing file, or a file that changed since planning.
+        PlanError: the file is not the one the plan was made for (names how it was found).
+    """
+    got = found.stat().st_size
+    if size is not None and got != size:
+        raise PlanError(
+            f"{path}: {what} {found} (found by {how}) is {got} bytes but the plan was made for "
+            f"{size} bytes: not the planned file; {again}"
+        )
+    digest = file_sha256(found)  # remembered in the cache: hashed once per file version
+    if sha256 is not None and digest != sha256:
+        raise PlanError(
+            f"{path}: {what} {found} (found by {how}) has sha256 {digest[:12]}… but the plan was "
+            f"made for {sha256[:12]}…: the model's bytes changed; {again}"
+        )
+    return digest
+
+
+def _draft_model_path(path: Path, ref: DraftModelRef) -> Path:
+    """The plan's draft model file, found as the target is and checked against its size,
+    sha256 and header sha256.
+
+    Raises:
+        PlanError: the file changed since planning.
+        StrataError: it is nowhere on this machine.
     """
     again = "re-run strata plan with --speculative draft_model --draft-model MODEL"
-    if ref.name:
-        if ref.name not in CATALOG:
-            raise PlanError(f"{path}: plan names unknown catalog draft model {ref.name!r}; {again}")
-        draft = resolve_model(ref.name).path
-    else:
-        p = Path(ref.path or "").expanduser()
-        # Relative to the plan's folder (an absolute p stays as it is).
-        draft = Path(os.path.normpath(path.parent / p))
-        if not ref.path or not draft.is_file():
-            raise PlanError(
-                f"{path}: the plan's draft model {ref.path} is not found (relative to the plan's "
-                f"folder: {draft}); put the GGUF there, or {again} pointing at it"
-            )
-    size = draft.stat().st_size
-    if size != ref.size_bytes:
-        raise PlanError(
-            f"{path}: draft model file {draft} is {size} bytes but the plan was made for "
-            f"{ref.size_bytes} bytes; the draft model changed — {again}"
-        )
-    digest = file_sha256(draft)
-    if digest != ref.sha256:
-        raise PlanError(
-            f"{path}: draft model file {draft} has sha256 {digest[:12]}… but the plan was made "
-            f"for {ref.sha256[:12]}…; the draft model changed — {again}"
-        )
+    draft, how = locate_model(name=ref.name, path=ref.path, sha256=ref.sha256, base=path.parent)
+    _checked_file(path, draft, how, ref.size_bytes, ref.sha256, "draft model", again)
     if open_gguf(draft).header_sha256 != ref.header_sha256:
         raise PlanError(f"{path}: draft model header changed since planning; {again}")
     return draft
 
 
 def _routing_profile(path: Path, plan: Plan) -> RoutingProfile | None:
-    """The plan's routing profile (None when it was planned without one), checked.
+    """The plan's routing profile, found by its path hint or in the cache by sha256 (None when
+    it was planned without one, or, with a one-line warning, when neither has it: the executor
+    then learns the routing from the first tokens, as without a profile).
 
     Raises:
-        PlanError: the plan names a profile that is missing or changed since planning.
+        PlanError: the file found is not the planned routing profile.
     """
-    fp = plan.fingerprints
-    if fp.routing_profile_sha256 is None or fp.routing_profile_path is None:
-        return None  # no profile, or a 1.3 plan that recorded only its hash
-    again = "re-run strata plan --routing-profile FILE (or plan without one)"
-    where = Path(os.path.normpath(path.parent / Path(fp.routing_profile_path).expanduser()))
-    if not where.is_file():
-        raise PlanError(
-            f"{path}: the plan's routing profile {fp.routing_profile_path} is not found "
-            f"(relative to the plan's folder: {where}); put it there, or {again}"
-        )
-    doc = read_yaml(where, RoutingProfile)
-    if canonical_sha256(doc) != fp.routing_profile_sha256:
-        raise PlanError(f"{path}: routing profile {where} changed since planning; {again}")
-    return doc
+    ref = plan.provenance.routing_profile
+    if ref is None:
+        return None
+    for where in [Path(ref.path).expanduser()] if ref.path else []:
+        if where.is_file():
+            doc = read_yaml(where, RoutingProfile)
+            if canonical_sha256(doc) == ref.sha256:
+                return doc
+    kept = routing_cache_path(ref.sha256)
+    if kept.is_file():
+        doc = read_yaml(kept, RoutingProfile)
+        if canonical_sha256(doc) == ref.sha256:
+            return doc
+    print(
+        f"warning: {path}: its routing profile (sha256 {ref.sha256[:12]}…) is neither at "
+        f"{ref.path} nor in the cache; the expert cache learns the routing from the first tokens",
+        file=sys.stderr,
+    )
+    return None
 
 
 def _check_self(path: Path, plan: Plan, desc: ModelDescription) -> None:
@@ -128,81 +143,45 @@ def _check_self(path: Path, plan: Plan, desc: ModelDescription) -> None:
         )
 
 
-def _model_path(plan: Plan, plan_dir: Path) -> Path:
-    src = plan.fingerprints.model
-    if src.sha256 is None and src.path is None:
-        raise PlanError(
-            f"plan is for {src.name or 'a described model'}, made from an architecture description "
-            "(--arch): it has no weights and can only be compared, not executed; plan a GGUF file"
-        )
-    if src.name:
-        if src.name not in CATALOG:
-            raise PlanError(f"plan names unknown catalog model {src.name!r}; re-run strata plan")
-        return resolve_model(src.name).path
-    p = Path(src.path or "").expanduser()
-    for candidate in (p, plan_dir / p):
-        if candidate.is_file():
-            return candidate
-    where = "" if p.is_absolute() else f" (nor relative to the plan's folder {plan_dir})"
-    raise PlanError(
-        f"plan's model file {src.path} is not found{where}; put the GGUF there, or re-plan with "
-        "--model pointing at it"
-    )
-
-
-def load_plan(path: str | Path) -> LoadedPlan:
-    """Read a plan, check its fingerprints against the files on disk, open its model.
+def load_plan(path: str | Path, model: str | Path | None = None) -> LoadedPlan:
+    """Read a plan, find its model (``model``, i.e. ``--model PATH``, first) and check that the
+    file is the planned one, open it.
 
     Raises:
         SchemaError: not a plan, a typo, or an unknown major format version.
-        PlanError: the model or profile changed since planning, the request section was edited,
-            or units do not match.
+        PlanError: no model file, or one whose bytes are not the planned ones; the request
+            section was edited; units do not match.
+        StrataError: the model is nowhere on this machine (the message lists where it looked).
         GGUFError: the model file is malformed.
     """
     path = Path(path)
     plan = read_yaml(path, Plan)
-    src = plan.fingerprints.model
-    model_path = _model_path(plan, path.parent)
-    size = model_path.stat().st_size
-    if src.size_bytes is not None and size != src.size_bytes:
+    src = plan.model
+    if src.sha256 is None and src.path is None and src.name is None:
         raise PlanError(
-            f"{path}: model file {model_path} is {size} bytes but the plan was made for "
-            f"{src.size_bytes} bytes; the model changed — re-run strata plan"
+            f"{path}: the plan is for a model described from an architecture file (--arch): it "
+            "has no weights and can only be compared, not executed; plan a GGUF file"
         )
-    digest = file_sha256(model_path)  # remembered in the cache: hashed once per file version
-    if src.sha256 is not None:
-        if digest != src.sha256:
-            raise PlanError(
-                f"{path}: model file {model_path} has sha256 {digest[:12]}… but the plan was made "
-                f"for {src.sha256[:12]}…; the model changed — re-run strata plan"
-            )
-    want = plan.fingerprints.request_sha256
+    model_path, how = locate_model(
+        name=src.name, path=src.path, sha256=src.sha256, given=model, base=path.parent
+    )
+    again = "pass --model PATH to the planned file, or re-run strata plan for this one"
+    digest = _checked_file(path, model_path, how, src.size_bytes, src.sha256, "model file", again)
+    want = plan.provenance.request_sha256
     if want is not None and canonical_sha256(plan.request) != want:
         # The placement, KV cache and batch limits were solved for the request as it was: a
         # hand-raised context would size a KV cache the budgets never allowed for.
         raise PlanError(
-            f"{path}: its request section (context, concurrency, objective, budgets) is not the "
-            "request it was planned for: edited after planning (or planned by a Strata with "
-            f"another request format; this plan is format {plan.format_version}), so its "
+            f"{path}: its request section (context, concurrency, objective, budgets, prompt "
+            "lengths) is not the request it was planned for: edited after planning, so its "
             "placement and KV cache no longer follow from it; re-run strata plan"
         )
-    ref = plan.fingerprints.profile
-    if ref is not None:
-        prof_path = path.parent / ref.path
-        if not prof_path.is_file():
-            raise PlanError(f"{path}: its profile {prof_path} is missing; re-run strata plan")
-        profile = read_yaml(prof_path, HardwareProfile)
-        if canonical_sha256(profile) != ref.sha256:
-            raise PlanError(
-                f"{path}: profile {prof_path} changed since this plan was made (its figures, or "
-                "the fields this version of Strata reads from profiles); re-run strata plan"
-            )
     draft_ref = plan.speculative.draft_model
     draft_path = _draft_model_path(path, draft_ref) if draft_ref is not None else None
     g = open_gguf(model_path)
     if src.header_sha256 and g.header_sha256 != src.header_sha256:
         raise PlanError(f"{path}: model header changed since planning; re-run strata plan")
-    resolved = ResolvedModel(model_path, None, size, digest)
+    resolved = ResolvedModel(model_path, None, model_path.stat().st_size, digest)
     desc = describe_gguf(g, source_for(resolved, g.header_sha256))
     seen: set[str] = set()
     for p in plan.placement:

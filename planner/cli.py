@@ -95,7 +95,6 @@ def cmd_plan(args: argparse.Namespace) -> None:
         args.model,
         Path(args.profile),
         request,
-        Path(args.output),
         desc=desc,
         routing_profile=routing,
         speculative=speculative,

@@ -1,6 +1,8 @@
 """``strata diff``: what differs between two plans (e.g. the same model on two machines).
 
-Shares the grouping and formatting helpers of ``planner.explain``: tier moves are reported per role
+Every figure is recomputed from each plan's own decisions and embedded figures
+(``planner.rescore``), so a plan edited by hand shows what its edit costs. Shares the grouping and
+formatting helpers of ``planner.explain``: tier moves are reported per role
 over contiguous layer ranges (``ffn blk 10–29: gpu → nvme, 20 units, 32.1 MiB``).
 """
 
@@ -20,8 +22,8 @@ from strata.planner.explain import (
     request_label,
     runtime_label,
     unit_refs,
-    weights_per_tier,
 )
+from strata.planner.rescore import description_of, judge
 
 
 def _signed_size(n: int) -> str:
@@ -58,21 +60,14 @@ def _moves(a: Plan, b: Plan, desc: ModelDescription | None) -> list[str]:
     return lines
 
 
-def _tier_bytes(plan: Plan) -> dict[str, TierMemory]:
-    if plan.memory is not None:
-        return dict(plan.memory)
-    # Hand-written plan without a memory section: weights from the placement, capacity unknown (0).
-    return {t: TierMemory(capacity=0, weights=w) for t, w in weights_per_tier(plan).items()}
-
-
 def _memory(a: Plan, b: Plan) -> list[str]:
-    ma, mb = _tier_bytes(a), _tier_bytes(b)
+    ma, mb = dict(a.memory or {}), dict(b.memory or {})
     lines = []
     zero = TierMemory(capacity=0, weights=0)
     for t in TIERS:
         x, y = ma.get(t, zero), mb.get(t, zero)  # type: ignore[call-overload]
         parts = []
-        for field in ("weights", "kv_cache", "pool", "activations", "capacity"):
+        for field in ("weights", "kv_cache", "pool", "expert_cache", "activations", "capacity"):
             va, vb = getattr(x, field), getattr(y, field)
             if va != vb:
                 name = field.replace("_", " ")
@@ -123,42 +118,145 @@ def _prediction(a: Plan, b: Plan) -> list[str]:
     return lines
 
 
+def _machine(a: Plan, b: Plan) -> list[str]:
+    """The machine figures that differ, each as ``name a → b`` (the plans' embedded profiles)."""
+    fa, fb = _figures(a.machine.model_dump()), _figures(b.machine.model_dump())
+    out = []
+    for key in fa.keys() | fb.keys():
+        va, vb = fa.get(key), fb.get(key)
+        if va != vb:
+            out.append(f"  {key}: {_figure(key, va)} → {_figure(key, vb)}")
+    return ["machine figures:", *sorted(out)] if out else []
+
+
+def _figures(doc: dict, prefix: str = "") -> dict[str, object]:
+    """Dotted key -> value of a profile's numbers and settings (a figure's value only)."""
+    out: dict[str, object] = {}
+    for k, v in doc.items():
+        if k in ("format_version", "name", "description"):
+            continue
+        key = f"{prefix}{k}"
+        if isinstance(v, dict) and "value" in v:
+            out[key] = v["value"]
+        elif isinstance(v, dict):
+            out.update(_figures(v, key + "."))
+        else:
+            out[key] = v
+    return out
+
+
+def _figure(key: str, v: object) -> str:
+    if v is None or isinstance(v, bool | str):
+        return str(v)
+    assert isinstance(v, int | float)
+    if key.endswith("_bytes_s"):
+        return f"{format_size(int(v))}/s"
+    if key.endswith("_bytes"):
+        return format_size(int(v))
+    if key.endswith("_s"):
+        return format_time(float(v))
+    return f"{v:.4g}"
+
+
+def _experts(a: Plan, b: Plan) -> list[str]:
+    """The expert cache, its pins and preload, and the routing profile behind them."""
+    ea, eb = a.expert_cache, b.expert_cache
+    lines = _change("expert cache", _cache_label(a), _cache_label(b))
+    pa, pb = set(ea.pinned), set(eb.pinned)
+    if pa != pb:
+        lines.append(f"  pinned: +{len(pb - pa)} −{len(pa - pb)} experts ({len(pb)} in all)")
+    if ea.preload != eb.preload:
+        la, lb = set(ea.preload), set(eb.preload)
+        lines.append(
+            f"  preload: {len(ea.preload)} → {len(eb.preload)} experts "
+            f"(+{len(lb - la)} −{len(la - lb)})"
+        )
+    ra, rb = a.provenance.routing_profile, b.provenance.routing_profile
+    if ra != rb:
+        lines.append(f"routing profile: {_routing_label(a)} → {_routing_label(b)}")
+    ha = a.prediction.expert_hit_rate if a.prediction else None
+    hb = b.prediction.expert_hit_rate if b.prediction else None
+    if ha != hb:
+        fa = "none" if ha is None else f"{ha:.2f}"
+        fb = "none" if hb is None else f"{hb:.2f}"
+        lines.append(f"expected expert hit rate: {fa} → {fb}")
+    return lines
+
+
+def _cache_label(p: Plan) -> str:
+    e = p.expert_cache
+    return f"{e.slots} slots × {format_size(e.slot_bytes)}, prefetch {e.prefetch}"
+
+
+def _routing_label(p: Plan) -> str:
+    r = p.provenance.routing_profile
+    if r is None:
+        return "none (uniform top-k/n)"
+    where = f" from {r.path}" if r.path else ""
+    tokens = p.costs.routing.tokens if p.costs.routing else 0
+    return f"sha256 {r.sha256[:12]}{where} ({tokens} tokens measured)"
+
+
+def _speculative(a: Plan, b: Plan) -> list[str]:
+    def label(p: Plan) -> str:
+        sp = p.speculative
+        if sp.method == "none":
+            return "none"
+        extra = f", {sp.draft_layers} draft layers" if sp.draft_layers else ""
+        model = ""
+        if sp.draft_model is not None:
+            model = f", draft {sp.draft_model.name or sp.draft_model.path}"
+        return f"{sp.method}, K = {sp.num_draft_tokens}{extra}{model}, a = {sp.acceptance_rate:.3g}"
+
+    return _change("speculative", label(a), label(b))
+
+
 def diff(a: Plan, b: Plan, desc: ModelDescription | None = None) -> str:
-    """What differs between plan ``a`` and plan ``b``.
+    """What differs between plan ``a`` and plan ``b``, each judged from its own decisions.
 
     Args:
-        a, b: two plans (typically the same model planned on two machines or for two requests).
-        desc: the model description, for roles and layers of units; inferred from names otherwise.
+        a, b: two plans (typically the same model planned on two machines or for two requests,
+            or a plan and its hand-edited copy).
+        desc: the model description, for roles and layers of units; default ``a``'s costs.
 
     Returns:
-        Text, one change per line: model and profile fingerprints, request, runtime, tier moves per
-        role and layer range, byte deltas per tier, pool / prefetch / batch changes, predicted
-        step-time and tok/s deltas; ``plans are identical`` when nothing differs.
+        Text, one change per line: which plan is edited by hand, model, machine and its figures,
+        request, runtime (kernel choices), tier moves per role and layer range, bytes per tier,
+        pool and prefetch, expert cache, pins and preload, routing profile and expected hit rate,
+        speculative settings, batch limits, predicted time split, decode tok/s and TTFT;
+        ``plans are identical`` when nothing differs.
     """
     if a == b:
         return "plans are identical\n"
+    ja, jb = judge(a), judge(b)
+    va, vb = ja.view, jb.view
     lines = []
+    for name, j in (("a", ja), ("b", jb)):
+        if j.edited:
+            lines.append(f"plan {name} is edited by hand (its figures are recomputed)")
     lines += _change("model", model_label(a), model_label(b))
-    lines += _change("profile", profile_label(a), profile_label(b))
-    fa, fb = a.fingerprints, b.fingerprints
-    lines += _change("planner version", str(fa.planner_version), str(fb.planner_version))
-    lines += _change("solver", str(fa.solver), str(fb.solver))
+    lines += _change("machine", profile_label(a), profile_label(b))
+    lines += _machine(a, b)
+    pa, pb = a.provenance, b.provenance
+    lines += _change("planner version", str(pa.planner_version), str(pb.planner_version))
+    lines += _change("solver", str(pa.solver), str(pb.solver))
     lines += _change("request", request_label(a), request_label(b))
     lines += _change("runtime", runtime_label(a), runtime_label(b))
-    lines += _moves(a, b, desc)
-    lines += _memory(a, b)
-    lines += _change("pool", pool_label(a), pool_label(b))
-    ea, eb = a.expert_cache, b.expert_cache
-    lines += _change(
-        "expert cache",
-        f"{ea.slots} slots, pinned {ea.pinned}",
-        f"{eb.slots} slots, pinned {eb.pinned}",
-    )
+    lines += _moves(a, b, desc or description_of(a))
+    lines += _memory(va, vb)
+    lines += _change("pool", pool_label(va), pool_label(vb))
+    lines += _experts(va, vb)
+    lines += _speculative(a, b)
     lines += _change("batch", batch_label(a), batch_label(b))
-    lines += _prediction(a, b)
+    lines += _prediction(va, vb)
     if not lines:
-        # Only fields not summarized above differ (fingerprints' versions, solver details...).
+        # Only fields not summarized above differ (provenance details, stored sections...).
         da, db = a.model_dump(), b.model_dump()
-        keys = [k for k in da if da[k] != db[k]]
-        lines.append(f"plans differ only in: {', '.join(keys)}")
+        keys = []
+        for k in da:
+            if da[k] != db[k]:
+                sub = da[k] if isinstance(da[k], dict) else {}
+                inner = [f"{k}.{x}" for x in sub if sub[x] != (db[k] or {}).get(x)]
+                keys += inner or [k]
+        lines.append(f"plans differ only in: {', '.join(keys)} (nothing that changes behaviour)")
     return "\n".join(lines) + "\n"

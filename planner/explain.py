@@ -9,10 +9,12 @@ from __future__ import annotations
 import re
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from strata.common.schemas import TIERS, ModelDescription, Plan
 from strata.common.sizes import format_size
 from strata.planner.costmodel import batch_size, rate_label
+from strata.planner.rescore import description_of, judge
 
 # --------------------------------------------------------------------------- shared helpers
 
@@ -127,16 +129,18 @@ def format_rate(tok_s: float) -> str:
 
 
 def model_label(plan: Plan) -> str:
-    """The plan's model: catalog name or path, and the start of its file (or header) sha256."""
-    m = plan.fingerprints.model
+    """The plan's model: catalog name or file name, and the start of its file (or header)
+    sha256."""
+    m = plan.model
     sha = m.sha256 or m.header_sha256
-    return f"{m.name or m.path or '(unnamed)'} ({'sha256' if m.sha256 else 'header'} {sha[:12]})"
+    name = m.name or (Path(m.path).name if m.path else "(unnamed)")
+    return f"{name} ({'sha256' if m.sha256 else 'header'} {sha[:12]})"
 
 
 def profile_label(plan: Plan) -> str:
-    """The plan's profile: name and the start of its sha256 (``(none…)`` for hand-written plans)."""
-    p = plan.fingerprints.profile
-    return f"{p.name} (sha256 {p.sha256[:12]})" if p else "(none: hand-written plan)"
+    """The machine the plan was solved for: its profile's name and backend."""
+    m = plan.machine
+    return f"{m.name} ({m.backend})"
 
 
 def request_label(plan: Plan) -> str:
@@ -455,39 +459,49 @@ def _speculative_lines(plan: Plan, desc: ModelDescription | None) -> list[str]:
 
 
 def explain(plan: Plan, desc: ModelDescription | None = None) -> str:
-    """A readable summary of a plan.
+    """A readable summary of a plan, computed from its own decisions (``planner.rescore``): a
+    plan edited by hand is marked so, and its memory, pool and prediction are its own, not the
+    stale sections the solver wrote.
 
     Args:
-        plan: the plan (solver-made or hand-written: missing memory or prediction sections are
-            reported as such).
-        desc: the model description, for units' roles and layers; without it they are inferred
-            from unit names.
+        plan: the plan.
+        desc: the model description, for units' roles and layers; default the plan's own
+            ``costs``.
 
     Returns:
-        Text: the request; bytes per tier (weights, KV cache, pool, activations) against capacity;
+        Text: whether it was edited by hand; the request; bytes per tier (weights, KV cache, pool,
+        activations) against capacity;
         placement grouped by role and contiguous layer ranges; pool and prefetch; batch limits;
         the predicted step split into compute / host copy / disk with the bottleneck and binding
         constraints; predicted tokens/s; speculative decoding (drafter, K, what the self-drafter
         skips, the acceptance rate and its source, the speculative step and tokens/s); the
         solver's result.
     """
-    lines = [
-        f"Plan for {model_label(plan)} on {profile_label(plan)}",
+    judged = judge(plan)
+    view = judged.view
+    desc = desc or description_of(plan)
+    lines = [f"Plan for {model_label(plan)} on {profile_label(plan)}"]
+    if judged.edited:
+        lines.append(
+            "Edited by hand: its decisions are not the ones strata plan wrote; memory, pool and "
+            "prediction below are recomputed from them with the plan's own figures"
+        )
+    lines += [
         f"Request: {request_label(plan)}",
         f"Runtime: {runtime_label(plan)}",
         "",
-        *_memory_lines(plan),
+        *_memory_lines(view),
         "",
         *_placement_lines(plan, desc),
-        _why(plan),
+        _why(view),
         "",
-        f"Pool: {pool_label(plan)}",
-        f"Expert cache: {expert_cache_label(plan)}",
+        f"Pool: {pool_label(view)}",
+        f"Expert cache: {expert_cache_label(view)}",
         f"Batch: {batch_label(plan)}",
         "",
-        *_prediction_lines(plan),
+        *_prediction_lines(view),
         "",
-        *_speculative_lines(plan, desc),
+        *_speculative_lines(view, desc),
     ]
     if plan.solver:
         s = plan.solver

@@ -82,7 +82,6 @@ from strata.common.schemas import (
     TIERS,
     BatchLimits,
     ExpertCache,
-    Fingerprints,
     HardwareProfile,
     ModelDescription,
     Placement,
@@ -90,6 +89,7 @@ from strata.common.schemas import (
     Pool,
     Prediction,
     Prefetch,
+    Provenance,
     Request,
     Runtime,
     SolverResult,
@@ -117,6 +117,7 @@ from strata.planner.costmodel import (
     weights_by_tier,
     working_slots,
 )
+from strata.planner.rescore import decisions_sha256, model_costs
 
 MIB = 2**20
 TIME_UNITS = 1000.0
@@ -164,10 +165,18 @@ class Solution:
     runtime: Runtime
     solve_time_s: float = field(compare=False)
 
-    def to_plan(self, fingerprints: Fingerprints, request: Request) -> Plan:
-        """The plan document for this solution."""
-        return Plan(
-            fingerprints=fingerprints,
+    def to_plan(
+        self,
+        desc: ModelDescription,
+        profile: HardwareProfile,
+        request: Request,
+        provenance: Provenance | None = None,
+    ) -> Plan:
+        """The plan document for this solution: self-contained (the model's identity and costs,
+        the machine figures), its decisions' digest in ``provenance``."""
+        plan = Plan(
+            model=desc.model,
+            machine=profile,
             request=request,
             runtime=self.runtime,
             placement=self.placement,
@@ -178,7 +187,11 @@ class Solution:
             memory=self.memory,  # type: ignore[arg-type]
             prediction=self.prediction,
             solver=self.solver,
+            costs=model_costs(desc),
+            provenance=provenance or Provenance(),
         )
+        plan.provenance.decisions_sha256 = decisions_sha256(plan)
+        return plan
 
 
 def _cbc_path() -> str:
@@ -203,7 +216,7 @@ def cbc_version() -> str:
 
 
 def solver_description(time_limit_s: float = 30) -> str:
-    """Solver name, version and options, for ``Fingerprints.solver``."""
+    """Solver name, version and options, for ``Provenance.solver``."""
     return (
         f"CBC {cbc_version()} (PuLP {pulp.__version__}), one thread, {' '.join(CBC_OPTIONS)}, "
         f"rungs (ratioGap, maxNodes) {list(RUNGS)}, accept gap {ACCEPT_GAP:g}, "

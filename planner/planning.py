@@ -1,26 +1,28 @@
-"""Making a plan: describe the model, read the profile, solve the ILP, attach fingerprints, and
+"""Making a plan: describe the model, read the profile, solve the ILP, embed its inputs, and
 choose speculative decoding for the placement (``planner.speculative``)."""
 
 from __future__ import annotations
 
-import os
+import shutil
 import sys
 from pathlib import Path
 
+from strata.common.catalog import routing_cache_path
 from strata.common.describe import describe
 from strata.common.errors import PlanError
 from strata.common.schemas import (
-    Fingerprints,
     HardwareProfile,
     ModelDescription,
     Plan,
-    ProfileRef,
+    Provenance,
     Request,
+    RoutingRef,
 )
 from strata.common.sizes import format_size
 from strata.common.yamlio import canonical_sha256, read_yaml
 from strata.planner.costmodel import PinnedPlacement, tier_memory
 from strata.planner.ilp import solve, solver_description
+from strata.planner.rescore import decisions_sha256
 from strata.planner.routing import apply_routing_profile, read_routing_profile
 from strata.planner.speculative import (
     SpeculativeRequest,
@@ -36,13 +38,12 @@ def build_plan(
     model: str | None,
     profile_path: Path,
     request: Request,
-    plan_path: Path,
     *,
     desc: ModelDescription | None = None,
     routing_profile: Path | None = None,
     speculative: SpeculativeRequest | None = None,
 ) -> Plan:
-    """Solve the placement ILP and return the plan, fingerprinted for ``plan_path``.
+    """Solve the placement ILP and return the plan: self-contained, runnable from any folder.
 
     The model is ``model`` (catalog name or GGUF path, described here) or, when given, the
     already-built description ``desc`` (e.g. from ``strata plan --arch``; ``model`` is then
@@ -55,9 +56,11 @@ def build_plan(
     the request as given and its memory section the full capacities, with the draft's bytes in
     ``speculative.draft_model``.
 
-    The profile is referenced relative to the plan file's folder, so a plan and its profile
-    checked in together keep working from any clone. Solve time goes to stderr only: the same
-    inputs give a byte-identical plan.
+    The plan embeds the profile's figures (not its path), the model's identity with its absolute
+    path as a hint, and the model's cost inputs, so it needs nothing beside the model to be
+    judged or run. A routing profile is copied into the cache under its sha256, where the
+    executor finds it on this machine wherever the file goes. Solve time goes to stderr only: the
+    same inputs give a byte-identical plan.
 
     Raises:
         StrataError: bad model or profile, infeasible request (names the short tier), a solve
@@ -94,31 +97,32 @@ def build_plan(
             f"{e} (capacities after the {draft.label()}; a smaller draft model also helps)"
         ) from None
     print(f"solved in {sol.solve_time_s:.3f} s ({sol.solver.name})", file=sys.stderr)
-    fingerprints = Fingerprints(
-        model=desc.model,
-        profile=ProfileRef(
-            name=profile.name,
-            path=os.path.relpath(profile_path.resolve(), plan_path.resolve().parent),
-            sha256=canonical_sha256(profile),
-        ),
-        request_sha256=canonical_sha256(request),
-        routing_profile_sha256=desc.routing.sha256 if desc.routing else None,
-        routing_profile_path=(
-            os.path.relpath(routing_profile.resolve(), plan_path.resolve().parent)
-            if routing_profile is not None
-            else None
-        ),
+    routing = None
+    if desc.routing is not None and routing_profile is not None:
+        kept = routing_cache_path(desc.routing.sha256)
+        if not kept.is_file():
+            kept.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(routing_profile, kept)
+        routing = RoutingRef(sha256=desc.routing.sha256, path=str(routing_profile.resolve()))
+    if desc.model.path is not None:  # the path as given: keep it absolute, a hint from anywhere
+        hint = str(Path(desc.model.path).resolve())
+        desc = desc.model_copy(update={"model": desc.model.model_copy(update={"path": hint})})
+    provenance = Provenance(
         planner_version=__version__,
         solver=solver_description(),
+        profile_file=profile_path.name,
+        routing_profile=routing,
+        request_sha256=canonical_sha256(request),
     )
-    plan = sol.to_plan(fingerprints, request)
+    plan = sol.to_plan(desc, profile, request, provenance)
     if draft is not None:
         # The memory section shows the tiers' full capacities; the draft's bytes are listed in
         # the speculative section (explain adds them to the gpu total).
         plan.memory = tier_memory(  # type: ignore[assignment]
             desc, profile, request, PinnedPlacement.of(plan)
         )
-    plan.speculative = plan_speculative(plan, desc, profile, spec, draft=draft, plan_path=plan_path)
+    plan.speculative = plan_speculative(plan, desc, profile, spec, draft=draft)
+    plan.provenance.decisions_sha256 = decisions_sha256(plan)
     sp = plan.speculative
     base = plan.prediction.decode_tok_s if plan.prediction else 0.0
     if sp.method != "none" and (sp.predicted_decode_tok_s or 0.0) < base:

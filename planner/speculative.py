@@ -48,7 +48,6 @@ from __future__ import annotations
 
 import functools
 import math
-import os
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -335,12 +334,11 @@ class DraftModel:
             f"{format_size(self.kv_cache)}{act} = {format_size(self.reserve)})"
         )
 
-    def ref(self, plan_path: Path) -> DraftModelRef:
-        """The plan's reference to this draft model, its path relative to the plan's folder."""
+    def ref(self) -> DraftModelRef:
+        """The plan's reference to this draft model: its identity, and its absolute path as a
+        hint (None for a catalog model)."""
         src = self.desc.model
-        path = None
-        if src.name is None:
-            path = os.path.relpath(self.path.resolve(), plan_path.resolve().parent)
+        path = None if src.name is not None else str(self.path.resolve())
         return DraftModelRef(
             name=src.name,
             path=path,
@@ -549,7 +547,6 @@ def plan_speculative(
     spec: SpeculativeRequest,
     *,
     draft: DraftModel | None = None,
-    plan_path: Path | None = None,
 ) -> Speculative:
     """Choose K (and the self-drafter's ``draft_layers``) for a placed plan (module docstring).
 
@@ -559,7 +556,6 @@ def plan_speculative(
         profile: the machine.
         spec: the method and any user-given K or acceptance rate.
         draft: the draft model (method draft_model), as ``load_draft_model`` made it.
-        plan_path: where the plan will be written (the draft model's path is relative to it).
 
     Returns:
         The plan's speculative section: method, K, draft layers, draft model reference, the
@@ -606,7 +602,7 @@ def plan_speculative(
         a, how = ASSUMED_ACCEPTANCE["draft_model"]
         d = draft_model_seconds(draft.desc, profile, plan.request, b)
         best = _best([_Choice(k, 0, a, verify[k], d) for k in ks], b)
-        ref = draft.ref(plan_path or Path("plan.yaml"))
+        ref = draft.ref()
     else:  # self
         check_self_head(desc, tiers)
         choices = []

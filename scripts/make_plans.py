@@ -54,9 +54,7 @@ def make(name: str) -> Plan:
         arch_file, ftype = model
         desc = describe_arch(ROOT / "profiles" / "arch" / arch_file, ftype)
     spec = model if isinstance(model, str) else None
-    return build_plan(
-        spec, ROOT / "profiles" / profile, Request(**request), ROOT / "plans" / name, desc=desc
-    )
+    return build_plan(spec, ROOT / "profiles" / profile, Request(**request), desc=desc)
 
 
 if __name__ == "__main__":

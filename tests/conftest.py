@@ -40,7 +40,7 @@ def make_plan_file(
     from strata.planner.planning import build_plan
 
     req = Request(**{"context": 2048, "concurrency": 1, **request})
-    write_yaml(build_plan(model, profile, req, path, desc=desc), path)
+    write_yaml(build_plan(model, profile, req, desc=desc), path)
     return path
 
 

@@ -242,7 +242,7 @@ def _uvicorn_server(app: Starlette, ready: Callable[[], None]):
 
 def default_model_name(loaded) -> str:
     """The plan's catalog model name, else the GGUF file's stem."""
-    src = loaded.plan.fingerprints.model
+    src = loaded.plan.model
     return src.name or Path(src.path or loaded.gguf.path).stem
 
 

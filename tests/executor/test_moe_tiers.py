@@ -161,7 +161,7 @@ def test_routing_profile_round_trip_through_the_command_lines(moe_plans, tmp_pat
     assert len(used) == 1 and used.pop() in (2.0, 4.0)
     assert doc["predicted"] > 0  # decode steps measured the successor prediction
     plan_doc = read_yaml(resident, Plan)
-    gguf = plan_doc.fingerprints.model.path
+    gguf = plan_doc.model.path
     out = tmp_path / "profiled.yaml"
     # Room for everything but half the experts: experts stream through the cache.
     g = plan_doc.memory["gpu"]
@@ -173,8 +173,8 @@ def test_routing_profile_round_trip_through_the_command_lines(moe_plans, tmp_pat
         "-o", str(out),
     )  # fmt: skip
     planned = read_yaml(out, Plan)
-    assert planned.fingerprints.routing_profile_sha256 is not None
-    assert planned.fingerprints.routing_profile_path == "routing.json"
+    assert planned.provenance.routing_profile is not None
+    assert planned.provenance.routing_profile.path == str(profile.resolve())
     # The profiled plan's cache starts with the profile's hot set, and its tracker with the
     # profile's counts: same ids as the resident run, the preload counted apart from misses.
     ec = planned.expert_cache

@@ -5,12 +5,12 @@ from __future__ import annotations
 import re
 
 import pytest
-from strata.common.schemas import Fingerprints, Placement, Plan, ProfileRef, Request
-from strata.common.yamlio import canonical_sha256
+from strata.common.schemas import Placement, Plan, Request
 from strata.planner.costmodel import batch_limits, score_plan
 from strata.planner.diff import diff
 from strata.planner.explain import explain, group_runs, infer_role, unit_refs
 from strata.planner.ilp import solve
+from strata.planner.rescore import model_costs
 from synthetic_desc import (
     GIB,
     MIB,
@@ -23,13 +23,7 @@ from synthetic_desc import (
 
 
 def _plan(desc, profile, request) -> Plan:
-    fp = Fingerprints(
-        model=desc.model,
-        profile=ProfileRef(
-            name=profile.name, path=f"{profile.name}.yaml", sha256=canonical_sha256(profile)
-        ),
-    )
-    return solve(desc, profile, request).to_plan(fp, request)
+    return solve(desc, profile, request).to_plan(desc, profile, request)
 
 
 @pytest.fixture(scope="module")
@@ -49,7 +43,9 @@ def _hand_plan(tiers: list[str], *, depth: int = 1) -> tuple[Plan, object]:
     request = Request(context=64, concurrency=1)
     streams = "nvme" in tiers
     plan = Plan(
-        fingerprints=Fingerprints(model=desc.model),
+        model=desc.model,
+        machine=make_profile(gpu_bytes=GIB, ram_bytes=GIB),
+        costs=model_costs(desc),
         request=request,
         placement=[
             Placement(unit=u.name, tier=t, bytes=u.bytes_mlx)  # type: ignore[arg-type]
@@ -89,8 +85,12 @@ def test_explain_groups_contiguous_layers() -> None:
         "  ffn        blk 0–9  gpu (10.00 MiB, 10 units);  blk 10–29  nvme (20.00 MiB, 20 units)"
         in text
     )
-    assert "Prediction: none (hand-written plan" in text
-    assert "(no memory section" in text
+    # Written by hand (no digest of the solver's decisions): marked, and judged from its own
+    # decisions with its own figures.
+    assert text.startswith("Plan for ") and "\nEdited by hand: " in text
+    assert re.search(r"^  nvme +20\.00 MiB ", text, re.M)
+    assert "Pool: 2 slots × 1.00 MiB" in text
+    assert re.search(r"^Predicted decode: [\d.]+ tok/s$", text, re.M)
 
 
 def test_score_plan_scores_a_hand_written_plan() -> None:
@@ -112,7 +112,8 @@ def test_diff_identical(two_machines) -> None:
 def test_diff_two_machines(two_machines) -> None:
     a, b, desc = two_machines
     text = diff(a, b, desc)
-    assert text.startswith("profile: m1-max-32gb (sha256 ")
+    assert text.startswith("machine: m1-max-32gb (")
+    assert re.search(r"^  gpu\.working_set_bytes: [\d.]+ GiB → [\d.]+ GiB$", text, re.M)
     assert "model:" not in text and "request:" not in text  # same model and request
     assert re.search(r"^placement: \d+ units moved$", text, re.M)
     assert re.search(r"^  ffn blk \d+–79: nvme → gpu, \d+ units, [\d.]+ GiB$", text, re.M)
@@ -131,7 +132,8 @@ def test_explain_and_diff_name_the_kernel_paths(two_machines) -> None:
     b = a.model_copy(update={"runtime": runtime})
     text = diff(a, b, desc)
     assert "tensor-core kernel for 2-32 rows, dequantize + matmul from 128 rows" in text
-    assert text.startswith("runtime: ")
+    assert text.startswith("plan b is edited by hand")
+    assert "\nruntime: " in text
 
 
 def test_diff_tier_moves_by_layer_range() -> None:

@@ -9,7 +9,7 @@ from collections import Counter
 
 import pytest
 from strata.common.errors import PlanError
-from strata.common.schemas import TIERS, Fingerprints, Request
+from strata.common.schemas import TIERS, Request
 from strata.common.yamlio import to_yaml
 from strata.planner.costmodel import (
     MAX_DEPTH,
@@ -238,8 +238,7 @@ def test_determinism() -> None:
     request = Request(context=4096, concurrency=2, objective="throughput")
     a, b = solve(desc, profile, request), solve(desc, profile, request)
     assert a == b
-    fp = Fingerprints(model=desc.model)
-    assert to_yaml(a.to_plan(fp, request)) == to_yaml(b.to_plan(fp, request))
+    assert to_yaml(a.to_plan(desc, profile, request)) == to_yaml(b.to_plan(desc, profile, request))
 
 
 def test_identical_units_keep_early_layers_on_the_device() -> None:

@@ -30,6 +30,6 @@ def test_checked_in_plan_is_current(name):
     "profile", sorted((ROOT / "profiles").glob("*.yaml")), ids=lambda p: p.stem
 )
 def test_every_shipped_profile_plans(profile: Path, smollm2_gguf, tmp_path):
-    plan = build_plan(str(smollm2_gguf), profile, Request(context=4096), tmp_path / "p.yaml")
+    plan = build_plan(str(smollm2_gguf), profile, Request(context=4096))
     assert plan.solver.status == "Optimal"
     assert {p.unit for p in plan.placement} and plan.prediction.decode_tok_s > 0

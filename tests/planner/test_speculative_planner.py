@@ -15,7 +15,6 @@ from strata.common.describe import describe
 from strata.common.errors import PlanError, StrataError
 from strata.common.schemas import (
     PLAN_VERSION,
-    Fingerprints,
     HardwareProfile,
     Plan,
     Request,
@@ -69,7 +68,7 @@ def llama70b() -> tuple:
     big.ram.capacity_bytes.value = float(256 * GIB)
     request = Request(context=4096)
     plans = [
-        solve(desc, p, request).to_plan(Fingerprints(model=desc.model), request)
+        solve(desc, p, request).to_plan(desc, p, request)
         for p in (small, big)
     ]
     return desc, (plans[0], small), (plans[1], big)
@@ -180,7 +179,6 @@ def test_self_on_ffn_streamed_plan_skips_exactly_the_streamed_units(
         None,
         DEV_PROFILE,
         plan.request,
-        Path("unused.yaml"),
         desc=smollm2_desc,
         speculative=SpeculativeRequest("self"),
     )
@@ -227,7 +225,7 @@ def test_measured_acceptance_rate_is_used_and_stated(budget, smollm2_desc, dev_p
 
 def test_k_limited_by_the_step_token_budget(smollm2_desc, dev_profile) -> None:
     req = Request(context=8)  # a step carries at most 8 tokens: K <= 7
-    plan = build_plan(None, DEV_PROFILE, req, Path("p.yaml"), desc=smollm2_desc)
+    plan = build_plan(None, DEV_PROFILE, req, desc=smollm2_desc)
     spec = SpeculativeRequest("prompt_lookup", acceptance_rate=1.0)
     sp = plan_speculative(plan, smollm2_desc, dev_profile, spec)
     assert sp.num_draft_tokens == 7
@@ -244,11 +242,11 @@ def test_k_limited_by_the_step_token_budget(smollm2_desc, dev_profile) -> None:
 def test_k_limited_by_the_free_device_memory(smollm2_desc, dev_profile) -> None:
     """With the device budget exactly full, the verification pass's logits must fit in the
     activation reserve of a 32-token chunk: (K + 1) rows of 49152 float32 logits, K <= 4."""
-    free = build_plan(None, DEV_PROFILE, Request(context=32), Path("p.yaml"), desc=smollm2_desc)
+    free = build_plan(None, DEV_PROFILE, Request(context=32), desc=smollm2_desc)
     g = free.memory["gpu"]
     need = g.weights + g.kv_cache + g.activations
     req = Request(context=32, gpu_budget_bytes=need, ram_budget_bytes=need)
-    plan = build_plan(None, DEV_PROFILE, req, Path("p.yaml"), desc=smollm2_desc)
+    plan = build_plan(None, DEV_PROFILE, req, desc=smollm2_desc)
     assert all(p.tier == "gpu" for p in plan.placement)
     assert k_limit(smollm2_desc, dev_profile, plan) == 4
     assert k_limit(smollm2_desc, dev_profile, free) == 16  # room to spare: the token budget
@@ -269,7 +267,7 @@ def test_draft_model_planned_with_the_target(
     assert all(p.tier == "gpu" for p in resident.placement)
     out = tmp_path / "plans" / "with-draft.yaml"
     spec = SpeculativeRequest("draft_model", draft_model=str(draft_gguf))
-    plan = build_plan(None, DEV_PROFILE, resident.request, out, desc=smollm2_desc, speculative=spec)
+    plan = build_plan(None, DEV_PROFILE, resident.request, desc=smollm2_desc, speculative=spec)
     sp = plan.speculative
     d = sp.draft_model
     draft_desc = describe(str(draft_gguf))[0]
@@ -297,7 +295,7 @@ def test_draft_model_that_does_not_fit(smollm2_desc, draft_gguf) -> None:
     spec = SpeculativeRequest("draft_model", draft_model=str(draft_gguf))
     req = Request(context=256, gpu_budget_bytes=2 << 20)
     with pytest.raises(PlanError, match=r"does not fit in the gpu tier .* smaller draft model"):
-        build_plan(None, DEV_PROFILE, req, Path("p.yaml"), desc=smollm2_desc, speculative=spec)
+        build_plan(None, DEV_PROFILE, req, desc=smollm2_desc, speculative=spec)
 
 
 def test_draft_model_with_another_vocabulary(smollm2_desc, tmp_path) -> None:
@@ -305,12 +303,12 @@ def test_draft_model_with_another_vocabulary(smollm2_desc, tmp_path) -> None:
     req = Request(context=256)
     spec = SpeculativeRequest("draft_model", draft_model=str(tiny))
     with pytest.raises(PlanError, match=r"vocabulary of 261 tokens but smollm2-135m has 49152"):
-        build_plan(None, DEV_PROFILE, req, Path("p.yaml"), desc=smollm2_desc, speculative=spec)
+        build_plan(None, DEV_PROFILE, req, desc=smollm2_desc, speculative=spec)
     # Same size, other tokens: the token lists are compared too.
     same_size = write_tiny_llama(tmp_path / "same-size.gguf", extra_vocab=49152 - 261)
     spec = SpeculativeRequest("draft_model", draft_model=str(same_size))
     with pytest.raises(PlanError, match=r"another vocabulary than smollm2-135m \(token 0 is"):
-        build_plan(None, DEV_PROFILE, req, Path("p.yaml"), desc=smollm2_desc, speculative=spec)
+        build_plan(None, DEV_PROFILE, req, desc=smollm2_desc, speculative=spec)
 
 
 def test_loader_checks_the_draft_model_file(smollm2_desc, draft_gguf, tmp_path) -> None:
@@ -320,7 +318,7 @@ def test_loader_checks_the_draft_model_file(smollm2_desc, draft_gguf, tmp_path) 
     out = tmp_path / "plans" / "p.yaml"
     spec = SpeculativeRequest("draft_model", draft_model=str(draft))
     req = Request(context=256)
-    write_yaml(build_plan(None, DEV_PROFILE, req, out, desc=smollm2_desc, speculative=spec), out)
+    write_yaml(build_plan(None, DEV_PROFILE, req, desc=smollm2_desc, speculative=spec), out)
     assert read_yaml(out, Plan).speculative.draft_model.path == "../models/draft.gguf"
     assert load_plan(out).draft_path == draft
 

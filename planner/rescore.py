@@ -1,0 +1,156 @@
+"""A plan judged from its own contents: its decisions re-scored with its embedded machine figures
+and model costs, whoever wrote it (the solver, a person, another machine's Strata).
+
+``explain``, ``diff``, ``check`` and ``bench`` show what this module computes, never the plan's
+stored ``memory`` and ``prediction`` sections, which describe the decisions as the solver wrote
+them and go stale when a person edits the placement. The plan's ``provenance.decisions_sha256``
+tells the two cases apart (``edited``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from strata.common.schemas import (
+    HardwareProfile,
+    ModelCosts,
+    ModelDescription,
+    Plan,
+    Pool,
+    Prefetch,
+    UnitCosts,
+    UnitInfo,
+)
+from strata.common.yamlio import sha256_of
+from strata.planner.costmodel import PinnedPlacement, score, tier_memory
+
+DECISIONS = ("runtime", "placement", "pool", "prefetch", "expert_cache", "batch")
+"""The plan sections that decide how it runs (besides the speculative settings below)."""
+
+SPECULATIVE_DECISIONS = ("method", "num_draft_tokens", "draft_layers")
+"""The speculative section's decisions; its other fields are predictions and their inputs."""
+
+
+def model_costs(desc: ModelDescription) -> ModelCosts:
+    """What the cost model reads of ``desc``, for embedding in a plan (``Plan.costs``)."""
+    return ModelCosts(
+        architecture=desc.architecture,
+        kv_elements_per_token=desc.kv_elements_per_token,
+        routing=desc.routing,
+        units=[
+            UnitCosts(
+                name=u.name,
+                role=u.role,
+                layer=u.layer,
+                expert=u.expert,
+                bytes=u.bytes_mlx,
+                access=u.access_per_token,
+                flops=u.flops_per_token,
+            )
+            for u in desc.units
+        ],
+    )
+
+
+def description_of(plan: Plan) -> ModelDescription:
+    """The model description the cost model needs, rebuilt from ``plan.costs`` (no tensors: the
+    cost model reads units only)."""
+    c = plan.costs
+    units = [
+        UnitInfo(
+            name=u.name,
+            layer=u.layer,
+            role=u.role,
+            tensors=[],
+            bytes_gguf=0,
+            bytes_mlx=u.bytes,
+            access_per_token=u.access,
+            flops_per_token=u.flops,
+            supported=True,
+            expert=u.expert,
+        )
+        for u in c.units
+    ]
+    total = sum(u.bytes for u in c.units)
+    return ModelDescription(
+        model=plan.model,
+        architecture=c.architecture,
+        file_type="unknown",
+        kv_elements_per_token=c.kv_elements_per_token,
+        kv_bytes_per_token=c.kv_elements_per_token * 2,
+        bytes_gguf=0,
+        bytes_mlx=total,
+        units=units,
+        tensors=[],
+        routing=c.routing,
+    )
+
+
+def decisions_sha256(plan: Plan) -> str:
+    """Canonical sha256 of the plan's decisions (``DECISIONS`` and the speculative settings)."""
+    doc = {k: getattr(plan, k).model_dump(mode="json") for k in DECISIONS if k != "placement"}
+    doc["placement"] = sorted((p.unit, p.tier) for p in plan.placement)
+    sp = plan.speculative
+    doc["speculative"] = {k: getattr(sp, k) for k in SPECULATIVE_DECISIONS}
+    doc["draft_model"] = sp.draft_model.sha256 if sp.draft_model else None
+    return sha256_of(doc)
+
+
+def edited(plan: Plan) -> bool:
+    """Whether the plan's decisions differ from the ones its planner wrote (no digest: a plan
+    written by hand from the start, which counts as edited)."""
+    want = plan.provenance.decisions_sha256
+    return want is None or want != decisions_sha256(plan)
+
+
+def executed_pool(plan: Plan) -> tuple[Pool, Prefetch]:
+    """The pool and prefetch depth the executor runs the plan with: ``max(pool.slots, 1)``
+    slots of the largest streamed dense unit when one streams (``WeightStore.start_streaming``),
+    reading ``slots - 1`` units ahead; no pool otherwise. The same as the plan's own for a plan
+    the solver wrote; for a hand-edited one, what its placement actually costs."""
+    costs = {u.name: u for u in plan.costs.units}
+    streamed = [
+        costs[p.unit].bytes
+        for p in plan.placement
+        if p.tier == "nvme" and p.unit in costs and costs[p.unit].expert is None
+    ]
+    if not streamed:
+        return Pool(slots=0, slot_bytes=0), plan.prefetch.model_copy(update={"depth": 0})
+    slots = max(plan.pool.slots, 1)
+    return (
+        Pool(slots=slots, slot_bytes=max(streamed)),
+        Prefetch(depth=slots - 1, io_threads=max(plan.prefetch.io_threads, 1)),
+    )
+
+
+@dataclass(frozen=True)
+class Judged:
+    """A plan's decisions re-scored with its own figures."""
+
+    view: Plan
+    """The plan with its memory, prediction, pool and prefetch as computed here: what every
+    view of the plan prints."""
+    edited: bool
+    """Its decisions are not the ones its planner wrote."""
+
+
+def judge(plan: Plan, machine: HardwareProfile | None = None) -> Judged:
+    """Re-score ``plan``'s decisions with its model costs and its embedded machine figures (or
+    ``machine``'s: another machine's profile, for ``strata check``).
+
+    Raises:
+        PlanError: the placement does not cover exactly the units in ``plan.costs``.
+    """
+    desc = description_of(plan)
+    profile = machine or plan.machine
+    pool, prefetch = executed_pool(plan)
+    placement = PinnedPlacement(plan.tier_of(), prefetch.depth, pool, plan.batch, plan.expert_cache)
+    view = plan.model_copy(
+        update={
+            "memory": tier_memory(desc, profile, plan.request, placement),
+            "prediction": score(desc, profile, plan.request, placement),
+            "pool": pool,
+            "prefetch": prefetch,
+        }
+    )
+    return Judged(view, edited(plan))
