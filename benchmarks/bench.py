@@ -10,7 +10,11 @@ the plan's speculative decoding), after a warm-up request, measures on this mach
 - the bounds a streamed plan is judged against, measured in the same run: the disk bound (raw
   direct-I/O bandwidth / streamed bytes per token) and the all-resident decode tok/s (with
   ``--check resident``), each with the fraction of it reached;
-- the plan's predicted decode tok/s against the measured one;
+- the plan's predicted decode tok/s against the measured one (predicted from the plan's own
+  decisions and figures, ``planner.rescore``: a hand-edited plan is predicted as edited);
+- with ``baseline``, the same request on the baseline rule's plan for the same model, machine
+  and budgets (``planner.baseline``: first blocks resident in order), in the same process,
+  plan and baseline alternated twice, best of each: the measured ratio of the two;
 - peak RSS and MLX peak memory.
 
 Every bench checks its text: the generated ids must equal those of the same model run with every
@@ -31,6 +35,7 @@ from strata.executor.plan_loader import LoadedPlan, load_plan
 from strata.executor.profile import read_sequential
 from strata.executor.sampling import SamplingParams
 from strata.executor.serving import ServingEngine
+from strata.planner.rescore import judge
 
 RAW_READ_MIN_BYTES = 256 << 20
 """Least bytes of the raw direct-I/O read test; it reads one decode step's streamed bytes when
@@ -153,23 +158,89 @@ def _expert_modes(loaded: LoadedPlan, ids: list[int], n: int, modes: list[str]) 
     return out
 
 
+def _baseline_run(loaded: LoadedPlan, ids: list[int], n: int) -> tuple[Generation, dict]:
+    """One timed generation on the baseline rule's plan for ``loaded``'s model, machine and
+    request, and that plan's summary (tiers, its predicted decode tok/s).
+
+    Raises:
+        PlanError: the rule finds no placement that fits.
+    """
+    from strata.planner.baseline import RULE, baseline_plan
+    from strata.planner.rescore import description_of
+
+    plan = loaded.plan
+    base = baseline_plan(description_of(plan), plan.machine, plan.request)
+    twin = LoadedPlan(base, loaded.path, loaded.gguf, loaded.desc, None, loaded.routing)
+    serving = _serving(twin)
+    try:
+        gen = _timed_generate(serving, ids, n)
+    finally:
+        serving.close()
+    summary = {
+        "rule": RULE,
+        "tiers": {t: sum(1 for p in base.placement if p.tier == t) for t in ("gpu", "ram", "nvme")},
+        "predicted_decode_tok_s": base.prediction.decode_tok_s if base.prediction else None,
+    }
+    return gen, summary
+
+
+def _versus_baseline(loaded: LoadedPlan, ids: list[int], n: int, first: Generation) -> dict:
+    """Plan and baseline alternated (the plan's ``first`` run, baseline, plan, baseline), the
+    best decode and prefill tok/s of each, and their ratio; both texts are returned for the
+    check."""
+    base_a, summary = _baseline_run(loaded, ids, n)
+    serving = _serving(loaded)
+    try:
+        again = _timed_generate(serving, ids, n)
+    finally:
+        serving.close()
+    base_b, _ = _baseline_run(loaded, ids, n)
+    plan_runs, base_runs = [first, again], [base_a, base_b]
+
+    def best(runs: list[Generation], key: str) -> float:
+        return max(r.stats[key] for r in runs)
+
+    plan_tok_s, base_tok_s = best(plan_runs, "decode_tok_s"), best(base_runs, "decode_tok_s")
+    return {
+        **summary,
+        "decode_tok_s": base_tok_s,
+        "decode_tok_s_runs": [r.stats["decode_tok_s"] for r in base_runs],
+        "prefill_tok_s": best(base_runs, "prefill_tok_s"),
+        "plan_decode_tok_s_runs": [r.stats["decode_tok_s"] for r in plan_runs],
+        "plan_decode_tok_s": plan_tok_s,
+        "plan_prefill_tok_s": best(plan_runs, "prefill_tok_s"),
+        "plan_over_baseline_decode": round(plan_tok_s / base_tok_s, 3) if base_tok_s else None,
+        "plan_over_baseline_prefill": round(
+            best(plan_runs, "prefill_tok_s") / best(base_runs, "prefill_tok_s"), 3
+        )
+        if best(base_runs, "prefill_tok_s")
+        else None,
+        "output_ids": [r.output_ids for r in base_runs + [again]],
+    }
+
+
 def bench(
     plan_path: str,
     prompt: str,
     max_tokens: int,
     check: str,
     expert_modes: list[str] | None = None,
+    *,
+    baseline: bool = False,
+    model: str | None = None,
 ) -> dict:
     """Run the bench and return its JSON-ready result (see the module docstring).
 
     Args:
         expert_modes: expert-cache modes (``executor.experts.CACHE_MODES``) to measure one after
             the other in this run, besides the plan's own (MoE plans that stream experts).
+        baseline: also measure the baseline rule's plan, alternated with this one.
+        model: the GGUF file, where it is not where the plan says (``--model``).
 
     Raises:
         StrataError: a bad plan or prompt, or generated ids that fail the check.
     """
-    loaded = load_plan(plan_path)
+    loaded = load_plan(plan_path, model)
     if expert_modes and not loaded.desc.architecture.expert_count:
         raise StrataError(
             f"--expert-cache-modes: {plan_path}'s model has no experts (not a mixture-of-experts "
@@ -207,7 +278,8 @@ def bench(
     steps = max(1, s["decode_tokens"])  # per decoded token (speculation: several per step)
     decode_s = s["decode_s"]
     nvme = s["decode_bytes_read"]["nvme"]  # decode steps only: prefill streams every unit too
-    predicted = loaded.plan.prediction.decode_tok_s if loaded.plan.prediction else None
+    judged = judge(loaded.plan).view.prediction  # from the plan's decisions, edited or not
+    predicted = judged.decode_tok_s if judged else None
     per_token = nvme / steps
     disk_bound = raw["bytes_s"] / per_token if raw and raw["bytes_s"] and per_token else None
     result = {
@@ -244,9 +316,14 @@ def bench(
     }
     if "decode_experts" in s:
         result["experts"] = s["decode_experts"]
-        if loaded.plan.prediction is not None:
-            result["predicted_expert_hit_rate"] = loaded.plan.prediction.expert_hit_rate
+        if judged is not None:
+            result["predicted_expert_hit_rate"] = judged.expert_hit_rate
     runs = {"plan": gen.output_ids}
+    if baseline:
+        versus = _versus_baseline(loaded, ids, max_tokens, gen)
+        for i, got in enumerate(versus.pop("output_ids")):
+            runs[f"baseline {i + 1}" if i < 2 else "plan, second run"] = got
+        result["baseline"] = versus
     if expert_modes:
         result["expert_cache_modes"] = _expert_modes(loaded, ids, max_tokens, expert_modes)
         runs.update({m: r.pop("output_ids") for m, r in result["expert_cache_modes"].items()})

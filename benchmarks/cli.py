@@ -30,6 +30,11 @@ def cmd_bench(args: argparse.Namespace) -> None:
     from strata.benchmarks.http_bench import cmd_http_bench, refuse_serving_options
 
     if args.concurrency is not None:  # the serving bench, over HTTP (benchmarks/http_bench.py)
+        if args.baseline or args.model:
+            flag = "--baseline" if args.baseline else "--model"
+            raise StrataError(
+                f"{flag} applies to the in-process bench; drop it or drop --concurrency"
+            )
         cmd_http_bench(args)
         return
     refuse_serving_options(args)
@@ -40,7 +45,15 @@ def cmd_bench(args: argparse.Namespace) -> None:
             f"--expert-cache-modes {bad[0]!r}: use some of {', '.join(CACHE_MODES)}, e.g. "
             "none,cache,prefetch"
         )
-    result = bench(args.plan, args.prompt, args.max_tokens, args.check, modes)
+    result = bench(
+        args.plan,
+        args.prompt,
+        args.max_tokens,
+        args.check,
+        modes,
+        baseline=args.baseline,
+        model=args.model,
+    )
     write_result(result, args.output, args.plot, plot)
 
 
@@ -48,6 +61,14 @@ def add_commands(sub) -> None:
     """Add the ``bench`` subcommand to ``sub``."""
     b = sub.add_parser("bench", help="measure a plan: tok/s, disk bytes/s, I/O wait, memory")
     b.add_argument("plan")
+    b.add_argument("--model", help="the GGUF file, where it is not where the plan says")
+    b.add_argument(
+        "--baseline",
+        action="store_true",
+        help="also measure the baseline rule's plan (first blocks resident in order, llama.cpp's "
+        "-ngl/--fit) for the same model, machine and budgets, alternated with this plan in one "
+        "process, and report the measured ratio",
+    )
     b.add_argument("--prompt", default="The capital of France is", help="prompt text")
     b.add_argument("--max-tokens", type=int, default=64, help="decode steps measured (64)")
     b.add_argument(

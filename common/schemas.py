@@ -353,6 +353,12 @@ class Provenance(Strict):
     and ``strata run`` tell a plan the solver wrote from one edited since."""
 
     planner_version: str | None = None
+    method: Literal["ilp", "baseline"] = Field(
+        default="ilp",
+        description="who made the decisions: the ILP, or the baseline rule (first blocks "
+        "resident in order, the rest on the next tier: llama.cpp's -ngl/--fit) that "
+        "strata plan --baseline writes for comparison",
+    )
     solver: str | None = Field(default=None, description="solver name, version and options")
     profile_file: str | None = Field(
         default=None,

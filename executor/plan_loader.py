@@ -143,6 +143,20 @@ def _check_self(path: Path, plan: Plan, desc: ModelDescription) -> None:
         )
 
 
+def check_executable(path: Path, plan: Plan) -> None:
+    """Refuse a plan of a model described from an architecture file (no weights to run).
+
+    Raises:
+        PlanError: ``plan.model`` names no file (``strata plan --arch``).
+    """
+    src = plan.model
+    if src.sha256 is None and src.path is None and src.name is None:
+        raise PlanError(
+            f"{path}: the plan is for a model described from an architecture file (--arch): it "
+            "has no weights and can only be compared, not executed; plan a GGUF file"
+        )
+
+
 def load_plan(path: str | Path, model: str | Path | None = None) -> LoadedPlan:
     """Read a plan, find its model (``model``, i.e. ``--model PATH``, first) and check that the
     file is the planned one, open it.
@@ -156,12 +170,8 @@ def load_plan(path: str | Path, model: str | Path | None = None) -> LoadedPlan:
     """
     path = Path(path)
     plan = read_yaml(path, Plan)
+    check_executable(path, plan)
     src = plan.model
-    if src.sha256 is None and src.path is None and src.name is None:
-        raise PlanError(
-            f"{path}: the plan is for a model described from an architecture file (--arch): it "
-            "has no weights and can only be compared, not executed; plan a GGUF file"
-        )
     model_path, how = locate_model(
         name=src.name, path=src.path, sha256=src.sha256, given=model, base=path.parent
     )

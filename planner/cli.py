@@ -98,6 +98,7 @@ def cmd_plan(args: argparse.Namespace) -> None:
         desc=desc,
         routing_profile=routing,
         speculative=speculative,
+        baseline=args.baseline,
     )
     write_yaml(plan, args.output)
     tiers: dict[str, int] = {}
@@ -113,6 +114,8 @@ def cmd_plan(args: argparse.Namespace) -> None:
             + f", {format_rate(sp.predicted_decode_tok_s or 0)} tok/s with it"
         )
     rate = f"{format_rate(tok_s)} tok/s" + rate_label(plan.request, plan.batch)
+    if args.baseline:
+        rate += " (the baseline rule's plan, not the ILP's)"
     print(f"wrote {args.output}: {where}; predicted {rate}", file=sys.stderr)
 
 
@@ -228,6 +231,12 @@ def add_commands(sub) -> None:
         metavar="A",
         help="measured share of draft tokens accepted, 0..1 (default: an assumed figure per "
         "method, stated in the plan)",
+    )
+    pl.add_argument(
+        "--baseline",
+        action="store_true",
+        help="write the baseline rule's plan instead of the ILP's: the first blocks resident in "
+        "order, the rest on the next tier (llama.cpp's -ngl/--fit), for comparison",
     )
     pl.add_argument("-o", "--output", required=True, help="plan file to write")
 

@@ -26,6 +26,9 @@ from strata.planner.explain import (
 from strata.planner.rescore import description_of, judge
 
 
+METHODS = {"ilp": "the ILP", "baseline": "the baseline rule"}
+
+
 def _signed_size(n: int) -> str:
     return ("+" if n > 0 else "−" if n < 0 else "±") + format_size(abs(n))
 
@@ -238,6 +241,7 @@ def diff(a: Plan, b: Plan, desc: ModelDescription | None = None) -> str:
     lines += _change("machine", profile_label(a), profile_label(b))
     lines += _machine(a, b)
     pa, pb = a.provenance, b.provenance
+    lines += _change("decided by", METHODS[pa.method], METHODS[pb.method])
     lines += _change("planner version", str(pa.planner_version), str(pb.planner_version))
     lines += _change("solver", str(pa.solver), str(pb.solver))
     lines += _change("request", request_label(a), request_label(b))

@@ -20,6 +20,7 @@ from strata.common.schemas import (
 )
 from strata.common.sizes import format_size
 from strata.common.yamlio import canonical_sha256, read_yaml
+from strata.planner.baseline import baseline_plan
 from strata.planner.costmodel import PinnedPlacement, tier_memory
 from strata.planner.ilp import solve, solver_description
 from strata.planner.rescore import decisions_sha256
@@ -42,6 +43,7 @@ def build_plan(
     desc: ModelDescription | None = None,
     routing_profile: Path | None = None,
     speculative: SpeculativeRequest | None = None,
+    baseline: bool = False,
 ) -> Plan:
     """Solve the placement ILP and return the plan: self-contained, runnable from any folder.
 
@@ -55,6 +57,9 @@ def build_plan(
     gpu budget (and the RAM budget on unified memory) before the target is placed; the plan keeps
     the request as given and its memory section the full capacities, with the draft's bytes in
     ``speculative.draft_model``.
+
+    ``baseline`` writes the rule's plan instead of the ILP's (``planner.baseline``: the first
+    blocks resident in order), for comparison; it takes no speculative decoding.
 
     The plan embeds the profile's figures (not its path), the model's identity with its absolute
     path as a hint, and the model's cost inputs, so it needs nothing beside the model to be
@@ -81,22 +86,6 @@ def build_plan(
             f"{desc.architecture.context_length}",
             file=sys.stderr,
         )
-    draft = None
-    placed_request = request
-    if spec.method == "draft_model":
-        assert spec.draft_model is not None  # SpeculativeRequest checks it
-        draft = load_draft_model(spec.draft_model, desc, profile, request)
-        placed_request = target_request(draft, profile, request)
-        print(f"reserved {format_size(draft.reserve)} for the {draft.label()}", file=sys.stderr)
-    try:
-        sol = solve(desc, profile, placed_request)
-    except PlanError as e:
-        if draft is None:
-            raise
-        raise PlanError(
-            f"{e} (capacities after the {draft.label()}; a smaller draft model also helps)"
-        ) from None
-    print(f"solved in {sol.solve_time_s:.3f} s ({sol.solver.name})", file=sys.stderr)
     routing = None
     if desc.routing is not None and routing_profile is not None:
         kept = routing_cache_path(desc.routing.sha256)
@@ -114,6 +103,26 @@ def build_plan(
         routing_profile=routing,
         request_sha256=canonical_sha256(request),
     )
+    if baseline:
+        if spec.method != "none":
+            raise PlanError("--baseline plans take no --speculative; drop one of them")
+        return baseline_plan(desc, profile, request, provenance)
+    draft = None
+    placed_request = request
+    if spec.method == "draft_model":
+        assert spec.draft_model is not None  # SpeculativeRequest checks it
+        draft = load_draft_model(spec.draft_model, desc, profile, request)
+        placed_request = target_request(draft, profile, request)
+        print(f"reserved {format_size(draft.reserve)} for the {draft.label()}", file=sys.stderr)
+    try:
+        sol = solve(desc, profile, placed_request)
+    except PlanError as e:
+        if draft is None:
+            raise
+        raise PlanError(
+            f"{e} (capacities after the {draft.label()}; a smaller draft model also helps)"
+        ) from None
+    print(f"solved in {sol.solve_time_s:.3f} s ({sol.solver.name})", file=sys.stderr)
     plan = sol.to_plan(desc, profile, request, provenance)
     if draft is not None:
         # The memory section shows the tiers' full capacities; the draft's bytes are listed in

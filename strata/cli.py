@@ -1,8 +1,9 @@
 """The ``strata`` command, and the ``plan.py`` / ``execute.py`` / ``synth.py`` entry points.
 
-``strata describe|profile|plan|explain|diff|run|serve|bench|synth ...``: each subcommand's options
-and work live with its layer (``strata.planner.cli``, ``strata.executor.cli``,
-``strata.benchmarks.cli``); this module only builds the parsers and runs the chosen command,
+``strata describe|profile|plan|check|explain|diff|run|serve|bench|synth ...``: each
+subcommand's options and work live with its layer (``strata.planner.cli``, ``strata.executor.cli``,
+``strata.benchmarks.cli``; ``check`` in ``strata.check``, which ``run``, ``serve`` and ``bench``
+ask first); this module only builds the parsers and runs the chosen command,
 turning a ``StrataError`` into one line on stderr and exit status 2
 (``strata.common.errors.run_command``).
 """
@@ -12,6 +13,7 @@ from __future__ import annotations
 import argparse
 from collections.abc import Callable
 
+from strata import check
 from strata.benchmarks import cli as benchmarks_cli
 from strata.common.errors import run_command
 from strata.executor import cli as executor_cli
@@ -19,12 +21,17 @@ from strata.planner import cli as planner_cli
 
 DESCRIPTION = "Plan LLM inference across a memory hierarchy (GPU, RAM, NVMe) and run it on MLX."
 #: The subcommands that plan.py and execute.py offer (strata offers them all, and synth).
-PLAN_COMMANDS = ("describe", "profile", "plan", "diff", "explain")
+PLAN_COMMANDS = ("describe", "profile", "plan", "check", "diff", "explain")
 EXECUTE_COMMANDS = ("run", "bench", "serve")
 
 
 def _commands() -> dict[str, Callable[[argparse.Namespace], None]]:
-    return {**planner_cli.COMMANDS, **executor_cli.COMMANDS, **benchmarks_cli.COMMANDS}
+    return {
+        **planner_cli.COMMANDS,
+        "check": check.cmd_check,
+        **executor_cli.COMMANDS,
+        **benchmarks_cli.COMMANDS,
+    }
 
 
 class _Only:
@@ -44,6 +51,7 @@ def _parser(prog: str, description: str, keep: tuple[str, ...] | None) -> argpar
     p = argparse.ArgumentParser(prog=prog, description=description)
     sub = _Only(p.add_subparsers(dest="command", required=True), keep)
     planner_cli.add_commands(sub)
+    check.add_command(sub)
     executor_cli.add_commands(sub)
     benchmarks_cli.add_commands(sub)
     syn = sub.add_parser(
@@ -59,7 +67,13 @@ def _parser(prog: str, description: str, keep: tuple[str, ...] | None) -> argpar
 
 def _run(p: argparse.ArgumentParser, argv: list[str] | None) -> int:
     args = p.parse_args(argv)
-    return run_command(lambda: _commands()[args.command](args))
+
+    def command() -> None:
+        if args.command in EXECUTE_COMMANDS:
+            check.require(args.plan)  # before anything is read: the machine holds the plan
+        _commands()[args.command](args)
+
+    return run_command(command)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,0 +1,176 @@
+"""The obvious rule a plan must beat: the first blocks resident in order, the rest on the next
+tier — llama.cpp's ``-ngl N`` with ``--fit`` choosing the largest N that fits, and Hypura's
+rule-based modes.
+
+Units are taken in forward-pass order (the token embedding, then each block with its attention,
+FFN and experts as one piece, then the output head). The rule gives the device as many leading
+pieces as fit beside the KV cache, the activations and the streaming buffers, then host RAM as
+many of the following pieces as fit, and streams the rest from NVMe, each piece on one tier and
+no piece after a later one's tier; it reads one unit ahead (prefetch depth 1) when anything
+streams and keeps the expert cache at its working slots. Its decisions are scored with the same
+cost model as the ILP's (``costmodel.score``), so ``explain`` can put the two side by side, and
+``strata plan --baseline`` writes it as a plan that runs like any other.
+"""
+
+from __future__ import annotations
+
+from strata.common.errors import PlanError
+from strata.common.schemas import (
+    TIERS,
+    HardwareProfile,
+    ModelDescription,
+    Placement,
+    Plan,
+    Prediction,
+    Prefetch,
+    Provenance,
+    Request,
+    Runtime,
+)
+from strata.planner.costmodel import (
+    PinnedPlacement,
+    capacity_use,
+    score,
+    tier_memory,
+)
+from strata.planner.rescore import decisions_sha256, model_costs
+
+RULE = "first blocks resident in order, the rest on the next tier (llama.cpp's -ngl/--fit)"
+
+
+def _pieces(desc: ModelDescription) -> list[list[str]]:
+    """Units in forward-pass order, a block's units together: the embedding first, then the
+    blocks, then every other non-block unit (the output head)."""
+    blocks: dict[int, list[str]] = {}
+    first, last = [], []
+    for u in desc.units:
+        if u.layer is not None:
+            blocks.setdefault(u.layer, []).append(u.name)
+        elif u.role == "embedding":
+            first.append(u.name)
+        else:
+            last.append(u.name)
+    return [[n] for n in first] + [blocks[i] for i in sorted(blocks)] + [[n] for n in last]
+
+
+def _fits(desc, profile, request, tiers: dict[str, str]) -> bool:
+    placement = PinnedPlacement(tiers, 1 if "nvme" in tiers.values() else 0)
+    return all(
+        used <= row.capacity for row, used in capacity_use(desc, profile, request, placement)
+    )
+
+
+def baseline_tiers(
+    desc: ModelDescription, profile: HardwareProfile, request: Request
+) -> dict[str, str]:
+    """The rule's tier for every unit (module docstring), on the request's allowed tiers.
+
+    Raises:
+        PlanError: not even the all-streamed placement fits (the KV cache and activations alone
+            overflow the device), or the request allows no tier that can hold everything.
+    """
+    allowed = [t for t in TIERS if t in request.tiers]
+    pieces = _pieces(desc)
+    # split[i]: how many leading pieces go on allowed[i] (the last tier takes the rest).
+    tiers: dict[str, str] = {}
+    start = 0
+    for i, tier in enumerate(allowed):
+        last = i == len(allowed) - 1
+        rest = [n for p in pieces[start:] for n in p]
+        if last:
+            tiers.update(dict.fromkeys(rest, tier))
+            break
+        lower = allowed[-1]
+        # The largest count of the next pieces on this tier (the rest on the last tier) that fits.
+        count = 0
+        for k in range(len(pieces) - start, -1, -1):
+            trial = dict(tiers)
+            for j, piece in enumerate(pieces[start:]):
+                trial.update(dict.fromkeys(piece, tier if j < k else lower))
+            if _fits(desc, profile, request, trial):
+                count = k
+                break
+        for piece in pieces[start : start + count]:
+            tiers.update(dict.fromkeys(piece, tier))
+        start += count
+    if not _fits(desc, profile, request, tiers):
+        raise PlanError(
+            f"the baseline rule finds no placement that fits on tiers {', '.join(allowed)}: the "
+            "KV cache and activations alone overflow the device; give a smaller --context or "
+            "--concurrency"
+        )
+    return tiers
+
+
+def runtime_for(profile: HardwareProfile) -> Runtime:
+    """The executor settings a profile implies (backend, dtype, the measured kernel paths)."""
+
+    def rows(figure) -> int:
+        return int(figure.value) if figure is not None else 0
+
+    return Runtime(
+        backend=profile.backend,
+        compute_dtype=profile.compute_dtype,
+        dequant_matmul_min_rows=rows(profile.gpu.dequant_matmul_min_rows),
+        mma_matmul_min_rows=rows(profile.gpu.mma_matmul_min_rows),
+        mma_matmul_max_rows=rows(profile.gpu.mma_matmul_max_rows),
+    )
+
+
+def baseline_plan(
+    desc: ModelDescription,
+    profile: HardwareProfile,
+    request: Request,
+    provenance: Provenance | None = None,
+) -> Plan:
+    """The rule's plan (``baseline_tiers``), complete and runnable, marked ``method: baseline``.
+
+    Raises:
+        PlanError: as ``baseline_tiers``.
+    """
+    tiers = baseline_tiers(desc, profile, request)
+    streams = "nvme" in tiers.values()
+    placement = PinnedPlacement(tiers, 1 if streams else 0)
+    pool, batch, cache = placement.resolve(desc, request)
+    plan = Plan(
+        model=desc.model,
+        machine=profile,
+        request=request,
+        runtime=runtime_for(profile),
+        placement=[
+            Placement(unit=u.name, tier=tiers[u.name], bytes=u.bytes_mlx)  # type: ignore[arg-type]
+            for u in desc.units
+        ],
+        pool=pool,
+        prefetch=Prefetch(
+            depth=placement.depth, io_threads=profile.nvme.queue_depth if streams else 0
+        ),
+        expert_cache=cache,
+        batch=batch,
+        memory=tier_memory(desc, profile, request, placement),  # type: ignore[arg-type]
+        prediction=score(desc, profile, request, placement),
+        costs=model_costs(desc),
+        provenance=(provenance or Provenance()).model_copy(
+            update={"method": "baseline", "solver": None}
+        ),
+    )
+    plan.provenance.decisions_sha256 = decisions_sha256(plan)
+    return plan
+
+
+def baseline_prediction(plan: Plan) -> tuple[dict[str, int], Prediction]:
+    """The rule's weight bytes per tier and prediction for ``plan``'s model, machine and request
+    (for ``explain``).
+
+    Raises:
+        PlanError: as ``baseline_tiers``.
+    """
+    from strata.planner.rescore import description_of
+
+    desc = description_of(plan)
+    tiers = baseline_tiers(desc, plan.machine, plan.request)
+    weights = dict.fromkeys(TIERS, 0)
+    for u in desc.units:
+        weights[tiers[u.name]] += u.bytes_mlx
+    placement = PinnedPlacement(tiers, 1 if weights["nvme"] else 0)
+    return weights, score(desc, plan.machine, plan.request, placement)
