@@ -384,6 +384,36 @@ def _prediction_lines(plan: Plan) -> list[str]:
     ]
 
 
+def _baseline_lines(plan: Plan, view: Plan) -> list[str]:
+    """The baseline rule's prediction for the same model, machine and request beside the plan's
+    (``planner.baseline``), and whether the plan beats it."""
+    from strata.common.errors import PlanError
+    from strata.planner.baseline import RULE, baseline_prediction
+
+    if plan.provenance.method == "baseline":
+        return [f"Baseline: this plan is the baseline rule's ({RULE})"]
+    try:
+        weights, base = baseline_prediction(plan)
+    except PlanError:
+        return [f"Baseline ({RULE}): finds no placement that fits"]
+    ours = view.prediction
+    assert ours is not None  # judged plans always have one
+    where = ", ".join(f"{t} {format_size(b)}" for t, b in weights.items() if b)
+    lines = [
+        f"Baseline ({RULE}): {where}; predicted decode {format_rate(base.decode_tok_s)} tok/s"
+        + (f", TTFT {format_time(base.ttft_s[-1])}" if base.ttft_s else "")
+    ]
+    ratio = ours.decode_tok_s / base.decode_tok_s if base.decode_tok_s else 0.0
+    if ratio > 1.0005:
+        lines.append(f"  this plan ×{ratio:.2f} the baseline's predicted decode")
+    else:
+        lines.append(
+            "  the ILP cannot beat the rule here: the same predicted decode "
+            f"({format_rate(ours.decode_tok_s)} tok/s)"
+        )
+    return lines
+
+
 METHOD_LABELS = {
     "prompt_lookup": "prompt lookup (drafts: the n-gram continuations found earlier in the "
     "sequence; no weights, no memory)",
@@ -500,6 +530,7 @@ def explain(plan: Plan, desc: ModelDescription | None = None) -> str:
         f"Batch: {batch_label(plan)}",
         "",
         *_prediction_lines(view),
+        *_baseline_lines(plan, view),
         "",
         *_speculative_lines(view, desc),
     ]
