@@ -93,6 +93,19 @@ def baseline_tiers(
         for piece in pieces[start : start + count]:
             tiers.update(dict.fromkeys(piece, tier))
         start += count
+    # A tier's count was chosen with the rest streamed, whose pool slots took room that the
+    # final placement may not need: give each tier the next pieces while they fit.
+    grown = True
+    while grown:
+        grown = False
+        for tier in allowed[:-1]:
+            rank = allowed.index(tier)
+            nxt = next((p for p in pieces if allowed.index(tiers[p[0]]) > rank), None)
+            if nxt is None:
+                continue
+            trial = dict(tiers, **dict.fromkeys(nxt, tier))
+            if _fits(desc, profile, request, trial):
+                tiers, grown = trial, True
     if not _fits(desc, profile, request, tiers):
         raise PlanError(
             f"the baseline rule finds no placement that fits on tiers {', '.join(allowed)}: the "
