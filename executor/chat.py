@@ -78,7 +78,13 @@ def _environment() -> ImmutableSandboxedEnvironment:
 
 
 @functools.lru_cache(maxsize=8)
-def _compile(template: str) -> jinja2.Template:
+def compile_template(template: str) -> jinja2.Template:
+    """The compiled chat template (the last 8 kept), so that a syntax error shows before any
+    model is opened: ``strata run --chat-template`` compiles its file first.
+
+    Raises:
+        ChatError: the template is not valid Jinja (names the line and the problem).
+    """
     try:
         return _environment().from_string(template)
     except jinja2.TemplateSyntaxError as e:
@@ -87,7 +93,12 @@ def _compile(template: str) -> jinja2.Template:
         ) from e
 
 
-def _check_messages(messages: object) -> None:
+def check_messages(messages: object) -> None:
+    """Refuse anything but a non-empty list of ``{"role": str, "content": str, ...}`` objects.
+
+    Raises:
+        ChatError: what is wrong, naming the first bad message by its index.
+    """
     if not isinstance(messages, Sequence) or isinstance(messages, str) or not messages:
         raise ChatError("messages must be a non-empty list of {role, content} objects")
     for i, message in enumerate(messages):
@@ -117,11 +128,11 @@ def render_chat(
         The rendered text (special tokens appear as text, e.g. ``<|im_start|>``).
 
     Raises:
-        ChatError: malformed messages, a template that is not valid Jinja, fails while rendering,
-            or calls ``raise_exception``.
+        ChatError: malformed messages, a template that is not valid Jinja, fails while rendering
+            (a Jinja or a Python error), or calls ``raise_exception``.
     """
-    _check_messages(messages)
-    compiled = _compile(template)
+    check_messages(messages)
+    compiled = compile_template(template)
     try:
         return compiled.render(
             messages=messages,
@@ -131,8 +142,12 @@ def render_chat(
             bos_token=bos_token,
             eos_token=eos_token,
         )
+    except ChatError:  # raise_exception: the template's own verdict on the messages
+        raise
     except jinja2.TemplateError as e:
         raise ChatError(f"the chat template failed: {e}") from e
+    except Exception as e:  # e.g. {{ 1 / 0 }} or {{ 'a' + 1 }}: Python errors of the template's
+        raise ChatError(f"the chat template failed: {type(e).__name__}: {e}") from e
 
 
 def messages_to_ids(

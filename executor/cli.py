@@ -14,21 +14,65 @@ import json
 import socket
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from strata.common.cli_io import check_output, emit
 from strata.common.errors import StrataError
 from strata.common.sizes import format_size
 
+if TYPE_CHECKING:
+    from strata.executor.tokenizer import GGUFTokenizer
 
-def _read_messages(path: str) -> list[dict]:
+
+@dataclass
+class PromptInput:
+    """What the command line gives as the prompt, read and parsed (no tokenizer needed yet).
+
+    Exactly one of ``ids``, ``text`` and ``messages`` is set.
+
+    Attributes:
+        ids: ``--prompt-ids``, as they are.
+        text: ``--prompt``.
+        messages: ``--messages``' chat, a checked list of ``{role, content}`` objects.
+        template: ``--chat-template``'s text; None: the GGUF's own.
+        template_name: the template as an error names it.
+    """
+
+    ids: list[int] | None = None
+    text: str | None = None
+    messages: list[dict] | None = None
+    template: str | None = None
+    template_name: str = "the GGUF's chat template (tokenizer.chat_template)"
+
+
+def _read_text(option: str, path: str) -> str:
     p = Path(path)
     if not p.is_file():
-        raise StrataError(f"--messages {path}: no such file")
+        raise StrataError(f"{option} {path}: no such file")
     try:
-        return json.loads(p.read_text())
-    except (ValueError, UnicodeDecodeError) as e:
+        return p.read_text(encoding="utf-8")
+    except UnicodeDecodeError:
+        raise StrataError(f"{option} {path}: not UTF-8 text") from None
+    except OSError as e:
+        raise StrataError(f"{option} {path}: cannot read it ({e.strerror})") from None
+
+
+def _read_messages(path: str) -> list[dict]:
+    from strata.executor.chat import ChatError, check_messages
+
+    try:
+        messages = json.loads(_read_text("--messages", path))
+    except ValueError as e:
         raise StrataError(f"--messages {path}: not valid JSON ({e})") from None
+    try:
+        check_messages(messages)
+    except ChatError as e:
+        raise ChatError(
+            f'--messages {path}: {e} (give [{{"role": "user", "content": "..."}}, ...])'
+        ) from None
+    return messages
 
 
 def _parse_ids(text: str) -> list[int]:
@@ -40,54 +84,104 @@ def _parse_ids(text: str) -> list[int]:
         ) from None
 
 
-def prompt_ids_for(engine, args: argparse.Namespace) -> list[int]:
-    """The prompt's token ids from --prompt, --messages or --prompt-ids."""
-    from strata.executor.chat import messages_to_ids
+def _one_line(e: Exception) -> str:
+    return " ".join(str(e).split())
+
+
+def read_prompt(args: argparse.Namespace) -> PromptInput:
+    """Read and parse the prompt's options (--prompt, --messages, --prompt-ids, --chat-template):
+    the files read, the JSON parsed and its shape checked, the template compiled, before a model
+    is touched.
+
+    Raises:
+        StrataError: a missing or unreadable file, JSON that is not a list of ``{role,
+            content}`` objects, a template that is not valid Jinja, ids that are not integers,
+            text that is not UTF-8, or --chat-template without --messages.
+    """
+    from strata.executor.chat import ChatError, compile_template
 
     if args.chat_template and args.messages is None:
         raise StrataError("--chat-template applies to --messages only; drop it or pass --messages")
     if args.prompt_ids is not None:
-        return _parse_ids(args.prompt_ids)
+        return PromptInput(ids=_parse_ids(args.prompt_ids))
     if args.messages is not None:
-        template = None
-        if args.chat_template:
-            tp = Path(args.chat_template)
-            if not tp.is_file():
-                raise StrataError(f"--chat-template {tp}: no such file")
-            try:
-                template = tp.read_text()
-            except UnicodeDecodeError:
-                raise StrataError(f"--chat-template {tp}: not UTF-8 text") from None
-        return messages_to_ids(engine.tokenizer, _read_messages(args.messages), template)
+        messages = _read_messages(args.messages)
+        if not args.chat_template:
+            return PromptInput(messages=messages)
+        template = _read_text("--chat-template", args.chat_template)
+        try:
+            compile_template(template)  # a syntax error shows before the plan's model is opened
+        except ChatError as e:
+            raise ChatError(f"--chat-template {args.chat_template}: {_one_line(e)}") from None
+        return PromptInput(
+            messages=messages,
+            template=template,
+            template_name=f"--chat-template {args.chat_template}",
+        )
     try:
         args.prompt.encode("utf-8")
     except UnicodeEncodeError:
         raise StrataError("--prompt is not valid UTF-8 text; re-encode it as UTF-8") from None
-    return engine.tokenizer.encode(args.prompt)
+    return PromptInput(text=args.prompt)
+
+
+def prompt_ids(tokenizer: GGUFTokenizer, prompt: PromptInput) -> list[int]:
+    """The prompt's token ids: ``--prompt-ids`` as they are, ``--prompt`` tokenized with the
+    GGUF's BOS rule, or ``--messages`` rendered once with the chat template and tokenized.
+
+    Raises:
+        ChatError: no chat template (neither given nor in the GGUF), or the template fails on the
+            messages (one line naming the template and the problem).
+    """
+    from strata.executor.chat import NO_TEMPLATE, ChatError, messages_to_ids
+
+    if prompt.ids is not None:
+        return prompt.ids
+    if prompt.messages is None:
+        return tokenizer.encode(prompt.text)
+    if prompt.template is None and tokenizer.chat_template is None:
+        raise ChatError(NO_TEMPLATE)
+    try:
+        return messages_to_ids(tokenizer, prompt.messages, prompt.template)
+    except ChatError as e:
+        raise ChatError(f"{prompt.template_name}: {_one_line(e)}") from None
+
+
+def prompt_ids_for(tokenizer: GGUFTokenizer, args: argparse.Namespace) -> list[int]:
+    """The prompt's token ids from --prompt, --messages or --prompt-ids (:func:`read_prompt`,
+    then :func:`prompt_ids`)."""
+    return prompt_ids(tokenizer, read_prompt(args))
 
 
 def cmd_run(args: argparse.Namespace) -> None:
     import mlx.core as mx
-    from strata.executor.chat import NO_TEMPLATE, ChatError
     from strata.executor.engine import Engine
     from strata.executor.generate import generate, request_for
     from strata.executor.plan_loader import load_plan
     from strata.executor.sampling import SamplingParams
-    from strata.executor.serving import ServingEngine
+    from strata.executor.serving import ServingEngine, check_request
+    from strata.executor.tokenizer import GGUFTokenizer
 
     params = SamplingParams(args.temperature, args.top_k, args.top_p, args.seed)
     t0 = time.perf_counter()
+    # Every input is checked before the weights load (seconds to minutes), not after: the
+    # prompt's files first (no model needed), then the prompt itself against the plan.
+    prompt = read_prompt(args)
     loaded = load_plan(args.plan)
-    if args.messages is not None and not args.chat_template:
-        if not loaded.gguf.field("tokenizer.chat_template"):
-            raise ChatError(NO_TEMPLATE)  # before loading the weights, not after
     if args.save_routing_profile:
         if not loaded.desc.architecture.expert_count:
             raise StrataError("--save-routing-profile needs a mixture-of-experts model")
         writable_parent(Path(args.save_routing_profile))
+    tokenizer = GGUFTokenizer.from_reader(loaded.gguf.reader)  # the vocabulary, no weights
+    ids = prompt_ids(tokenizer, prompt)
+    check_request(
+        request_for(ids, params, args.max_tokens),
+        loaded.plan,
+        loaded.desc.architecture.vocab_size,
+    )
     # The engine `serve` runs (warm-up, kernels, paged KV cache, the plan's speculative
     # decoding), with one request.
-    engine = Engine(loaded, expert_cache_mode=args.expert_cache)
+    engine = Engine(loaded, expert_cache_mode=args.expert_cache, tokenizer=tokenizer)
     try:
         serving = ServingEngine(engine)
     except BaseException:
@@ -99,9 +193,6 @@ def cmd_run(args: argparse.Namespace) -> None:
         sys.stdout.flush()
 
     try:
-        ids = prompt_ids_for(engine, args)
-        # The whole request is checked before the warm-up (on a GPU up to a minute), not after.
-        serving.validate(request_for(ids, params, args.max_tokens))
         load_s = time.perf_counter() - t0
         load_peak_mlx = int(mx.get_peak_memory())  # generate() resets MLX's peak: loading's own
         if engine.config.warm_up_row_buckets:  # as serve says it (the GPU: up to a minute)

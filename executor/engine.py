@@ -49,6 +49,30 @@ def check_tensors(desc: ModelDescription, expected: dict[str, list[int] | None])
         )
 
 
+def check_prompt_ids(ids: list[int], vocab_size: int, context: int) -> None:
+    """Refuse a prompt a plan can never run (what :meth:`Engine.check_prompt` checks, without an
+    engine: ``strata run`` checks its prompt with it before the weights load).
+
+    Args:
+        ids: the prompt's token ids.
+        vocab_size: the model's vocabulary size (tokens).
+        context: the plan's context (``request.context``, tokens per sequence).
+
+    Raises:
+        StrataError: empty, ids outside the vocabulary, or no room left in the context.
+    """
+    if not ids:
+        raise StrataError("the prompt is empty; give at least one token")
+    bad = [i for i in ids if not 0 <= i < vocab_size]
+    if bad:
+        raise StrataError(f"token id {bad[0]} is outside the vocabulary (0..{vocab_size - 1})")
+    if len(ids) >= context:
+        raise StrataError(
+            f"the prompt has {len(ids)} tokens but the plan's context is {context}; "
+            "re-plan with a larger --context"
+        )
+
+
 class Engine:
     """A plan made runnable: weights loaded on their tiers, tokenizer and model built.
 
@@ -61,6 +85,9 @@ class Engine:
         config: the runtime settings (``executor.config``); default
             ``RuntimeConfig.build(plan.runtime)``: the backend's defaults, the plan's kernel
             paths and the environment. Handed to the model, the kernels and the weight streams.
+        tokenizer: the tokenizer of ``loaded.gguf``, when the caller already built it (with
+            ``GGUFTokenizer.from_reader(loaded.gguf.reader)``, e.g. to check its prompt before the
+            weights load); default: built here from the same file.
 
     Raises:
         StrataError: unsupported architecture or tensor type, or a plan the executor cannot run.
@@ -71,6 +98,7 @@ class Engine:
         loaded: LoadedPlan,
         expert_cache_mode: str | None = None,
         config: RuntimeConfig | None = None,
+        tokenizer: GGUFTokenizer | None = None,
     ):
         self.loaded = loaded
         arch = loaded.desc.architecture
@@ -87,7 +115,9 @@ class Engine:
                 "machine's profile",
                 file=sys.stderr,
             )
-        self.tokenizer = GGUFTokenizer.from_reader(loaded.gguf.reader)
+        self.tokenizer = (
+            tokenizer if tokenizer is not None else GGUFTokenizer.from_reader(loaded.gguf.reader)
+        )
         self.store = WeightStore(loaded.gguf, loaded.desc, plan.tier_of(), self.dtype)
         self.model = model_cls(arch, self.store, self.dtype, self.config)
         self.store.start_streaming(
@@ -146,14 +176,4 @@ class Engine:
         Raises:
             StrataError: empty, ids outside the vocabulary, or no room left in the context.
         """
-        if not ids:
-            raise StrataError("the prompt is empty; give at least one token")
-        vocab = self.loaded.desc.architecture.vocab_size
-        bad = [i for i in ids if not 0 <= i < vocab]
-        if bad:
-            raise StrataError(f"token id {bad[0]} is outside the vocabulary (0..{vocab - 1})")
-        if len(ids) >= self.context:
-            raise StrataError(
-                f"the prompt has {len(ids)} tokens but the plan's context is {self.context}; "
-                "re-plan with a larger --context"
-            )
+        check_prompt_ids(ids, self.loaded.desc.architecture.vocab_size, self.context)

@@ -197,6 +197,41 @@ class ScheduledChunk:
         return known + self.draft if self.draft else known
 
 
+def check_kv_fits(
+    request_id: str,
+    prompt_tokens: int,
+    max_tokens: int,
+    max_model_len: int,
+    num_blocks: int,
+    block_size: int,
+) -> None:
+    """Refuse a request whose prompt and ``max_tokens`` (capped by the context: the engine
+    finishes it there) need more KV blocks than the whole pool has, so it could not run even
+    alone (:meth:`Scheduler.check_fits`'s rule, without a scheduler: ``strata run`` checks its
+    request with it before the weights load).
+
+    Args:
+        request_id: the request's id, for the message.
+        prompt_tokens, max_tokens: the request's prompt length and most generated tokens.
+        max_model_len: the context (tokens per sequence).
+        num_blocks, block_size: the KV cache's blocks and token slots per block (the plan's
+            ``batch.kv_num_blocks`` and ``batch.kv_block_size``).
+
+    Raises:
+        StrataError: the request cannot fit; the message says what to lower or re-plan.
+    """
+    peak = min(prompt_tokens + max_tokens, max_model_len)
+    need = -(-peak // block_size)
+    if need > num_blocks:
+        raise StrataError(
+            f"request {request_id!r} needs up to {need} KV blocks ({peak} tokens: a prompt "
+            f"of {prompt_tokens} + max_tokens {max_tokens}, within the "
+            f"{max_model_len}-token context) but the KV cache has {num_blocks} "
+            f"blocks of {block_size} tokens in all; lower max_tokens, shorten the "
+            "prompt or plan more KV blocks (kv_num_blocks)"
+        )
+
+
 @dataclass
 class SchedulerStep:
     """What one forward pass runs.
@@ -352,16 +387,14 @@ class Scheduler:
         Raises:
             StrataError: the request cannot fit; the message says what to lower or re-plan.
         """
-        peak = min(prompt_tokens + max_tokens, self.max_model_len)
-        need = self._blocks_for(peak)
-        if need > self.pool.num_blocks:
-            raise StrataError(
-                f"request {request_id!r} needs up to {need} KV blocks ({peak} tokens: a prompt "
-                f"of {prompt_tokens} + max_tokens {max_tokens}, within the "
-                f"{self.max_model_len}-token context) but the KV cache has {self.pool.num_blocks} "
-                f"blocks of {self.pool.block_size} tokens in all; lower max_tokens, shorten the "
-                "prompt or plan more KV blocks (kv_num_blocks)"
-            )
+        check_kv_fits(
+            request_id,
+            prompt_tokens,
+            max_tokens,
+            self.max_model_len,
+            self.pool.num_blocks,
+            self.pool.block_size,
+        )
 
     def abort(self, request_id: str) -> Sequence | None:
         """Finish a waiting or running sequence with reason ``"abort"``, freeing its blocks.

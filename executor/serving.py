@@ -64,15 +64,16 @@ from dataclasses import dataclass
 import mlx.core as mx
 import numpy as np
 from strata.common.errors import StrataError
+from strata.common.schemas import Plan
 from strata.executor.block_pool import BlockPool
 from strata.executor.drafters import Drafter, DraftInput, DraftModelDrafter, PromptLookupDrafter
-from strata.executor.engine import Engine
+from strata.executor.engine import Engine, check_prompt_ids
 from strata.executor.ops import set_row_tile
 from strata.executor.paged_kv import PagedKVCache, slot_table
 from strata.executor.plan_loader import load_draft
 from strata.executor.runner import ModelRunner, TokenLogprob
 from strata.executor.sampling import Sampler, SamplingParams
-from strata.executor.scheduler import Scheduler, SchedulerStep, Sequence
+from strata.executor.scheduler import Scheduler, SchedulerStep, Sequence, check_kv_fits
 from strata.executor.self_drafter import SelfDrafter, streamed_units
 
 THREAD_CHECK_S = 1.0
@@ -114,6 +115,39 @@ class GenerationRequest:
     params: SamplingParams
     ignore_eos: bool = False
     logprobs: int | None = None
+
+
+def check_request(req: GenerationRequest, plan: Plan, vocab_size: int) -> None:
+    """Refuse a request that could never run on ``plan`` (:meth:`ServingEngine.validate`'s rule,
+    without an engine: ``strata run`` checks its request with it before the weights load).
+
+    Args:
+        req: the request.
+        plan: the plan it would run on (its context, KV blocks and block size).
+        vocab_size: the model's vocabulary size (tokens).
+
+    Raises:
+        StrataError: empty prompt, ids outside the vocabulary, a prompt that leaves no room for a
+            generated token in the plan's context, max_tokens < 1, logprobs outside
+            ``0..MAX_LOGPROBS``, or a request that needs more KV blocks than the whole cache has.
+    """
+    context = plan.request.context
+    check_prompt_ids(req.prompt_ids, vocab_size, context)
+    if req.max_tokens < 1:
+        raise StrataError(f"max_tokens is {req.max_tokens}; ask for at least 1 token")
+    if req.logprobs is not None and not 0 <= req.logprobs <= MAX_LOGPROBS:
+        raise StrataError(
+            f"logprobs is {req.logprobs}; ask for 0 to {MAX_LOGPROBS} alternatives per token"
+        )
+    b = plan.batch
+    check_kv_fits(
+        req.request_id,
+        len(req.prompt_ids),
+        req.max_tokens,
+        context,
+        b.kv_num_blocks,
+        b.kv_block_size,
+    )
 
 
 @dataclass
@@ -292,14 +326,7 @@ class ServingEngine:
                 for a generated token in the plan's context, max_tokens < 1, or a request that
                 needs more KV blocks than the whole cache has.
         """
-        self.engine.check_prompt(req.prompt_ids)
-        if req.max_tokens < 1:
-            raise StrataError(f"max_tokens is {req.max_tokens}; ask for at least 1 token")
-        if req.logprobs is not None and not 0 <= req.logprobs <= MAX_LOGPROBS:
-            raise StrataError(
-                f"logprobs is {req.logprobs}; ask for 0 to {MAX_LOGPROBS} alternatives per token"
-            )
-        self.scheduler.check_fits(req.request_id, len(req.prompt_ids), req.max_tokens)
+        check_request(req, self.engine.loaded.plan, self.vocab_size)
 
     def submit(self, req: GenerationRequest, on_event: Callable[[TokenEvent], None]) -> None:
         """Queue a request; ``on_event`` is called on the engine thread with its tokens.

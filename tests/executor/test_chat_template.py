@@ -52,7 +52,7 @@ def _args(tmp_path: Path, template: str | bytes | None) -> argparse.Namespace:
 
 
 def _one_line_error(capsys: pytest.CaptureFixture, engine, args: argparse.Namespace) -> str:
-    assert run_command(lambda: prompt_ids_for(engine, args)) == 2
+    assert run_command(lambda: prompt_ids_for(engine.tokenizer, args)) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: ") and err.count("\n") == 1
     return err[len("error: ") : -1]
@@ -61,7 +61,7 @@ def _one_line_error(capsys: pytest.CaptureFixture, engine, args: argparse.Namesp
 def test_no_chat_template_is_a_one_line_error(engine, tmp_path: Path, capsys) -> None:
     assert engine.tokenizer.chat_template is None
     with pytest.raises(ChatError):
-        prompt_ids_for(engine, _args(tmp_path, None))
+        prompt_ids_for(engine.tokenizer, _args(tmp_path, None))
     message = _one_line_error(capsys, engine, _args(tmp_path, None))
     assert message == NO_TEMPLATE
     assert "no chat template" in message and "--chat-template FILE" in message
@@ -73,7 +73,7 @@ def test_chat_template_file(engine, tmp_path: Path) -> None:
     case = next(c for c in GEMMA_REF["cases"] if "You are terse." in c["text"])
     rendered = render_chat(GEMMA_TEMPLATE, MESSAGES, "<bos>", "<eos>")
     assert rendered == "<bos>" + case["text"]
-    ids = prompt_ids_for(engine, _args(tmp_path, GEMMA_TEMPLATE))
+    ids = prompt_ids_for(engine.tokenizer, _args(tmp_path, GEMMA_TEMPLATE))
     # llama.cpp's ids for the text after <bos>, with special tokens parsed and its BOS added
     assert ids == case["ids"]
     assert ids.count(tok.bos_id) == 1  # the template's <bos>, no second one
@@ -82,7 +82,7 @@ def test_chat_template_file(engine, tmp_path: Path) -> None:
 
 def test_chat_template_without_bos_gets_the_gguf_bos(engine, tmp_path: Path) -> None:
     template = GEMMA_TEMPLATE.removeprefix("{{ bos_token }}")
-    ids = prompt_ids_for(engine, _args(tmp_path, template))
+    ids = prompt_ids_for(engine.tokenizer, _args(tmp_path, template))
     assert ids == next(c["ids"] for c in GEMMA_REF["cases"] if "You are terse." in c["text"])
 
 
@@ -104,7 +104,7 @@ def test_missing_chat_template_file(engine, tmp_path: Path, capsys) -> None:
     args = _args(tmp_path, None)
     args.chat_template = str(tmp_path / "absent.jinja")
     with pytest.raises(StrataError):
-        prompt_ids_for(engine, args)
+        prompt_ids_for(engine.tokenizer, args)
     assert "no such file" in _one_line_error(capsys, engine, args)
 
 
