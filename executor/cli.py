@@ -167,7 +167,7 @@ def cmd_run(args: argparse.Namespace) -> None:
     # Every input is checked before the weights load (seconds to minutes), not after: the
     # prompt's files first (no model needed), then the prompt itself against the plan.
     prompt = read_prompt(args)
-    loaded = load_plan(args.plan)
+    loaded = load_plan(args.plan, args.model)
     if args.save_routing_profile:
         if not loaded.desc.architecture.expert_count:
             raise StrataError("--save-routing-profile needs a mixture-of-experts model")
@@ -271,7 +271,15 @@ def cmd_serve(args: argparse.Namespace) -> None:
         raise StrataError(f"--port {args.port}: give a port in 0..65535 (0 = any free port)")
     if args.api_key is not None and not args.api_key.strip():
         raise StrataError("--api-key is empty; give a key, or leave the option out")
-    serve(args.plan, args.host, args.port, args.api_key, args.model_name, args.batch_invariant)
+    serve(
+        args.plan,
+        args.host,
+        args.port,
+        args.api_key,
+        args.model_name,
+        args.batch_invariant,
+        model=args.model,
+    )
 
 
 def cmd_profile(args: argparse.Namespace) -> None:
@@ -283,13 +291,24 @@ def cmd_profile(args: argparse.Namespace) -> None:
     name = args.name or (Path(args.output).stem if args.output else None)
     name = name or socket.gethostname().split(".")[0].lower() or "this-machine"
     disk = Path(args.disk_dir) if args.disk_dir else cache_dir()
-    emit(measure_profile(disk, name, quick=args.quick), args.output)
+    profile = measure_profile(disk, name, quick=args.quick)
+    emit(profile, args.output)
+    if not args.quick:  # --quick figures are rough: not this machine's measurement
+        from strata.executor.machine import keep_profile
+
+        keep_profile(profile)  # what strata check and run compare plans' figures with
 
 
 def add_commands(sub) -> None:
     """Add the executor's subcommands (run, serve, profile) to ``sub``."""
     r = sub.add_parser("run", help="generate text from a prompt with a plan")
     r.add_argument("plan", help="plan file written by strata plan (or by hand)")
+    r.add_argument(
+        "--model",
+        metavar="PATH",
+        help="the GGUF file, where it is not where the plan says (its sha256 must be the planned "
+        "one)",
+    )
     src = r.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompt", help="raw text, tokenized with the GGUF's own BOS rule")
     src.add_argument("--messages", help='JSON file: [{"role": ..., "content": ...}, ...]')
@@ -315,6 +334,12 @@ def add_commands(sub) -> None:
 
     s = sub.add_parser("serve", help="serve a plan over an OpenAI-compatible HTTP API")
     s.add_argument("plan", help="plan file written by strata plan (or by hand)")
+    s.add_argument(
+        "--model",
+        metavar="PATH",
+        help="the GGUF file, where it is not where the plan says (its sha256 must be the planned "
+        "one)",
+    )
     s.add_argument("--host", default="127.0.0.1", help="address to listen on (127.0.0.1)")
     s.add_argument("--port", type=int, default=8000, help="TCP port (8000; 0 = any free port)")
     s.add_argument(

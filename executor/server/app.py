@@ -253,11 +253,14 @@ def serve(
     api_key: str | None = None,
     model_name: str | None = None,
     batch_invariant: bool = False,
+    *,
+    model: str | None = None,
 ) -> None:
     """Load a plan and serve it until Ctrl-C or SIGTERM (``strata serve``).
 
     Prints ``serving MODEL on http://HOST:PORT`` to stderr once requests are accepted.
-    ``batch_invariant``: ``ServingEngine``'s mode of that name (``--batch-invariant``).
+    ``batch_invariant``: ``ServingEngine``'s mode of that name (``--batch-invariant``);
+    ``model``: the GGUF file where it is not where the plan says (``--model``).
 
     Raises:
         StrataError: the address cannot be used, or the plan cannot be loaded.
@@ -268,7 +271,7 @@ def serve(
 
     sock = bind_socket(host, port)  # before loading: a busy port fails in a second, not after
     try:
-        loaded = load_plan(plan_path)
+        loaded = load_plan(plan_path, model)
         engine = Engine(loaded)
         try:
             serving = ServingEngine(engine, batch_invariant=batch_invariant)
