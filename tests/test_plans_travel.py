@@ -66,7 +66,7 @@ def test_changed_model_bytes_are_refused(tiny_plan, tmp_path):
     model, plan = tiny_plan
     other = write_tiny_llama(tmp_path / "other.gguf", seed=1)
     assert_one_line_error(
-        _run(plan, "--model", str(other), ok=False), "sha256", "not the planned file"
+        _run(plan, "--model", str(other), ok=False), "sha256", "bytes changed"
     )
     done = cli("plan.py", "check", str(plan), "--model", str(other), ok=False)
     assert done.returncode == 2 and "does NOT hold" in done.stdout and "sha256" in done.stdout
