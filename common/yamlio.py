@@ -156,7 +156,8 @@ def parse_doc(data: object, model: type[M], origin: str) -> M:
         elif err["type"] == "missing":
             msg = f"missing key '{_where(err['loc'])}'"
         else:
-            msg = f"'{_where(err['loc'])}': {err['msg']}"
+            text = err["msg"].removeprefix("Value error, ")  # our validators' own sentences
+            msg = f"'{_where(err['loc'])}': {text}" if err["loc"] else text
         raise SchemaError(f"{origin}: {msg}{more}") from None
 
 

@@ -150,7 +150,7 @@ def check_executable(path: Path, plan: Plan) -> None:
         PlanError: ``plan.model`` names no file (``strata plan --arch``).
     """
     src = plan.model
-    if src.sha256 is None and src.path is None and src.name is None:
+    if src.sha256 is None and src.path is None:
         raise PlanError(
             f"{path}: the plan is for a model described from an architecture file (--arch): it "
             "has no weights and can only be compared, not executed; plan a GGUF file"

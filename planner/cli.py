@@ -50,6 +50,22 @@ def cmd_describe(args: argparse.Namespace) -> None:
     emit(desc, args.output)
 
 
+def _prompt_range(text: str | None) -> list[int] | None:
+    """``--prompt-tokens 128,1024`` (or one length) as [shortest, longest]; None: the default."""
+    if text is None:
+        return None
+    try:
+        lengths = [int(t) for t in text.replace(" ", "").split(",")]
+    except ValueError:
+        lengths = []
+    if len(lengths) not in (1, 2):
+        raise StrataError(
+            f"--prompt-tokens {text!r}: give the shortest and longest prompt in tokens, e.g. "
+            "128,1024 (or one length)"
+        )
+    return [lengths[0], lengths[-1]]
+
+
 def request_from_args(args: argparse.Namespace) -> Request:
     """The planning request from ``strata plan``'s options (sizes parsed, bounds checked)."""
     return parse_doc(
@@ -60,6 +76,8 @@ def request_from_args(args: argparse.Namespace) -> Request:
             "gpu_budget_bytes": parse_size(args.gpu_budget) if args.gpu_budget else None,
             "ram_budget_bytes": parse_size(args.ram_budget) if args.ram_budget else None,
             "tiers": [t.strip() for t in args.tiers.split(",") if t.strip()],
+            "prompt_tokens": _prompt_range(args.prompt_tokens),
+            "output_tokens": args.output_tokens,
         },
         Request,
         "request",
@@ -200,6 +218,19 @@ def add_commands(sub) -> None:
     pl.add_argument("--context", type=int, default=4096, help="tokens per sequence (default 4096)")
     pl.add_argument("--concurrency", type=int, default=1, help="sequences at once (default 1)")
     pl.add_argument("--objective", choices=("latency", "throughput"), default="latency")
+    pl.add_argument(
+        "--prompt-tokens",
+        metavar="MIN,MAX",
+        help="the shortest and longest prompt to plan for, tokens: the cost model prices time to "
+        "first token over them (default min(128, context/4),min(1024, context/2))",
+    )
+    pl.add_argument(
+        "--output-tokens",
+        type=int,
+        default=256,
+        help="tokens generated per request, which weighs time to first token against decode "
+        "(default 256)",
+    )
     pl.add_argument("--gpu-budget", help="override the device working set, e.g. 512MiB, 8GiB")
     pl.add_argument("--ram-budget", help="override host RAM available, e.g. 8GB")
     pl.add_argument(
