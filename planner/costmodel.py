@@ -1,4 +1,5 @@
-"""The per-decode-step cost model: time and memory of a placement, as pure functions.
+"""The cost model: time of a decode step and of prefill, and memory of a placement, as pure
+functions.
 
 The ILP (``planner.ilp``) builds its linear expressions from the coefficients defined here, and
 ``score`` evaluates the very same model on pinned variables (a tier per unit and a prefetch depth),
@@ -48,8 +49,51 @@ Time of one decode step (seconds):
   I/O threads read NVMe units ``depth`` units ahead, so
   ``step_s = max(compute_s + host_copy_s + io_stall_s, disk_s)`` when depth >= 1 and
   ``step_s = compute_s + host_copy_s + disk_s`` when depth = 0 (reads are synchronous).
-- The objective is ``step_s / B``: seconds per token for one stream (latency) or the inverse of the
-  aggregate tokens/s (throughput); ``decode_tok_s = B / step_s``.
+- ``decode_tok_s = B / step_s``.
+
+Prefill (``prefill_chunk``, ``ttft``). The executor runs a prompt in chunks of ``c`` tokens (the
+plan's ``batch.prefill_chunk``), each chunk a forward pass over every unit, one sequence at a
+time. Per chunk of ``r`` tokens, with ``a_u(r) = 1 - (1 - a_u)^r`` (about 1 for every expert once
+a chunk has hundreds of tokens) and ``flops`` = gpu.compute_flops_s (a prefill-sized matrix
+product, the kernel of a chunk):
+
+- ``compute_r   = sum_u [max(a_u(r) b_u / gpu_bw, r f_u / flops) + k_u op_s]`` (ops weighted by
+  ``a_u(r)`` for experts; summed or overlapped as in ``step_compute_s``);
+- ``host_copy_r = sum_{u on ram} a_u(r) b_u / h2d_bw [+ nvme units when memory is not unified]``:
+  a ram unit is copied again for every chunk;
+- ``disk_r      = sum_{dense u on nvme} b_u / nvme_bw``: a streamed unit is read again for every
+  chunk, whole however few tokens the chunk has;
+- ``miss_r      = sum_{streamed experts not cached} a_u(r) b_u / nvme_bw``: the cache's hot set
+  (the same ``hottest_streamed`` count as decode) hits, every other streamed expert is read,
+  synchronously: a chunk's router chooses nearly every expert of its block, which a prefetch of
+  ``m`` guesses does not cover, so the model counts no overlap for them (their copies join
+  ``host_copy_r`` where memory is not unified);
+- ``chunk_r = max(compute_r + host_copy_r + miss_r, disk_r + miss_r)`` at depth >= 1 and
+  ``compute_r + host_copy_r + disk_r + miss_r`` at depth 0 (``step_terms``, as a decode step).
+  The depth-1 I/O stall is left out of prefill: a chunk's compute per unit is hundreds of times
+  a decoded token's, so a streamed FFN's read hides behind its attention's compute unless the
+  disk binds anyway.
+
+``TTFT(P) = F chunk_c + chunk_l`` with ``F = ceil(P / c) - 1`` full chunks and a last chunk of
+``l = P - F c`` tokens (its compute scales with its rows, its dense reads stay whole). The first
+token is sampled from the last chunk's logits, so no decode step is added; sampling itself and
+the attention over the cached prefix (quadratic in P, small beside the weights below tens of
+thousands of tokens) are not modelled. ``Prediction.prefill_chunk_s = chunk_c`` and
+``Prediction.ttft_s = [TTFT(shortest), TTFT(longest)]`` of ``request.prompt_tokens``.
+
+Objective (``objective``), seconds per generated token of whole requests of ``N =
+request.output_tokens`` tokens: ``(B * TTFT + (N - 1) * step_s) / (B * N)``, with ``TTFT`` the
+mean of the TTFT at the shortest and the longest prompt. B prompts are prefilled one after
+another (a chunk serves one sequence), then decoded together; the first token of each comes from
+its prefill, the other ``N - 1`` from decode steps. At B = 1 (latency) this is a request's time
+per token. The mean of the two ends is the expected TTFT of prompts spread evenly over the range
+where TTFT is linear in P (it is, up to the chunk staircase), it weighs both ends' chunk counts,
+and it is what ``Prediction.ttft_s`` records, so the objective is a function of the prediction
+(``explain`` shows exactly what the ILP minimized). Where the chunk costs little beside the
+decode steps (short prompts, chat) the objective is about ``step_s / B``, the decode objective;
+long prompts shift it toward placements whose per-chunk copies and reads are cheap (ram copies
+against nvme reads, weights kept on the gpu tier) — so a plan for long prompts can differ from
+one for chat.
 
 Why a bottleneck and not a per-layer overlap formulation: the executor runs the same unit sequence
 every step and its I/O threads wrap around into the next step's units, so in steady state the disk
@@ -765,6 +809,124 @@ def io_stall(
     )
 
 
+# --------------------------------------------------------------------------- prefill
+
+
+def prefill_chunks(prompt: int, chunk: int) -> tuple[int, int]:
+    """How the executor splits a prompt of ``prompt`` tokens into chunks of ``chunk`` tokens:
+    (full chunks before the last one, tokens of the last chunk). ``(0, prompt)`` when the prompt
+    fits one chunk; the last chunk holds ``prompt - full * chunk`` in ``1..chunk`` tokens."""
+    chunk = max(1, chunk)
+    full = (max(1, prompt) - 1) // chunk
+    return full, max(1, prompt) - full * chunk
+
+
+def prefill_costs(desc: ModelDescription, profile: HardwareProfile, rows: int) -> list[UnitCost]:
+    """Per-unit coefficients of one prefill chunk of ``rows`` tokens of one sequence.
+
+    As ``unit_costs`` with the chunk's tokens in place of the decode batch: access
+    ``a_u(rows) = 1 - (1 - a_u)^rows`` (every expert of a block, near enough, for a chunk of
+    hundreds of tokens); ``device_s = max(a_u(rows) b_u / gpu_bw, rows f_u / compute_flops)``
+    (a chunk's products are matrix products, priced at gpu.compute_flops_s); ``ops_s = k_u op_s``
+    (weighted by ``a_u(rows)`` for experts); ``copy_s`` and ``read_s`` what the chunk reads.
+
+    Raises:
+        PlanError: a bandwidth or the compute throughput in the profile is zero.
+    """
+    gpu_bw = _rate(profile.gpu.memory_bandwidth_bytes_s.value, "gpu.memory_bandwidth_bytes_s")
+    flops = _rate(profile.gpu.compute_flops_s.value, "gpu.compute_flops_s")
+    op_s = profile.gpu.op_overhead_s.value
+    h2d_bw = _rate(profile.ram.host_to_device_bytes_s.value, "ram.host_to_device_bytes_s")
+    nvme_bw = _rate(profile.nvme.read_bytes_s.value, "nvme.read_bytes_s")
+    out = []
+    for u in desc.units:
+        access = 1.0 - (1.0 - u.access_per_token) ** rows
+        moved = access * u.bytes_mlx
+        ops = OPS_PER_UNIT[u.role] * (access if u.role == "expert" else 1.0)
+        out.append(
+            UnitCost(
+                name=u.name,
+                bytes=u.bytes_mlx,
+                device_s=max(moved / gpu_bw, rows * u.flops_per_token / flops),
+                ops_s=ops * op_s,
+                copy_s=moved / h2d_bw,
+                read_s=moved / nvme_bw,
+            )
+        )
+    return out
+
+
+@dataclass(frozen=True)
+class ChunkTime:
+    """One prefill chunk of a pinned placement (seconds; module docstring, "Prefill")."""
+
+    rows: int
+    """Tokens in the chunk."""
+    compute_s: float
+    host_copy_s: float
+    """Copies of ram units (and of nvme units and missed experts where memory is not unified)."""
+    disk_s: float
+    """Reads of the streamed dense units."""
+    expert_s: float
+    """Reads of the streamed experts the cache does not hold (synchronous: after the router)."""
+    terms: tuple[tuple[str, float], ...]
+    """``step_terms`` of the chunk; the chunk lasts as long as the largest."""
+
+    @property
+    def chunk_s(self) -> float:
+        """The chunk's time: the largest of its terms."""
+        return max(v for _, v in self.terms)
+
+
+def prefill_chunk(
+    desc: ModelDescription,
+    profile: HardwareProfile,
+    tiers: Mapping[str, str],
+    depth: int,
+    cache: ExpertCache,
+    rows: int,
+) -> ChunkTime:
+    """The time of one prefill chunk of ``rows`` tokens under a pinned placement (module
+    docstring, "Prefill"): ``max(compute + host copy + expert misses, disk + expert misses)`` at
+    depth >= 1, ``compute + host copy + disk + expert misses`` at depth 0."""
+    costs = prefill_costs(desc, profile, rows)
+    unified = profile.unified_memory
+    compute_s = step_compute_s(costs, host_overlaps(desc, profile))
+    copy = disk = 0.0
+    for u, c in zip(desc.units, costs, strict=True):
+        if u.expert is not None and tiers[u.name] == "nvme":
+            continue  # through the expert cache, below
+        copy += c.host_copy_s(tiers[u.name], unified)
+        disk += c.disk_s(tiers[u.name]) if u.expert is None else 0.0
+    hold = max(0, cache.slots - working_slots(desc, cache.prefetch)) if cache.slots else 0
+    by_name = {c.name: c for c in costs}
+    missed = [by_name[u.name] for u in hottest_streamed(desc, tiers)[hold:]]
+    miss_s = sum(c.read_s for c in missed)
+    if not unified:
+        copy += sum(c.copy_s for c in missed)
+    terms = step_terms(compute_s, copy, disk, depth, miss_s, miss_s)
+    return ChunkTime(rows, compute_s, copy, disk, miss_s, tuple(terms))
+
+
+def ttft(
+    desc: ModelDescription,
+    profile: HardwareProfile,
+    tiers: Mapping[str, str],
+    depth: int,
+    cache: ExpertCache,
+    prompt: int,
+    chunk: int,
+) -> float:
+    """Time to first token of a ``prompt``-token prompt, seconds: ``full * chunk_s(chunk) +
+    chunk_s(last)`` (``prefill_chunks``); the first token is sampled from the last chunk's
+    logits, so no decode step is added."""
+    full, last = prefill_chunks(prompt, chunk)
+    total = prefill_chunk(desc, profile, tiers, depth, cache, last).chunk_s
+    if full:
+        total += full * prefill_chunk(desc, profile, tiers, depth, cache, chunk).chunk_s
+    return total
+
+
 def score(
     desc: ModelDescription, profile: HardwareProfile, request: Request, placement: PinnedPlacement
 ) -> Prediction:
@@ -811,6 +973,8 @@ def score(
     ]
     binding += [name for name, v in terms if v >= (1 - BINDING_TOL) * step_s]
     b = batch_size(request, batch)
+    chunk = max(1, batch.prefill_chunk)
+    full = prefill_chunk(desc, profile, tiers, depth, cache, chunk)
     return Prediction(
         compute_s=compute_s,
         host_copy_s=host_copy_s,
@@ -823,12 +987,23 @@ def score(
         ),
         decode_tok_s=b / step_s if step_s > 0 else 0.0,
         binding=binding,
+        prefill_chunk_s=full.chunk_s,
+        ttft_s=[ttft(desc, profile, tiers, depth, cache, p, chunk) for p in request.prompt_tokens],
     )
 
 
 def objective(prediction: Prediction, request: Request, batch: BatchLimits | None = None) -> float:
-    """The ILP's objective for a prediction: ``step_s / B`` (seconds per generated token)."""
-    return prediction.step_s / batch_size(request, batch)
+    """The ILP's objective for a prediction: seconds per generated token of whole requests,
+    ``(B * TTFT + (N - 1) * step_s) / (B * N)`` with ``TTFT`` the mean of ``prediction.ttft_s``
+    (the shortest and the longest prompt), ``N = request.output_tokens`` and ``B`` the decode
+    batch (module docstring, "Objective"). A prediction without TTFT (a plan made before prefill
+    was priced) gives ``step_s / B``."""
+    b = batch_size(request, batch)
+    if not prediction.ttft_s:
+        return prediction.step_s / b
+    n = request.output_tokens
+    first = sum(prediction.ttft_s) / len(prediction.ttft_s)
+    return (b * first + (n - 1) * prediction.step_s) / (b * n)
 
 
 def score_plan(plan: Plan, desc: ModelDescription, profile: HardwareProfile) -> Prediction:

@@ -111,6 +111,25 @@ def _prediction(a: Plan, b: Plan) -> list[str]:
             + " "
             f"({'+' if d >= 0 else '−'}{format_rate(abs(d))})"
         )
+    prefill = [("prefill chunk", pa.prefill_chunk_s, pb.prefill_chunk_s)]
+    if len(pa.ttft_s) == len(pb.ttft_s) == 2:
+        for end, ta, tb, na, nb in zip(
+            ("shortest", "longest"),
+            pa.ttft_s,
+            pb.ttft_s,
+            a.request.prompt_tokens,
+            b.request.prompt_tokens,
+            strict=True,
+        ):
+            at = f"{na}" if na == nb else f"{na} → {nb}"
+            prefill.append((f"TTFT ({end} prompt, {at} tokens)", ta, tb))
+    elif pa.ttft_s != pb.ttft_s:
+        lines.append(f"  TTFT: only plan {'b' if not pa.ttft_s else 'a'} predicts it")
+    for label, fa, fb in prefill:
+        if fa is not None and fb is not None and fa != fb:
+            lines.append(
+                f"  {label} {format_time(fa)} → {format_time(fb)} ({_signed_time(fb - fa)})"
+            )
     lines += [f"  {x}" for x in _change("bottleneck", pa.bottleneck, pb.bottleneck)]
     lines += [
         f"  {x}"

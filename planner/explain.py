@@ -363,6 +363,12 @@ def expert_cache_label(plan: Plan) -> str:
 
 
 def _prediction_lines(plan: Plan) -> list[str]:
+    """The predicted decode step and its terms; time to first token at the request's shortest
+    and longest prompt with the prefill chunk's terms (recomputed from the plan's own costs and
+    machine); the objective they make."""
+    # Imported here: the prefill terms are used by this section alone.
+    from strata.planner.costmodel import objective, prefill_chunk
+
     p = plan.prediction
     if p is None:
         return ["Prediction: none (hand-written plan; run strata plan to score it)"]
@@ -371,7 +377,7 @@ def _prediction_lines(plan: Plan) -> list[str]:
     overlap = plan.prefetch.depth >= 1
     form = "max(compute + host copy + I/O stall, disk)" if overlap else "compute + host copy + disk"
     stall = [f"  I/O stall  {format_time(p.io_stall_s)}"] if overlap else []
-    return [
+    lines = [
         f"Predicted decode step at batch {b}: {format_time(p.step_s)} = {form}",
         f"  compute    {format_time(p.compute_s)}",
         f"  host copy  {format_time(p.host_copy_s)}",
@@ -381,6 +387,42 @@ def _prediction_lines(plan: Plan) -> list[str]:
         f"  binding: {', '.join(p.binding) if p.binding else 'none'}",
         f"Predicted decode: {format_rate(p.decode_tok_s)} tok/s"
         + rate_label(plan.request, plan.batch),
+    ]
+    if p.prefill_chunk_s is None or len(p.ttft_s) != 2:
+        return [*lines, "Predicted TTFT: none (a plan made before prefill was priced; re-plan)"]
+    c = max(1, plan.batch.prefill_chunk)
+    ch = prefill_chunk(
+        description_of(plan), plan.machine, plan.tier_of(), plan.prefetch.depth,
+        plan.expert_cache, c,
+    )  # fmt: skip
+    miss = f" + expert misses {format_time(ch.expert_s)}" if ch.expert_s > 0 else ""
+    copy = f"host copy {format_time(ch.host_copy_s)}"
+    if overlap:
+        chunk = (
+            f"max(compute {format_time(ch.compute_s)} + {copy}{miss}, "
+            f"disk {format_time(ch.disk_s)}{miss})"
+        )
+    else:
+        chunk = (
+            f"compute {format_time(ch.compute_s)} + {copy} + disk {format_time(ch.disk_s)}"
+            f"{miss} (no prefetch)"
+        )
+    (p1, p2), (t1, t2) = plan.request.prompt_tokens, p.ttft_s
+    n = plan.request.output_tokens
+    mean, step = format_time((t1 + t2) / 2), format_time(p.step_s)
+    per_req = (
+        f"({b} × {mean} + {n - 1} × {step}) / ({b} × {n})"
+        if b > 1
+        else f"({mean} + {n - 1} × {step}) / {n}"
+    )
+    return [
+        *lines,
+        f"Predicted TTFT: {format_time(t1)} at {p1} tokens, {format_time(t2)} at {p2} tokens "
+        f"(prefill chunk of {c} tokens: {format_time(p.prefill_chunk_s)} = {chunk}; every "
+        "streamed unit is read and every ram unit copied again for each chunk)",
+        f"Objective: {format_time(objective(p, plan.request, plan.batch))} per generated token "
+        f"over requests of {p1}–{p2} prompt + {n} output tokens = (B × mean TTFT + "
+        f"(N − 1) × step) / (B × N) = {per_req}",
     ]
 
 

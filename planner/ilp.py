@@ -1,4 +1,5 @@
-"""The placement ILP: tiers, pool, prefetch depth and step time decided together, solved by CBC.
+"""The placement ILP: tiers, pool, prefetch depth, decode step and prefill chunk times decided
+together, solved by CBC.
 
 The cost model and its formulas are in ``planner.costmodel``; this module turns them into a mixed
 integer linear program (PuLP, the CBC bundled with PuLP on one thread, fixed seeds, node limits)
@@ -42,17 +43,28 @@ units of ``tau = compute_s / 1000`` so that both stay well scaled for the solver
   ``split_ffn_c`` (they add up to ``n[c,nvme]``), ``m_k >= a_k + f_k - L_k`` (``interleave_k``:
   blocks that stream both), and ``T_stall``: ``T >= C + sum_k sigma_k m_k - M (1 - y[1])``.
   ``_decisions`` realises exactly ``m_k`` such blocks by streaming attention where the FFN stays.
+- Prefill (``_prefill_rows``, ``costmodel.prefill_chunk``): per distinct chunk length r (the
+  full chunk, and the last chunk of the shortest and of the longest prompt) a variable ``X_r`` >= 0
+  with rows mirroring ``T``'s: ``X_compute_r`` (compute + copies + expert misses),
+  ``X_disk_r``, ``X_serial_r`` (depth 0, the same big-M form); no I/O-stall row (the cost model
+  leaves it out of prefill). ``TTFT(P) = F_P X_c + X_{l_P}``: linear, since the chunk counts are
+  constants of the request.
+- Objective ``O = (B * (TTFT(shortest) + TTFT(longest)) / 2 + (N - 1) T) / (B N)``
+  (``costmodel.objective``: seconds per generated token of whole requests of N =
+  ``request.output_tokens`` tokens). Every time variable has a positive weight when N > 1, so
+  each equals its largest row at the optimum; at N = 1, ``T`` has weight 0 and the prediction's
+  step is the cost model's, not T's.
 
-Solving. Stage 1 minimizes ``T`` (``T / B`` up to the constant B) in two branches on ``y[0]``
-(prefetch, then depth 0 with a cutoff at the prefetch branch's step time; ties go to depth 0): CBC
+Solving. Stage 1 minimizes ``O`` in two branches on ``y[0]``
+(prefetch, then depth 0 with a cutoff at the prefetch branch's objective; ties go to depth 0): CBC
 rarely branches on ``y[0]`` itself, and with it fixed the T_serial and pool big-Ms vanish from
 the relaxation. Each branch climbs ``RUNGS``: an exact search of 500 nodes (small and uniform
 models end here), then one stopping at a proven 0.1% within 10,000 nodes. A node-limited search
 is accepted when proven within ``ACCEPT_GAP`` (1%); ``SolverResult.gap`` is the gap proven over
-both branches. Stage 2, with ``T <= T*`` added, minimizes a deterministic tie-break: bytes off
+both branches. Stage 2, with ``O <= O*`` added, minimizes a deterministic tie-break: bytes off
 the gpu tier (nvme counted twice) plus pool bytes, so equal-cost placements resolve the same way
-every time; two stages keep the tie-break from ever trading away step time, which a single
-``T + eps * tiebreak`` objective can do within the solver's tolerances. Node limits, not the clock,
+every time; two stages keep the tie-break from ever trading away the objective, which a single
+``O + eps * tiebreak`` objective can do within the solver's tolerances. Node limits, not the clock,
 end every search, so a plan does not depend on the machine that made it; the time limit only
 turns a search that runs too long into an error.
 
@@ -102,6 +114,7 @@ from strata.planner.costmodel import (
     PinnedPlacement,
     UnitCost,
     batch_limits,
+    batch_size,
     capacity_rows,
     capacity_use,
     expert_cache_for,
@@ -110,6 +123,8 @@ from strata.planner.costmodel import (
     objective,
     pool_for,
     prediction_recall,
+    prefill_chunks,
+    prefill_costs,
     score,
     step_compute_s,
     tier_memory,
@@ -144,7 +159,7 @@ ACCEPT_GAP = 1e-2
 relative gap of the optimum; ``SolverResult.gap`` reports the gap reached."""
 
 TIEBREAK_RUNG = (1e-3, 2_000)
-"""(relative gap, node limit) of the tie-break stage, which never changes the step time."""
+"""(relative gap, node limit) of the tie-break stage, which never changes the objective."""
 
 
 @dataclass
@@ -276,6 +291,8 @@ class _Model:
     tau: float
     """Seconds per solver time unit."""
     tiebreak: pulp.LpAffineExpression
+    objective: pulp.LpAffineExpression
+    """Seconds per generated token of whole requests (``costmodel.objective``), time units."""
     stall: _Stall | None
     """The interleave variables, when the model has attention/FFN block pairs."""
 
@@ -402,12 +419,16 @@ def _build(
     # depth 0: T >= compute + host copy + expert misses + dense disk
     prob += T >= C + D - big_t * (1 - y[0]), "T_serial"
     stall = _stall_rows(prob, desc, costs, classes, n, y, T, C, tau)
+    ttft = _prefill_rows(prob, desc, profile, request, classes, n, y, ex, tau)
+    # objective = (B * TTFT + (N - 1) * T) / (B * N), TTFT the mean over the prompt range's ends
+    bsz, n_out = batch_size(request), request.output_tokens
+    obj = (bsz * ttft + (n_out - 1) * T) / (bsz * n_out)
 
     # Tie-break (MiB): bytes off the gpu tier (nvme counted twice, cached experts not at all)
     # plus pool bytes, plus ex.tiebreak (pinning against caching, see _expert_rows).
     tiebreak = pulp.lpSum(b[j] * (n[j]["ram"] + 2 * n[j]["nvme"]) for j in JD) + P
     tiebreak += ex.tiebreak
-    prob.setObjective(pulp.lpSum(slacks) if phase1 else T + 0)
+    prob.setObjective(pulp.lpSum(slacks) if phase1 else obj)
     return _Model(
         prob=prob,
         classes=classes,
@@ -418,6 +439,7 @@ def _build(
         prefetch=prefetch,
         tau=tau,
         tiebreak=tiebreak,
+        objective=obj,
         stall=stall,
     )
 
@@ -433,6 +455,8 @@ class _ExpertRows:
     copy: pulp.LpAffineExpression | float
     sync_max: float
     tiebreak: pulp.LpAffineExpression | float
+    held: dict[int, pulp.LpVariable] = field(default_factory=dict)
+    """``h_c``: streamed experts of class c the cache holds."""
 
 
 def _expert_rows(
@@ -509,7 +533,65 @@ def _expert_rows(
         copy=copy,
         sync_max=sum(cc[j].read_s * size[j] for j in JE) / tau,
         tiebreak=tiebreak,
+        held=h,
     )
+
+
+def _prefill_rows(
+    prob: pulp.LpProblem,
+    desc: ModelDescription,
+    profile: HardwareProfile,
+    request: Request,
+    classes: list[_Class],
+    n: list[dict[str, pulp.LpVariable]],
+    y: list[pulp.LpVariable],
+    ex: _ExpertRows,
+    tau: float,
+) -> pulp.LpAffineExpression:
+    """Rows of the prefill chunks (``costmodel.prefill_chunk``); returns the mean TTFT over the
+    shortest and longest prompt (time units), linear in the variables.
+
+    Per distinct chunk length r (the full chunk c where a prompt needs more than one, and each
+    end's last chunk ``l``: ``costmodel.prefill_chunks``), a variable ``X_r`` >= 0 with rows
+    mirroring the decode step's: ``X_compute_r``: ``X_r >= C_r`` (compute + host copies +
+    expert misses, ``C_r = compute_r + sum_{c,t} copy_r(c,t) n[c,t] + sum_{c expert}
+    (read_r + copy_r)(n[c,nvme] - h_c)``); ``X_disk_r``: ``X_r >= D_r + miss_r``;
+    ``X_serial_r``: ``X_r >= C_r + D_r - M_r (1 - y[0])`` with ``M_r = min(largest C_r, largest
+    D_r)``. The objective weighs every ``X_r`` positively, so each equals its largest row: the
+    chunk's time. ``TTFT(P) = F_P X_c + X_{l_P}``.
+    """
+    chunk = max(1, batch_limits(request).prefill_chunk)
+    ends = [prefill_chunks(p, chunk) for p in request.prompt_tokens]
+    lengths = sorted({last for _, last in ends} | ({chunk} if any(f for f, _ in ends) else set()))
+    unified = profile.unified_memory
+    x: dict[int, pulp.LpVariable] = {}
+    for r in lengths:
+        costs = prefill_costs(desc, profile, r)
+        cc = [costs[c.members[0]] for c in classes]
+        size = [len(c.members) for c in classes]
+        expert = [desc.units[c.members[0]].expert is not None for c in classes]
+        compute = step_compute_s(costs, host_overlaps(desc, profile)) / tau
+        copies = pulp.lpSum(
+            cc[j].host_copy_s(t, unified) / tau * n[j][t]
+            for j in range(len(classes))
+            for t in TIERS
+            if cc[j].host_copy_s(t, unified) > 0 and not (expert[j] and t == "nvme")
+        )
+        per_miss = {j: cc[j].read_s + (0.0 if unified else cc[j].copy_s) for j in ex.held}
+        miss = pulp.lpSum(cc[j].read_s / tau * (n[j]["nvme"] - h) for j, h in ex.held.items())
+        miss_c = pulp.lpSum(per_miss[j] / tau * (n[j]["nvme"] - h) for j, h in ex.held.items())
+        dense = [j for j in range(len(classes)) if not expert[j]]
+        C = compute + copies + miss_c
+        D = pulp.lpSum(cc[j].read_s / tau * n[j]["nvme"] for j in dense)
+        c_max = compute + sum(max(c.host_copy_s(t, unified) for t in TIERS) for c in costs) / tau
+        c_max += sum(per_miss[j] * size[j] for j in ex.held) / tau
+        big = min(c_max, sum(cc[j].read_s * size[j] for j in dense) / tau)
+        x[r] = prob.add_variable(f"prefill_{r}", lowBound=0)
+        prob += x[r] >= C, f"X_compute_{r}"
+        prob += x[r] >= D + miss, f"X_disk_{r}"
+        prob += x[r] >= C + D - big * (1 - y[0]), f"X_serial_{r}"
+    per_end = [full * x[chunk] + x[last] if full else x[last] + 0 for full, last in ends]
+    return pulp.lpSum(per_end) / len(per_end)
 
 
 @dataclass(frozen=True)
@@ -799,7 +881,7 @@ def _infeasible(
 # --------------------------------------------------------------------------- solve
 
 TIE_UNITS = 1e-6
-"""Step times within this many solver time units (>= 1000 per step) are equal."""
+"""Objectives within this many solver time units (~1000 per decode step) are equal."""
 
 
 def _branch(
@@ -824,14 +906,15 @@ def _expert_cache(desc: ModelDescription, m: _Model, tiers: dict[str, str]) -> E
     return expert_cache_for(desc, tiers, slots, m.prefetch)
 
 
-def _step_units(
+def _objective_units(
     desc: ModelDescription, profile: HardwareProfile, request: Request, m: _Model
 ) -> float:
-    """The exact step time of the model's current (integral) decisions, in solver time units."""
+    """The exact objective (``costmodel.objective``) of the model's current (integral)
+    decisions, in solver time units."""
     tiers, depth = _decisions(desc, m)
     cache = _expert_cache(desc, m, tiers)
     pinned = PinnedPlacement(tiers, depth, experts=cache)
-    return score(desc, profile, request, pinned).step_s / m.tau
+    return objective(score(desc, profile, request, pinned), request) / m.tau
 
 
 class _Infeasible(Exception):
@@ -847,7 +930,7 @@ def _stage1(
     start: float,
     prefetch: int,
 ) -> tuple[float, _Model, float]:
-    """Stage 1 for one expert-prefetch choice: (exact step time in time units (the same tau
+    """Stage 1 for one expert-prefetch choice: (exact objective in time units (the same tau
     for every choice: it depends on compute alone), the solved
     model, the proven relative gap).
 
@@ -862,11 +945,11 @@ def _stage1(
     """
     overlap = _branch(desc, profile, request, rows, y0=0, prefetch=prefetch)
     out_a = _run(overlap, deadline)
-    t_a = _step_units(desc, profile, request, overlap) if out_a.incumbent else None
+    t_a = _objective_units(desc, profile, request, overlap) if out_a.incumbent else None
     serial = _branch(desc, profile, request, rows, y0=1, prefetch=prefetch)
     cutoff = None if t_a is None else t_a + TIE_UNITS
     out_b = _run(serial, deadline, cutoff=cutoff)
-    t_b = _step_units(desc, profile, request, serial) if out_b.incumbent else None
+    t_b = _objective_units(desc, profile, request, serial) if out_b.incumbent else None
     if t_a is None and t_b is None:
         if out_a.status == "Infeasible" and out_b.status == "Infeasible":
             raise _Infeasible()
@@ -899,7 +982,8 @@ def _stage1(
 def solve(
     desc: ModelDescription, profile: HardwareProfile, request: Request, *, time_limit_s: float = 30
 ) -> Solution:
-    """Place every unit on a tier and choose pool and prefetch depth to minimize ``step_s / B``.
+    """Place every unit on a tier and choose pool and prefetch depth to minimize
+    ``costmodel.objective``: seconds per generated token of whole requests (prefill and decode).
 
     Args:
         desc: the model description (units with bytes, access, FLOPs).
@@ -941,10 +1025,10 @@ def solve(
         raise _infeasible(desc, profile, request, rows, deadline)
     t_star, m, gap = best
 
-    # Stage 2: keep the step time, minimize the tie-break. The bound is the exact step time of
-    # stage 1's (integral) decisions, not CBC's T, which its solution file rounds to 8
+    # Stage 2: keep the objective, minimize the tie-break. The bound is the exact objective of
+    # stage 1's (integral) decisions, not CBC's value, which its solution file rounds to 8
     # significant digits; TIE_UNITS is 1e-9 of a step or less.
-    m.prob += m.T <= t_star + TIE_UNITS, "T_at_optimum"
+    m.prob += m.objective <= t_star + TIE_UNITS, "objective_at_optimum"
     m.prob.setObjective(m.tiebreak)
     # Warm-started from stage 1, so there is always an incumbent; any incumbent is as fast as
     # stage 1's placement and breaks ties at least as well, proven or stopped by the node limit.

@@ -81,10 +81,10 @@ def _brute_force(desc: ModelDescription, profile, request):
     return best
 
 
-def _instance(seed: int):
+def _instance(seed: int, request: Request | None = None):
     rng = random.Random(seed)
     desc = moe_desc(1, 4, 2, [rng.choice([4, 8]) for _ in range(4)], attn_mib=rng.choice([3, 6]))
-    request = Request(context=64)
+    request = request or Request(context=64)
     p0 = make_profile(gpu_bytes=0, ram_bytes=0)
     batch = batch_limits(request)
     fixed = kv_cache_bytes(desc, p0, batch) + activation_bytes(desc, p0, batch)
@@ -117,6 +117,22 @@ def test_ilp_equals_brute_force_with_experts(seed):
     )
     assert all(used <= row.capacity for row, used in use)
     assert objective(sol.prediction, request) == pytest.approx(best, rel=1e-9)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_ilp_equals_brute_force_with_experts_and_long_prompts(seed):
+    """Prompts of many chunks and few output tokens: prefill's expert reads (every streamed
+    expert the cache does not hold, once per chunk) weigh in the objective."""
+    request = Request(context=4096, prompt_tokens=[100, 3000], output_tokens=4)
+    desc, profile, request = _instance(seed, request)
+    best = _brute_force(desc, profile, request)
+    if best is None:
+        with pytest.raises(PlanError, match="does not fit"):
+            solve(desc, profile, request)
+        return
+    sol = solve(desc, profile, request)
+    assert objective(sol.prediction, request) == pytest.approx(best, rel=1e-9)
+    assert sol.prediction.ttft_s[1] > sol.prediction.ttft_s[0]
 
 
 def _plan(desc, gpu_fraction: float):
