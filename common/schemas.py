@@ -420,7 +420,7 @@ class Request(Strict):
         min_length=2,
         max_length=2,
         description="[shortest, longest] prompt the plan is for, tokens: the cost model prices "
-        "time to first token over this range (the objective at its midpoint); default "
+        "time to first token at both ends (the objective weighs their mean); default "
         "[min(128, context / 4), min(1024, context / 2)]",
     )
     output_tokens: int = Field(

@@ -25,7 +25,6 @@ from strata.planner.explain import (
 )
 from strata.planner.rescore import description_of, judge
 
-
 METHODS = {"ilp": "the ILP", "baseline": "the baseline rule"}
 
 
