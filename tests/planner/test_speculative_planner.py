@@ -12,7 +12,7 @@ from conftest import DEV_PROFILE
 from gguf_factory import write_arch_model, write_tiny_llama
 from pydantic import ValidationError
 from strata.common.describe import describe
-from strata.common.errors import PlanError
+from strata.common.errors import PlanError, StrataError
 from strata.common.schemas import (
     PLAN_VERSION,
     HardwareProfile,
