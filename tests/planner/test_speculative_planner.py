@@ -11,6 +11,7 @@ import pytest
 from conftest import DEV_PROFILE
 from gguf_factory import write_arch_model, write_tiny_llama
 from pydantic import ValidationError
+from strata.common.catalog import file_sha256
 from strata.common.describe import describe
 from strata.common.errors import PlanError, StrataError
 from strata.common.schemas import (
@@ -67,10 +68,7 @@ def llama70b() -> tuple:
     big.gpu.working_set_bytes.value = float(200 * GIB)
     big.ram.capacity_bytes.value = float(256 * GIB)
     request = Request(context=4096)
-    plans = [
-        solve(desc, p, request).to_plan(desc, p, request)
-        for p in (small, big)
-    ]
+    plans = [solve(desc, p, request).to_plan(desc, p, request) for p in (small, big)]
     return desc, (plans[0], small), (plans[1], big)
 
 
@@ -328,10 +326,13 @@ def test_loader_checks_the_draft_model_file(smollm2_desc, draft_gguf, tmp_path) 
     os.utime(draft, ns=(1, 1))
     with pytest.raises(PlanError, match=r"draft model .* sha256 .*re-run strata plan with"):
         load_plan(out)
-    # Gone from its path: the file this machine hashed with the planned bytes (the fixture's
-    # original) is found by its sha256.
+    # Gone from its path: a file this machine hashed with the planned bytes (the fixture's
+    # original, or an earlier session's) is found by its sha256.
     draft.unlink()
-    assert load_plan(out).draft_path == draft_gguf
+    found = load_plan(out).draft_path
+    assert (
+        found != draft and file_sha256(found) == read_yaml(out, Plan).speculative.draft_model.sha256
+    )
 
 
 # --------------------------------------------------------------------------- schema, CLI, explain
