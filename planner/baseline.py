@@ -25,11 +25,11 @@ from strata.common.schemas import (
     Prefetch,
     Provenance,
     Request,
-    Runtime,
 )
 from strata.planner.costmodel import (
     PinnedPlacement,
     capacity_use,
+    runtime_for,
     score,
     tier_memory,
 )
@@ -113,21 +113,6 @@ def baseline_tiers(
             "--concurrency"
         )
     return tiers
-
-
-def runtime_for(profile: HardwareProfile) -> Runtime:
-    """The executor settings a profile implies (backend, dtype, the measured kernel paths)."""
-
-    def rows(figure) -> int:
-        return int(figure.value) if figure is not None else 0
-
-    return Runtime(
-        backend=profile.backend,
-        compute_dtype=profile.compute_dtype,
-        dequant_matmul_min_rows=rows(profile.gpu.dequant_matmul_min_rows),
-        mma_matmul_min_rows=rows(profile.gpu.mma_matmul_min_rows),
-        mma_matmul_max_rows=rows(profile.gpu.mma_matmul_max_rows),
-    )
 
 
 def baseline_plan(

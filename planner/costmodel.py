@@ -170,12 +170,14 @@ from strata.common.schemas import (
     TIERS,
     BatchLimits,
     ExpertCache,
+    Figure,
     HardwareProfile,
     ModelDescription,
     Plan,
     Pool,
     Prediction,
     Request,
+    Runtime,
     TierMemory,
     UnitInfo,
 )
@@ -1015,3 +1017,19 @@ def score_plan(plan: Plan, desc: ModelDescription, profile: HardwareProfile) -> 
         PlanError: the plan's placement does not match ``desc``'s units.
     """
     return score(desc, profile, plan.request, PinnedPlacement.of(plan))
+
+
+def runtime_for(profile: HardwareProfile) -> Runtime:
+    """The executor settings a profile implies: its backend and dtype, and the measured kernel
+    paths of quantized products (a row-count figure the profile lacks is 0: never)."""
+
+    def rows(figure: Figure | None) -> int:
+        return int(figure.value) if figure is not None else 0
+
+    return Runtime(
+        backend=profile.backend,
+        compute_dtype=profile.compute_dtype,
+        dequant_matmul_min_rows=rows(profile.gpu.dequant_matmul_min_rows),
+        mma_matmul_min_rows=rows(profile.gpu.mma_matmul_min_rows),
+        mma_matmul_max_rows=rows(profile.gpu.mma_matmul_max_rows),
+    )

@@ -125,6 +125,7 @@ from strata.planner.costmodel import (
     prediction_recall,
     prefill_chunks,
     prefill_costs,
+    runtime_for,
     score,
     step_compute_s,
     tier_memory,
@@ -1064,17 +1065,6 @@ def solve(
             objective=objective(prediction, request),
             gap=round(gap, 6),
         ),
-        runtime=Runtime(
-            backend=profile.backend,
-            compute_dtype=profile.compute_dtype,
-            dequant_matmul_min_rows=_rows(profile.gpu.dequant_matmul_min_rows),
-            mma_matmul_min_rows=_rows(profile.gpu.mma_matmul_min_rows),
-            mma_matmul_max_rows=_rows(profile.gpu.mma_matmul_max_rows),
-        ),
+        runtime=runtime_for(profile),
         solve_time_s=solve_time,
     )
-
-
-def _rows(figure) -> int:
-    """A row-count figure of the profile as the plan's int (0 where the profile has none)."""
-    return int(figure.value) if figure is not None else 0
