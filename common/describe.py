@@ -82,12 +82,11 @@ def read_architecture(g: GGUFFile) -> Architecture:
             f"{g.path}: {arch}.attention.head_count {heads} does not divide the width {width}"
         )
     head_dim = int(g.field(f"{arch}.attention.key_length") or width // heads)
-    tokens = g.reader.fields.get("tokenizer.ggml.tokens")
-    vocab = g.field(f"{arch}.vocab_size") or (len(tokens.data) if tokens else 0)
+    vocab = g.field(f"{arch}.vocab_size") or g.field_count("tokenizer.ggml.tokens") or 0
     if not vocab:
-        out = next((t for t in g.reader.tensors if t.name == "token_embd.weight"), None)
+        out = next((t for t in g.tensor_infos if t.name == "token_embd.weight"), None)
         vocab = int(out.shape[1]) if out is not None else 1
-    names = {t.name for t in g.reader.tensors}
+    names = {t.name for t in g.tensor_infos}
     blocks = int(_arch_field(g, arch, "block_count"))
     try:
         return Architecture(
@@ -314,7 +313,7 @@ def describe_gguf(g: GGUFFile, source: ModelSource) -> ModelDescription:
             int(t.n_bytes),
             arch,
         )
-        for t in g.reader.tensors
+        for t in g.tensor_infos
     ]
     return assemble(source, arch, _file_type(g), tensors)
 

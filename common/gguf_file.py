@@ -1,10 +1,12 @@
 """Opening GGUF files safely: every length, count, shape and offset is bounded before use.
 
 GGUF headers come from untrusted files, and the ``gguf`` package trusts them (it has been seen to
-hang on a tiny hostile header). So ``open_gguf`` first walks the header itself with bounds checks —
+hang on a tiny hostile header). So ``open_gguf`` walks the header itself with bounds checks —
 string and array lengths against the bytes left, tensor shapes against overflow, tensor data against
-the file size — and only then hands the file to ``gguf.GGUFReader`` for the values. The format is
-GGUF v2/v3 as specified in ggml's docs/gguf.md.
+the file size — and keeps what it read: the metadata values (``GGUFFile.field``) and the tensor
+table (``GGUFFile.tensor_infos``). ``gguf.GGUFReader``, which makes a numpy view of every
+vocabulary entry when it is built (slow for large vocabularies), is built only when tensor data is
+read (``GGUFFile.reader``). The format is GGUF v2/v3 as specified in ggml's docs/gguf.md.
 """
 
 from __future__ import annotations
@@ -15,8 +17,9 @@ import struct
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass
+from dataclasses import field as dataclass_field
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import gguf
 import numpy as np
@@ -24,9 +27,40 @@ from strata.common.errors import GGUFError
 
 # Size in bytes of each fixed-size GGUF metadata value type (gguf.md: GGUFValueType).
 _FIXED = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}
+# struct / numpy codes of the fixed-size value types (the numpy dtype is the byte order + code).
+_CODE = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
 _STRING, _ARRAY = 8, 9
 _MAX_DIMS = 4  # GGML_MAX_DIMS
 _DEFAULT_ALIGNMENT = 32  # gguf.md: general.alignment defaults to 32
+_VT = gguf.GGUFValueType
+
+
+class TensorInfo(NamedTuple):
+    """One entry of the GGUF tensor table, as the header walk read it.
+
+    Attributes:
+        name: tensor name.
+        tensor_type: GGML type of its data.
+        shape: dimensions in file order (``ne[0]``, the row length, first).
+        data_offset: absolute byte offset of its data in the file.
+        n_bytes: size of its data in bytes.
+    """
+
+    name: str
+    tensor_type: gguf.GGMLQuantizationType
+    shape: tuple[int, ...]
+    data_offset: int
+    n_bytes: int
+
+
+class _Meta(NamedTuple):
+    """One metadata value as walked: its GGUF types (as ``gguf.ReaderField.types``: the value
+    type, then the element type for a non-empty array) and its raw form — a Python value for a
+    scalar, the bytes of a string, (numpy dtype, bytes) for an array of fixed-size values, a list
+    of bytes for an array of strings. Strings are decoded when asked for."""
+
+    types: tuple[gguf.GGUFValueType, ...]
+    raw: Any
 
 
 @dataclass
@@ -35,25 +69,108 @@ class GGUFFile:
 
     Attributes:
         path: the file.
-        reader: ``gguf.GGUFReader`` over it (memory-mapped; tensor data is read lazily).
         size_bytes: file size.
         data_offset: absolute offset where tensor data starts.
         header_sha256: sha256 of bytes [0, data_offset): metadata and tensor table.
+        tensor_infos: the tensor table, in file order.
+        reader: ``gguf.GGUFReader`` over the file (memory-mapped; tensor data is read lazily),
+            built on first use and shared per process (``_reader``). Metadata and the tensor
+            table need no reader: use ``field`` and ``tensor_infos``.
     """
 
     path: Path
-    reader: gguf.GGUFReader
     size_bytes: int
     data_offset: int
     header_sha256: str
+    tensor_infos: list[TensorInfo]
+    _meta: dict[str, _Meta] = dataclass_field(repr=False)
+    _decoded: dict[str, Any] = dataclass_field(default_factory=dict, repr=False)
+    _reader_obj: gguf.GGUFReader | None = dataclass_field(default=None, repr=False)
+    _reader_lock: threading.Lock = dataclass_field(
+        default_factory=threading.Lock, repr=False, compare=False
+    )
+
+    @property
+    def reader(self) -> gguf.GGUFReader:
+        """The ``gguf.GGUFReader`` of the file, built (or taken from the cache) on first use.
+
+        Raises:
+            GGUFError: the gguf package cannot read the file, or its tensor table is not the
+                one the header walk read (the file changed since it was opened).
+        """
+        with self._reader_lock:  # one reader per file object, even when threads ask at once
+            if self._reader_obj is None:
+                self._reader_obj = self._checked_reader()
+        return self._reader_obj
+
+    def _checked_reader(self) -> gguf.GGUFReader:
+        """``_reader``'s reader, checked to hold the tensor table the header walk read."""
+        reader = _reader(self.path, self.header_sha256)
+        if (
+            reader.data_offset != self.data_offset
+            or len(reader.tensors) != len(self.tensor_infos)
+            or any(
+                t.name != i.name or t.data_offset != i.data_offset
+                for t, i in zip(reader.tensors, self.tensor_infos, strict=False)
+            )
+        ):
+            raise GGUFError(f"{self.path}: inconsistent GGUF header (tensor table does not add up)")
+        return reader
 
     def field(self, key: str, default: Any = None) -> Any:
-        """A metadata value (scalars as Python values, strings decoded, arrays as lists)."""
-        f = self.reader.fields.get(key)
-        if f is None:
+        """A metadata value (scalars as Python values, strings decoded, arrays as lists), as
+        ``gguf.ReaderField.contents()`` gives it; ``default`` when the key is absent.
+
+        Raises:
+            GGUFError: the value is text that is not valid UTF-8.
+        """
+        m = self._meta.get(key)
+        if m is None:
             return default
+        t = m.types
+        if t[0] == _VT.STRING:
+            return self._text(key, m.raw)
+        if t[0] != _VT.ARRAY:
+            return m.raw
+        if len(t) == 1:  # empty array
+            return []
+        if t[1] == _VT.STRING:
+            texts = self._decoded.get(key)
+            if texts is None:
+                texts = self._decoded[key] = [self._text(key, b) for b in m.raw]
+            return list(texts)  # a fresh list each call, as contents() gives
+        dtype, data = m.raw
+        return np.frombuffer(data, dtype).tolist()
+
+    def field_types(self, key: str) -> tuple[gguf.GGUFValueType, ...] | None:
+        """The GGUF types of a metadata value, as ``gguf.ReaderField.types``: (value type,) or
+        (ARRAY, element type) for a non-empty array; None when the key is absent."""
+        m = self._meta.get(key)
+        return None if m is None else m.types
+
+    def field_count(self, key: str) -> int | None:
+        """The number of elements of an array value (1 for a scalar or string, as the length of
+        ``gguf.ReaderField.data``), without decoding it; None when the key is absent."""
+        m = self._meta.get(key)
+        if m is None:
+            return None
+        if m.types[0] != _VT.ARRAY:
+            return 1
+        if len(m.types) == 1:
+            return 0
+        if m.types[1] == _VT.STRING:
+            return len(m.raw)
+        dtype, data = m.raw
+        return len(data) // np.dtype(dtype).itemsize
+
+    def keys(self) -> list[str]:
+        """The metadata keys in file order (after gguf's ``GGUF.version``, ``GGUF.tensor_count``
+        and ``GGUF.kv_count``, as ``gguf.GGUFReader.fields``)."""
+        return list(self._meta)
+
+    def _text(self, key: str, raw: bytes) -> str:
         try:
-            return f.contents()
+            return raw.decode("utf-8")
         except UnicodeDecodeError:
             raise GGUFError(f"{self.path}: metadata {key} is not valid UTF-8 text") from None
 
@@ -96,6 +213,7 @@ class _Walker:
 
     def __init__(self, buf: mmap.mmap, size: int, path: Path, endian: str):
         self.buf, self.size, self.path, self.pos, self.e = buf, size, path, 0, endian
+        self.u64 = struct.Struct(endian + "Q").unpack_from
 
     def fail(self, what: str) -> GGUFError:
         return GGUFError(
@@ -107,7 +225,7 @@ class _Walker:
         if n < 0 or self.pos + n > self.size:
             raise self.fail(f"{what} needs {n} bytes past the end of the file")
 
-    def unpack(self, fmt: str, what: str) -> int:
+    def unpack(self, fmt: str, what: str) -> Any:
         n = struct.calcsize(fmt)
         self.need(n, what)
         (v,) = struct.unpack_from(self.e + fmt, self.buf, self.pos)
@@ -121,38 +239,74 @@ class _Walker:
         self.pos += n
         return s
 
-    def value(self, vtype: int, what: str) -> int | None:
-        """Skip one metadata value; return it when it is an unsigned integer (for alignment)."""
+    def text(self, what: str) -> str:
+        """A string that must be UTF-8 (keys and tensor names: gguf cannot read others)."""
+        start = self.pos
+        raw = self.string(what)
+        try:
+            return raw.decode("utf-8")
+        except UnicodeDecodeError:
+            self.pos = start
+            raise self.fail(f"{what} is not valid UTF-8 text") from None
+
+    def strings(self, count: int, what: str) -> list[bytes]:
+        """``count`` length-prefixed strings, each bounded by the bytes left."""
+        # Each string takes at least its 8-byte length: bound the count before looping.
+        self.need(count * 8, what)
+        buf, size, u64, pos = self.buf, self.size, self.u64, self.pos
+        out: list[bytes] = []
+        append = out.append
+        for _ in range(count):
+            start = pos + 8
+            if start > size:
+                self.pos = pos
+                self.need(8, f"length of {what}")
+            pos = start + u64(buf, pos)[0]
+            if pos > size:
+                self.pos = start
+                self.need(pos - start, what)
+            append(buf[start:pos])
+        self.pos = pos
+        return out
+
+    def value(self, vtype: int, what: str) -> _Meta:
+        """Read one metadata value (see ``_Meta``)."""
         if vtype in _FIXED:
-            start = self.pos
-            self.need(_FIXED[vtype], what)
-            self.pos += _FIXED[vtype]
-            if vtype in (4, 10):
-                fmt = "I" if vtype == 4 else "Q"
-                return struct.unpack_from(self.e + fmt, self.buf, start)[0]
-            return None
+            return _Meta((_VT(vtype),), self.unpack(_CODE[vtype], what))
         if vtype == _STRING:
-            self.string(what)
-            return None
+            return _Meta((_VT.STRING,), self.string(what))
         if vtype == _ARRAY:
             etype = self.unpack("I", f"element type of {what}")
             count = self.unpack("Q", f"length of {what}")
             if etype in _FIXED:
-                self.need(count * _FIXED[etype], what)
-                self.pos += count * _FIXED[etype]
+                n = count * _FIXED[etype]
+                self.need(n, what)
+                raw = (self.e + _CODE[etype], self.buf[self.pos : self.pos + n])
+                self.pos += n
             elif etype == _STRING:
-                # Each string takes at least its 8-byte length: bound the count before looping.
-                self.need(count * 8, what)
-                for _ in range(count):
-                    self.string(what)
+                raw = self.strings(count, what)
             else:
                 raise self.fail(f"unsupported array element type {etype} in {what}")
-            return None
+            # gguf.ReaderField.types names the element type only when there is an element.
+            return _Meta((_VT.ARRAY, _VT(etype)) if count else (_VT.ARRAY,), raw)
         raise self.fail(f"unknown metadata value type {vtype} in {what}")
 
 
-def _walk_header(path: Path, size: int) -> tuple[int, dict[str, tuple[int, int, int, list[int]]]]:
-    """Validate the header; return (data_offset, {tensor name: (type, offset, nbytes, shape)})."""
+class _Header(NamedTuple):
+    """What ``_walk_header`` read: where tensor data starts, the metadata by key (in file order,
+    after gguf's three ``GGUF.*`` entries) and the tensor table (in file order)."""
+
+    data_offset: int
+    meta: dict[str, _Meta]
+    tensors: list[TensorInfo]
+
+
+def _walk_header(path: Path, size: int) -> _Header:
+    """Validate the header and read its metadata and tensor table.
+
+    Everything ``gguf.GGUFReader`` would refuse is refused here, as a one-line ``GGUFError``: the
+    reader is built later, only when tensor data is read.
+    """
     with open(path, "rb") as f:
         if size < 24:
             raise GGUFError(f"{path}: not a GGUF file (only {size} bytes)")
@@ -168,20 +322,34 @@ def _walk_header(path: Path, size: int) -> tuple[int, dict[str, tuple[int, int, 
             raise GGUFError(f"{path}: GGUF version {version} is not supported (2 and 3 are)")
         n_tensors = w.unpack("Q", "tensor count")
         n_kv = w.unpack("Q", "metadata count")
+        meta: dict[str, _Meta] = {
+            "GGUF.version": _Meta((_VT.UINT32,), version),
+            "GGUF.tensor_count": _Meta((_VT.UINT64,), n_tensors),
+            "GGUF.kv_count": _Meta((_VT.UINT64,), n_kv),
+        }
         # Each key-value pair takes >= 12 bytes and each tensor info >= 24: bound counts first.
         w.need(n_kv * 12 + n_tensors * 24, "metadata and tensor table")
         alignment = _DEFAULT_ALIGNMENT
         for i in range(n_kv):
-            key = w.string(f"key of metadata entry {i}")
-            vtype = w.unpack("I", f"type of {key!r}")
-            v = w.value(vtype, f"value of {key[:64]!r}")
-            if key == b"general.alignment":
+            start = w.pos
+            key = w.text(f"key of metadata entry {i}")
+            if key in meta:
+                w.pos = start
+                raise w.fail(f"metadata key {key[:64]!r} appears twice")
+            vtype = w.unpack("I", f"type of {key[:64]!r}")
+            m = meta[key] = w.value(vtype, f"value of {key[:64]!r}")
+            if key == "general.alignment":
+                v = m.raw
+                if m.types != (_VT.UINT32,):
+                    raise w.fail(f"general.alignment is a {m.types[0].name}, not a UINT32")
                 if not v or v & (v - 1):
                     raise w.fail(f"general.alignment {v} is not a power of two")
                 alignment = v
-        infos = {}
+        infos: dict[str, TensorInfo] = {}
         for i in range(n_tensors):
-            name = w.string(f"name of tensor {i}").decode("utf-8", "replace")
+            name = w.text(f"name of tensor {i}")
+            if name in infos:
+                raise w.fail(f"tensor {name} appears twice in the tensor table")
             n_dims = w.unpack("I", f"dimension count of {name}")
             if not 1 <= n_dims <= _MAX_DIMS:
                 raise w.fail(f"tensor {name} has {n_dims} dimensions (1 to {_MAX_DIMS} allowed)")
@@ -203,16 +371,18 @@ def _walk_header(path: Path, size: int) -> tuple[int, dict[str, tuple[int, int, 
                     f"tensor {name}: row length {shape[0]} is not a multiple of "
                     f"{qtype.name}'s block of {block}"
                 )
-            infos[name] = (ttype, offset, n // block * type_size, shape)
+            infos[name] = TensorInfo(name, qtype, tuple(shape), offset, n // block * type_size)
         data_offset = -(-w.pos // alignment) * alignment
-        for name, (_, offset, nbytes, _) in infos.items():
-            end = data_offset + offset + nbytes
+        tensors = []
+        for t in infos.values():
+            end = data_offset + t.data_offset + t.n_bytes
             if end > size:
                 raise GGUFError(
-                    f"{path}: truncated GGUF: tensor {name} ends at byte {end} but the file has "
-                    f"{size} bytes; the file was cut short — download it again"
+                    f"{path}: truncated GGUF: tensor {t.name} ends at byte {end} but the file "
+                    f"has {size} bytes; the file was cut short — download it again"
                 )
-        return data_offset, infos
+            tensors.append(t._replace(data_offset=data_offset + t.data_offset))
+        return _Header(data_offset, meta, tensors)
     finally:
         buf.close()
 
@@ -261,12 +431,9 @@ def open_gguf(path: str | Path) -> GGUFFile:
     if not p.is_file():
         raise GGUFError(f"{p}: no such file")
     size = p.stat().st_size
-    data_offset, infos = _walk_header(p, size)
+    header = _walk_header(p, size)
     with open(p, "rb") as f:
-        header_sha = hashlib.sha256(f.read(data_offset)).hexdigest()
-    reader = _reader(p, header_sha)
-    if not infos:
+        header_sha = hashlib.sha256(f.read(header.data_offset)).hexdigest()
+    if not header.tensors:
         raise GGUFError(f"{p}: the GGUF holds no tensors; it is not a model file")
-    if reader.data_offset != data_offset or len(reader.tensors) != len(infos):
-        raise GGUFError(f"{p}: inconsistent GGUF header (tensor table does not add up)")
-    return GGUFFile(p, reader, size, data_offset, header_sha)
+    return GGUFFile(p, size, header.data_offset, header_sha, header.tensors, header.meta)

@@ -172,7 +172,7 @@ def cmd_run(args: argparse.Namespace) -> None:
         if not loaded.desc.architecture.expert_count:
             raise StrataError("--save-routing-profile needs a mixture-of-experts model")
         writable_parent(Path(args.save_routing_profile))
-    tokenizer = GGUFTokenizer.from_reader(loaded.gguf.reader)  # the vocabulary, no weights
+    tokenizer = GGUFTokenizer.from_gguf(loaded.gguf)  # the vocabulary, no weights
     ids = prompt_ids(tokenizer, prompt)
     check_request(
         request_for(ids, params, args.max_tokens),

@@ -86,7 +86,7 @@ class Engine:
             ``RuntimeConfig.build(plan.runtime)``: the backend's defaults, the plan's kernel
             paths and the environment. Handed to the model, the kernels and the weight streams.
         tokenizer: the tokenizer of ``loaded.gguf``, when the caller already built it (with
-            ``GGUFTokenizer.from_reader(loaded.gguf.reader)``, e.g. to check its prompt before the
+            ``GGUFTokenizer.from_gguf(loaded.gguf)``, e.g. to check its prompt before the
             weights load); default: built here from the same file.
 
     Raises:
@@ -116,7 +116,7 @@ class Engine:
                 file=sys.stderr,
             )
         self.tokenizer = (
-            tokenizer if tokenizer is not None else GGUFTokenizer.from_reader(loaded.gguf.reader)
+            tokenizer if tokenizer is not None else GGUFTokenizer.from_gguf(loaded.gguf)
         )
         self.store = WeightStore(loaded.gguf, loaded.desc, plan.tier_of(), self.dtype)
         self.model = model_cls(arch, self.store, self.dtype, self.config)

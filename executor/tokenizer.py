@@ -26,11 +26,15 @@ from collections import OrderedDict
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import gguf
 from gguf import GGUFReader, GGUFValueType, TokenType
 from strata.common.errors import StrataError
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers
+
+if TYPE_CHECKING:
+    from strata.common.gguf_file import GGUFFile
 
 log = logging.getLogger(__name__)
 
@@ -429,6 +433,22 @@ _ADDED_TYPES = _SPECIAL_TYPES | {TokenType.USER_DEFINED}
 # --------------------------------------------------------------------------------------------
 
 
+class _ReaderFields:
+    """The metadata of a ``gguf.GGUFReader`` through ``GGUFFile``'s two methods (``field``,
+    ``field_types``), so the tokenizer reads either."""
+
+    def __init__(self, reader: GGUFReader):
+        self.reader = reader
+
+    def field(self, key: str, default: Any = None) -> Any:
+        f = self.reader.fields.get(key)
+        return default if f is None else f.contents()
+
+    def field_types(self, key: str) -> tuple[GGUFValueType, ...] | None:
+        f = self.reader.fields.get(key)
+        return None if f is None else tuple(f.types)
+
+
 @dataclass
 class _Vocab:
     """The tokenizer metadata of one GGUF, read once.
@@ -436,7 +456,7 @@ class _Vocab:
     ``types`` is a mutable copy: llama.cpp's load-time rules re-type a few tokens.
     """
 
-    reader: GGUFReader
+    meta: GGUFFile | _ReaderFields
     model: str
     pre: str | None
     tokens: list[str]
@@ -445,8 +465,7 @@ class _Vocab:
 
     def value(self, key: str) -> object:
         """A metadata value as a Python object, or None when the key is absent."""
-        field = self.reader.fields.get(key)
-        return None if field is None else field.contents()
+        return self.meta.field(key)
 
     def token_id(self, key: str) -> int | None:
         """The id stored under ``key`` when present and inside the vocab, else None."""
@@ -459,49 +478,48 @@ class _Vocab:
         return value
 
 
-def _read_vocab(reader: GGUFReader) -> _Vocab:
+def _read_vocab(meta: GGUFFile | _ReaderFields) -> _Vocab:
     """Read and check the vocabulary fields shared by every tokenizer model."""
-    model = _string_field(reader, _K.MODEL)
+    model = _string_field(meta, _K.MODEL)
     if model is None:
         raise TokenizerError(f"the GGUF has no {_K.MODEL}; it carries no tokenizer")
-    listed = _typed_array(reader, _K.LIST, GGUFValueType.STRING)
+    listed = _typed_array(meta, _K.LIST, GGUFValueType.STRING)
     if listed is None:
         raise TokenizerError(f"the GGUF has no {_K.LIST} (the vocabulary)")
     tokens = _renamed_empty_tokens(listed)
-    types = _typed_array(reader, _K.TOKEN_TYPE, GGUFValueType.INT32)
+    types = _typed_array(meta, _K.TOKEN_TYPE, GGUFValueType.INT32)
     if types is None:
         types = [TokenType.NORMAL] * len(tokens)
     elif len(types) < len(tokens):
         raise TokenizerError(f"{_K.TOKEN_TYPE} has {len(types)} entries for {len(tokens)} tokens")
     return _Vocab(
-        reader=reader,
+        meta=meta,
         model=model,
-        pre=_string_field(reader, _K.PRE),
+        pre=_string_field(meta, _K.PRE),
         tokens=tokens,
         types=types[: len(tokens)],
         token_to_id=_index_tokens(tokens),
     )
 
 
-def _string_field(reader: GGUFReader, key: str) -> str | None:
-    field = reader.fields.get(key)
-    if field is None:
+def _string_field(meta: GGUFFile | _ReaderFields, key: str) -> str | None:
+    value = meta.field(key)
+    if value is None:
         return None
-    value = field.contents()
     if not isinstance(value, str):
         raise TokenizerError(f"{key} is not a string in the GGUF metadata")
     return value
 
 
-def _typed_array(reader: GGUFReader, key: str, *items: GGUFValueType) -> list | None:
+def _typed_array(meta: GGUFFile | _ReaderFields, key: str, *items: GGUFValueType) -> list | None:
     """The array under ``key`` (None when absent), checked to hold values of one of ``items``."""
-    field = reader.fields.get(key)
-    if field is None:
+    types = meta.field_types(key)
+    if types is None:
         return None
-    if field.types[0] != GGUFValueType.ARRAY or field.types[-1] not in items:
+    if types[0] != GGUFValueType.ARRAY or types[-1] not in items:
         kinds = " or ".join(item.name for item in items)
         raise TokenizerError(f"{key} is not an array of {kinds} in the GGUF metadata")
-    return field.contents()
+    return meta.field(key)
 
 
 def _renamed_empty_tokens(tokens: list[str]) -> list[str]:
@@ -579,7 +597,7 @@ def _parse_merges(vocab: _Vocab) -> list[tuple[str, str]]:
     Merges naming a piece outside the vocab are dropped: the HF BPE model refuses them, and in
     llama.cpp such a merge only yields a symbol that falls back to single bytes anyway.
     """
-    raw = _typed_array(vocab.reader, _K.MERGES, GGUFValueType.STRING)
+    raw = _typed_array(vocab.meta, _K.MERGES, GGUFValueType.STRING)
     if raw is None:
         raise TokenizerError(f"the GGUF has no {_K.MERGES}; a BPE tokenizer needs them")
     known = vocab.token_to_id
@@ -650,7 +668,7 @@ def _spm_merges(vocab: _Vocab) -> list[tuple[str, str]]:
     ``tokenizer.ggml.scores`` (float32 or int32), 0 when absent (``llama_vocab::impl::load``).
     """
     tokens = vocab.tokens
-    scores = _typed_array(vocab.reader, _K.SCORES, GGUFValueType.FLOAT32, GGUFValueType.INT32)
+    scores = _typed_array(vocab.meta, _K.SCORES, GGUFValueType.FLOAT32, GGUFValueType.INT32)
     if scores is None:
         scores = [0.0] * len(tokens)
     elif len(scores) < len(tokens):
@@ -937,7 +955,8 @@ class _ChunkCache:
 class GGUFTokenizer:
     """A GGUF model's tokenizer, giving the same ids as llama.cpp for the same file.
 
-    Build it with ``from_gguf(path)`` or, when the file is already open, ``from_reader(reader)``.
+    Build it with ``from_gguf(path)``, or ``from_gguf(g)`` when the file is already open as a
+    ``GGUFFile`` (``from_reader(reader)`` for a ``gguf.GGUFReader``).
 
     Attributes:
         vocab_size (int): number of tokens.
@@ -968,7 +987,7 @@ class GGUFTokenizer:
         """Use ``from_gguf`` or ``from_reader``; this wires up already-read parts."""
         self.vocab_size = len(vocab.tokens)
         self.hf = backend.hf
-        self.chat_template = _string_field(vocab.reader, _K.CHAT_TEMPLATE)
+        self.chat_template = _string_field(vocab.meta, _K.CHAT_TEMPLATE)
         self.bos_id = _special_id(vocab, _K.BOS_ID, backend.default_bos)
         self.eos_id = _special_id(vocab, _K.EOS_ID, backend.default_eos)
         roles = {name: _role_id(vocab, role) for name, role in _ROLES.items()}
@@ -993,16 +1012,21 @@ class GGUFTokenizer:
     # -- construction ------------------------------------------------------------------------
 
     @classmethod
-    def from_gguf(cls, path: str | Path) -> GGUFTokenizer:
-        """Build the tokenizer of the GGUF file at ``path``.
+    def from_gguf(cls, source: str | Path | GGUFFile) -> GGUFTokenizer:
+        """Build the tokenizer of a GGUF: a path, or a file already open (``open_gguf``), whose
+        metadata it reads without building the file's ``gguf.GGUFReader`` (slow for a large
+        vocabulary) and without rereading the file.
 
         Raises:
-            strata.common.errors.GGUFError: the file is missing or not a valid GGUF.
+            strata.common.errors.GGUFError: the file is missing or not a valid GGUF, or a text
+                value is not valid UTF-8.
             TokenizerError: its tokenizer metadata is missing, malformed or not supported yet.
         """
-        from strata.common.gguf_file import open_gguf
+        from strata.common.gguf_file import GGUFFile, open_gguf
 
-        return cls.from_reader(open_gguf(path).reader)
+        g = source if isinstance(source, GGUFFile) else open_gguf(source)
+        vocab = _read_vocab(g)
+        return cls(vocab, _backend_for(vocab))
 
     @classmethod
     def from_reader(cls, reader: GGUFReader) -> GGUFTokenizer:
@@ -1011,7 +1035,7 @@ class GGUFTokenizer:
         Raises:
             TokenizerError: the tokenizer metadata is missing, malformed or not supported yet.
         """
-        vocab = _read_vocab(reader)
+        vocab = _read_vocab(_ReaderFields(reader))
         return cls(vocab, _backend_for(vocab))
 
     def _register_added_tokens(self) -> None:
