@@ -32,3 +32,26 @@ def test_bench_streamed_plan(tmp_path):
     wrong.write_text(json.dumps({"output_ids": [0] * 8}))
     done = cli(*bench, "--check", str(wrong), ok=False)
     assert_one_line_error(done, "bench check failed")
+
+
+def test_bench_judges_a_hand_edited_plan_and_measures_the_baseline(tmp_path):
+    from strata.common.schemas import Plan
+    from strata.common.yamlio import read_yaml
+
+    model = write_tiny_llama(tmp_path / "tiny.gguf", n_layers=3)
+    planned = make_plan_file(str(model), tmp_path / "p.yaml", context=64)
+    edited = _moved(planned, tmp_path / "nvme.yaml", "nvme", (".ffn",))
+    out = tmp_path / "b.json"
+    cli("execute.py", "bench", str(edited), "--prompt", "hello", "--max-tokens", "4",
+        "--baseline", "-o", str(out))  # fmt: skip
+    r = json.loads(out.read_text())
+    # Predicted from the edited decisions: the stored prediction is the all-resident one.
+    stored = read_yaml(edited, Plan).prediction.decode_tok_s
+    assert r["predicted_decode_tok_s"] < stored
+    b = r["baseline"]
+    assert b["tiers"]["nvme"] == 0  # the rule keeps everything resident where it fits
+    assert len(b["decode_tok_s_runs"]) == 2 and len(b["plan_decode_tok_s_runs"]) == 2
+    assert b["plan_over_baseline_decode"] > 0 and r["check_passed"] is True
+    text = cli("plan.py", "explain", str(edited)).stdout
+    assert "Edited by hand" in text and "nvme" in text
+    assert "plan b is edited by hand" in cli("plan.py", "diff", str(planned), str(edited)).stdout
