@@ -1,7 +1,12 @@
 """Measure this machine into a :class:`~strata.common.schemas.HardwareProfile`.
 
-Each number is a :class:`~strata.common.schemas.Figure` that says how it was obtained. What is
-measured, and how (units: bytes, bytes/s, FLOP/s, seconds):
+Each number is a :class:`~strata.common.schemas.Figure` that says how it was obtained. A measured
+rate is the median of several timed samples (``Figure.samples``), taken after untimed warm-up
+calls, each sample long enough (tens of milliseconds) to time reliably; ``Figure.spread`` is
+``(max - min) / median`` of those samples. The median, not the best or the mean: one disturbed
+sample (another program, a page-fault storm, a slow scheduler moment of a virtual machine) moves
+neither it nor the next run's figure much. What is measured, and how (units: bytes, bytes/s,
+FLOP/s, seconds):
 
 - memory: host RAM from ``psutil.virtual_memory().total``; the device working set from MLX
   (Metal's ``max_recommended_working_set_size``, CUDA's free device memory) or, on the CPU backend,
@@ -10,7 +15,7 @@ measured, and how (units: bytes, bytes/s, FLOP/s, seconds):
 - disk: a real sequential read of a freshly written random file on the disk that holds the models,
   with direct I/O (``O_DIRECT`` on Linux, ``F_NOCACHE`` on macOS) into page-aligned buffers, at a
   stated block size and queue depth (threads issuing ``os.preadv`` in parallel);
-- device memory bandwidth: an MLX float32 sum over a large array, best of a few runs;
+- device memory bandwidth: MLX float32 sums over a large array;
 - compute: MLX matmuls at a prefill-like and a decode-like shape; the profile's figure is the
   prefill-like one (see :func:`measure_matmul_flops`); and the decode kernel itself, a 4-bit
   quantized matrix-vector product (:func:`measure_decode_matvec`);
@@ -19,8 +24,9 @@ measured, and how (units: bytes, bytes/s, FLOP/s, seconds):
 - host-to-device copy: ``mx.array(numpy_array)`` + ``mx.eval``, which is how the executor moves
   RAM-tier weights into MLX arrays.
 
-Progress goes to stderr. The default profile takes well under 30 s on a 2-core machine;
-``quick=True`` shrinks every test (for unit tests, about a second).
+Progress goes to stderr. The default profile takes well under a minute on a 2-core machine;
+``quick=True`` shrinks every test and takes fewer, single-call samples (for unit tests, about a
+second; its figures are rough).
 """
 
 from __future__ import annotations
@@ -31,6 +37,7 @@ import mmap
 import os
 import platform
 import shutil
+import statistics
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -59,8 +66,8 @@ DEFAULT_READ_BYTES = 1 * GiB
 """Size of the disk read test file, bytes: large enough that per-request latency is amortized
 and a shared disk's moments of contention average out (the lent machines' virtual disks gave
 1.3-2.4 GB/s over 256 MiB reads minutes apart)."""
-DISK_PASSES = 2
-"""Reads of the disk test file; the figure is their mean (the typical rate a plan will see)."""
+DISK_PASSES = 3
+"""Reads of the disk test file; the figure is their median (the typical rate a plan will see)."""
 DEFAULT_BLOCK_BYTES = 4 * MiB
 """Read size of the disk test, bytes: the order of one streamed tensor slice (a few MiB)."""
 DEFAULT_QUEUE_DEPTH = 4
@@ -82,6 +89,92 @@ def _today() -> str:
 
 def _gbs(bytes_s: float) -> str:
     return f"{bytes_s / 1e9:.2f} GB/s"
+
+
+# --------------------------------------------------------------------------- sampling
+
+
+@dataclass(frozen=True)
+class Rate:
+    """Several measurements of one quantity (a rate such as bytes/s, or seconds per op) and
+    the figure they give: their median, with their spread."""
+
+    values: tuple[float, ...]
+
+    @classmethod
+    def of(cls, values) -> Rate:
+        """The measurements ``values`` (at least one).
+
+        Raises:
+            StrataError: no values, or one that is not a positive finite number (a timer that
+                did not advance).
+        """
+        vals = tuple(float(v) for v in values)
+        if not vals or not all(math.isfinite(v) and v > 0 for v in vals):
+            raise StrataError(
+                f"a profile measurement gave no usable samples ({vals}); re-run the profile"
+            )
+        return cls(vals)
+
+    @property
+    def median(self) -> float:
+        """The figure: the median, which one disturbed sample (another program, a page-fault
+        storm, a slow scheduler episode) does not move, unlike the mean or the best."""
+        return float(statistics.median(self.values))
+
+    @property
+    def spread(self) -> float:
+        """``(max - min) / median``: 0 for identical samples; 0.1 means the samples span 10%."""
+        return (max(self.values) - min(self.values)) / self.median
+
+    def figure(self, how: str) -> Figure:
+        """A measured :class:`Figure` of the median, with the sample count and the spread."""
+        return Figure(
+            value=self.median,
+            source="measured",
+            how=how,
+            samples=len(self.values),
+            spread=round(self.spread, 4),
+        )
+
+
+def _time_calls(fn, samples: int, min_sample_s: float, warmups: int = 1) -> tuple[list[float], int]:
+    """Seconds per call of ``fn``, one value per timed sample, and the calls per sample.
+
+    ``warmups`` untimed calls come first (kernel compilation, the allocator's first buffers,
+    first-touch page faults), then one more call is timed to choose how many calls a sample
+    makes so that it lasts at least ``min_sample_s`` seconds (a sample of a few microseconds is
+    timer and scheduler noise); each of the ``samples`` samples is then that many calls, timed
+    together and divided by the count.
+    """
+    for _ in range(warmups):
+        fn()
+    t0 = time.perf_counter()
+    fn()
+    one = time.perf_counter() - t0
+    calls = max(1, min(10_000, math.ceil(min_sample_s / max(one, 1e-9))))
+    out = []
+    for _ in range(samples):
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        out.append((time.perf_counter() - t0) / calls)
+    return out, calls
+
+
+def _rate(work: float, fn, samples: int, min_sample_s: float) -> tuple[Rate, int]:
+    """``work`` (bytes, FLOP) per second of ``fn`` over the samples of :func:`_time_calls`, and
+    the calls per sample."""
+    secs, calls = _time_calls(fn, samples, min_sample_s)
+    return Rate.of(work / s for s in secs), calls
+
+
+def _stats(rate: Rate, fmt) -> str:
+    """'median X of N samples (min-max, spread S)' for ``how``, ``fmt`` formatting one value."""
+    return (
+        f"median {fmt(rate.median)} of {len(rate.values)} samples "
+        f"({fmt(min(rate.values))}-{fmt(max(rate.values))}, spread {rate.spread:.0%})"
+    )
 
 
 # --------------------------------------------------------------------------- memory
@@ -348,18 +441,18 @@ def measure_disk(
     finally:
         path.unlink(missing_ok=True)
     r = runs[0]
-    bytes_s = len(runs) * nbytes / sum(x.seconds for x in runs)
-    _say(f"disk: {_gbs(bytes_s)} ({r.method})")
+    rate = Rate.of([x.bytes_s for x in runs])
+    _say(f"disk: {_gbs(rate.median)} ({r.method}, spread {rate.spread:.0%})")
     how = (
         f"sequential read of a {format_size(nbytes)} random file on {where}, "
         f"{r.method}, os.preadv into page-aligned buffers, {format_size(block_bytes)} blocks, "
-        f"queue depth {queue_depth} (threads), mean of {len(runs)} passes "
+        f"queue depth {queue_depth} (threads), median of {len(runs)} passes "
         f"({', '.join(_gbs(x.bytes_s) for x in runs)}), {_today()}"
     )
     if not r.direct:
         how += "; NOT direct I/O, so the figure may differ from the raw disk's"
     return NVMeTier(
-        read_bytes_s=Figure(value=bytes_s, source="measured", how=how),
+        read_bytes_s=rate.figure(how),
         block_bytes=block_bytes,
         queue_depth=queue_depth,
     )
@@ -368,7 +461,14 @@ def measure_disk(
 # --------------------------------------------------------------------------- MLX measurements
 
 
+def _median_seconds(fn, repeats: int) -> float:
+    """Median seconds of ``repeats`` single timed calls of ``fn`` after untimed warm-up calls."""
+    return statistics.median(_time_calls(fn, repeats, 0.0)[0])
+
+
 def _best_seconds(fn, repeats: int) -> float:
+    """Least seconds of ``repeats`` single timed calls of ``fn`` after one untimed warm-up (the
+    kernel micro-benches' measure; the profile's figures are medians of samples)."""
     fn()  # warm-up: kernel compilation, allocator caches
     best = math.inf
     for _ in range(repeats):
@@ -378,14 +478,15 @@ def _best_seconds(fn, repeats: int) -> float:
     return best
 
 
-def measure_memory_bandwidth(nbytes: int, repeats: int = 5) -> Figure:
+def measure_memory_bandwidth(nbytes: int, samples: int = 7, min_sample_s: float = 0.02) -> Figure:
     """Device memory read bandwidth, bytes/s: MLX float32 reductions over an array of ``nbytes``.
 
     The array is materialized first, so each timed reduction reads every byte once. Two forms are
     timed, a sum of everything and a column sum of a (rows, 1024) view, because MLX's kernels
     reach different rates on them (on a 2-core Linux CPU: ~8 vs ~30 GB/s); the figure is the
-    faster, best of ``repeats`` runs each (the least disturbed by other work). A reduction costs
-    what a matrix-vector product over weights costs at the memory bus, with negligible arithmetic.
+    faster form's median of ``samples`` samples of at least ``min_sample_s`` seconds each (see
+    :func:`_time_calls`). A reduction costs what a matrix-vector product over weights costs at
+    the memory bus, with negligible arithmetic.
     """
     import mlx.core as mx
 
@@ -393,38 +494,36 @@ def measure_memory_bandwidth(nbytes: int, repeats: int = 5) -> Figure:
     a = mx.arange(n, dtype=mx.float32)
     mx.eval(a)
     cols = a.reshape(-1, 1024)
-    full_s = _best_seconds(lambda: mx.eval(mx.sum(a)), repeats)
-    col_s = _best_seconds(lambda: mx.eval(mx.sum(cols, axis=0)), repeats)
-    secs = min(full_s, col_s)
-    bw = n * 4 / secs
+    full, _ = _rate(n * 4, lambda: mx.eval(mx.sum(a)), samples, min_sample_s)
+    col, _ = _rate(n * 4, lambda: mx.eval(mx.sum(cols, axis=0)), samples, min_sample_s)
+    best = max(full, col, key=lambda r: r.median)
     dev = mx.default_device()
-    _say(f"memory: {_gbs(bw)} ({dev})")
-    return Figure(
-        value=bw,
-        source="measured",
-        how=f"MLX float32 reductions over {format_size(n * 4)} on {dev}, best of {repeats} runs "
-        f"each: mx.sum(all) {_gbs(n * 4 / full_s)}, mx.sum(axis=0) of a (rows, 1024) view "
-        f"{_gbs(n * 4 / col_s)}; the faster is the figure, {_today()}",
+    _say(f"memory: {_gbs(best.median)} ({dev}, spread {best.spread:.0%})")
+    return best.figure(
+        f"MLX float32 reductions over {format_size(n * 4)} on {dev}: mx.sum(all) "
+        f"{_stats(full, _gbs)}; mx.sum(axis=0) of a (rows, 1024) view {_stats(col, _gbs)}; the "
+        f"faster median is the figure, {_today()}"
     )
 
 
-def _matmul_flops(m: int, k: int, n: int, dtype, repeats: int) -> tuple[float, float]:
+def _matmul_flops(m: int, k: int, n: int, dtype, samples: int, min_sample_s: float) -> Rate:
     import mlx.core as mx
 
     a = mx.random.normal((m, k)).astype(dtype)
     b = mx.random.normal((k, n)).astype(dtype)
     mx.eval(a, b)
-    secs = _best_seconds(lambda: mx.eval(a @ b), repeats)
-    return 2.0 * m * k * n / secs, secs
+    return _rate(2.0 * m * k * n, lambda: mx.eval(a @ b), samples, min_sample_s)[0]
 
 
 def measure_matmul_flops(
     prefill: tuple[int, int, int],
     decode: tuple[int, int, int],
     dtype_name: str,
-    repeats: int = 3,
+    samples: int = 5,
+    min_sample_s: float = 0.02,
 ) -> Figure:
-    """Sustained matmul throughput, FLOP/s, at a prefill-like (m x k @ k x n) shape.
+    """Sustained matmul throughput, FLOP/s, at a prefill-like (m x k @ k x n) shape: the median
+    of ``samples`` samples of at least ``min_sample_s`` seconds (see :func:`_time_calls`).
 
     The decode-like shape (one row) is timed too and stated in ``how``, but it is not the figure:
     decode runs quantized matrix-vector kernels, which :func:`measure_decode_matvec` times. The
@@ -433,19 +532,22 @@ def measure_matmul_flops(
     import mlx.core as mx
 
     dtype = getattr(mx, dtype_name)
-    pf, pf_s = _matmul_flops(*prefill, dtype, repeats)
-    df, df_s = _matmul_flops(*decode, dtype, repeats)
-    _say(f"compute: {pf / 1e9:.1f} GFLOP/s prefill-like, {df / 1e9:.1f} GFLOP/s decode-like")
+    pf = _matmul_flops(*prefill, dtype, samples, min_sample_s)
+    df = _matmul_flops(*decode, dtype, samples, min_sample_s)
+    _say(
+        f"compute: {pf.median / 1e9:.1f} GFLOP/s prefill-like (spread {pf.spread:.0%}), "
+        f"{df.median / 1e9:.1f} GFLOP/s decode-like"
+    )
     shape = "{}x{} @ {}x{}"
-    return Figure(
-        value=pf,
-        source="measured",
-        how=f"MLX {dtype_name} matmul on {mx.default_device()}, best of {repeats}: prefill-like "
-        f"{shape.format(prefill[0], prefill[1], prefill[1], prefill[2])} "
-        f"{pf / 1e9:.1f} GFLOP/s ({pf_s * 1e3:.2f} ms) is the figure; decode-like "
-        f"{shape.format(decode[0], decode[1], decode[1], decode[2])} {df / 1e9:.2f} GFLOP/s "
-        f"({df_s * 1e3:.2f} ms) is not: decode is charged by the decode matvec figure, "
-        f"{_today()}",
+
+    def gf(v: float) -> str:
+        return f"{v / 1e9:.1f} GFLOP/s"
+
+    return pf.figure(
+        f"MLX {dtype_name} matmul on {mx.default_device()}: prefill-like "
+        f"{shape.format(prefill[0], prefill[1], prefill[1], prefill[2])} {_stats(pf, gf)} is the "
+        f"figure; decode-like {shape.format(decode[0], decode[1], decode[1], decode[2])} "
+        f"{_stats(df, gf)} is not: decode is charged by the decode matvec figure, {_today()}"
     )
 
 
@@ -459,7 +561,9 @@ DECODE_BATCH_ROWS = 16
 """Rows (decoded tokens) of :func:`measure_decode_batch`: the plans' usual 16 sequences."""
 
 
-def measure_decode_matvec(shape: tuple[int, int], dtype_name: str, repeats: int = 5) -> Figure:
+def measure_decode_matvec(
+    shape: tuple[int, int], dtype_name: str, samples: int = 9, min_sample_s: float = 0.02
+) -> Figure:
     """Quantized matrix-vector throughput, FLOP/s: one decoded token through a 4-bit weight.
 
     Times ``mx.quantized_matmul`` of a [1, k] activation (``dtype_name``) with an [n, k] weight
@@ -472,12 +576,15 @@ def measure_decode_matvec(shape: tuple[int, int], dtype_name: str, repeats: int 
     Args:
         shape: (n, k) of the weight.
         dtype_name: activation dtype, e.g. ``float16``.
-        repeats: timed runs; the best is the figure.
+        samples: timed samples (see :func:`_time_calls`); their median is the figure.
+        min_sample_s: shortest sample, seconds.
     """
-    return _quantized_matmul_rate(shape, dtype_name, repeats, 1, "decode matvec")
+    return _quantized_matmul_rate(shape, dtype_name, samples, min_sample_s, 1, "decode matvec")
 
 
-def measure_decode_batch(shape: tuple[int, int], dtype_name: str, repeats: int = 5) -> Figure:
+def measure_decode_batch(
+    shape: tuple[int, int], dtype_name: str, samples: int = 9, min_sample_s: float = 0.02
+) -> Figure:
     """Quantized matrix product throughput for a decode batch, FLOP/s: ``DECODE_BATCH_ROWS``
     decoded tokens through a 4-bit weight in one ``mx.quantized_matmul``, as a batched decode
     step runs every projection (``2 rows n k / seconds``).
@@ -490,16 +597,19 @@ def measure_decode_batch(shape: tuple[int, int], dtype_name: str, repeats: int =
     Args:
         shape: (n, k) of the weight.
         dtype_name: activation dtype, e.g. ``float16``.
-        repeats: timed runs; the best is the figure.
+        samples: timed samples (see :func:`_time_calls`); their median is the figure.
+        min_sample_s: shortest sample, seconds.
     """
-    return _quantized_matmul_rate(shape, dtype_name, repeats, DECODE_BATCH_ROWS, "decode batch")
+    return _quantized_matmul_rate(
+        shape, dtype_name, samples, min_sample_s, DECODE_BATCH_ROWS, "decode batch"
+    )
 
 
 def _quantized_matmul_rate(
-    shape: tuple[int, int], dtype_name: str, repeats: int, rows: int, what: str
+    shape: tuple[int, int], dtype_name: str, samples: int, min_sample_s: float, rows: int, what: str
 ) -> Figure:
     """``2 rows n k / seconds`` of ``mx.quantized_matmul`` of a [rows, k] activation by an
-    [n, k] 4-bit weight (groups of 32), the best of ``repeats`` evaluated calls."""
+    [n, k] 4-bit weight (groups of 32), the median of ``samples`` samples of evaluated calls."""
     import mlx.core as mx
 
     n, k = shape
@@ -517,17 +627,19 @@ def _quantized_matmul_rate(
             )
         )
 
-    secs = _best_seconds(run, repeats)
-    flops = 2.0 * rows * n * k / secs
+    rate, calls = _rate(2.0 * rows * n * k, run, samples, min_sample_s)
+    secs = 2.0 * rows * n * k / rate.median
     wbytes = wq.nbytes + scales.nbytes + biases.nbytes
-    _say(f"{what}: {flops / 1e9:.2f} GFLOP/s ({_gbs(wbytes / secs)} of weights)")
-    return Figure(
-        value=flops,
-        source="measured",
-        how=f"MLX quantized_matmul of [{rows}, {k}] {dtype_name} by a [{n}, {k}] weight "
+    _say(
+        f"{what}: {rate.median / 1e9:.2f} GFLOP/s ({_gbs(wbytes / secs)} of weights, "
+        f"spread {rate.spread:.0%})"
+    )
+    return rate.figure(
+        f"MLX quantized_matmul of [{rows}, {k}] {dtype_name} by a [{n}, {k}] weight "
         f"({MATVEC_BITS}-bit, groups of {MATVEC_GROUP}, {format_size(wbytes)}) on "
-        f"{mx.default_device()}, best of {repeats}: {secs * 1e3:.3f} ms, "
-        f"{_gbs(wbytes / secs)} of weights, {_today()}",
+        f"{mx.default_device()}, {calls} calls a sample, "
+        f"{_stats(rate, lambda v: f'{v / 1e9:.2f} GFLOP/s')}: {secs * 1e3:.3f} ms a call, "
+        f"{_gbs(wbytes / secs)} of weights, {_today()}"
     )
 
 
@@ -542,8 +654,8 @@ def _time_kernel_paths(
 ) -> dict[int, tuple[float, float]]:
     """Seconds of ``executor.ops.quantized_product`` on [rows, k] ``dtype_name`` activations by a
     random [n, k] 4-bit weight (groups of 32), MLX's quantized path against ``path``, one call at
-    a time (each evaluated and synchronized), best of ``repeats``: ``{rows: (quantized s, path
-    s)}`` for each of ``row_counts``."""
+    a time (each evaluated and synchronized), median of ``repeats`` after a warm-up call:
+    ``{rows: (quantized s, path s)}`` for each of ``row_counts``."""
     import mlx.core as mx
     from strata.executor.ops import QuantLinear, quantized_product
 
@@ -559,8 +671,10 @@ def _time_kernel_paths(
         x = mx.random.normal((rows, k)).astype(dtype)
         mx.eval(x)
         times[rows] = (
-            _best_seconds(lambda x=x: mx.eval(quantized_product(x, weight, "quantized")), repeats),
-            _best_seconds(lambda x=x: mx.eval(quantized_product(x, weight, path)), repeats),
+            _median_seconds(
+                lambda x=x: mx.eval(quantized_product(x, weight, "quantized")), repeats
+            ),
+            _median_seconds(lambda x=x: mx.eval(quantized_product(x, weight, path)), repeats),
         )
     return times
 
@@ -587,7 +701,7 @@ def measure_dequant_crossover(
     Args:
         shape: (n, k) of the weight.
         dtype_name: activation dtype, e.g. ``float16``.
-        repeats: timed runs per point; the best counts.
+        repeats: timed runs per point; their median counts.
 
     Returns:
         (the figure, {rows: (quantized seconds, dequantize + matmul seconds)}).
@@ -610,7 +724,7 @@ def measure_dequant_crossover(
             value=crossover,
             source="measured",
             how=f"MLX quantized_matmul vs {_dequantizer(dtype)} + matmul of [rows, {k}] "
-            f"{dtype_name} by a [{n}, {k}] 4-bit weight on {mx.default_device()}, best of "
+            f"{dtype_name} by a [{n}, {k}] 4-bit weight on {mx.default_device()}, median of "
             f"{repeats} (rows: quantized/dense): {table}; the dense path from the smallest row "
             f"count after which it always wins (0: never), {_today()}",
         ),
@@ -647,7 +761,7 @@ def measure_mma_rows(
     Args:
         shape: (n, k) of the weight.
         dtype_name: activation dtype, e.g. ``float16``.
-        repeats: timed runs per point; the best counts.
+        repeats: timed runs per point; their median counts.
 
     Returns:
         (smallest rows figure, largest rows figure, {rows: (quantized s, tensor-core s)}).
@@ -668,7 +782,7 @@ def measure_mma_rows(
     _say(f"tensor-core 4-bit matmul for {lo}-{hi} rows ({table})")
     how = (
         f"MLX quantized_matmul vs Strata's tensor-core kernel (executor.cuda_mma) on [rows, {k}] "
-        f"{dtype_name} by a [{n}, {k}] 4-bit weight {where}, best of {repeats} (rows: "
+        f"{dtype_name} by a [{n}, {k}] 4-bit weight {where}, median of {repeats} (rows: "
         f"quantized/tensor-core): {table}; the run of winning row counts that ends at the largest"
     )
     return (
@@ -707,91 +821,148 @@ OP_BLOCK_OPS = OPS_PER_UNIT["attention"] + OPS_PER_UNIT["ffn"]
 model's attention and FFN counts, which that block is built to match op for op."""
 
 
-def measure_op_overhead(blocks: int = 32, repeats: int = 5) -> Figure:
+class OpOverheadProbe:
+    """Decode steps of ``blocks`` tiny llama blocks, timed in rounds: :func:`measure_op_overhead`.
+
+    The blocks (width 64, 4 heads of 16, 2 KV heads, FFN 128, 4-bit weights in groups of 32) are
+    built from the ops the executor uses — RMSNorm, quantized matmuls, reshapes and transposes,
+    RoPE, KV-cache writes and reads, SDPA, SiLU, residual adds: ``OP_BLOCK_OPS`` per block — each
+    step evaluated and copied to the host as the executor does with its logits, at a position
+    that advances every step (so the KV reads change shape as in decode). ``max_steps`` bounds
+    the steps of all rounds together (the KV cache's length).
+    """
+
+    def __init__(self, blocks: int, max_steps: int) -> None:
+        import mlx.core as mx
+
+        self.blocks = blocks
+        self.ops = blocks * OP_BLOCK_OPS
+        self.per_op: list[float] = []
+        self._pos = 0
+        self._max = max_steps
+        d, heads, kv, hd, ff = 64, 4, 2, 16, 128
+
+        def qweight(n: int, k: int) -> tuple:
+            w = mx.quantize(
+                mx.random.normal((n, k)) * 0.05, group_size=MATVEC_GROUP, bits=MATVEC_BITS
+            )
+            mx.eval(*w)
+            return w
+
+        def qmm(x, w):
+            return mx.quantized_matmul(
+                x, *w, transpose=True, group_size=MATVEC_GROUP, bits=MATVEC_BITS
+            )
+
+        wq, wk, wv, wo = qweight(d, d), qweight(kv * hd, d), qweight(kv * hd, d), qweight(d, d)
+        wg, wu, wd = qweight(ff, d), qweight(ff, d), qweight(d, ff)
+        norm = mx.ones((d,))
+        x = mx.random.normal((1, 1, d))
+        keys = [mx.zeros((1, kv, max_steps + 1, hd)) for _ in range(blocks)]
+        values = [mx.zeros((1, kv, max_steps + 1, hd)) for _ in range(blocks)]
+        mx.eval(norm, x, keys, values)
+
+        def step(pos: int) -> None:
+            h = x
+            for i in range(blocks):
+                n = mx.fast.rms_norm(h, norm, 1e-5)
+                q = qmm(n, wq).reshape(1, 1, heads, hd).transpose(0, 2, 1, 3)
+                k = qmm(n, wk).reshape(1, 1, kv, hd).transpose(0, 2, 1, 3)
+                v = qmm(n, wv).reshape(1, 1, kv, hd).transpose(0, 2, 1, 3)
+                q = mx.fast.rope(q, hd, traditional=True, base=1e4, scale=1.0, offset=pos)
+                k = mx.fast.rope(k, hd, traditional=True, base=1e4, scale=1.0, offset=pos)
+                keys[i][:, :, pos : pos + 1] = k
+                values[i][:, :, pos : pos + 1] = v
+                ks, vs = keys[i][:, :, : pos + 1], values[i][:, :, : pos + 1]
+                o = mx.fast.scaled_dot_product_attention(q, ks, vs, scale=hd**-0.5)
+                h = h + qmm(o.transpose(0, 2, 1, 3).reshape(1, 1, d), wo)
+                n = mx.fast.rms_norm(h, norm, 1e-5)
+                g, u = qmm(n, wg), qmm(n, wu)
+                h = h + qmm(g * mx.sigmoid(g) * u, wd)
+            mx.eval(h)
+            np.array(h)  # the executor samples on the host
+
+        self._step = step
+
+    def _next(self) -> None:
+        if self._pos >= self._max:
+            raise StrataError(
+                f"op-overhead probe ran past its {self._max} steps; make it with more max_steps"
+            )
+        self._step(self._pos)
+        self._pos += 1
+
+    def round(self, samples: int, steps: int, warmup_steps: int = 1) -> None:
+        """``warmup_steps`` untimed steps (compilation, allocator, MLX's worker thread after a
+        pause), then ``samples`` timed samples of ``steps`` steps each, kept in ``per_op``."""
+        for _ in range(warmup_steps):
+            self._next()
+        for _ in range(samples):
+            t0 = time.perf_counter()
+            for _ in range(steps):
+                self._next()
+            self.per_op.append((time.perf_counter() - t0) / (steps * self.ops))
+
+    def figure(self, rounds: int, steps: int) -> Figure:
+        """The median seconds per op of every sample taken, as a measured :class:`Figure`."""
+        import mlx.core as mx
+
+        rate = Rate.of(self.per_op)
+        _say(f"per-op overhead: {rate.median * 1e6:.2f} us (spread {rate.spread:.0%})")
+        return rate.figure(
+            f"decode steps of {self.blocks} tiny llama blocks (width 64, 4-bit weights) built "
+            f"from the executor's MLX ops, each evaluated and copied to the host, on "
+            f"{mx.default_device()}, in {rounds} round(s) each after warm-up steps: samples of "
+            f"{steps} steps / ({steps} x {self.ops} ops), "
+            f"{_stats(rate, lambda v: f'{v * 1e6:.2f} us')} per operation, {_today()}"
+        )
+
+
+OP_ROUNDS = 6
+"""Rounds of op-overhead samples in a profile run, spread over the run (see
+:func:`measure_op_overhead`): one after each of the memory, matmul, decode matvec, decode batch,
+copy and disk tests."""
+
+
+def measure_op_overhead(
+    blocks: int = 32, samples: int = 12, steps: int = 8, warmup_steps: int = 4, rounds: int = 1
+) -> Figure:
     """Seconds per operation of a lazily built MLX decode graph: build, dispatch and launch.
 
-    Runs decode steps of ``blocks`` tiny llama blocks (width 64, 4 heads of 16, 2 KV heads, FFN
-    128, 4-bit weights in groups of 32) built from the ops the executor uses — RMSNorm,
-    quantized matmuls, reshapes and transposes, RoPE, KV-cache writes and reads, SDPA, SiLU,
-    residual adds: ``OP_BLOCK_OPS`` per block — each evaluated and copied to the host as the
-    executor does with its logits, at a position that advances every step (so the KV reads
-    change shape as in decode). After a warm-up step, ``repeats`` runs of 4 steps are timed; the
-    median run divided by its ops is the figure (the typical cost: single runs vary by 2x on a
-    shared host). The work per op is nil at these sizes, so this is
-    the fixed cost each operation of a decode step pays however small it is, which bounds small
-    models on fast GPUs.
+    Times decode steps of :class:`OpOverheadProbe`: ``warmup_steps`` untimed steps first (kernel
+    compilation, the allocator's buffers, MLX's worker thread), then ``samples`` samples of
+    ``steps`` steps each (32 blocks x 8 steps is tens of milliseconds on a CPU), in ``rounds``
+    rounds (the profile spreads its rounds over the whole run, between other measurements). The
+    figure is the median sample divided by its ops: the typical cost. Why rounds: on a virtual
+    machine, per-op costs several times higher come in episodes of up to a second or so, idle
+    machine or not (docs/benchmarks.md#profile-steadiness), and a median of samples all taken in
+    one such episode is that episode's figure. The work per op is nil at these sizes, so this
+    is the fixed cost each operation of a decode step pays however small it is, which bounds
+    small models on fast GPUs.
     """
-    import mlx.core as mx
-
-    d, heads, kv, hd, ff = 64, 4, 2, 16, 128
-    steps = 4 * repeats
-    ctx = steps + 8
-
-    def qweight(n: int, k: int) -> tuple:
-        w = mx.quantize(mx.random.normal((n, k)) * 0.05, group_size=MATVEC_GROUP, bits=MATVEC_BITS)
-        mx.eval(*w)
-        return w
-
-    def qmm(x, w):
-        return mx.quantized_matmul(x, *w, transpose=True, group_size=MATVEC_GROUP, bits=MATVEC_BITS)
-
-    wq, wk, wv, wo = qweight(d, d), qweight(kv * hd, d), qweight(kv * hd, d), qweight(d, d)
-    wg, wu, wd = qweight(ff, d), qweight(ff, d), qweight(d, ff)
-    norm = mx.ones((d,))
-    x = mx.random.normal((1, 1, d))
-    keys = [mx.zeros((1, kv, ctx, hd)) for _ in range(blocks)]
-    values = [mx.zeros((1, kv, ctx, hd)) for _ in range(blocks)]
-    mx.eval(norm, x, keys, values)
-
-    def step(pos: int) -> None:
-        h = x
-        for i in range(blocks):
-            n = mx.fast.rms_norm(h, norm, 1e-5)
-            q = qmm(n, wq).reshape(1, 1, heads, hd).transpose(0, 2, 1, 3)
-            k = qmm(n, wk).reshape(1, 1, kv, hd).transpose(0, 2, 1, 3)
-            v = qmm(n, wv).reshape(1, 1, kv, hd).transpose(0, 2, 1, 3)
-            q = mx.fast.rope(q, hd, traditional=True, base=1e4, scale=1.0, offset=pos)
-            k = mx.fast.rope(k, hd, traditional=True, base=1e4, scale=1.0, offset=pos)
-            keys[i][:, :, pos : pos + 1] = k
-            values[i][:, :, pos : pos + 1] = v
-            ks, vs = keys[i][:, :, : pos + 1], values[i][:, :, : pos + 1]
-            o = mx.fast.scaled_dot_product_attention(q, ks, vs, scale=hd**-0.5)
-            h = h + qmm(o.transpose(0, 2, 1, 3).reshape(1, 1, d), wo)
-            n = mx.fast.rms_norm(h, norm, 1e-5)
-            g, u = qmm(n, wg), qmm(n, wu)
-            h = h + qmm(g * mx.sigmoid(g) * u, wd)
-        mx.eval(h)
-        np.array(h)  # the executor samples on the host
-
-    step(0)  # warm-up: kernel compilation, allocator caches
-    runs = []
-    for r in range(repeats):
-        t0 = time.perf_counter()
-        for pos in range(1 + 4 * r, 5 + 4 * r):
-            step(pos)
-        runs.append(time.perf_counter() - t0)
-    ops = blocks * OP_BLOCK_OPS
-    secs = float(np.median(runs)) / (4 * ops)
-    _say(f"per-op overhead: {secs * 1e6:.2f} us")
-    return Figure(
-        value=secs,
-        source="measured",
-        how=f"decode steps of {blocks} tiny llama blocks (width {d}, 4-bit weights) built from the "
-        f"executor's MLX ops, each evaluated and copied to the host, on {mx.default_device()}: "
-        f"median of {repeats} runs of 4 steps / (4 x {ops} ops) = {secs * 1e6:.2f} us per "
-        f"operation (runs {min(runs) / (4 * ops) * 1e6:.2f}-{max(runs) / (4 * ops) * 1e6:.2f} us), "
-        f"{_today()}",
-    )
+    per_round = max(1, math.ceil(samples / rounds))
+    probe = OpOverheadProbe(blocks, rounds * (warmup_steps + per_round * steps))
+    for _ in range(rounds):
+        probe.round(per_round, steps, warmup_steps)
+    return probe.figure(rounds, steps)
 
 
 def measure_host_to_device(
-    nbytes: int, repeats: int = 3, *, touch_on_device: bool = False
+    nbytes: int, samples: int = 7, *, touch_on_device: bool = False, warmups: int = 2
 ) -> Figure:
     """Host-to-device copy bandwidth, bytes/s: ``mx.array(numpy_array)`` + ``mx.eval``.
 
     That is how the executor turns RAM-tier weights into MLX arrays. With ``touch_on_device``
     (CUDA, whose MLX arrays behave like managed memory), the first device read of the new array
     (an ``mx.sum``) is included, since that is when the bytes actually cross to the GPU.
+
+    Each copy makes a new MLX array and drops it, as the executor does step after step, so MLX's
+    allocator state is part of the figure: the source buffer is written before timing (its pages
+    exist), and ``warmups`` untimed copies come first so that the timed ones find the allocator
+    as a running executor leaves it (the first copy alone also pays for fresh destination pages,
+    which made a best-of-few or single copy swing by 10x). The figure is the median of
+    ``samples`` copies; ``nbytes`` should make each copy last tens of milliseconds and be
+    larger than the caches (256 MiB: about 0.1 s at 2.5 GB/s).
     """
     import mlx.core as mx
 
@@ -803,17 +974,15 @@ def measure_host_to_device(
         if touch_on_device:
             mx.eval(mx.sum(x))
 
-    secs = _best_seconds(copy, repeats)
-    bw = host.nbytes / secs
-    _say(f"host->device copy: {_gbs(bw)}")
+    secs, _ = _time_calls(copy, samples, 0.0, warmups=warmups)
+    rate = Rate.of(host.nbytes / s for s in secs)
+    _say(f"host->device copy: {_gbs(rate.median)} (spread {rate.spread:.0%})")
     what = "mx.array(numpy float32) + mx.eval"
     if touch_on_device:
         what += " + first device read (mx.sum)"
-    return Figure(
-        value=bw,
-        source="measured",
-        how=f"{what} of {format_size(host.nbytes)} on {mx.default_device()}, best of {repeats} "
-        f"({secs * 1e3:.1f} ms), {_today()}",
+    return rate.figure(
+        f"{what} of {format_size(host.nbytes)} on {mx.default_device()} after {warmups + 1} "
+        f"untimed copies, one copy a sample, {_stats(rate, _gbs)}, {_today()}"
     )
 
 
@@ -827,20 +996,32 @@ class _Sizes:
     prefill: tuple[int, int, int]
     decode: tuple[int, int, int]
     matvec: tuple[int, int]
-    repeats: int
+    samples: int
+    """Timed samples of each figure (the op-overhead and matvec figures take a few more: their
+    samples are the shortest); the figure is their median."""
+    min_sample_s: float
+    """Shortest sample, seconds: a sample of a fast kernel repeats it until it lasts this long."""
+    op_blocks: int
+    op_steps: int
+    """Blocks and decode steps a sample of :func:`measure_op_overhead`."""
 
 
 def _sizes(backend: str, quick: bool) -> _Sizes:
     if quick:
-        return _Sizes(16 * MiB, 16 * MiB, (64, 256, 256), (1, 512, 512), (256, 256), 2)
+        return _Sizes(16 * MiB, 16 * MiB, (64, 256, 256), (1, 512, 512), (256, 256), 3, 0.0, 4, 2)
     if backend == "cpu":
-        # 256 MiB is far beyond any CPU cache; 512x2048x2048 (4.3 GFLOP) runs ~0.1 s on 2 cores;
-        # a 4096x4096 4-bit matvec (9 MiB) runs ~10 ms.
-        return _Sizes(256 * MiB, 256 * MiB, (512, 2048, 2048), (1, 4096, 4096), (4096, 4096), 3)
+        # 256 MiB is far beyond any CPU cache and a copy of it lasts about 0.1 s; 512x2048x2048
+        # (4.3 GFLOP) runs a few tenths of a second on 2 cores; a 4096x4096 4-bit matvec (9 MiB)
+        # about 10 ms.
+        return _Sizes(
+            256 * MiB, 256 * MiB, (512, 2048, 2048), (1, 4096, 4096), (4096, 4096), 7, 0.02, 32, 8
+        )
     # GPUs: 1 GiB is many times the L2 (60 MB on an H200) and long against launch overhead;
-    # 4096x8192x8192 is ~550 GFLOP, about a millisecond on an H200; the 4-bit 16384x16384
-    # matvec weight (144 MiB) is beyond the L2.
-    return _Sizes(1 * GiB, 256 * MiB, (4096, 8192, 8192), (1, 8192, 8192), (16384, 16384), 5)
+    # 4096x8192x8192 is ~550 GFLOP, about a millisecond on an H200 (a 20 ms sample repeats it);
+    # the 4-bit 16384x16384 matvec weight (144 MiB) is beyond the L2.
+    return _Sizes(
+        1 * GiB, 256 * MiB, (4096, 8192, 8192), (1, 8192, 8192), (16384, 16384), 7, 0.02, 32, 8
+    )
 
 
 def _describe(backend: str, info: dict, total_ram: int) -> str:
@@ -903,32 +1084,60 @@ def measure_profile(
     if quick:
         read_bytes = min(read_bytes, _QUICK_READ_BYTES)
         block_bytes, queue_depth = _QUICK_BLOCK_BYTES, min(queue_depth, _QUICK_QUEUE_DEPTH)
-    nvme = measure_disk(
-        Path(disk_dir), read_bytes=read_bytes, block_bytes=block_bytes, queue_depth=queue_depth
-    )
+    # The disk test runs last (the MLX timings come first, in a quiet page cache), but a bad
+    # folder is refused before anything is measured.
+    _check_disk_dir(Path(disk_dir), max(1, math.ceil(read_bytes / block_bytes)) * block_bytes)
 
     sz = _sizes(backend, quick)
     compute_dtype = "float32" if backend == "cpu" else "float16"
+    # The op overhead's samples come in OP_ROUNDS rounds spread over the run (see
+    # measure_op_overhead), one after each other test; the first after the memory test, since
+    # the slow episodes come most often in a process's first seconds.
+    per_round = math.ceil((sz.samples + 4) / OP_ROUNDS)
+    first_warmup = 1 if quick else 4
+    probe = OpOverheadProbe(
+        sz.op_blocks, first_warmup + (OP_ROUNDS - 1) + OP_ROUNDS * per_round * sz.op_steps
+    )
+    memory_bw = measure_memory_bandwidth(sz.mem_bytes, sz.samples, sz.min_sample_s)
+    probe.round(per_round, sz.op_steps, first_warmup)
+    compute = measure_matmul_flops(
+        sz.prefill, sz.decode, compute_dtype, max(3, sz.samples - 2), sz.min_sample_s
+    )
+    probe.round(per_round, sz.op_steps)
+    matvec = measure_decode_matvec(sz.matvec, compute_dtype, sz.samples + 2, sz.min_sample_s)
+    probe.round(per_round, sz.op_steps)
+    batch = measure_decode_batch(sz.matvec, compute_dtype, sz.samples + 2, sz.min_sample_s)
+    probe.round(per_round, sz.op_steps)
+    # The CPU keeps the quantized kernel: its results are batch-invariant there (measured).
+    dequant = (
+        None
+        if backend == "cpu"
+        else measure_dequant_crossover(sz.matvec, compute_dtype, sz.samples)[0]
+    )
+    mma = _mma_figures(backend, sz.matvec, compute_dtype, sz.samples)
+    copy = measure_host_to_device(
+        sz.copy_bytes, sz.samples, touch_on_device=backend == "cuda", warmups=1 if quick else 2
+    )
+    probe.round(per_round, sz.op_steps)
+    nvme = measure_disk(
+        Path(disk_dir), read_bytes=read_bytes, block_bytes=block_bytes, queue_depth=queue_depth
+    )
+    probe.round(per_round, sz.op_steps)
     gpu = GPUTier(
         working_set_bytes=working_set(backend, total_ram, reserve, info),
-        memory_bandwidth_bytes_s=measure_memory_bandwidth(sz.mem_bytes, sz.repeats + 2),
-        compute_flops_s=measure_matmul_flops(sz.prefill, sz.decode, compute_dtype, sz.repeats),
-        decode_matvec_flops_s=measure_decode_matvec(sz.matvec, compute_dtype, sz.repeats + 2),
-        decode_batch_flops_s=measure_decode_batch(sz.matvec, compute_dtype, sz.repeats + 2),
-        op_overhead_s=measure_op_overhead(4 if quick else 32, sz.repeats),
-        # The CPU keeps the quantized kernel: its results are batch-invariant there (measured).
-        dequant_matmul_min_rows=None
-        if backend == "cpu"
-        else measure_dequant_crossover(sz.matvec, compute_dtype, sz.repeats)[0],
-        **_mma_figures(backend, sz.matvec, compute_dtype, sz.repeats),
+        memory_bandwidth_bytes_s=memory_bw,
+        compute_flops_s=compute,
+        decode_matvec_flops_s=matvec,
+        decode_batch_flops_s=batch,
+        op_overhead_s=probe.figure(OP_ROUNDS, sz.op_steps),
+        dequant_matmul_min_rows=dequant,
+        **mma,
     )
     ram = RAMTier(
         capacity_bytes=Figure(
             value=total_ram, source="measured", how=f"psutil.virtual_memory().total, {date}"
         ),
-        host_to_device_bytes_s=measure_host_to_device(
-            sz.copy_bytes, sz.repeats, touch_on_device=backend == "cuda"
-        ),
+        host_to_device_bytes_s=copy,
     )
     profile = HardwareProfile(
         name=name,

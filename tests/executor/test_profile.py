@@ -110,6 +110,56 @@ def test_measure_profile_quick(quick_profile, tmp_path: Path):
     assert out1.read_bytes() == out2.read_bytes()
 
 
+def test_measured_figures_are_medians_with_their_spread(quick_profile):
+    """Every timed figure says how many samples its median came from and how far apart they were;
+    the median lies within them, so the spread bounds how far it is from any one sample."""
+    p, _ = quick_profile
+    sz = prof._sizes(p.backend, quick=True)
+    least = {
+        "nvme.read_bytes_s": prof.DISK_PASSES,
+        "gpu.memory_bandwidth_bytes_s": sz.samples,
+        "gpu.compute_flops_s": 3,
+        "gpu.decode_matvec_flops_s": sz.samples,
+        "gpu.decode_batch_flops_s": sz.samples,
+        "gpu.op_overhead_s": sz.samples,
+        "ram.host_to_device_bytes_s": sz.samples,
+    }
+    figs = {**_figures(p), "gpu.decode_matvec_flops_s": p.gpu.decode_matvec_flops_s}
+    figs["gpu.decode_batch_flops_s"] = p.gpu.decode_batch_flops_s
+    figs["gpu.op_overhead_s"] = p.gpu.op_overhead_s
+    for key, n in least.items():
+        fig = figs[key]
+        assert fig.samples is not None and fig.samples >= n, key
+        assert fig.spread is not None and 0 <= fig.spread < 100, key
+        assert "median" in fig.how, key
+    # Stated, not measured: no samples.
+    assert p.os_reserve_bytes.samples is None and p.ram.capacity_bytes.samples is None
+
+
+def test_rate_is_the_median_and_its_spread():
+    r = prof.Rate.of([4.0, 1.0, 2.0, 100.0, 3.0])
+    assert r.median == 3.0  # the outlier does not move it
+    assert r.spread == pytest.approx((100.0 - 1.0) / 3.0)
+    f = r.figure("how")
+    assert (f.value, f.samples, f.source) == (3.0, 5, "measured")
+    assert f.spread == pytest.approx(33.0)
+    assert prof.Rate.of([2.0, 2.0]).spread == 0
+
+
+@pytest.mark.parametrize("bad", [[], [1.0, 0.0], [1.0, float("inf")]])
+def test_rate_without_usable_samples_is_a_clear_error(bad):
+    with pytest.raises(StrataError, match="no usable samples .* re-run the profile"):
+        prof.Rate.of(bad)
+
+
+def test_fast_calls_are_grouped_into_samples_of_the_shortest_length():
+    calls = []
+    secs, per_sample = prof._time_calls(lambda: calls.append(1), 3, 0.002, warmups=2)
+    assert len(secs) == 3 and per_sample > 1
+    assert len(calls) == 2 + 1 + 3 * per_sample  # warm-ups, the timing call, the samples
+    assert all(s > 0 for s in secs)
+
+
 def test_os_reserve_rule():
     gib = 1 << 30
     assert prof.os_reserve_bytes(8 * gib) == 2 * gib
@@ -200,3 +250,13 @@ def test_test_file_is_removed_when_the_read_fails(tmp_path: Path, monkeypatch):
 def test_empty_name_is_refused(tmp_path: Path):
     with pytest.raises(StrataError, match="name is empty"):
         prof.measure_profile(tmp_path, " ", quick=True)
+
+
+def test_op_overhead_rounds_pool_their_samples():
+    probe = prof.OpOverheadProbe(blocks=1, max_steps=1 + 2 * 2 + 1 + 2 * 2)
+    probe.round(2, 2, warmup_steps=1)
+    probe.round(2, 2)
+    fig = probe.figure(2, 2)
+    assert fig.samples == 4 and fig.value > 0 and "2 round(s)" in fig.how
+    with pytest.raises(StrataError, match="ran past its 10 steps"):
+        probe.round(1, 1)
