@@ -7,9 +7,10 @@ FFN and experts as one piece, then the output head). The rule gives the device a
 pieces as fit beside the KV cache, the activations and the streaming buffers, then host RAM as
 many of the following pieces as fit, and streams the rest from NVMe, each piece on one tier and
 no piece after a later one's tier; it reads one unit ahead (prefetch depth 1) when anything
-streams and keeps the expert cache at its working slots. Its decisions are scored with the same
-cost model as the ILP's (``costmodel.score``), so ``explain`` can put the two side by side, and
-``strata plan --baseline`` writes it as a plan that runs like any other.
+streams and two pool slots fit, else reads synchronously from one slot (depth 0, as llama.cpp
+reads an mmapped file), and keeps the expert cache at its working slots. Its decisions are
+scored with the same cost model as the ILP's (``costmodel.score``), so ``explain`` can put the
+two side by side, and ``strata plan --baseline`` writes it as a plan that runs like any other.
 """
 
 from __future__ import annotations
@@ -53,11 +54,18 @@ def _pieces(desc: ModelDescription) -> list[list[str]]:
     return [[n] for n in first] + [blocks[i] for i in sorted(blocks)] + [[n] for n in last]
 
 
+def rule_depth(desc, profile, request, tiers: dict[str, str]) -> int | None:
+    """The rule's prefetch depth for ``tiers``: 1 where something streams and two pool slots
+    fit, else 0 where one fits (or nothing streams); None where the placement does not fit."""
+    for depth in (1, 0) if "nvme" in tiers.values() else (0,):
+        rows = capacity_use(desc, profile, request, PinnedPlacement(tiers, depth))
+        if all(used <= row.capacity for row, used in rows):
+            return depth
+    return None
+
+
 def _fits(desc, profile, request, tiers: dict[str, str]) -> bool:
-    placement = PinnedPlacement(tiers, 1 if "nvme" in tiers.values() else 0)
-    return all(
-        used <= row.capacity for row, used in capacity_use(desc, profile, request, placement)
-    )
+    return rule_depth(desc, profile, request, tiers) is not None
 
 
 def baseline_tiers(
@@ -128,7 +136,9 @@ def baseline_plan(
     """
     tiers = baseline_tiers(desc, profile, request)
     streams = "nvme" in tiers.values()
-    placement = PinnedPlacement(tiers, 1 if streams else 0)
+    depth = rule_depth(desc, profile, request, tiers)
+    assert depth is not None  # baseline_tiers returns placements that fit
+    placement = PinnedPlacement(tiers, depth)
     pool, batch, cache = placement.resolve(desc, request)
     plan = Plan(
         model=desc.model,
@@ -170,5 +180,5 @@ def baseline_prediction(plan: Plan) -> tuple[dict[str, int], Prediction]:
     weights = dict.fromkeys(TIERS, 0)
     for u in desc.units:
         weights[tiers[u.name]] += u.bytes_mlx
-    placement = PinnedPlacement(tiers, 1 if weights["nvme"] else 0)
+    placement = PinnedPlacement(tiers, rule_depth(desc, plan.machine, plan.request, tiers) or 0)
     return weights, score(desc, plan.machine, plan.request, placement)
