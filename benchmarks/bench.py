@@ -14,7 +14,7 @@ the plan's speculative decoding), after a warm-up request, measures on this mach
   decisions and figures, ``planner.rescore``: a hand-edited plan is predicted as edited);
 - with ``baseline``, the same request on the baseline rule's plan for the same model, machine
   and budgets (``planner.baseline``: first blocks resident in order), in the same process,
-  plan and baseline alternated twice, best of each: the measured ratio of the two;
+  plan and baseline alternated, the median of each: the measured ratio of the two;
 - peak RSS and MLX peak memory.
 
 Every bench checks its text: the generated ids must equal those of the same model run with every
@@ -184,39 +184,43 @@ def _baseline_run(loaded: LoadedPlan, ids: list[int], n: int) -> tuple[Generatio
     return gen, summary
 
 
-def _versus_baseline(loaded: LoadedPlan, ids: list[int], n: int, first: Generation) -> dict:
-    """Plan and baseline alternated (the plan's ``first`` run, baseline, plan, baseline), the
-    best decode and prefill tok/s of each, and their ratio; both texts are returned for the
-    check."""
-    base_a, summary = _baseline_run(loaded, ids, n)
-    serving = _serving(loaded)
-    try:
-        again = _timed_generate(serving, ids, n)
-    finally:
-        serving.close()
-    base_b, _ = _baseline_run(loaded, ids, n)
-    plan_runs, base_runs = [first, again], [base_a, base_b]
+def _versus_baseline(
+    loaded: LoadedPlan, ids: list[int], n: int, first: Generation, rounds: int
+) -> tuple[dict, dict[str, list[int]]]:
+    """Plan and baseline alternated ``rounds`` times (the plan's ``first`` run counts as its
+    first): each one's decode and prefill tok/s per run, their medians (a shared machine's slow
+    moment moves one run, not the median) and the ratio of the medians; and every run's ids,
+    labelled, for the bench's check."""
+    from statistics import median
 
-    def best(runs: list[Generation], key: str) -> float:
-        return max(r.stats[key] for r in runs)
+    plan_runs, base_runs = [first], []
+    summary: dict = {}
+    for r in range(rounds):
+        gen, summary = _baseline_run(loaded, ids, n)
+        base_runs.append(gen)
+        if r + 1 < rounds:
+            serving = _serving(loaded)
+            try:
+                plan_runs.append(_timed_generate(serving, ids, n))
+            finally:
+                serving.close()
 
-    plan_tok_s, base_tok_s = best(plan_runs, "decode_tok_s"), best(base_runs, "decode_tok_s")
-    return {
-        **summary,
-        "decode_tok_s": base_tok_s,
-        "decode_tok_s_runs": [r.stats["decode_tok_s"] for r in base_runs],
-        "prefill_tok_s": best(base_runs, "prefill_tok_s"),
-        "plan_decode_tok_s_runs": [r.stats["decode_tok_s"] for r in plan_runs],
-        "plan_decode_tok_s": plan_tok_s,
-        "plan_prefill_tok_s": best(plan_runs, "prefill_tok_s"),
-        "plan_over_baseline_decode": round(plan_tok_s / base_tok_s, 3) if base_tok_s else None,
-        "plan_over_baseline_prefill": round(
-            best(plan_runs, "prefill_tok_s") / best(base_runs, "prefill_tok_s"), 3
+    def med(runs: list[Generation], key: str) -> float:
+        return float(median(r.stats[key] for r in runs))
+
+    out = {**summary, "rounds": rounds}
+    for key in ("decode_tok_s", "prefill_tok_s"):
+        ours, theirs = med(plan_runs, key), med(base_runs, key)
+        out[key] = theirs
+        out[f"{key}_runs"] = [r.stats[key] for r in base_runs]
+        out[f"plan_{key}"] = ours
+        out[f"plan_{key}_runs"] = [r.stats[key] for r in plan_runs]
+        out[f"plan_over_baseline_{key.removesuffix('_tok_s')}"] = (
+            round(ours / theirs, 3) if theirs else None
         )
-        if best(base_runs, "prefill_tok_s")
-        else None,
-        "output_ids": [r.output_ids for r in base_runs + [again]],
-    }
+    texts = {f"baseline run {i + 1}": r.output_ids for i, r in enumerate(base_runs)}
+    texts.update({f"plan run {i + 1}": r.output_ids for i, r in enumerate(plan_runs[1:], 2)})
+    return out, texts
 
 
 def bench(
@@ -226,7 +230,7 @@ def bench(
     check: str,
     expert_modes: list[str] | None = None,
     *,
-    baseline: bool = False,
+    baseline: int = 0,
     model: str | None = None,
 ) -> dict:
     """Run the bench and return its JSON-ready result (see the module docstring).
@@ -234,7 +238,8 @@ def bench(
     Args:
         expert_modes: expert-cache modes (``executor.experts.CACHE_MODES``) to measure one after
             the other in this run, besides the plan's own (MoE plans that stream experts).
-        baseline: also measure the baseline rule's plan, alternated with this one.
+        baseline: also measure the baseline rule's plan, alternated with this one this many
+            times (0: not).
         model: the GGUF file, where it is not where the plan says (``--model``).
 
     Raises:
@@ -320,10 +325,8 @@ def bench(
             result["predicted_expert_hit_rate"] = judged.expert_hit_rate
     runs = {"plan": gen.output_ids}
     if baseline:
-        versus = _versus_baseline(loaded, ids, max_tokens, gen)
-        for i, got in enumerate(versus.pop("output_ids")):
-            runs[f"baseline {i + 1}" if i < 2 else "plan, second run"] = got
-        result["baseline"] = versus
+        result["baseline"], texts = _versus_baseline(loaded, ids, max_tokens, gen, baseline)
+        runs.update(texts)
     if expert_modes:
         result["expert_cache_modes"] = _expert_modes(loaded, ids, max_tokens, expert_modes)
         runs.update({m: r.pop("output_ids") for m, r in result["expert_cache_modes"].items()})

@@ -19,6 +19,8 @@ def cmd_bench(args: argparse.Namespace) -> None:
     from strata.benchmarks.bench import bench, plot, write_result
     from strata.executor.experts import CACHE_MODES
 
+    if args.baseline < 0:
+        raise StrataError(f"--baseline {args.baseline}: give a number of rounds, 1 or more")
     if args.max_tokens < 2:
         raise StrataError("--max-tokens must be at least 2 for a decode measurement")
     # Check where the results go before the bench runs, not after.
@@ -64,10 +66,14 @@ def add_commands(sub) -> None:
     b.add_argument("--model", help="the GGUF file, where it is not where the plan says")
     b.add_argument(
         "--baseline",
-        action="store_true",
+        type=int,
+        nargs="?",
+        const=3,
+        default=0,
+        metavar="ROUNDS",
         help="also measure the baseline rule's plan (first blocks resident in order, llama.cpp's "
         "-ngl/--fit) for the same model, machine and budgets, alternated with this plan in one "
-        "process, and report the measured ratio",
+        "process ROUNDS times (default 3), and report the ratio of the medians",
     )
     b.add_argument("--prompt", default="The capital of France is", help="prompt text")
     b.add_argument("--max-tokens", type=int, default=64, help="decode steps measured (64)")

@@ -74,7 +74,8 @@ def main(argv: list[str] | None = None) -> int:
             "baseline": {k: b.get(k) for k in KEYS},
             "plan_decode_tok_s_runs": b["plan_decode_tok_s_runs"],
             "baseline_decode_tok_s_runs": b["decode_tok_s_runs"],
-            "best_plan_decode_tok_s": b["plan_decode_tok_s"],
+            "median_plan_decode_tok_s": b["plan_decode_tok_s"],
+            "median_baseline_decode_tok_s": b["decode_tok_s"],
             "plan_over_baseline_decode": b["plan_over_baseline_decode"],
             "plan_over_baseline_prefill": b["plan_over_baseline_prefill"],
             "predicted_plan_over_baseline": round(
