@@ -12,7 +12,14 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    field_validator,
+    model_serializer,
+    model_validator,
+)
 
 TIERS: tuple[str, ...] = ("gpu", "ram", "nvme")
 """Storage tiers, fastest first: the device working set, host RAM, NVMe (direct I/O)."""
@@ -255,6 +262,14 @@ class Figure(Strict):
         allow_inf_nan=False,
         description="(max - min) / median of those measurements: how steady the figure is",
     )
+
+    @model_serializer(mode="wrap")
+    def _without_unmeasured(self, handler):  # stated figures carry no samples: not written
+        data = handler(self)
+        for key in ("samples", "spread"):
+            if data.get(key) is None:
+                data.pop(key, None)
+        return data
 
 
 class GPUTier(Strict):
