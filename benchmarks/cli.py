@@ -19,7 +19,7 @@ def cmd_bench(args: argparse.Namespace) -> None:
     from strata.benchmarks.bench import bench, plot, write_result
     from strata.executor.experts import CACHE_MODES
 
-    if args.baseline < 0:
+    if args.baseline is not None and args.baseline < 1:
         raise StrataError(f"--baseline {args.baseline}: give a number of rounds, 1 or more")
     if args.max_tokens < 2:
         raise StrataError("--max-tokens must be at least 2 for a decode measurement")
@@ -32,8 +32,8 @@ def cmd_bench(args: argparse.Namespace) -> None:
     from strata.benchmarks.http_bench import cmd_http_bench, refuse_serving_options
 
     if args.concurrency is not None:  # the serving bench, over HTTP (benchmarks/http_bench.py)
-        if args.baseline or args.model:
-            flag = "--baseline" if args.baseline else "--model"
+        if args.baseline is not None or args.model:
+            flag = "--baseline" if args.baseline is not None else "--model"
             raise StrataError(
                 f"{flag} applies to the in-process bench; drop it or drop --concurrency"
             )
@@ -53,7 +53,7 @@ def cmd_bench(args: argparse.Namespace) -> None:
         args.max_tokens,
         args.check,
         modes,
-        baseline=args.baseline,
+        baseline=args.baseline or 0,
         model=args.model,
     )
     write_result(result, args.output, args.plot, plot)
@@ -69,7 +69,7 @@ def add_commands(sub) -> None:
         type=int,
         nargs="?",
         const=3,
-        default=0,
+        default=None,
         metavar="ROUNDS",
         help="also measure the baseline rule's plan (first blocks resident in order, llama.cpp's "
         "-ngl/--fit) for the same model, machine and budgets, alternated with this plan in one "

@@ -94,7 +94,8 @@ def spread(values: list[float]) -> float:
 
 def _one_run(path: Path, disk_dir: Path, quick: bool, idle_wait_s: float) -> dict:
     cmd = [sys.executable, "-m", "strata", "profile", "--name", "steadiness"]
-    cmd += ["--disk-dir", str(disk_dir), "-o", str(path)] + (["--quick"] if quick else [])
+    cmd += ["--disk-dir", str(disk_dir), "-o", str(path), "--no-keep"]
+    cmd += ["--quick"] if quick else []
     before = wait_idle(idle_wait_s) if idle_wait_s > 0 else None
     busy0, own0 = _busy_cpu_s(), _children_cpu_s()
     t0 = time.perf_counter()

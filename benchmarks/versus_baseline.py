@@ -71,7 +71,8 @@ def main(argv: list[str] | None = None) -> int:
             "model_mlx_bytes": model_bytes,
             "device_budget": budget,
             "plan": {k: r.get(k) for k in KEYS},
-            "baseline": {k: b.get(k) for k in KEYS},
+            "baseline": {k: b.get(k) for k in KEYS if k != "check_passed"},
+            "texts_checked": r["check_passed"],  # every run of both plans (bench's check)
             "plan_decode_tok_s_runs": b["plan_decode_tok_s_runs"],
             "baseline_decode_tok_s_runs": b["decode_tok_s_runs"],
             "median_plan_decode_tok_s": b["plan_decode_tok_s"],

@@ -298,17 +298,14 @@ def locate_model(
             if candidate.is_file():
                 return candidate, "the plan's path hint"
             looked.append(str(candidate))
-    if name:
-        if name not in CATALOG:
-            raise StrataError(
-                f"the plan names catalog model {name!r}, which this Strata does not know "
-                f"(it knows {', '.join(CATALOG)}); pass --model PATH to its GGUF file"
-            )
-        return resolve_model(name).path, "the catalog"
+    if name and name in CATALOG:
+        try:
+            return resolve_model(name).path, "the catalog"
+        except StrataError as e:  # offline, or a damaged cached copy: the sha256 may still find it
+            looked.append(f"the catalog ({e})")
+    elif name:
+        looked.append(f"the catalog (this Strata does not know {name!r})")
     if sha256:
-        for known, entry in CATALOG.items():
-            if entry.sha256 == sha256:
-                return resolve_model(known).path, "the catalog (by sha256)"
         found = cached_by_sha256(sha256)
         if found:
             return found[0], "the model cache (by sha256)"

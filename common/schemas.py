@@ -389,8 +389,9 @@ class Provenance(Strict):
     decisions_sha256: str | None = Field(
         default=None,
         description="canonical sha256 of the decisions as the solver wrote them (runtime, "
-        "placement, pool, prefetch, expert cache, batch limits, speculative settings); a plan "
-        "whose decisions no longer match is shown as edited by hand",
+        "placement, pool, prefetch, expert cache, batch limits, speculative settings) and of the "
+        "machine and costs sections they were judged with; a plan that no longer matches is "
+        "shown as edited by hand",
     )
 
 

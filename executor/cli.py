@@ -157,7 +157,7 @@ def cmd_run(args: argparse.Namespace) -> None:
     import mlx.core as mx
     from strata.executor.engine import Engine
     from strata.executor.generate import generate, request_for
-    from strata.executor.plan_loader import load_plan
+    from strata.executor.plan_loader import load_plan, peek_plan
     from strata.executor.sampling import SamplingParams
     from strata.executor.serving import ServingEngine, check_request
     from strata.executor.tokenizer import GGUFTokenizer
@@ -167,18 +167,17 @@ def cmd_run(args: argparse.Namespace) -> None:
     # Every input is checked before the weights load (seconds to minutes), not after: the
     # prompt's files first (no model needed), then the prompt itself against the plan.
     prompt = read_prompt(args)
-    loaded = load_plan(args.plan, args.model)
+    plan, header = peek_plan(args.plan, args.model)  # the header: no hashing, no weights
     if args.save_routing_profile:
-        if not loaded.desc.architecture.expert_count:
+        if not plan.costs.architecture.expert_count:
             raise StrataError("--save-routing-profile needs a mixture-of-experts model")
         writable_parent(Path(args.save_routing_profile))
-    tokenizer = GGUFTokenizer.from_gguf(loaded.gguf)  # the vocabulary, no weights
+    tokenizer = GGUFTokenizer.from_gguf(header)  # the vocabulary
     ids = prompt_ids(tokenizer, prompt)
     check_request(
-        request_for(ids, params, args.max_tokens),
-        loaded.plan,
-        loaded.desc.architecture.vocab_size,
+        request_for(ids, params, args.max_tokens), plan, plan.costs.architecture.vocab_size
     )
+    loaded = load_plan(args.plan, args.model)  # the model's bytes checked (hashed once per file)
     # The engine `serve` runs (warm-up, kernels, paged KV cache, the plan's speculative
     # decoding), with one request.
     engine = Engine(loaded, expert_cache_mode=args.expert_cache, tokenizer=tokenizer)
@@ -293,7 +292,7 @@ def cmd_profile(args: argparse.Namespace) -> None:
     disk = Path(args.disk_dir) if args.disk_dir else cache_dir()
     profile = measure_profile(disk, name, quick=args.quick)
     emit(profile, args.output)
-    if not args.quick:  # --quick figures are rough: not this machine's measurement
+    if not args.quick and not args.no_keep:  # --quick figures are rough: not this host's
         from strata.executor.machine import keep_profile
 
         keep_profile(profile)  # what strata check and run compare plans' figures with
@@ -370,6 +369,12 @@ def add_commands(sub) -> None:
     )
     pr.add_argument("--disk-dir", default=None, help="folder on the disk to test (default: cache)")
     pr.add_argument("--quick", action="store_true", help="short tests (less accurate)")
+    pr.add_argument(
+        "--no-keep",
+        action="store_true",
+        help="do not keep this measurement in the cache as this host's profile (the one strata "
+        "check and run compare plans' figures with; --quick profiles are never kept)",
+    )
 
 
 COMMANDS = {"run": cmd_run, "serve": cmd_serve, "profile": cmd_profile}

@@ -15,7 +15,7 @@ from strata.common.catalog import cache_dir
 from strata.common.errors import SchemaError
 from strata.common.schemas import HardwareProfile
 from strata.common.yamlio import read_yaml, write_yaml
-from strata.executor.profile import _device_info, detect_backend, os_reserve_bytes, working_set
+from strata.executor.profile import detect_backend, device_info, os_reserve_bytes, working_set
 
 
 @dataclass(frozen=True)
@@ -37,7 +37,7 @@ def machine_now() -> MachineNow:
     backend = detect_backend()
     total = int(psutil.virtual_memory().total)
     reserve = os_reserve_bytes(total)
-    gpu = int(working_set(backend, total, reserve, _device_info(backend)).value)
+    gpu = int(working_set(backend, total, reserve, device_info(backend)).value)
     return MachineNow(backend, gpu, max(0, total - reserve), backend != "cuda")
 
 

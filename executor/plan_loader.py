@@ -143,6 +143,33 @@ def _check_self(path: Path, plan: Plan, desc: ModelDescription) -> None:
         )
 
 
+def _check_costs(path: Path, plan: Plan, desc: ModelDescription) -> None:
+    """The plan's ``costs`` describe this model as this Strata reads it (bytes, FLOPs, role,
+    layer, expert of every unit; access may differ: a routing profile's measured frequencies):
+    ``check`` and the views size the plan from them.
+
+    Raises:
+        PlanError: a unit whose costs differ (an edited costs section, or a plan made by a
+            Strata that repacks the model differently).
+    """
+    real = {u.name: u for u in desc.units}
+    for c in plan.costs.units:
+        u = real.get(c.name)
+        if u is None:
+            raise PlanError(
+                f"{path}: costs.units lists {c.name}, which the model does not have; "
+                "re-run strata plan"
+            )
+        mine = (c.bytes, c.flops, c.role, c.layer, c.expert)
+        theirs = (u.bytes_mlx, u.flops_per_token, u.role, u.layer, u.expert)
+        if mine != theirs:
+            raise PlanError(
+                f"{path}: costs of unit {c.name} (bytes, FLOPs, role, layer, expert) are "
+                f"{mine}, but this model reads as {theirs}: the costs section was edited, or "
+                "another Strata version planned it; re-run strata plan"
+            )
+
+
 def check_executable(path: Path, plan: Plan) -> None:
     """Refuse a plan of a model described from an architecture file (no weights to run).
 
@@ -155,6 +182,31 @@ def check_executable(path: Path, plan: Plan) -> None:
             f"{path}: the plan is for a model described from an architecture file (--arch): it "
             "has no weights and can only be compared, not executed; plan a GGUF file"
         )
+
+
+def peek_plan(path: str | Path, model: str | Path | None = None) -> tuple[Plan, GGUFFile]:
+    """The plan and its model's header, found as ``load_plan`` finds them but without hashing
+    the file (minutes for a large model the cache has not hashed yet): what a command checks its
+    inputs against (tokenizer, context) before ``load_plan`` verifies the bytes.
+
+    Raises:
+        SchemaError, PlanError, StrataError, GGUFError: as ``load_plan``; a header that is not
+            the planned one.
+    """
+    path = Path(path)
+    plan = read_yaml(path, Plan)
+    check_executable(path, plan)
+    src = plan.model
+    found, how = locate_model(
+        name=src.name, path=src.path, sha256=src.sha256, given=model, base=path.parent
+    )
+    g = open_gguf(found)
+    if src.header_sha256 and g.header_sha256 != src.header_sha256:
+        raise PlanError(
+            f"{path}: model file {found} (found by {how}) has another header than the planned "
+            "model: not the planned file; pass --model PATH to it, or re-run strata plan"
+        )
+    return plan, g
 
 
 def load_plan(path: str | Path, model: str | Path | None = None) -> LoadedPlan:
@@ -208,6 +260,7 @@ def load_plan(path: str | Path, model: str | Path | None = None) -> LoadedPlan:
             f"(missing {missing}, unknown {extra}); "
             "re-run strata plan"
         )
+    _check_costs(path, plan, desc)
     tiers = plan.tier_of()
     on_gpu = [u.name for u in desc.units if u.expert is not None and tiers[u.name] == "gpu"]
     if sorted(plan.expert_cache.pinned) != sorted(on_gpu):

@@ -207,7 +207,7 @@ def detect_backend() -> str:
     return "cpu"
 
 
-def _device_info(backend: str) -> dict:
+def device_info(backend: str) -> dict:
     """MLX's device info for the default device (``mx.device_info`` in MLX 0.32; older MLX had
     only ``mx.metal.device_info``)."""
     import mlx.core as mx
@@ -1075,7 +1075,7 @@ def measure_profile(
     backend = detect_backend()
     if backend in ("metal", "cuda"):
         mx.set_default_device(mx.gpu)
-    info = _device_info(backend)
+    info = device_info(backend)
     date = _today()
     total_ram = int(psutil.virtual_memory().total)
     reserve = os_reserve_bytes(total_ram)

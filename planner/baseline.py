@@ -58,69 +58,73 @@ def rule_depth(desc, profile, request, tiers: dict[str, str]) -> int | None:
     """The rule's prefetch depth for ``tiers``: 1 where something streams and two pool slots
     fit, else 0 where one fits (or nothing streams); None where the placement does not fit."""
     for depth in (1, 0) if "nvme" in tiers.values() else (0,):
-        rows = capacity_use(desc, profile, request, PinnedPlacement(tiers, depth))
-        if all(used <= row.capacity for row, used in rows):
+        if _fits_at(desc, profile, request, tiers, depth):
             return depth
     return None
 
 
-def _fits(desc, profile, request, tiers: dict[str, str]) -> bool:
-    return rule_depth(desc, profile, request, tiers) is not None
+def _fits_at(desc, profile, request, tiers: dict[str, str], depth: int) -> bool:
+    depth = depth if "nvme" in tiers.values() else 0
+    rows = capacity_use(desc, profile, request, PinnedPlacement(tiers, depth))
+    return all(used <= row.capacity for row, used in rows)
 
 
-def baseline_tiers(
-    desc: ModelDescription, profile: HardwareProfile, request: Request
-) -> dict[str, str]:
-    """The rule's tier for every unit (module docstring), on the request's allowed tiers.
-
-    Raises:
-        PlanError: not even the all-streamed placement fits (the KV cache and activations alone
-            overflow the device), or the request allows no tier that can hold everything.
-    """
-    allowed = [t for t in TIERS if t in request.tiers]
+def _arrange(desc, profile, request, allowed: list[str], depth: int) -> dict[str, str] | None:
+    """The rule's tiers when streamed units are read ``depth`` ahead, or None where nothing
+    fits so: each tier takes as many of the next pieces as fit (the rest on the last tier),
+    then each tier takes the next pieces while they fit (a count chosen with the rest streamed
+    paid for pool slots the final placement may not need)."""
     pieces = _pieces(desc)
-    # split[i]: how many leading pieces go on allowed[i] (the last tier takes the rest).
+    last = allowed[-1]
     tiers: dict[str, str] = {}
     start = 0
-    for i, tier in enumerate(allowed):
-        last = i == len(allowed) - 1
-        rest = [n for p in pieces[start:] for n in p]
-        if last:
-            tiers.update(dict.fromkeys(rest, tier))
-            break
-        lower = allowed[-1]
-        # The largest count of the next pieces on this tier (the rest on the last tier) that fits.
+    for tier in allowed[:-1]:
         count = 0
         for k in range(len(pieces) - start, -1, -1):
             trial = dict(tiers)
             for j, piece in enumerate(pieces[start:]):
-                trial.update(dict.fromkeys(piece, tier if j < k else lower))
-            if _fits(desc, profile, request, trial):
+                trial.update(dict.fromkeys(piece, tier if j < k else last))
+            if _fits_at(desc, profile, request, trial, depth):
                 count = k
                 break
         for piece in pieces[start : start + count]:
             tiers.update(dict.fromkeys(piece, tier))
         start += count
-    # A tier's count was chosen with the rest streamed, whose pool slots took room that the
-    # final placement may not need: give each tier the next pieces while they fit.
+    for piece in pieces[start:]:
+        tiers.update(dict.fromkeys(piece, last))
     grown = True
     while grown:
         grown = False
-        for tier in allowed[:-1]:
-            rank = allowed.index(tier)
+        for rank, tier in enumerate(allowed[:-1]):
             nxt = next((p for p in pieces if allowed.index(tiers[p[0]]) > rank), None)
             if nxt is None:
                 continue
             trial = dict(tiers, **dict.fromkeys(nxt, tier))
-            if _fits(desc, profile, request, trial):
+            if _fits_at(desc, profile, request, trial, depth):
                 tiers, grown = trial, True
-    if not _fits(desc, profile, request, tiers):
-        raise PlanError(
-            f"the baseline rule finds no placement that fits on tiers {', '.join(allowed)}: the "
-            "KV cache and activations alone overflow the device; give a smaller --context or "
-            "--concurrency"
-        )
-    return tiers
+    return tiers if _fits_at(desc, profile, request, tiers, depth) else None
+
+
+def baseline_tiers(
+    desc: ModelDescription, profile: HardwareProfile, request: Request
+) -> dict[str, str]:
+    """The rule's tier for every unit (module docstring), on the request's allowed tiers: with
+    prefetch (depth 1) where any arrangement fits so, else with synchronous reads.
+
+    Raises:
+        PlanError: not even the all-streamed placement fits (the KV cache and activations alone
+            overflow the device).
+    """
+    allowed = [t for t in TIERS if t in request.tiers]
+    for depth in (1, 0):
+        tiers = _arrange(desc, profile, request, allowed, depth)
+        if tiers is not None:
+            return tiers
+    raise PlanError(
+        f"the baseline rule finds no placement that fits on tiers {', '.join(allowed)}: the "
+        "KV cache and activations alone overflow the device; give a smaller --context or "
+        "--concurrency"
+    )
 
 
 def baseline_plan(

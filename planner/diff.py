@@ -186,14 +186,16 @@ def _experts(a: Plan, b: Plan) -> list[str]:
     pa, pb = set(ea.pinned), set(eb.pinned)
     if pa != pb:
         lines.append(f"  pinned: +{len(pb - pa)} −{len(pa - pb)} experts ({len(pb)} in all)")
-    if ea.preload != eb.preload:
-        la, lb = set(ea.preload), set(eb.preload)
+    la, lb = set(ea.preload), set(eb.preload)
+    if la != lb:
         lines.append(
             f"  preload: {len(ea.preload)} → {len(eb.preload)} experts "
             f"(+{len(lb - la)} −{len(la - lb)})"
         )
+    elif ea.preload != eb.preload:
+        lines.append("  preload: the same experts in another order (hottest first)")
     ra, rb = a.provenance.routing_profile, b.provenance.routing_profile
-    if ra != rb:
+    if (ra and ra.sha256) != (rb and rb.sha256):
         lines.append(f"routing profile: {_routing_label(a)} → {_routing_label(b)}")
     ha = a.prediction.expert_hit_rate if a.prediction else None
     hb = b.prediction.expert_hit_rate if b.prediction else None

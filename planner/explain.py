@@ -13,8 +13,9 @@ from pathlib import Path
 
 from strata.common.schemas import TIERS, ModelDescription, Plan
 from strata.common.sizes import format_size
-from strata.planner.costmodel import batch_size, rate_label
+from strata.planner.costmodel import batch_size, objective, rate_label
 from strata.planner.rescore import description_of, judge
+from strata.planner.rescore import edited as judged_edited
 
 # --------------------------------------------------------------------------- shared helpers
 
@@ -305,7 +306,7 @@ def _no_room(plan: Plan) -> str | None:
     )
 
 
-def _why(plan: Plan) -> str:
+def _why(plan: Plan, edited: bool = False) -> str:
     w = weights_per_tier(plan)
     pred = plan.prediction
     binding = pred.binding if pred else []
@@ -317,6 +318,8 @@ def _why(plan: Plan) -> str:
         reason = f"the request keeps weights off the device (--tiers {allowed})"
     elif full:
         reason = f"the device memory is full (binding: {', '.join(full)})"
+    elif edited or plan.provenance.method != "ilp":
+        reason = _no_room(plan) or "the plan's decisions put them there (not the solver's)"
     else:
         reason = _no_room(plan) or "the cost model gains nothing from moving more to the device"
     moved = []
@@ -441,18 +444,22 @@ def _baseline_lines(plan: Plan, view: Plan) -> list[str]:
     ours = view.prediction
     assert ours is not None  # judged plans always have one
     where = ", ".join(f"{t} {format_size(b)}" for t, b in weights.items() if b)
+    ttft = " and ".join(format_time(t) for t in base.ttft_s)
     lines = [
         f"Baseline ({RULE}): {where}; predicted decode {format_rate(base.decode_tok_s)} tok/s"
-        + (f", TTFT {format_time(base.ttft_s[-1])}" if base.ttft_s else "")
+        + (f", TTFT {ttft}" if ttft else "")
     ]
-    ratio = ours.decode_tok_s / base.decode_tok_s if base.decode_tok_s else 0.0
+    # Judged by what the ILP minimizes: the time of whole requests, TTFT included.
+    mine = objective(ours, plan.request, plan.batch)
+    rule = objective(base, plan.request, plan.batch)
+    ratio = rule / mine if mine > 0 else 1.0
     if ratio > 1.0005:
-        lines.append(f"  this plan ×{ratio:.2f} the baseline's predicted decode")
+        lines.append(f"  this plan is ×{ratio:.2f} faster per request than the baseline")
+    elif ratio < 0.9995:
+        lines.append(f"  this plan is ×{1 / ratio:.2f} slower per request than the baseline")
     else:
-        lines.append(
-            "  the ILP cannot beat the rule here: the same predicted decode "
-            f"({format_rate(ours.decode_tok_s)} tok/s)"
-        )
+        who = "this plan does" if judged_edited(plan) else "the ILP can do"
+        lines.append(f"  {who} no better than the rule here: the same predicted request time")
     return lines
 
 
@@ -565,7 +572,7 @@ def explain(plan: Plan, desc: ModelDescription | None = None) -> str:
         *_memory_lines(view),
         "",
         *_placement_lines(plan, desc),
-        _why(view),
+        _why(view, judged.edited),
         "",
         f"Pool: {pool_label(view)}",
         f"Expert cache: {expert_cache_label(view)}",
@@ -580,6 +587,6 @@ def explain(plan: Plan, desc: ModelDescription | None = None) -> str:
         s = plan.solver
         lines.append(
             f"Solver: {s.name}, {s.status}, objective {format_time(s.objective)} per token, "
-            f"gap {s.gap:g}"
+            f"gap {s.gap:g}" + (" (as solved, before the edit)" if judged.edited else "")
         )
     return "\n".join(lines) + "\n"

@@ -87,8 +87,12 @@ def description_of(plan: Plan) -> ModelDescription:
 
 
 def decisions_sha256(plan: Plan) -> str:
-    """Canonical sha256 of the plan's decisions (``DECISIONS`` and the speculative settings)."""
+    """Canonical sha256 of the plan's decisions (``DECISIONS`` and the speculative settings) and
+    of what they were judged with (``machine``, ``costs``): an edit of either makes every view
+    of the plan differ from what the solver wrote."""
     doc = {k: getattr(plan, k).model_dump(mode="json") for k in DECISIONS if k != "placement"}
+    doc["machine"] = plan.machine.model_dump(mode="json")
+    doc["costs"] = plan.costs.model_dump(mode="json")
     doc["placement"] = sorted((p.unit, p.tier) for p in plan.placement)
     sp = plan.speculative
     doc["speculative"] = {k: getattr(sp, k) for k in SPECULATIVE_DECISIONS}
@@ -123,6 +127,12 @@ def executed_pool(plan: Plan) -> tuple[Pool, Prefetch]:
     )
 
 
+def executed_placement(plan: Plan) -> PinnedPlacement:
+    """The plan's decisions as the executor runs them (``executed_pool``), for the cost model."""
+    pool, prefetch = executed_pool(plan)
+    return PinnedPlacement(plan.tier_of(), prefetch.depth, pool, plan.batch, plan.expert_cache)
+
+
 @dataclass(frozen=True)
 class Judged:
     """A plan's decisions re-scored with its own figures."""
@@ -143,8 +153,8 @@ def judge(plan: Plan, machine: HardwareProfile | None = None) -> Judged:
     """
     desc = description_of(plan)
     profile = machine or plan.machine
+    placement = executed_placement(plan)
     pool, prefetch = executed_pool(plan)
-    placement = PinnedPlacement(plan.tier_of(), prefetch.depth, pool, plan.batch, plan.expert_cache)
     view = plan.model_copy(
         update={
             "memory": tier_memory(desc, profile, plan.request, placement),

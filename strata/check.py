@@ -22,8 +22,14 @@ from strata.common.sizes import format_size
 from strata.common.yamlio import read_yaml
 from strata.executor.machine import MachineNow, last_profile, machine_now
 from strata.executor.plan_loader import check_executable
+from strata.planner.costmodel import capacity_use
 from strata.planner.explain import format_rate, speculative_bytes
-from strata.planner.rescore import judge
+from strata.planner.rescore import description_of, executed_placement, judge
+
+NOISE = 0.02
+"""A memory short by at most this share of its capacity is a warning, not a refusal: a CUDA
+device's working set is its free memory at the moment (``executor.profile.working_set``), which
+other processes and the driver move by a few MiB, and a plan may fill its tier to the byte."""
 
 WARN_CHANGE = 0.25
 """Relative change of the predicted decode rate or TTFT, under this machine's measured figures
@@ -46,17 +52,18 @@ class Verdict:
 
 def needs(plan: Plan) -> list[tuple[str, int, str]]:
     """The bytes the plan's decisions need of each memory: ``(memory, bytes, which capacity of
-    MachineNow bounds it)``, recomputed from the decisions (``planner.rescore``)."""
-    mem = judge(plan).view.memory or {}
-    gpu, ram = mem["gpu"], mem["ram"]
-    device = gpu.weights + gpu.kv_cache + gpu.pool + gpu.expert_cache + gpu.activations
-    device += speculative_bytes(plan)
-    rows = [("gpu tier", device, "gpu_bytes")]
-    if plan.machine.unified_memory:
-        rows.append(("unified memory (gpu + ram tiers)", device + ram.weights, "ram_bytes"))
-    else:
-        rows.append(("ram tier", ram.weights + ram.pool + ram.expert_cache, "ram_bytes"))
-    return rows
+    MachineNow bounds it)``, from the cost model's capacity rows (``costmodel.capacity_use``)
+    over the decisions as the executor runs them, plus speculative decoding's device bytes."""
+    rows = capacity_use(description_of(plan), plan.machine, plan.request, executed_placement(plan))
+    extra = speculative_bytes(plan)  # the draft model and verification logits, on the device
+    return [
+        (
+            row.tier_label,
+            used + (extra if "gpu" in row.weight_tiers else 0),
+            "gpu_bytes" if row.weight_tiers == ("gpu",) else "ram_bytes",
+        )
+        for row, used in rows
+    ]
 
 
 def verdict(plan: Plan, here: MachineNow, local: HardwareProfile | None) -> Verdict:
@@ -72,11 +79,14 @@ def verdict(plan: Plan, here: MachineNow, local: HardwareProfile | None) -> Verd
     v.checked.append(f"backend {want}: as planned")
     for label, need, attr in needs(plan):
         have = getattr(here, attr)
-        if need > have:
-            v.refusals.append(
-                f"{label}: the plan needs {format_size(need)}, this machine has "
-                f"{format_size(have)} ({format_size(need - have)} short)"
-            )
+        line = (
+            f"{label}: the plan needs {format_size(need)}, this machine has "
+            f"{format_size(have)} ({format_size(need - have)} short)"
+        )
+        if need > have * (1 + NOISE):
+            v.refusals.append(line)
+        elif need > have:  # within what the free memory of a GPU moves by between two reads
+            v.warnings.append(line + "; within the noise of free memory, so it may still run")
         else:
             v.checked.append(f"{label}: needs {format_size(need)} of {format_size(have)}")
     if local is None:
@@ -85,26 +95,29 @@ def verdict(plan: Plan, here: MachineNow, local: HardwareProfile | None) -> Verd
         )
         return v
     if local.backend != want:
+        v.checked.append(f"bandwidths: not compared (this host's profile is for {local.backend})")
         return v
     ours, theirs = judge(plan).view.prediction, judge(plan, local).view.prediction
     assert ours is not None and theirs is not None
     pairs = [("decode", ours.decode_tok_s, theirs.decode_tok_s, "tok/s")]
     if ours.ttft_s and theirs.ttft_s:
         pairs.append(("TTFT", ours.ttft_s[-1], theirs.ttft_s[-1], "s"))
+    lines, off = [], False
     for what, a, b, unit in pairs:
         change = b / a - 1 if a > 0 else 0.0
-        line = (
-            f"{what}: {format_rate(b)} {unit} with this machine's figures ({local.name}) "
-            f"against {format_rate(a)} {unit} with the plan's ({plan.machine.name}), "
-            f"{change:+.0%}"
+        off = off or abs(change) > WARN_CHANGE
+        lines.append(f"{what} {format_rate(b)} {unit} against {format_rate(a)} ({change:+.0%})")
+    text = (
+        f"with this machine's figures ({local.name}) rather than the plan's "
+        f"({plan.machine.name}): {'; '.join(lines)}"
+    )
+    if off:
+        v.warnings.append(
+            f"{text}; the plan may not be the best here: re-plan with strata plan --profile "
+            "PROFILE of this machine"
         )
-        if abs(change) > WARN_CHANGE:
-            v.warnings.append(
-                f"{line}; the plan may not be the best here: re-plan with strata plan --profile "
-                "PROFILE of this machine"
-            )
-        else:
-            v.checked.append(line)
+    else:
+        v.checked.append(text)
     return v
 
 

@@ -16,7 +16,7 @@ from strata.common.yamlio import read_yaml
 from strata.executor.machine import MachineNow
 from test_cli import assert_one_line_error, cli
 
-from strata.check import verdict
+from strata.check import needs, verdict
 
 GIB = 2**30
 
@@ -65,9 +65,7 @@ def test_a_moved_model_is_found_by_sha256_or_given(tmp_path):
 def test_changed_model_bytes_are_refused(tiny_plan, tmp_path):
     model, plan = tiny_plan
     other = write_tiny_llama(tmp_path / "other.gguf", seed=1)
-    assert_one_line_error(
-        _run(plan, "--model", str(other), ok=False), "sha256", "bytes changed"
-    )
+    assert_one_line_error(_run(plan, "--model", str(other), ok=False), "sha256", "bytes changed")
     done = cli("plan.py", "check", str(plan), "--model", str(other), ok=False)
     assert done.returncode == 2 and "does NOT hold" in done.stdout and "sha256" in done.stdout
 
@@ -119,3 +117,26 @@ def test_older_plan_formats_say_how_to_remake_them(tmp_path):
     assert_one_line_error(
         cli("plan.py", "explain", str(old), ok=False), "format 1.4", "re-run strata plan"
     )
+
+
+def test_an_edited_costs_section_is_refused_and_marked(tiny_plan, tmp_path):
+    _, plan = tiny_plan
+    data = yaml.safe_load(plan.read_text())
+    data["costs"]["units"][1]["bytes"] = 10**12
+    edited = tmp_path / "costs.yaml"
+    edited.write_text(yaml.safe_dump(data, sort_keys=False))
+    assert "Edited by hand" in cli("plan.py", "explain", str(edited)).stdout
+    assert_one_line_error(_run(edited, ok=False), "does not hold")  # 931 GiB on the device
+    data["costs"]["units"][1]["bytes"] = 1000
+    edited.write_text(yaml.safe_dump(data, sort_keys=False))
+    assert_one_line_error(_run(edited, ok=False), "costs of unit", "re-run strata plan")
+
+
+def test_memory_short_within_noise_warns_instead_of_refusing(tiny_plan):
+    _, plan = tiny_plan
+    doc = read_yaml(plan, Plan)
+    gpu_need = dict((label, need) for label, need, _ in needs(doc))["gpu tier"]
+    v = verdict(doc, MachineNow("cpu", int(gpu_need * 0.99), 64 * GIB, True), None)
+    assert v.holds and any("within the noise" in w for w in v.warnings)
+    v = verdict(doc, MachineNow("cpu", int(gpu_need * 0.9), 64 * GIB, True), None)
+    assert not v.holds
