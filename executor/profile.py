@@ -166,7 +166,7 @@ def _rate(work: float, fn, samples: int, min_sample_s: float) -> tuple[Rate, int
     """``work`` (bytes, FLOP) per second of ``fn`` over the samples of :func:`_time_calls`, and
     the calls per sample."""
     secs, calls = _time_calls(fn, samples, min_sample_s)
-    return Rate.of(work / s for s in secs), calls
+    return Rate.of(work / s if s > 0 else 0.0 for s in secs), calls  # 0: refused, one line
 
 
 def _stats(rate: Rate, fmt) -> str:
@@ -975,7 +975,7 @@ def measure_host_to_device(
             mx.eval(mx.sum(x))
 
     secs, _ = _time_calls(copy, samples, 0.0, warmups=warmups)
-    rate = Rate.of(host.nbytes / s for s in secs)
+    rate = Rate.of(host.nbytes / s if s > 0 else 0.0 for s in secs)
     _say(f"host->device copy: {_gbs(rate.median)} (spread {rate.spread:.0%})")
     what = "mx.array(numpy float32) + mx.eval"
     if touch_on_device:

@@ -23,7 +23,7 @@ from strata.planner.explain import (
     runtime_label,
     unit_refs,
 )
-from strata.planner.rescore import description_of, judge
+from strata.planner.rescore import description_of, judge, request_edited
 
 METHODS = {"ilp": "the ILP", "baseline": "the baseline rule"}
 
@@ -254,9 +254,11 @@ def diff(a: Plan, b: Plan, desc: ModelDescription | None = None) -> str:
     ja, jb = judge(a), judge(b)
     va, vb = ja.view, jb.view
     lines = []
-    for name, j in (("a", ja), ("b", jb)):
+    for name, p, j in (("a", a, ja), ("b", b, jb)):
         if j.edited:
             lines.append(f"plan {name} is edited by hand (its figures are recomputed)")
+        if request_edited(p):
+            lines.append(f"plan {name}'s request was edited since planning (strata run refuses it)")
     lines += _change("model", model_label(a), model_label(b))
     lines += _change("machine", profile_label(a), profile_label(b))
     lines += _machine(a, b)

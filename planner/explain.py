@@ -14,7 +14,7 @@ from pathlib import Path
 from strata.common.schemas import TIERS, ModelDescription, Plan
 from strata.common.sizes import format_size
 from strata.planner.costmodel import batch_size, objective, rate_label
-from strata.planner.rescore import description_of, judge
+from strata.planner.rescore import description_of, judge, request_edited
 from strata.planner.rescore import edited as judged_edited
 
 # --------------------------------------------------------------------------- shared helpers
@@ -565,6 +565,11 @@ def explain(plan: Plan, desc: ModelDescription | None = None) -> str:
             "Edited by hand: its decisions are not the ones strata plan wrote; memory, pool and "
             "prediction below are recomputed from them with the plan's own figures"
         )
+    if request_edited(plan):
+        lines.append(
+            "Request edited since planning: strata run refuses this plan (its placement and KV "
+            "cache were sized for the request as planned); re-run strata plan"
+        )
     lines += [
         f"Request: {request_label(plan)}",
         f"Runtime: {runtime_label(plan)}",
@@ -582,6 +587,11 @@ def explain(plan: Plan, desc: ModelDescription | None = None) -> str:
         *_baseline_lines(plan, view),
         "",
         *_speculative_lines(view, desc),
+        *(
+            ["  (the speculative figures are as planned, before the edit)"]
+            if judged.edited and plan.speculative.method != "none"
+            else []
+        ),
     ]
     if plan.solver:
         s = plan.solver

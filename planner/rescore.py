@@ -21,7 +21,7 @@ from strata.common.schemas import (
     UnitCosts,
     UnitInfo,
 )
-from strata.common.yamlio import sha256_of
+from strata.common.yamlio import canonical_sha256, sha256_of
 from strata.planner.costmodel import PinnedPlacement, score, tier_memory
 
 DECISIONS = ("runtime", "placement", "pool", "prefetch", "expert_cache", "batch")
@@ -131,6 +131,12 @@ def executed_placement(plan: Plan) -> PinnedPlacement:
     """The plan's decisions as the executor runs them (``executed_pool``), for the cost model."""
     pool, prefetch = executed_pool(plan)
     return PinnedPlacement(plan.tier_of(), prefetch.depth, pool, plan.batch, plan.expert_cache)
+
+
+def request_edited(plan: Plan) -> bool:
+    """Whether the request section differs from the one planned (``strata run`` refuses it)."""
+    want = plan.provenance.request_sha256
+    return want is not None and want != canonical_sha256(plan.request)
 
 
 @dataclass(frozen=True)
