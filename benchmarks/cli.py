@@ -12,7 +12,7 @@ import argparse
 from pathlib import Path
 
 from strata.common.errors import StrataError
-from strata.executor.cli import writable_parent
+from strata.executor.cli import check_plan, writable_parent
 
 
 def cmd_bench(args: argparse.Namespace) -> None:
@@ -47,6 +47,7 @@ def cmd_bench(args: argparse.Namespace) -> None:
             f"--expert-cache-modes {bad[0]!r}: use some of {', '.join(CACHE_MODES)}, e.g. "
             "none,cache,prefetch"
         )
+    check_plan(args)  # the serving bench's server asks it itself
     result = bench(
         args.plan,
         args.prompt,

@@ -153,6 +153,19 @@ def prompt_ids_for(tokenizer: GGUFTokenizer, args: argparse.Namespace) -> list[i
     return prompt_ids(tokenizer, read_prompt(args))
 
 
+def check_plan(args: argparse.Namespace) -> None:
+    """Whether ``args.plan`` holds on this machine (``strata.check.require``, which the
+    ``strata`` command hands down as ``args.check_plan``): asked after a command's own options
+    are checked, before anything is loaded.
+
+    Raises:
+        PlanError: the plan does not hold here.
+    """
+    hook = getattr(args, "check_plan", None)
+    if hook is not None:
+        hook(args.plan)
+
+
 def cmd_run(args: argparse.Namespace) -> None:
     import mlx.core as mx
     from strata.executor.engine import Engine
@@ -167,6 +180,7 @@ def cmd_run(args: argparse.Namespace) -> None:
     # Every input is checked before the weights load (seconds to minutes), not after: the
     # prompt's files first (no model needed), then the prompt itself against the plan.
     prompt = read_prompt(args)
+    check_plan(args)
     plan, header = peek_plan(args.plan, args.model)  # the header: no hashing, no weights
     if args.save_routing_profile:
         if not plan.costs.architecture.expert_count:
@@ -278,6 +292,7 @@ def cmd_serve(args: argparse.Namespace) -> None:
         args.model_name,
         args.batch_invariant,
         model=args.model,
+        check=lambda: check_plan(args),
     )
 
 

@@ -144,9 +144,9 @@ def _check_self(path: Path, plan: Plan, desc: ModelDescription) -> None:
 
 
 def _check_costs(path: Path, plan: Plan, desc: ModelDescription) -> None:
-    """The plan's ``costs`` describe this model as this Strata reads it (bytes, FLOPs, role,
-    layer, expert of every unit; access may differ: a routing profile's measured frequencies):
-    ``check`` and the views size the plan from them.
+    """The plan's ``costs`` describe this model as this Strata reads it (bytes, role, layer,
+    expert of every unit; access and FLOPs per token may differ: a routing profile's measured
+    frequencies scale them): ``check`` and the views size the plan from them.
 
     Raises:
         PlanError: a unit whose costs differ (an edited costs section, or a plan made by a
@@ -160,11 +160,11 @@ def _check_costs(path: Path, plan: Plan, desc: ModelDescription) -> None:
                 f"{path}: costs.units lists {c.name}, which the model does not have; "
                 "re-run strata plan"
             )
-        mine = (c.bytes, c.flops, c.role, c.layer, c.expert)
-        theirs = (u.bytes_mlx, u.flops_per_token, u.role, u.layer, u.expert)
+        mine = (c.bytes, c.role, c.layer, c.expert)
+        theirs = (u.bytes_mlx, u.role, u.layer, u.expert)
         if mine != theirs:
             raise PlanError(
-                f"{path}: costs of unit {c.name} (bytes, FLOPs, role, layer, expert) are "
+                f"{path}: costs of unit {c.name} (bytes, role, layer, expert) are "
                 f"{mine}, but this model reads as {theirs}: the costs section was edited, or "
                 "another Strata version planned it; re-run strata plan"
             )

@@ -70,7 +70,9 @@ def _run(p: argparse.ArgumentParser, argv: list[str] | None) -> int:
 
     def command() -> None:
         if args.command in EXECUTE_COMMANDS:
-            check.require(args.plan)  # before anything is read: the machine holds the plan
+            # Asked by the command after its own options are checked, before it loads anything
+            # (the executor and the benchmarks cannot import the layer above them).
+            args.check_plan = check.require
         _commands()[args.command](args)
 
     return run_command(command)

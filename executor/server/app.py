@@ -255,12 +255,14 @@ def serve(
     batch_invariant: bool = False,
     *,
     model: str | None = None,
+    check: Callable[[], None] | None = None,
 ) -> None:
     """Load a plan and serve it until Ctrl-C or SIGTERM (``strata serve``).
 
     Prints ``serving MODEL on http://HOST:PORT`` to stderr once requests are accepted.
     ``batch_invariant``: ``ServingEngine``'s mode of that name (``--batch-invariant``);
-    ``model``: the GGUF file where it is not where the plan says (``--model``).
+    ``model``: the GGUF file where it is not where the plan says (``--model``); ``check``:
+    asked once the socket is bound, before the plan is loaded (``strata check``'s question).
 
     Raises:
         StrataError: the address cannot be used, or the plan cannot be loaded.
@@ -271,6 +273,8 @@ def serve(
 
     sock = bind_socket(host, port)  # before loading: a busy port fails in a second, not after
     try:
+        if check is not None:
+            check()
         loaded = load_plan(plan_path, model)
         engine = Engine(loaded)
         try:
