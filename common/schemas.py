@@ -440,22 +440,24 @@ class Request(Strict):
         "[min(128, context / 4), min(1024, context / 2)]",
     )
     output_tokens: int = Field(
-        default=256,
         ge=1,
         description="tokens generated per request: weighs time to first token against decode "
-        "in the objective",
+        "in the objective; default min(256, what the context leaves after the longest prompt)",
     )
 
     @model_validator(mode="before")
     @classmethod
     def _default_prompts(cls, data: object) -> object:
-        if isinstance(data, dict) and data.get("prompt_tokens") is None:
-            c = data.get("context")
-            if isinstance(c, int) and c >= 1:
-                data = {
-                    **data,
-                    "prompt_tokens": [max(1, min(128, c // 4)), max(1, min(1024, c // 2))],
-                }
+        c = data.get("context") if isinstance(data, dict) else None
+        if not isinstance(data, dict) or not isinstance(c, int) or c < 1:
+            return data
+        if data.get("prompt_tokens") is None:
+            data = {**data, "prompt_tokens": [max(1, min(128, c // 4)), max(1, min(1024, c // 2))]}
+        if data.get("output_tokens") is None:
+            prompts = data["prompt_tokens"]
+            longest = prompts[-1] if isinstance(prompts, list) and prompts else 0
+            longest = longest if isinstance(longest, int) else 0
+            data = {**data, "output_tokens": max(1, min(256, c - longest))}
         return data
 
     @field_validator("prompt_tokens")
@@ -471,6 +473,12 @@ class Request(Strict):
             raise ValueError(
                 f"prompt_tokens {self.prompt_tokens[1]} leaves no room in a context of "
                 f"{self.context} tokens; give a longer context or shorter prompts"
+            )
+        if self.prompt_tokens[1] + self.output_tokens > self.context > 1:
+            raise ValueError(
+                f"the longest prompt ({self.prompt_tokens[1]} tokens) and output_tokens "
+                f"({self.output_tokens}) do not fit a context of {self.context} tokens; give a "
+                "longer context, shorter prompts or fewer output tokens"
             )
         return self
 

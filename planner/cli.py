@@ -227,9 +227,8 @@ def add_commands(sub) -> None:
     pl.add_argument(
         "--output-tokens",
         type=int,
-        default=256,
         help="tokens generated per request, which weighs time to first token against decode "
-        "(default 256)",
+        "(default 256, or what the context leaves after the longest prompt)",
     )
     pl.add_argument("--gpu-budget", help="override the device working set, e.g. 512MiB, 8GiB")
     pl.add_argument("--ram-budget", help="override host RAM available, e.g. 8GB")

@@ -167,9 +167,13 @@ def _figures(doc: dict, prefix: str = "") -> dict[str, object]:
 
 
 def _figure(key: str, v: object) -> str:
-    if v is None or isinstance(v, bool | str):
+    if v is None:
+        return "none"
+    if isinstance(v, bool | str):
         return str(v)
     assert isinstance(v, int | float)
+    if key.endswith("flops_s"):
+        return f"{v / 1e9:.4g} GFLOP/s"
     if key.endswith("_bytes_s"):
         return f"{format_size(int(v))}/s"
     if key.endswith("_bytes"):
@@ -265,7 +269,7 @@ def diff(a: Plan, b: Plan, desc: ModelDescription | None = None) -> str:
     pa, pb = a.provenance, b.provenance
     lines += _change("decided by", METHODS[pa.method], METHODS[pb.method])
     lines += _change("planner version", str(pa.planner_version), str(pb.planner_version))
-    lines += _change("solver", str(pa.solver), str(pb.solver))
+    lines += _change("solver", pa.solver or "none", pb.solver or "none")
     lines += _change("request", request_label(a), request_label(b))
     lines += _change("runtime", runtime_label(a), runtime_label(b))
     lines += _moves(a, b, desc or description_of(a))

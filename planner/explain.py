@@ -148,6 +148,7 @@ def request_label(plan: Plan) -> str:
     """``context 4096, concurrency 1, objective latency[, gpu budget …][, ram budget …]``."""
     r = plan.request
     text = f"context {r.context} tokens, concurrency {r.concurrency}, objective {r.objective}"
+    text += f", prompts {r.prompt_tokens[0]}–{r.prompt_tokens[1]} tokens, {r.output_tokens} out"
     if r.gpu_budget_bytes is not None:
         text += f", gpu budget {format_size(r.gpu_budget_bytes)}"
     if r.ram_budget_bytes is not None:
@@ -213,12 +214,15 @@ def _memory_lines(plan: Plan) -> list[str]:
             lines.append(f"  {t:<5} {format_size(w):>10}   (no memory section: capacities unknown)")
         return lines
     draft = speculative_bytes(plan)
+    over = []
     for t in TIERS:
         m = plan.memory.get(t)  # type: ignore[call-overload]
         if m is None:
             continue
         total = m.weights + m.kv_cache + m.pool + m.expert_cache + m.activations
         total += draft if t == "gpu" else 0
+        if m.capacity and total > m.capacity:
+            over.append(f"{t} by {format_size(total - m.capacity)}")
         cap = format_size(m.capacity) if m.capacity else "unbounded"
         used = f"{100 * total / m.capacity:.1f}%" if m.capacity else "-"
         cache = f"{format_size(m.expert_cache):>12} " if experts else ""
@@ -226,6 +230,11 @@ def _memory_lines(plan: Plan) -> list[str]:
             f"  {t:<5} {format_size(m.weights):>10} {format_size(m.kv_cache):>10} "
             f"{format_size(m.pool):>10} {cache}{format_size(m.activations):>12} "
             f"{format_size(total):>10} {cap:>10}  {used}"
+        )
+    if over:
+        lines.append(
+            f"  OVER CAPACITY: {', '.join(over)}; these decisions do not fit the plan's budgets "
+            "(strata check refuses them where the machine is smaller too)"
         )
     sp = plan.speculative
     d = sp.draft_model

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from strata.common.errors import PlanError
 from strata.common.schemas import (
     HardwareProfile,
     ModelCosts,
@@ -128,7 +129,23 @@ def executed_pool(plan: Plan) -> tuple[Pool, Prefetch]:
 
 
 def executed_placement(plan: Plan) -> PinnedPlacement:
-    """The plan's decisions as the executor runs them (``executed_pool``), for the cost model."""
+    """The plan's decisions as the executor runs them (``executed_pool``), for the cost model.
+
+    Raises:
+        PlanError: a unit placed twice, or placed with other bytes than its costs say (a
+            placement's bytes are the unit's size, not a decision).
+    """
+    costs = {u.name: u.bytes for u in plan.costs.units}
+    seen: set[str] = set()
+    for p in plan.placement:
+        if p.unit in seen:
+            raise PlanError(f"unit {p.unit} is placed twice; give each unit one tier")
+        seen.add(p.unit)
+        if p.unit in costs and p.bytes != costs[p.unit]:
+            raise PlanError(
+                f"placement of {p.unit} says {p.bytes} bytes but the unit has {costs[p.unit]} "
+                "(costs.units): a unit's bytes are its size, not a decision; restore them"
+            )
     pool, prefetch = executed_pool(plan)
     return PinnedPlacement(plan.tier_of(), prefetch.depth, pool, plan.batch, plan.expert_cache)
 

@@ -122,14 +122,20 @@ def test_older_plan_formats_say_how_to_remake_them(tmp_path):
 def test_an_edited_costs_section_is_refused_and_marked(tiny_plan, tmp_path):
     _, plan = tiny_plan
     data = yaml.safe_load(plan.read_text())
-    data["costs"]["units"][1]["bytes"] = 10**12
+    unit = data["costs"]["units"][1]
+    where = next(p for p in data["placement"] if p["unit"] == unit["name"])
+    unit["bytes"] = where["bytes"] = 10**12  # a unit's size is in both sections
     edited = tmp_path / "costs.yaml"
     edited.write_text(yaml.safe_dump(data, sort_keys=False))
     assert "Edited by hand" in cli("plan.py", "explain", str(edited)).stdout
     assert_one_line_error(_run(edited, ok=False), "does not hold")  # 931 GiB on the device
-    data["costs"]["units"][1]["bytes"] = 1000
+    unit["bytes"] = where["bytes"] = 1000
     edited.write_text(yaml.safe_dump(data, sort_keys=False))
     assert_one_line_error(_run(edited, ok=False), "costs of unit", "re-run strata plan")
+    where["bytes"] = 7  # placement and costs disagree: every view refuses it
+    edited.write_text(yaml.safe_dump(data, sort_keys=False))
+    done = cli("plan.py", "explain", str(edited), ok=False)
+    assert_one_line_error(done, "its size, not a decision")
 
 
 def test_memory_short_within_noise_warns_instead_of_refusing(tiny_plan):

@@ -385,7 +385,8 @@ def test_streamed_attention_goes_to_blocks_whose_ffn_stays() -> None:
         units.append(U(f"blk.{i}.attn", "attention", i, 8 * MIB, flops=2 * 10**8))
         units.append(U(f"blk.{i}.ffn", "ffn", i, 48 * MIB, flops=20 * 10**8))
     desc, profile = make_desc(units), make_profile(gpu_bytes=0, ram_bytes=0)
-    request = Request(context=128, concurrency=1)
+    # Decode-bound requests (one-token prompts): the case is about the decode step's stall.
+    request = Request(context=4096, concurrency=1, prompt_tokens=[1, 1], output_tokens=4000)
     batch = batch_limits(request)
     profile = make_profile(
         gpu_bytes=kv_cache_bytes(desc, profile, batch)
