@@ -168,6 +168,8 @@ def read_yaml(path: str | Path, model: type[M]) -> M:
         SchemaError: missing file, invalid YAML, or a schema mismatch (one line, with the fix).
     """
     p = Path(path)
+    if p.is_dir():
+        raise SchemaError(f"{p}: is a folder; give the YAML file in it")
     if not p.is_file():
         raise SchemaError(f"{p}: no such file")
     try:
