@@ -184,6 +184,17 @@ def check_executable(path: Path, plan: Plan) -> None:
         )
 
 
+def _find(path: Path, model: str | Path | None) -> tuple[Plan, Path, str]:
+    """The plan at ``path``, its model file and how it was found (``catalog.locate_model``)."""
+    plan = read_yaml(path, Plan)
+    check_executable(path, plan)
+    src = plan.model
+    found, how = locate_model(
+        name=src.name, path=src.path, sha256=src.sha256, given=model, base=path.parent
+    )
+    return plan, found, how
+
+
 def peek_plan(path: str | Path, model: str | Path | None = None) -> tuple[Plan, GGUFFile]:
     """The plan and its model's header, found as ``load_plan`` finds them but without hashing
     the file (minutes for a large model the cache has not hashed yet): what a command checks its
@@ -193,15 +204,10 @@ def peek_plan(path: str | Path, model: str | Path | None = None) -> tuple[Plan, 
         SchemaError, PlanError, StrataError, GGUFError: as ``load_plan``; a header that is not
             the planned one.
     """
-    path = Path(path)
-    plan = read_yaml(path, Plan)
-    check_executable(path, plan)
-    src = plan.model
-    found, how = locate_model(
-        name=src.name, path=src.path, sha256=src.sha256, given=model, base=path.parent
-    )
+    plan, found, how = _find(Path(path), model)
     g = open_gguf(found)
-    if src.header_sha256 and g.header_sha256 != src.header_sha256:
+    want = plan.model.header_sha256
+    if want and g.header_sha256 != want:
         raise PlanError(
             f"{path}: model file {found} (found by {how}) has another header than the planned "
             "model: not the planned file; pass --model PATH to it, or re-run strata plan"
@@ -221,12 +227,8 @@ def load_plan(path: str | Path, model: str | Path | None = None) -> LoadedPlan:
         GGUFError: the model file is malformed.
     """
     path = Path(path)
-    plan = read_yaml(path, Plan)
-    check_executable(path, plan)
+    plan, model_path, how = _find(path, model)
     src = plan.model
-    model_path, how = locate_model(
-        name=src.name, path=src.path, sha256=src.sha256, given=model, base=path.parent
-    )
     again = "pass --model PATH to the planned file, or re-run strata plan for this one"
     digest = _checked_file(path, model_path, how, src.size_bytes, src.sha256, "model file", again)
     want = plan.provenance.request_sha256
