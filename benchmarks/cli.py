@@ -19,8 +19,8 @@ def cmd_bench(args: argparse.Namespace) -> None:
     from strata.benchmarks.bench import bench, plot, write_result
     from strata.executor.experts import CACHE_MODES
 
-    if args.baseline is not None and args.baseline < 1:
-        raise StrataError(f"--baseline {args.baseline}: give a number of rounds, 1 or more")
+    if args.baseline_rounds < 1:
+        raise StrataError(f"--baseline-rounds {args.baseline_rounds}: give 1 or more")
     if args.max_tokens < 2:
         raise StrataError("--max-tokens must be at least 2 for a decode measurement")
     # Check where the results go before the bench runs, not after.
@@ -32,8 +32,8 @@ def cmd_bench(args: argparse.Namespace) -> None:
     from strata.benchmarks.http_bench import cmd_http_bench, refuse_serving_options
 
     if args.concurrency is not None:  # the serving bench, over HTTP (benchmarks/http_bench.py)
-        if args.baseline is not None or args.model:
-            flag = "--baseline" if args.baseline is not None else "--model"
+        if args.baseline or args.model:
+            flag = "--baseline" if args.baseline else "--model"
             raise StrataError(
                 f"{flag} applies to the in-process bench; drop it or drop --concurrency"
             )
@@ -54,7 +54,7 @@ def cmd_bench(args: argparse.Namespace) -> None:
         args.max_tokens,
         args.check,
         modes,
-        baseline=args.baseline or 0,
+        baseline=args.baseline_rounds if args.baseline else 0,
         model=args.model,
     )
     write_result(result, args.output, args.plot, plot)
@@ -67,14 +67,17 @@ def add_commands(sub) -> None:
     b.add_argument("--model", help="the GGUF file, where it is not where the plan says")
     b.add_argument(
         "--baseline",
-        type=int,
-        nargs="?",
-        const=3,
-        default=None,
-        metavar="ROUNDS",
+        action="store_true",
         help="also measure the baseline rule's plan (first blocks resident in order, llama.cpp's "
         "-ngl/--fit) for the same model, machine and budgets, alternated with this plan in one "
-        "process ROUNDS times (default 3), and report the ratio of the medians",
+        "process, and report the ratio of the medians",
+    )
+    b.add_argument(
+        "--baseline-rounds",
+        type=int,
+        default=3,
+        metavar="N",
+        help="with --baseline: how many times plan and rule alternate (default 3)",
     )
     b.add_argument("--prompt", default="The capital of France is", help="prompt text")
     b.add_argument("--max-tokens", type=int, default=64, help="decode steps measured (64)")

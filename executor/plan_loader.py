@@ -152,7 +152,22 @@ def _check_costs(path: Path, plan: Plan, desc: ModelDescription) -> None:
         PlanError: a unit whose costs differ (an edited costs section, or a plan made by a
             Strata that repacks the model differently).
     """
+    where = "costs.architecture and costs.kv_elements_per_token"
+    # Compared as written: a plan's floats are rounded to 6 significant digits (yamlio).
+    if (canonical_sha256(plan.costs.architecture), plan.costs.kv_elements_per_token) != (
+        canonical_sha256(desc.architecture),
+        desc.kv_elements_per_token,
+    ):
+        raise PlanError(
+            f"{path}: {where} are not this model's: the costs section was edited, or another "
+            "Strata version planned it; re-run strata plan"
+        )
     real = {u.name: u for u in desc.units}
+    listed = [c.name for c in plan.costs.units]
+    if sorted(listed) != sorted(real):
+        raise PlanError(
+            f"{path}: costs.units does not list each of the model's units once; re-run strata plan"
+        )
     for c in plan.costs.units:
         u = real.get(c.name)
         if u is None:

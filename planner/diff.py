@@ -8,6 +8,7 @@ over contiguous layer ranges (``ffn blk 10–29: gpu → nvme, 20 units, 32.1 Mi
 
 from __future__ import annotations
 
+from strata.common.errors import PlanError
 from strata.common.schemas import TIERS, ModelDescription, Plan, TierMemory
 from strata.common.sizes import format_size
 from strata.planner.costmodel import batch_size
@@ -23,7 +24,7 @@ from strata.planner.explain import (
     runtime_label,
     unit_refs,
 )
-from strata.planner.rescore import description_of, judge, request_edited
+from strata.planner.rescore import Judged, description_of, judge, request_edited
 
 METHODS = {"ilp": "the ILP", "baseline": "the baseline rule"}
 
@@ -238,6 +239,13 @@ def _speculative(a: Plan, b: Plan) -> list[str]:
     return _change("speculative", label(a), label(b))
 
 
+def _judged(plan: Plan, name: str) -> Judged:
+    try:
+        return judge(plan)
+    except PlanError as e:
+        raise PlanError(f"plan {name}: {e}") from None
+
+
 def diff(a: Plan, b: Plan, desc: ModelDescription | None = None) -> str:
     """What differs between plan ``a`` and plan ``b``, each judged from its own decisions.
 
@@ -255,7 +263,7 @@ def diff(a: Plan, b: Plan, desc: ModelDescription | None = None) -> str:
     """
     if a == b:
         return "plans are identical\n"
-    ja, jb = judge(a), judge(b)
+    ja, jb = _judged(a, "a"), _judged(b, "b")
     va, vb = ja.view, jb.view
     lines = []
     for name, p, j in (("a", a, ja), ("b", b, jb)):

@@ -14,7 +14,13 @@ from pathlib import Path
 from strata.common.schemas import TIERS, ModelDescription, Plan
 from strata.common.sizes import format_size
 from strata.planner.costmodel import batch_size, objective, rate_label
-from strata.planner.rescore import description_of, judge, request_edited
+from strata.planner.rescore import (
+    description_of,
+    judge,
+    memory_needs,
+    request_edited,
+    speculative_bytes,
+)
 from strata.planner.rescore import edited as judged_edited
 
 # --------------------------------------------------------------------------- shared helpers
@@ -214,15 +220,12 @@ def _memory_lines(plan: Plan) -> list[str]:
             lines.append(f"  {t:<5} {format_size(w):>10}   (no memory section: capacities unknown)")
         return lines
     draft = speculative_bytes(plan)
-    over = []
     for t in TIERS:
         m = plan.memory.get(t)  # type: ignore[call-overload]
         if m is None:
             continue
         total = m.weights + m.kv_cache + m.pool + m.expert_cache + m.activations
         total += draft if t == "gpu" else 0
-        if m.capacity and total > m.capacity:
-            over.append(f"{t} by {format_size(total - m.capacity)}")
         cap = format_size(m.capacity) if m.capacity else "unbounded"
         used = f"{100 * total / m.capacity:.1f}%" if m.capacity else "-"
         cache = f"{format_size(m.expert_cache):>12} " if experts else ""
@@ -231,6 +234,11 @@ def _memory_lines(plan: Plan) -> list[str]:
             f"{format_size(m.pool):>10} {cache}{format_size(m.activations):>12} "
             f"{format_size(total):>10} {cap:>10}  {used}"
         )
+    over = [
+        f"{row.tier_label} by {format_size(used - row.capacity)}"
+        for row, used in memory_needs(plan)
+        if used > row.capacity
+    ]
     if over:
         lines.append(
             f"  OVER CAPACITY: {', '.join(over)}; these decisions do not fit the plan's budgets "
@@ -250,15 +258,6 @@ def _memory_lines(plan: Plan) -> list[str]:
             "beyond the activation reserve)"
         )
     return lines
-
-
-def speculative_bytes(plan: Plan) -> int:
-    """Device bytes speculative decoding adds to the plan's memory section: the draft model's
-    weights, KV cache and extra activations, and the verification pass's extra logits."""
-    sp = plan.speculative
-    d = sp.draft_model
-    own = d.bytes_mlx + d.kv_cache_bytes + d.activation_bytes if d is not None else 0
-    return own + sp.activation_bytes
 
 
 def _placement_lines(plan: Plan, desc: ModelDescription | None) -> list[str]:
@@ -444,7 +443,7 @@ def _baseline_lines(plan: Plan, view: Plan) -> list[str]:
     from strata.common.errors import PlanError
     from strata.planner.baseline import RULE, baseline_prediction
 
-    if plan.provenance.method == "baseline":
+    if plan.provenance.method == "baseline" and not judged_edited(plan):
         return [f"Baseline: this plan is the baseline rule's ({RULE})"]
     try:
         weights, base = baseline_prediction(plan)
@@ -460,7 +459,7 @@ def _baseline_lines(plan: Plan, view: Plan) -> list[str]:
     ]
     # Judged by what the ILP minimizes: the time of whole requests, TTFT included.
     mine = objective(ours, plan.request, plan.batch)
-    rule = objective(base, plan.request, plan.batch)
+    rule = objective(base, plan.request)  # the rule's own batch limits
     ratio = rule / mine if mine > 0 else 1.0
     if ratio > 1.0005:
         lines.append(f"  this plan is ×{ratio:.2f} faster per request than the baseline")

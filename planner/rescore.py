@@ -23,7 +23,13 @@ from strata.common.schemas import (
     UnitInfo,
 )
 from strata.common.yamlio import canonical_sha256, sha256_of
-from strata.planner.costmodel import PinnedPlacement, score, tier_memory
+from strata.planner.costmodel import (
+    CapacityRow,
+    PinnedPlacement,
+    capacity_use,
+    score,
+    tier_memory,
+)
 
 DECISIONS = ("runtime", "placement", "pool", "prefetch", "expert_cache", "batch")
 """The plan sections that decide how it runs (besides the speculative settings below)."""
@@ -154,6 +160,28 @@ def request_edited(plan: Plan) -> bool:
     """Whether the request section differs from the one planned (``strata run`` refuses it)."""
     want = plan.provenance.request_sha256
     return want is not None and want != canonical_sha256(plan.request)
+
+
+def speculative_bytes(plan: Plan) -> int:
+    """Device bytes speculative decoding adds to what the placement needs: the draft model's
+    weights, KV cache and extra activations, and the verification pass's extra logits."""
+    sp = plan.speculative
+    d = sp.draft_model
+    own = d.bytes_mlx + d.kv_cache_bytes + d.activation_bytes if d is not None else 0
+    return own + sp.activation_bytes
+
+
+def memory_needs(plan: Plan) -> list[tuple[CapacityRow, int]]:
+    """Each memory the plan's decisions use (the cost model's capacity rows: on unified memory
+    the shared gpu + ram row binds) with the bytes they need there, speculative decoding's
+    device bytes included; ``row.capacity`` is the plan's own budget.
+
+    Raises:
+        PlanError: as ``executed_placement``.
+    """
+    rows = capacity_use(description_of(plan), plan.machine, plan.request, executed_placement(plan))
+    extra = speculative_bytes(plan)
+    return [(row, used + (extra if "gpu" in row.weight_tiers else 0)) for row, used in rows]
 
 
 @dataclass(frozen=True)

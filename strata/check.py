@@ -22,9 +22,8 @@ from strata.common.sizes import format_size
 from strata.common.yamlio import read_yaml
 from strata.executor.machine import MachineNow, last_profile, machine_now
 from strata.executor.plan_loader import check_executable
-from strata.planner.costmodel import capacity_use
-from strata.planner.explain import format_rate, speculative_bytes
-from strata.planner.rescore import description_of, executed_placement, judge
+from strata.planner.explain import format_rate
+from strata.planner.rescore import judge, memory_needs
 
 NOISE = 0.02
 """A memory short by at most this share of its capacity is a warning, not a refusal: a CUDA
@@ -52,17 +51,10 @@ class Verdict:
 
 def needs(plan: Plan) -> list[tuple[str, int, str]]:
     """The bytes the plan's decisions need of each memory: ``(memory, bytes, which capacity of
-    MachineNow bounds it)``, from the cost model's capacity rows (``costmodel.capacity_use``)
-    over the decisions as the executor runs them, plus speculative decoding's device bytes."""
-    rows = capacity_use(description_of(plan), plan.machine, plan.request, executed_placement(plan))
-    extra = speculative_bytes(plan)  # the draft model and verification logits, on the device
+    MachineNow bounds it)`` (``planner.rescore.memory_needs``)."""
     return [
-        (
-            row.tier_label,
-            used + (extra if "gpu" in row.weight_tiers else 0),
-            "gpu_bytes" if row.weight_tiers == ("gpu",) else "ram_bytes",
-        )
-        for row, used in rows
+        (row.tier_label, used, "gpu_bytes" if row.weight_tiers == ("gpu",) else "ram_bytes")
+        for row, used in memory_needs(plan)
     ]
 
 
@@ -83,7 +75,8 @@ def verdict(plan: Plan, here: MachineNow, local: HardwareProfile | None) -> Verd
             f"{label}: the plan needs {format_size(need)}, this machine has "
             f"{format_size(have)} ({format_size(need - have)} short)"
         )
-        if need > have * (1 + NOISE):
+        moves = here.backend == "cuda" and attr == "gpu_bytes"  # free memory, read just now
+        if need > have * (1 + (NOISE if moves else 0.0)):
             v.refusals.append(line)
         elif need > have:  # within what the free memory of a GPU moves by between two reads
             v.warnings.append(line + "; within the noise of free memory, so it may still run")
@@ -121,6 +114,18 @@ def verdict(plan: Plan, here: MachineNow, local: HardwareProfile | None) -> Verd
     return v
 
 
+def _verdict(path: Path, plan: Plan, local: HardwareProfile | None) -> Verdict:
+    """``verdict`` on the running machine, a plan that cannot be judged named by its file.
+
+    Raises:
+        PlanError: the plan's decisions cannot be judged (a unit placed twice...).
+    """
+    try:
+        return verdict(plan, machine_now(), local)
+    except PlanError as e:
+        raise PlanError(f"{path}: {e}") from None
+
+
 def check(path: str | Path, model: str | None = None, profile: str | None = None) -> Verdict:
     """``strata check``: the machine (``verdict``) and the model: found and the planned bytes.
 
@@ -133,7 +138,7 @@ def check(path: str | Path, model: str | None = None, profile: str | None = None
     plan = read_yaml(path, Plan)
     check_executable(path, plan)
     local = read_yaml(profile, HardwareProfile) if profile else last_profile()
-    v = verdict(plan, machine_now(), local)
+    v = _verdict(path, plan, local)
     try:
         loaded = load_plan(path, model)
     except StrataError as e:  # not found, or not the planned bytes
@@ -154,7 +159,7 @@ def require(path: str | Path) -> None:
     path = Path(path)
     plan = read_yaml(path, Plan)
     check_executable(path, plan)
-    v = verdict(plan, machine_now(), last_profile())
+    v = _verdict(path, plan, last_profile())
     for w in v.warnings:
         print(f"warning: {w}", file=sys.stderr)
     if not v.holds:
