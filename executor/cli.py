@@ -88,6 +88,23 @@ def _one_line(e: Exception) -> str:
     return " ".join(str(e).split())
 
 
+def read_chat_template(path: str) -> str:
+    """The ``--chat-template`` file's text, compiled once so that a syntax error shows before
+    any model is opened.
+
+    Raises:
+        StrataError: a missing or unreadable file, text that is not UTF-8, or not valid Jinja.
+    """
+    from strata.executor.chat import ChatError, compile_template
+
+    template = _read_text("--chat-template", path)
+    try:
+        compile_template(template)
+    except ChatError as e:
+        raise ChatError(f"--chat-template {path}: {_one_line(e)}") from None
+    return template
+
+
 def read_prompt(args: argparse.Namespace) -> PromptInput:
     """Read and parse the prompt's options (--prompt, --messages, --prompt-ids, --chat-template):
     the files read, the JSON parsed and its shape checked, the template compiled, before a model
@@ -98,8 +115,6 @@ def read_prompt(args: argparse.Namespace) -> PromptInput:
             content}`` objects, a template that is not valid Jinja, ids that are not integers,
             text that is not UTF-8, or --chat-template without --messages.
     """
-    from strata.executor.chat import ChatError, compile_template
-
     if args.chat_template and args.messages is None:
         raise StrataError("--chat-template applies to --messages only; drop it or pass --messages")
     if args.prompt_ids is not None:
@@ -108,14 +123,9 @@ def read_prompt(args: argparse.Namespace) -> PromptInput:
         messages = _read_messages(args.messages)
         if not args.chat_template:
             return PromptInput(messages=messages)
-        template = _read_text("--chat-template", args.chat_template)
-        try:
-            compile_template(template)  # a syntax error shows before the plan's model is opened
-        except ChatError as e:
-            raise ChatError(f"--chat-template {args.chat_template}: {_one_line(e)}") from None
         return PromptInput(
             messages=messages,
-            template=template,
+            template=read_chat_template(args.chat_template),
             template_name=f"--chat-template {args.chat_template}",
         )
     try:
@@ -284,6 +294,7 @@ def cmd_serve(args: argparse.Namespace) -> None:
         raise StrataError(f"--port {args.port}: give a port in 0..65535 (0 = any free port)")
     if args.api_key is not None and not args.api_key.strip():
         raise StrataError("--api-key is empty; give a key, or leave the option out")
+    template = read_chat_template(args.chat_template) if args.chat_template else None
     serve(
         args.plan,
         args.host,
@@ -293,6 +304,7 @@ def cmd_serve(args: argparse.Namespace) -> None:
         args.batch_invariant,
         model=args.model,
         check=lambda: check_plan(args),
+        chat_template=template,
     )
 
 
@@ -367,6 +379,12 @@ def add_commands(sub) -> None:
         metavar="NAME",
         help="the model's name in requests and /v1/models (default: the catalog name, else the "
         "GGUF file's stem)",
+    )
+    s.add_argument(
+        "--chat-template",
+        metavar="FILE",
+        help="Jinja chat template for /v1/chat/completions (default: the GGUF's; e.g. "
+        "templates/gemma3.jinja for a GGUF without one)",
     )
     s.add_argument(
         "--batch-invariant",

@@ -131,7 +131,12 @@ class _Gate:
         return False
 
 
-def create_app(engine: ServingEngine, model_name: str, api_key: str | None = None) -> Starlette:
+def create_app(
+    engine: ServingEngine,
+    model_name: str,
+    api_key: str | None = None,
+    chat_template: str | None = None,
+) -> Starlette:
     """The ASGI application over a started ``ServingEngine``.
 
     Args:
@@ -158,7 +163,9 @@ def create_app(engine: ServingEngine, model_name: str, api_key: str | None = Non
             Exception: _internal_error,
         },
     )
-    app.state.strata = ServerState(engine, model_name, server_metrics, int(time.time()))
+    app.state.strata = ServerState(
+        engine, model_name, server_metrics, int(time.time()), chat_template=chat_template
+    )
     return app
 
 
@@ -256,13 +263,15 @@ def serve(
     *,
     model: str | None = None,
     check: Callable[[], None] | None = None,
+    chat_template: str | None = None,
 ) -> None:
     """Load a plan and serve it until Ctrl-C or SIGTERM (``strata serve``).
 
     Prints ``serving MODEL on http://HOST:PORT`` to stderr once requests are accepted.
     ``batch_invariant``: ``ServingEngine``'s mode of that name (``--batch-invariant``);
     ``model``: the GGUF file where it is not where the plan says (``--model``); ``check``:
-    asked once the socket is bound, before the plan is loaded (``strata check``'s question).
+    asked once the socket is bound, before the plan is loaded (``strata check``'s question);
+    ``chat_template``: the chat completions' template in place of the GGUF's (``--chat-template``).
 
     Raises:
         StrataError: the address cannot be used, or the plan cannot be loaded.
@@ -288,7 +297,7 @@ def serve(
                 name = model_name or default_model_name(loaded)
                 bound = sock.getsockname()[1]
                 shown = f"[{host}]" if ":" in host else host
-                app = create_app(serving, name, api_key)
+                app = create_app(serving, name, api_key, chat_template)
 
                 def ready() -> None:
                     print(f"serving {name} on http://{shown}:{bound}", file=sys.stderr, flush=True)

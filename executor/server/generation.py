@@ -293,6 +293,8 @@ class ServerState:
         created: when the server started (Unix seconds), for ``/v1/models``.
         live: the generations submitted and not closed yet.
         closing: the server is shutting down (new generations get 503).
+        chat_template: the template of chat completions (``serve --chat-template``); None: the
+            GGUF's.
     """
 
     engine: ServingEngine
@@ -300,6 +302,7 @@ class ServerState:
     metrics: ServerMetrics
     created: int
     live: set[Generation] = field(default_factory=set)
+    chat_template: str | None = None
     closing: bool = False
     _mailbox: _Mailbox | None = None
 

@@ -118,18 +118,19 @@ async def chat_completions(request: Request) -> Response:
     body.check_unsupported()
     _check_model(state, body.model)
     tok = state.engine.tokenizer
-    if tok.chat_template is None:
+    if state.chat_template is None and tok.chat_template is None:
         raise APIError(
             400,
-            "this model's GGUF has no chat template (tokenizer.chat_template); "
-            "use /v1/completions with a prompt instead",
+            "this model's GGUF has no chat template (tokenizer.chat_template); start the server "
+            "with --chat-template FILE (e.g. templates/gemma3.jinja for Gemma 3) or use "
+            "/v1/completions with a prompt instead",
             param="messages",
         )
     messages = [m.for_template() for m in body.messages]
     # the template's text per message counts too: many tiny messages are a long render
     chars = sum(len(str(m.get("content") or "")) + 64 for m in messages)
     try:
-        ids = await _tokenize(chars, messages_to_ids, tok, messages)
+        ids = await _tokenize(chars, messages_to_ids, tok, messages, state.chat_template)
     except StrataError as e:  # ChatError, or a TokenizerError
         raise APIError(400, str(e), param="messages") from None
     gen = await _start(state, body, ids, body.max_new_tokens(), None, "messages")

@@ -851,10 +851,15 @@ def test_engine_errors_and_missing_template(tokenizer):
         chat_body = {"model": "m", "messages": CHAT}
         engine.tokenizer = copy.copy(tokenizer)
         engine.tokenizer.chat_template = None
-        error_of(client.post("/v1/chat/completions", json=chat_body), 400, "no chat template")
+        error_of(client.post("/v1/chat/completions", json=chat_body), 400, "--chat-template FILE")
         big = {"model": "m", "prompt": "x" * (17 << 20)}
         error_of(client.post("/v1/completions", json=big), 413, "MiB")
     assert engine.aborted == []  # errors end requests in the engine already: nothing to abort
+    # serve --chat-template: a GGUF without a template renders chats with the given one.
+    template = "{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}<assistant>"
+    with TestClient(create_app(engine, "m", chat_template=template)) as client:
+        r = client.post("/v1/chat/completions", json=chat_body)
+        assert r.status_code == 500 and "out of memory" in r.text  # it reached the engine
 
 
 def test_short_prompts_are_tokenized_on_the_event_loop(monkeypatch):
