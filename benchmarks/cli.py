@@ -12,7 +12,7 @@ import argparse
 from pathlib import Path
 
 from strata.common.errors import StrataError
-from strata.executor.cli import check_plan, writable_parent
+from strata.executor.cli import add_plan_arguments, check_plan, writable_parent
 
 
 def cmd_bench(args: argparse.Namespace) -> None:
@@ -63,8 +63,7 @@ def cmd_bench(args: argparse.Namespace) -> None:
 def add_commands(sub) -> None:
     """Add the ``bench`` subcommand to ``sub``."""
     b = sub.add_parser("bench", help="measure a plan: tok/s, disk bytes/s, I/O wait, memory")
-    b.add_argument("plan")
-    b.add_argument("--model", help="the GGUF file, where it is not where the plan says")
+    add_plan_arguments(b)
     b.add_argument(
         "--baseline",
         action="store_true",

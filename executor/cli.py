@@ -191,17 +191,18 @@ def cmd_run(args: argparse.Namespace) -> None:
     # prompt's files first (no model needed), then the prompt itself against the plan.
     prompt = read_prompt(args)
     check_plan(args)
-    plan, header = peek_plan(args.plan, args.model)  # the header: no hashing, no weights
+    peeked = peek_plan(args.plan, args.model)  # the header: no hashing, no weights
+    plan = peeked.plan
     if args.save_routing_profile:
         if not plan.costs.architecture.expert_count:
             raise StrataError("--save-routing-profile needs a mixture-of-experts model")
         writable_parent(Path(args.save_routing_profile))
-    tokenizer = GGUFTokenizer.from_gguf(header)  # the vocabulary
+    tokenizer = GGUFTokenizer.from_gguf(peeked.gguf)  # the vocabulary
     ids = prompt_ids(tokenizer, prompt)
     check_request(
         request_for(ids, params, args.max_tokens), plan, plan.costs.architecture.vocab_size
     )
-    loaded = load_plan(args.plan, args.model)  # the model's bytes checked (hashed once per file)
+    loaded = load_plan(args.plan, peeked=peeked)  # the bytes checked (hashed once per file)
     # The engine `serve` runs (warm-up, kernels, paged KV cache, the plan's speculative
     # decoding), with one request.
     engine = Engine(loaded, expert_cache_mode=args.expert_cache, tokenizer=tokenizer)
@@ -325,16 +326,21 @@ def cmd_profile(args: argparse.Namespace) -> None:
         keep_profile(profile)  # what strata check and run compare plans' figures with
 
 
-def add_commands(sub) -> None:
-    """Add the executor's subcommands (run, serve, profile) to ``sub``."""
-    r = sub.add_parser("run", help="generate text from a prompt with a plan")
-    r.add_argument("plan", help="plan file written by strata plan (or by hand)")
-    r.add_argument(
+def add_plan_arguments(p: argparse.ArgumentParser) -> None:
+    """``PLAN`` and ``--model PATH``: what every command that runs or checks a plan takes."""
+    p.add_argument("plan", help="plan file written by strata plan (or by hand)")
+    p.add_argument(
         "--model",
         metavar="PATH",
         help="the GGUF file, where it is not where the plan says (its sha256 must be the planned "
         "one)",
     )
+
+
+def add_commands(sub) -> None:
+    """Add the executor's subcommands (run, serve, profile) to ``sub``."""
+    r = sub.add_parser("run", help="generate text from a prompt with a plan")
+    add_plan_arguments(r)
     src = r.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompt", help="raw text, tokenized with the GGUF's own BOS rule")
     src.add_argument("--messages", help='JSON file: [{"role": ..., "content": ...}, ...]')
@@ -359,13 +365,7 @@ def add_commands(sub) -> None:
     )
 
     s = sub.add_parser("serve", help="serve a plan over an OpenAI-compatible HTTP API")
-    s.add_argument("plan", help="plan file written by strata plan (or by hand)")
-    s.add_argument(
-        "--model",
-        metavar="PATH",
-        help="the GGUF file, where it is not where the plan says (its sha256 must be the planned "
-        "one)",
-    )
+    add_plan_arguments(s)
     s.add_argument("--host", default="127.0.0.1", help="address to listen on (127.0.0.1)")
     s.add_argument("--port", type=int, default=8000, help="TCP port (8000; 0 = any free port)")
     s.add_argument(

@@ -210,7 +210,18 @@ def _find(path: Path, model: str | Path | None) -> tuple[Plan, Path, str]:
     return plan, found, how
 
 
-def peek_plan(path: str | Path, model: str | Path | None = None) -> tuple[Plan, GGUFFile]:
+@dataclass
+class PeekedPlan:
+    """A plan with its model file found and its header opened, the bytes not yet hashed."""
+
+    plan: Plan
+    model_path: Path
+    how: str
+    """How the model file was found (``catalog.locate_model``), for messages."""
+    gguf: GGUFFile
+
+
+def peek_plan(path: str | Path, model: str | Path | None = None) -> PeekedPlan:
     """The plan and its model's header, found as ``load_plan`` finds them but without hashing
     the file (minutes for a large model the cache has not hashed yet): what a command checks its
     inputs against (tokenizer, context) before ``load_plan`` verifies the bytes.
@@ -227,12 +238,15 @@ def peek_plan(path: str | Path, model: str | Path | None = None) -> tuple[Plan, 
             f"{path}: model file {found} (found by {how}) has another header than the planned "
             "model: not the planned file; pass --model PATH to it, or re-run strata plan"
         )
-    return plan, g
+    return PeekedPlan(plan, found, how, g)
 
 
-def load_plan(path: str | Path, model: str | Path | None = None) -> LoadedPlan:
+def load_plan(
+    path: str | Path, model: str | Path | None = None, peeked: PeekedPlan | None = None
+) -> LoadedPlan:
     """Read a plan, find its model (``model``, i.e. ``--model PATH``, first) and check that the
-    file is the planned one, open it.
+    file is the planned one, open it (``peeked``: the same plan already found and opened by
+    ``peek_plan``, not read again).
 
     Raises:
         SchemaError: not a plan, a typo, or an unknown major format version.
@@ -242,7 +256,8 @@ def load_plan(path: str | Path, model: str | Path | None = None) -> LoadedPlan:
         GGUFError: the model file is malformed.
     """
     path = Path(path)
-    plan, model_path, how = _find(path, model)
+    peeked = peeked or peek_plan(path, model)
+    plan, model_path, how, g = peeked.plan, peeked.model_path, peeked.how, peeked.gguf
     src = plan.model
     again = "pass --model PATH to the planned file, or re-run strata plan for this one"
     digest = _checked_file(path, model_path, how, src.size_bytes, src.sha256, "model file", again)
@@ -257,9 +272,6 @@ def load_plan(path: str | Path, model: str | Path | None = None) -> LoadedPlan:
         )
     draft_ref = plan.speculative.draft_model
     draft_path = _draft_model_path(path, draft_ref) if draft_ref is not None else None
-    g = open_gguf(model_path)
-    if src.header_sha256 and g.header_sha256 != src.header_sha256:
-        raise PlanError(f"{path}: model header changed since planning; re-run strata plan")
     resolved = ResolvedModel(model_path, None, model_path.stat().st_size, digest)
     desc = describe_gguf(g, source_for(resolved, g.header_sha256))
     seen: set[str] = set()

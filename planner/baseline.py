@@ -22,7 +22,6 @@ from strata.common.schemas import (
     ModelDescription,
     Placement,
     Plan,
-    Prediction,
     Prefetch,
     Provenance,
     Request,
@@ -52,15 +51,6 @@ def _pieces(desc: ModelDescription) -> list[list[str]]:
         else:
             last.append(u.name)
     return [[n] for n in first] + [blocks[i] for i in sorted(blocks)] + [[n] for n in last]
-
-
-def rule_depth(desc, profile, request, tiers: dict[str, str]) -> int | None:
-    """The rule's prefetch depth for ``tiers``: 1 where something streams and two pool slots
-    fit, else 0 where one fits (or nothing streams); None where the placement does not fit."""
-    for depth in (1, 0) if "nvme" in tiers.values() else (0,):
-        if _fits_at(desc, profile, request, tiers, depth):
-            return depth
-    return None
 
 
 def _fits_at(desc, profile, request, tiers: dict[str, str], depth: int) -> bool:
@@ -105,11 +95,11 @@ def _arrange(desc, profile, request, allowed: list[str], depth: int) -> dict[str
     return tiers if _fits_at(desc, profile, request, tiers, depth) else None
 
 
-def baseline_tiers(
+def baseline_placement(
     desc: ModelDescription, profile: HardwareProfile, request: Request
-) -> dict[str, str]:
-    """The rule's tier for every unit (module docstring), on the request's allowed tiers: with
-    prefetch (depth 1) where any arrangement fits so, else with synchronous reads.
+) -> PinnedPlacement:
+    """The rule's tier for every unit and its prefetch depth (module docstring), on the
+    request's allowed tiers: depth 1 where any arrangement fits so, else synchronous reads.
 
     Raises:
         PlanError: not even the all-streamed placement fits (the KV cache and activations alone
@@ -119,7 +109,7 @@ def baseline_tiers(
     for depth in (1, 0):
         tiers = _arrange(desc, profile, request, allowed, depth)
         if tiers is not None:
-            return tiers
+            return PinnedPlacement(tiers, depth if "nvme" in tiers.values() else 0)
     raise PlanError(
         f"the baseline rule finds no placement that fits on tiers {', '.join(allowed)}: the "
         "KV cache and activations alone overflow the device; give a smaller --context or "
@@ -133,16 +123,15 @@ def baseline_plan(
     request: Request,
     provenance: Provenance | None = None,
 ) -> Plan:
-    """The rule's plan (``baseline_tiers``), complete and runnable, marked ``method: baseline``.
+    """The rule's plan (``baseline_placement``), complete and runnable, marked ``method:
+    baseline``.
 
     Raises:
-        PlanError: as ``baseline_tiers``.
+        PlanError: as ``baseline_placement``.
     """
-    tiers = baseline_tiers(desc, profile, request)
+    placement = baseline_placement(desc, profile, request)
+    tiers = placement.tiers
     streams = "nvme" in tiers.values()
-    depth = rule_depth(desc, profile, request, tiers)
-    assert depth is not None  # baseline_tiers returns placements that fit
-    placement = PinnedPlacement(tiers, depth)
     pool, batch, cache = placement.resolve(desc, request)
     plan = Plan(
         model=desc.model,
@@ -168,21 +157,3 @@ def baseline_plan(
     )
     plan.provenance.decisions_sha256 = decisions_sha256(plan)
     return plan
-
-
-def baseline_prediction(plan: Plan) -> tuple[dict[str, int], Prediction]:
-    """The rule's weight bytes per tier and prediction for ``plan``'s model, machine and request
-    (for ``explain``).
-
-    Raises:
-        PlanError: as ``baseline_tiers``.
-    """
-    from strata.planner.rescore import description_of
-
-    desc = description_of(plan)
-    tiers = baseline_tiers(desc, plan.machine, plan.request)
-    weights = dict.fromkeys(TIERS, 0)
-    for u in desc.units:
-        weights[tiers[u.name]] += u.bytes_mlx
-    placement = PinnedPlacement(tiers, rule_depth(desc, plan.machine, plan.request, tiers) or 0)
-    return weights, score(desc, plan.machine, plan.request, placement)

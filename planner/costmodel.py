@@ -161,7 +161,7 @@ MLX-form bytes.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 from strata.common.errors import PlanError
@@ -368,11 +368,7 @@ def unit_costs(
     Raises:
         PlanError: a bandwidth or the compute throughput in the profile is zero.
     """
-    gpu_bw = _rate(profile.gpu.memory_bandwidth_bytes_s.value, "gpu.memory_bandwidth_bytes_s")
     mv_flops = _rate(profile.gpu.decode_matvec_flops_s.value, "gpu.decode_matvec_flops_s")
-    op_s = profile.gpu.op_overhead_s.value
-    h2d_bw = _rate(profile.ram.host_to_device_bytes_s.value, "ram.host_to_device_bytes_s")
-    nvme_bw = _rate(profile.nvme.read_bytes_s.value, "nvme.read_bytes_s")
     b = batch_size(request, batch)
     # B tokens' products run at the measured decode-batch rate (on MLX's CPU backend that is the
     # matvec rate: a 16-row 4-bit product costs 16 single rows, docs/kernels.md#kernel-paths).
@@ -382,19 +378,35 @@ def unit_costs(
         if measured is None
         else _rate(measured.value, "gpu.decode_batch_flops_s")
     )
+    return _pass_costs(desc, profile, b, lambda f: max(f / mv_flops, b * f / bt_flops))
+
+
+def _pass_costs(
+    desc: ModelDescription, profile: HardwareProfile, rows: int, flops_s: Callable[[int], float]
+) -> list[UnitCost]:
+    """Per-unit coefficients of a pass in which ``rows`` tokens read the units (a decode step's
+    B sequences, or one prefill chunk): access ``a_u(rows) = 1 - (1 - a_u)^rows`` (P(at least
+    one token reads the unit) under independent routing), the device's roofline ``max(a_u(rows)
+    b_u / gpu_bw, flops_s(f_u))``, ``k_u op_s`` (weighted by ``a_u(rows)`` for experts, whose
+    operations run only when chosen), and the copy and read of what the pass reads.
+
+    Raises:
+        PlanError: a bandwidth in the profile is zero.
+    """
+    gpu_bw = _rate(profile.gpu.memory_bandwidth_bytes_s.value, "gpu.memory_bandwidth_bytes_s")
+    op_s = profile.gpu.op_overhead_s.value
+    h2d_bw = _rate(profile.ram.host_to_device_bytes_s.value, "ram.host_to_device_bytes_s")
+    nvme_bw = _rate(profile.nvme.read_bytes_s.value, "nvme.read_bytes_s")
     out = []
     for u in desc.units:
-        # P(at least one of B sequences reads the unit) under independent routing.
-        access = 1.0 - (1.0 - u.access_per_token) ** b
+        access = 1.0 - (1.0 - u.access_per_token) ** rows
         moved = access * u.bytes_mlx
-        f = u.flops_per_token
-        roofline = max(moved / gpu_bw, f / mv_flops, b * f / bt_flops)
         ops = OPS_PER_UNIT[u.role] * (access if u.role == "expert" else 1.0)
         out.append(
             UnitCost(
                 name=u.name,
                 bytes=u.bytes_mlx,
-                device_s=roofline,
+                device_s=max(moved / gpu_bw, flops_s(u.flops_per_token)),
                 ops_s=ops * op_s,
                 copy_s=moved / h2d_bw,
                 read_s=moved / nvme_bw,
@@ -835,27 +847,8 @@ def prefill_costs(desc: ModelDescription, profile: HardwareProfile, rows: int) -
     Raises:
         PlanError: a bandwidth or the compute throughput in the profile is zero.
     """
-    gpu_bw = _rate(profile.gpu.memory_bandwidth_bytes_s.value, "gpu.memory_bandwidth_bytes_s")
     flops = _rate(profile.gpu.compute_flops_s.value, "gpu.compute_flops_s")
-    op_s = profile.gpu.op_overhead_s.value
-    h2d_bw = _rate(profile.ram.host_to_device_bytes_s.value, "ram.host_to_device_bytes_s")
-    nvme_bw = _rate(profile.nvme.read_bytes_s.value, "nvme.read_bytes_s")
-    out = []
-    for u in desc.units:
-        access = 1.0 - (1.0 - u.access_per_token) ** rows
-        moved = access * u.bytes_mlx
-        ops = OPS_PER_UNIT[u.role] * (access if u.role == "expert" else 1.0)
-        out.append(
-            UnitCost(
-                name=u.name,
-                bytes=u.bytes_mlx,
-                device_s=max(moved / gpu_bw, rows * u.flops_per_token / flops),
-                ops_s=ops * op_s,
-                copy_s=moved / h2d_bw,
-                read_s=moved / nvme_bw,
-            )
-        )
-    return out
+    return _pass_costs(desc, profile, rows, lambda f: rows * f / flops)
 
 
 @dataclass(frozen=True)

@@ -11,8 +11,10 @@ from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from strata.common.errors import PlanError
 from strata.common.schemas import TIERS, ModelDescription, Plan
 from strata.common.sizes import format_size
+from strata.planner.baseline import RULE, baseline_plan
 from strata.planner.costmodel import batch_size, objective, rate_label
 from strata.planner.rescore import (
     description_of,
@@ -21,7 +23,6 @@ from strata.planner.rescore import (
     request_edited,
     speculative_bytes,
 )
-from strata.planner.rescore import edited as judged_edited
 
 # --------------------------------------------------------------------------- shared helpers
 
@@ -437,20 +438,18 @@ def _prediction_lines(plan: Plan) -> list[str]:
     ]
 
 
-def _baseline_lines(plan: Plan, view: Plan) -> list[str]:
+def _baseline_lines(plan: Plan, view: Plan, edited: bool) -> list[str]:
     """The baseline rule's prediction for the same model, machine and request beside the plan's
     (``planner.baseline``), and whether the plan beats it."""
-    from strata.common.errors import PlanError
-    from strata.planner.baseline import RULE, baseline_prediction
-
-    if plan.provenance.method == "baseline" and not judged_edited(plan):
+    if plan.provenance.method == "baseline" and not edited:
         return [f"Baseline: this plan is the baseline rule's ({RULE})"]
     try:
-        weights, base = baseline_prediction(plan)
+        rule_plan = baseline_plan(description_of(plan), plan.machine, plan.request)
     except PlanError:
         return [f"Baseline ({RULE}): finds no placement that fits"]
-    ours = view.prediction
-    assert ours is not None  # judged plans always have one
+    ours, base = view.prediction, rule_plan.prediction
+    assert ours is not None and base is not None  # judged and baseline plans always have one
+    weights = weights_per_tier(rule_plan)
     where = ", ".join(f"{t} {format_size(b)}" for t, b in weights.items() if b)
     ttft = " and ".join(format_time(t) for t in base.ttft_s)
     lines = [
@@ -466,7 +465,7 @@ def _baseline_lines(plan: Plan, view: Plan) -> list[str]:
     elif ratio < 0.9995:
         lines.append(f"  this plan is ×{1 / ratio:.2f} slower per request than the baseline")
     else:
-        who = "this plan does" if judged_edited(plan) else "the ILP can do"
+        who = "this plan does" if edited else "the ILP can do"
         lines.append(f"  {who} no better than the rule here: the same predicted request time")
     return lines
 
@@ -592,7 +591,7 @@ def explain(plan: Plan, desc: ModelDescription | None = None) -> str:
         f"Batch: {batch_label(plan)}",
         "",
         *_prediction_lines(view),
-        *_baseline_lines(plan, view),
+        *_baseline_lines(plan, view, judged.edited),
         "",
         *_speculative_lines(view, desc),
         *(

@@ -20,6 +20,7 @@ from strata.common.errors import PlanError, StrataError
 from strata.common.schemas import HardwareProfile, Plan
 from strata.common.sizes import format_size
 from strata.common.yamlio import read_yaml
+from strata.executor.cli import add_plan_arguments
 from strata.executor.machine import MachineNow, last_profile, machine_now
 from strata.executor.plan_loader import check_executable
 from strata.planner.explain import format_rate
@@ -114,12 +115,15 @@ def verdict(plan: Plan, here: MachineNow, local: HardwareProfile | None) -> Verd
     return v
 
 
-def _verdict(path: Path, plan: Plan, local: HardwareProfile | None) -> Verdict:
-    """``verdict`` on the running machine, a plan that cannot be judged named by its file.
+def _verdict(path: Path, local: HardwareProfile | None) -> Verdict:
+    """``verdict`` of the plan file ``path`` on the running machine.
 
     Raises:
-        PlanError: the plan's decisions cannot be judged (a unit placed twice...).
+        StrataError: not a plan; a plan of a described model (no weights); decisions that
+            cannot be judged (a unit placed twice...), named by the file.
     """
+    plan = read_yaml(path, Plan)
+    check_executable(path, plan)
     try:
         return verdict(plan, machine_now(), local)
     except PlanError as e:
@@ -135,10 +139,8 @@ def check(path: str | Path, model: str | None = None, profile: str | None = None
     from strata.executor.plan_loader import load_plan
 
     path = Path(path)
-    plan = read_yaml(path, Plan)
-    check_executable(path, plan)
     local = read_yaml(profile, HardwareProfile) if profile else last_profile()
-    v = _verdict(path, plan, local)
+    v = _verdict(path, local)
     try:
         loaded = load_plan(path, model)
     except StrataError as e:  # not found, or not the planned bytes
@@ -157,9 +159,7 @@ def require(path: str | Path) -> None:
             fix).
     """
     path = Path(path)
-    plan = read_yaml(path, Plan)
-    check_executable(path, plan)
-    v = _verdict(path, plan, last_profile())
+    v = _verdict(path, last_profile())
     for w in v.warnings:
         print(f"warning: {w}", file=sys.stderr)
     if not v.holds:
@@ -192,8 +192,7 @@ def add_command(sub) -> None:
         "needs, the model file (found and its sha256), and the predicted speed under this "
         "machine's last profile.",
     )
-    c.add_argument("plan")
-    c.add_argument("--model", help="the GGUF file, where it is not where the plan says")
+    add_plan_arguments(c)
     c.add_argument(
         "--profile",
         help="this machine's profile to compare bandwidths with (default: the last one "

@@ -8,7 +8,7 @@ import random
 import pytest
 from strata.common.errors import PlanError
 from strata.common.schemas import TIERS, Request
-from strata.planner.baseline import baseline_plan, baseline_tiers
+from strata.planner.baseline import baseline_placement, baseline_plan
 from strata.planner.costmodel import PinnedPlacement, capacity_use, objective
 from strata.planner.explain import explain
 from strata.planner.ilp import solve
@@ -29,7 +29,7 @@ def _tier_rank(t: str) -> int:
 def test_first_blocks_resident_in_order():
     desc = make_desc(_blocks(10), kv_elements_per_token=0)
     profile = make_profile(gpu_bytes=20 * MIB, ram_bytes=64 * GIB, unified=False)
-    tiers = baseline_tiers(desc, profile, Request(context=16))
+    tiers = baseline_placement(desc, profile, Request(context=16)).tiers
     order = ["token_embd"] + [f"blk.{i}.{p}" for i in range(10) for p in ("attn", "ffn")]
     ranks = [_tier_rank(tiers[n]) for n in order]
     assert ranks == sorted(ranks), "a later block never sits on a faster tier"
@@ -62,7 +62,7 @@ def test_no_room_at_all_is_a_clear_error():
     desc = make_desc(_blocks(2), kv_elements_per_token=10**6)
     profile = make_profile(gpu_bytes=MIB, ram_bytes=MIB, unified=False)
     with pytest.raises(PlanError, match="baseline rule finds no placement"):
-        baseline_tiers(desc, profile, Request(context=64, tiers=["gpu"]))
+        baseline_placement(desc, profile, Request(context=64, tiers=["gpu"]))
 
 
 @pytest.mark.parametrize("seed", range(6))
