@@ -167,7 +167,8 @@ def pool_label(plan: Plan) -> str:
     """``2 slots × 564 MiB = 1.10 GiB, prefetch depth 1, 1 I/O thread`` or ``none``."""
     p, f = plan.pool, plan.prefetch
     pool = (
-        f"{p.slots} slots × {format_size(p.slot_bytes)} = {format_size(p.slots * p.slot_bytes)}"
+        f"{p.slots} slot{'s' * (p.slots != 1)} × {format_size(p.slot_bytes)} = "
+        f"{format_size(p.slots * p.slot_bytes)}"
         if p.slots
         else "none (nothing streams)"
     )
