@@ -1,14 +1,8 @@
 #!/usr/bin/env bash
-# Strata in one command: install, fetch the default model, profile this machine, plan, run a prompt.
+# Strata in one command: install into .venv, then run a prompt on a catalog model with no plan or
+# profile given (the first run fetches the model, profiles this machine once and plans the model;
+# both are kept in the cache and reused). MODEL=gemma3-270m or a GGUF path, PROMPT="..." to change.
 set -euo pipefail
 cd "$(dirname "$0")"
-MODEL=${MODEL:-smollm2-135m}
 bash scripts/setup.sh
-PY=.venv/bin/python
-echo "== profiling this machine -> profiles/local.yaml" >&2
-$PY plan.py profile -o profiles/local.yaml
-echo "== planning $MODEL -> plans/local-$MODEL.yaml" >&2
-$PY plan.py plan --model "$MODEL" --profile profiles/local.yaml --context 2048 -o "plans/local-$MODEL.yaml"
-$PY plan.py explain "plans/local-$MODEL.yaml"
-echo "== running a prompt" >&2
-$PY execute.py run "plans/local-$MODEL.yaml" --prompt "The capital of France is" --max-tokens 32
+exec .venv/bin/strata run "${MODEL:-smollm2-135m}" --prompt "${PROMPT:-The capital of France is}"

@@ -12,7 +12,8 @@ import argparse
 from pathlib import Path
 
 from strata.common.errors import StrataError
-from strata.executor.cli import add_plan_arguments, check_plan, writable_parent
+from strata.executor.cli import add_plan_arguments, writable_parent
+from strata.executor.inputs import check_plan
 
 
 def cmd_bench(args: argparse.Namespace) -> None:

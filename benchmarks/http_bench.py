@@ -1264,7 +1264,7 @@ def http_bench(
         near_tie_gap = default_near_tie_gap(loaded.gguf)
     plan = loaded.plan
     batch = plan.batch
-    tok = GGUFTokenizer.from_reader(loaded.gguf.reader)
+    tok = GGUFTokenizer.from_gguf(loaded.gguf)
     work = make_workload(
         tok,
         batch,

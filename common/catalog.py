@@ -102,7 +102,9 @@ def _hash_cache_file() -> Path:
 
 
 def file_sha256(path: Path, *, progress: bool = False) -> str:
-    """sha256 of a file, remembered in the cache by (absolute path, size, mtime, ctime)."""
+    """sha256 of a file, remembered in the cache by (absolute path, size, mtime, ctime): a model is
+    hashed once, not on every run. ``progress``: a bar on stderr for a file of 64 MiB or more,
+    saying it is done once."""
     st = path.stat()
     # ctime changes on any write or metadata change, and cannot be set back by the user.
     key = f"{path.resolve()}|{st.st_size}|{st.st_mtime_ns}|{st.st_ctime_ns}"
@@ -122,7 +124,7 @@ def file_sha256(path: Path, *, progress: bool = False) -> str:
             total=st.st_size,
             unit="B",
             unit_scale=True,
-            desc=f"sha256 {path.name}",
+            desc=f"sha256 of {path.name} (once: remembered by path, size and times)",
             disable=not progress or st.st_size < 2**26,
             file=sys.stderr,
             leave=False,

@@ -8,6 +8,11 @@ builds its runtime config (``strata.executor.config.RuntimeConfig.build``).
 ========================== ======= =================== ===========================================
 Variable                   Type    Default             Meaning
 ========================== ======= =================== ===========================================
+``STRATA_API_KEY``         text    none                The API key ``strata serve`` requires
+                                                       (``Authorization: Bearer KEY``) when neither
+                                                       ``--api-key`` nor ``--api-key-file`` is
+                                                       given; surrounding spaces are dropped.
+                                                       Empty: no key.
 ``STRATA_CACHE``           path    ``~/.cache/strata`` Where catalog models, their verified sha256s
                                                        and packed stores (``executor.pack``) are
                                                        kept. Empty: the default.
@@ -50,6 +55,13 @@ def _path(name: str, text: str) -> Path:
     return Path(text)
 
 
+def _text(name: str, text: str) -> str:
+    """The text without surrounding white space; only white space is refused."""
+    if not text.strip():
+        raise StrataError(f"{name} holds only white space; set it to a value or unset it")
+    return text.strip()
+
+
 @dataclass(frozen=True)
 class EnvVar:
     """One environment variable: its name, how its text is parsed (``parse(name, text)``, which
@@ -65,6 +77,12 @@ class EnvVar:
 VARIABLES: dict[str, EnvVar] = {
     v.name: v
     for v in (
+        EnvVar(
+            "STRATA_API_KEY",
+            _text,
+            lambda: None,
+            "the API key strata serve requires when no --api-key or --api-key-file is given",
+        ),
         EnvVar(
             "STRATA_CACHE",
             _path,

@@ -25,7 +25,9 @@ class PlanError(StrataError):
 def run_command(command: Callable[[], None]) -> int:
     """Run a command-line action; a ``StrataError`` becomes one line on stderr and exit status 2.
 
-    Ctrl-C exits with 130 and a closed stdout (``| head``) with 0, neither with a traceback.
+    Ctrl-C exits with 130 and a closed stdout (``| head``) with 0, neither with a traceback;
+    Ctrl-C's one line is ``interrupted``, followed by what the ``KeyboardInterrupt`` says where
+    a command raised it with a message (``strata run``: how far it got).
     """
     try:
         command()
@@ -34,7 +36,8 @@ def run_command(command: Callable[[], None]) -> int:
         return 2
     except BrokenPipeError:
         return 0
-    except KeyboardInterrupt:
-        print("interrupted", file=sys.stderr)
+    except KeyboardInterrupt as e:
+        detail = " ".join(str(e).split())
+        print(f"interrupted {detail}" if detail else "interrupted", file=sys.stderr)
         return 130
     return 0

@@ -3,19 +3,20 @@
 GGUF headers come from untrusted files, and the ``gguf`` package trusts them (it has been seen to
 hang on a tiny hostile header). So ``open_gguf`` walks the header itself with bounds checks —
 string and array lengths against the bytes left, tensor shapes against overflow, tensor data against
-the file size — and keeps what it read: the metadata values (``GGUFFile.field``) and the tensor
-table (``GGUFFile.tensor_infos``). ``gguf.GGUFReader``, which makes a numpy view of every
-vocabulary entry when it is built (slow for large vocabularies), is built only when tensor data is
-read (``GGUFFile.reader``). The format is GGUF v2/v3 as specified in ggml's docs/gguf.md.
+the file size — and keeps what it read: the metadata values (``GGUFFile.field``), arrays as the
+file's bytes until asked for, and the tensor table (``GGUFFile.tensor_infos``). Tensor data is read
+through one read-only memory map of the file (``GGUFFile.tensor_bytes``). ``gguf.GGUFReader`` is not
+used: it builds numpy views of every vocabulary entry (over a million Python objects for a
+262,144-token vocabulary). The format is GGUF v2/v3 as specified in ggml's docs/gguf.md.
 """
 
 from __future__ import annotations
 
 import hashlib
 import mmap
+import os
 import struct
 import threading
-from collections import OrderedDict
 from dataclasses import dataclass
 from dataclasses import field as dataclass_field
 from pathlib import Path
@@ -73,9 +74,6 @@ class GGUFFile:
         data_offset: absolute offset where tensor data starts.
         header_sha256: sha256 of bytes [0, data_offset): metadata and tensor table.
         tensor_infos: the tensor table, in file order.
-        reader: ``gguf.GGUFReader`` over the file (memory-mapped; tensor data is read lazily),
-            built on first use and shared per process (``_reader``). Metadata and the tensor
-            table need no reader: use ``field`` and ``tensor_infos``.
     """
 
     path: Path
@@ -85,37 +83,31 @@ class GGUFFile:
     tensor_infos: list[TensorInfo]
     _meta: dict[str, _Meta] = dataclass_field(repr=False)
     _decoded: dict[str, Any] = dataclass_field(default_factory=dict, repr=False)
-    _reader_obj: gguf.GGUFReader | None = dataclass_field(default=None, repr=False)
-    _reader_lock: threading.Lock = dataclass_field(
+    _map: mmap.mmap | None = dataclass_field(default=None, repr=False, compare=False)
+    _map_lock: threading.Lock = dataclass_field(
         default_factory=threading.Lock, repr=False, compare=False
     )
 
-    @property
-    def reader(self) -> gguf.GGUFReader:
-        """The ``gguf.GGUFReader`` of the file, built (or taken from the cache) on first use.
+    def _mapped(self) -> mmap.mmap:
+        """The file's read-only memory map, made on first use (one per ``GGUFFile``).
 
         Raises:
-            GGUFError: the gguf package cannot read the file, or its tensor table is not the
-                one the header walk read (the file changed since it was opened).
+            GGUFError: the file is gone, or its size is not the one opened (it was rewritten
+                since: open it again).
         """
-        with self._reader_lock:  # one reader per file object, even when threads ask at once
-            if self._reader_obj is None:
-                self._reader_obj = self._checked_reader()
-        return self._reader_obj
-
-    def _checked_reader(self) -> gguf.GGUFReader:
-        """``_reader``'s reader, checked to hold the tensor table the header walk read."""
-        reader = _reader(self.path, self.header_sha256)
-        if (
-            reader.data_offset != self.data_offset
-            or len(reader.tensors) != len(self.tensor_infos)
-            or any(
-                t.name != i.name or t.data_offset != i.data_offset
-                for t, i in zip(reader.tensors, self.tensor_infos, strict=False)
-            )
-        ):
-            raise GGUFError(f"{self.path}: inconsistent GGUF header (tensor table does not add up)")
-        return reader
+        with self._map_lock:  # one map per file object, even when threads ask at once
+            if self._map is None:
+                try:
+                    with open(self.path, "rb") as f:
+                        if os.fstat(f.fileno()).st_size != self.size_bytes:
+                            raise GGUFError(
+                                f"{self.path}: the file changed size since it was opened; "
+                                "open it again"
+                            )
+                        self._map = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+                except OSError as e:
+                    raise GGUFError(f"{self.path}: cannot read it ({e.strerror})") from None
+        return self._map
 
     def field(self, key: str, default: Any = None) -> Any:
         """A metadata value (scalars as Python values, strings decoded, arrays as lists), as
@@ -163,6 +155,14 @@ class GGUFFile:
         dtype, data = m.raw
         return len(data) // np.dtype(dtype).itemsize
 
+    def string_bytes(self, key: str) -> list[bytes] | None:
+        """An array of strings as the file's bytes, not decoded (a vocabulary may hold tokens
+        that are not UTF-8 on their own); None when the key is absent or not such an array."""
+        m = self._meta.get(key)
+        if m is None or m.types != (_VT.ARRAY, _VT.STRING):
+            return None
+        return list(m.raw)
+
     def keys(self) -> list[str]:
         """The metadata keys in file order (after gguf's ``GGUF.version``, ``GGUF.tensor_count``
         and ``GGUF.kv_count``, as ``gguf.GGUFReader.fields``)."""
@@ -184,11 +184,11 @@ class GGUFFile:
             )
         return arch
 
-    def tensor_bytes(self, t: gguf.ReaderTensor) -> np.ndarray:
-        """The raw bytes of a tensor as a uint8 view into the memory map (no copy)."""
-        return np.asarray(t.data).reshape(-1).view(np.uint8)
+    def tensor_bytes(self, t: TensorInfo) -> np.ndarray:
+        """The raw bytes of a tensor as a read-only uint8 view into the memory map (no copy)."""
+        return np.frombuffer(self._mapped(), np.uint8, t.n_bytes, t.data_offset)
 
-    def drop_pages(self, t: gguf.ReaderTensor) -> None:
+    def drop_pages(self, t: TensorInfo) -> None:
         """Unmap the tensor's file pages from this process once its bytes were copied elsewhere.
 
         The pages stay in the OS page cache, but no longer count in the process's resident set:
@@ -196,14 +196,13 @@ class GGUFFile:
         (seen: 1.75 GiB peak RSS for a 0.68 GiB file). Linux/macOS ``madvise(MADV_DONTNEED)``
         on a read-only file mapping; a no-op where the platform lacks it.
         """
-        mm = getattr(self.reader.data, "_mmap", None)  # numpy.memmap keeps its mmap.mmap here
-        if mm is None or not hasattr(mmap, "MADV_DONTNEED"):
+        if self._map is None or not hasattr(mmap, "MADV_DONTNEED"):
             return
         page = mmap.PAGESIZE
-        start = int(t.data_offset) // page * page
-        end = int(t.data_offset) + int(t.n_bytes)
+        start = t.data_offset // page * page
+        end = t.data_offset + t.n_bytes
         try:
-            mm.madvise(mmap.MADV_DONTNEED, start, end - start)
+            self._map.madvise(mmap.MADV_DONTNEED, start, end - start)
         except (OSError, ValueError):
             pass  # only a memory-saving hint
 
@@ -304,8 +303,8 @@ class _Header(NamedTuple):
 def _walk_header(path: Path, size: int) -> _Header:
     """Validate the header and read its metadata and tensor table.
 
-    Everything ``gguf.GGUFReader`` would refuse is refused here, as a one-line ``GGUFError``: the
-    reader is built later, only when tensor data is read.
+    Everything the format forbids is refused here, as a one-line ``GGUFError``, before any
+    tensor data is read.
     """
     with open(path, "rb") as f:
         if size < 24:
@@ -385,39 +384,6 @@ def _walk_header(path: Path, size: int) -> _Header:
         return _Header(data_offset, meta, tensors)
     finally:
         buf.close()
-
-
-READER_CACHE_SIZE = 4
-"""``gguf.GGUFReader`` objects kept per process, most recently used first. The reader parses every
-metadata field into numpy views when it is made: 14.6 s for Gemma-3-270M's 262,144-token
-vocabulary on the 2-core dev machine (2.1 million views), while planning a model and then
-loading its plan open the same file twice in one process."""
-
-_readers: OrderedDict[tuple, gguf.GGUFReader] = OrderedDict()
-_readers_lock = threading.Lock()
-
-
-def _reader(p: Path, header_sha256: str) -> gguf.GGUFReader:
-    """The (cached) ``gguf.GGUFReader`` of ``p``, keyed by its resolved path, inode, size and
-    header bytes (``header_sha256``). What the reader parses is the header; tensor data it reads
-    through a shared memory map of the inode, which shows the file's current bytes. So a file
-    rewritten in place with another header, or replaced by another file, is read anew, without
-    relying on modification times (coarser than two quick writes)."""
-    st = p.stat()
-    key = (str(p.resolve()), st.st_ino, st.st_size, header_sha256)
-    with _readers_lock:
-        if key in _readers:
-            _readers.move_to_end(key)
-            return _readers[key]
-    try:
-        reader = gguf.GGUFReader(p, "r")
-    except Exception as e:  # the header passed our checks; anything left is still the file's fault
-        raise GGUFError(f"{p}: the gguf package cannot read this file: {e}") from None
-    with _readers_lock:
-        _readers[key] = reader
-        while len(_readers) > READER_CACHE_SIZE:
-            _readers.popitem(last=False)
-    return reader
 
 
 def open_gguf(path: str | Path) -> GGUFFile:

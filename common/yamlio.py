@@ -81,12 +81,16 @@ def to_yaml(doc: BaseModel) -> str:
 
 
 def write_yaml(doc: BaseModel, path: str | Path) -> None:
-    """Write ``doc`` to ``path`` (parent folders created)."""
+    """Write ``doc`` to ``path`` (parent folders created), whole or not at all: a reader never
+    sees half a file, and Ctrl-C leaves the old one (``atomic.replaced``)."""
+    from strata.common.atomic import replaced
+
     text = to_yaml(doc)
     p = Path(path)
     try:
         p.parent.mkdir(parents=True, exist_ok=True)
-        p.write_text(text)
+        with replaced(p, "w") as f:
+            f.write(text)
     except OSError as e:
         raise SchemaError(f"cannot write {p}: {e.strerror or e}; choose another -o path") from None
 

@@ -12,7 +12,9 @@ from __future__ import annotations
 import functools
 import json
 from collections.abc import Sequence
+from dataclasses import dataclass
 from datetime import datetime
+from importlib import resources
 from typing import TYPE_CHECKING, Any, NoReturn
 
 import jinja2
@@ -29,10 +31,67 @@ class ChatError(StrataError, ValueError):
     """The messages are malformed, or the chat template is missing or fails on them."""
 
 
+BUILTIN_TEMPLATES = {"chatml": "chatml.jinja", "gemma3": "gemma3.jinja"}
+"""Chat templates shipped with Strata (``executor/templates/``), by the name ``--chat-template``
+takes in place of a file."""
+
+ARCHITECTURE_TEMPLATES = {"gemma3": "gemma3"}
+"""The built-in template used for a GGUF of this ``general.architecture`` that carries none
+(llama.cpp's converter writes no template for Gemma-3 base models, as the catalog's
+Gemma-3-270M shows; llama.cpp itself falls back to a template picked by model too)."""
+
 NO_TEMPLATE = (
-    "this model's GGUF has no chat template (tokenizer.chat_template); "
-    "pass --chat-template FILE (a Jinja template) or use --prompt"
+    "this model's GGUF has no chat template (tokenizer.chat_template) and no built-in one fits "
+    f"its architecture; pass --chat-template FILE (a Jinja template) or a built-in name "
+    f"({', '.join(BUILTIN_TEMPLATES)}), or use --prompt"
 )
+
+
+@dataclass(frozen=True)
+class ChatTemplate:
+    """A chat template and how messages and errors name it.
+
+    Attributes:
+        text: the Jinja source.
+        name: e.g. "the GGUF's chat template", "--chat-template my.jinja", "the built-in gemma3
+            template".
+        fallback: True when it is a built-in used because the GGUF has none (worth one line to
+            the user: the model was not shipped with it).
+    """
+
+    text: str
+    name: str
+    fallback: bool = False
+
+
+def builtin_template(name: str) -> str:
+    """The text of a built-in template (``BUILTIN_TEMPLATES``).
+
+    Raises:
+        ChatError: no built-in of that name.
+    """
+    file = BUILTIN_TEMPLATES.get(name)
+    if file is None:
+        raise ChatError(
+            f"no built-in chat template {name!r}; built-in: {', '.join(BUILTIN_TEMPLATES)}"
+        )
+    return (resources.files("strata.executor") / "templates" / file).read_text(encoding="utf-8")
+
+
+def chat_template_for(
+    tokenizer: GGUFTokenizer, architecture: str, given: ChatTemplate | None = None
+) -> ChatTemplate | None:
+    """The template chats are rendered with: ``given`` (``--chat-template``), else the GGUF's,
+    else the built-in one for the architecture (``ARCHITECTURE_TEMPLATES``), else None (a chat
+    is then refused with ``NO_TEMPLATE``)."""
+    if given is not None:
+        return given
+    if tokenizer.chat_template is not None:
+        return ChatTemplate(tokenizer.chat_template, "the GGUF's chat template")
+    name = ARCHITECTURE_TEMPLATES.get(architecture)
+    if name is None:
+        return None
+    return ChatTemplate(builtin_template(name), f"the built-in {name} template", fallback=True)
 
 
 class _GenerationBlock(Extension):

@@ -3,8 +3,8 @@
 
 Text streams to stdout as it is generated and stats go to stderr; ``--json`` prints one object
 (``prompt_ids``, ``output_ids``, ``text``, ``stats``) instead. User errors are one line on stderr
-with exit status 2. ``serve`` prints one line to stderr once it accepts requests and runs until
-Ctrl-C or SIGTERM.
+with exit status 2. ``serve`` prints one line to stderr once it accepts requests, then one line
+per request (``--quiet``: none), and runs until Ctrl-C or SIGTERM.
 """
 
 from __future__ import annotations
@@ -14,175 +14,29 @@ import json
 import socket
 import sys
 import time
-from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from strata.common.cli_io import check_output, emit
 from strata.common.errors import StrataError
 from strata.common.sizes import format_size
-
-if TYPE_CHECKING:
-    from strata.executor.tokenizer import GGUFTokenizer
-
-
-@dataclass
-class PromptInput:
-    """What the command line gives as the prompt, read and parsed (no tokenizer needed yet).
-
-    Exactly one of ``ids``, ``text`` and ``messages`` is set.
-
-    Attributes:
-        ids: ``--prompt-ids``, as they are.
-        text: ``--prompt``.
-        messages: ``--messages``' chat, a checked list of ``{role, content}`` objects.
-        template: ``--chat-template``'s text; None: the GGUF's own.
-        template_name: the template as an error names it.
-    """
-
-    ids: list[int] | None = None
-    text: str | None = None
-    messages: list[dict] | None = None
-    template: str | None = None
-    template_name: str = "the GGUF's chat template (tokenizer.chat_template)"
-
-
-def _read_text(option: str, path: str) -> str:
-    p = Path(path)
-    if not p.is_file():
-        raise StrataError(f"{option} {path}: no such file")
-    try:
-        return p.read_text(encoding="utf-8")
-    except UnicodeDecodeError:
-        raise StrataError(f"{option} {path}: not UTF-8 text") from None
-    except OSError as e:
-        raise StrataError(f"{option} {path}: cannot read it ({e.strerror})") from None
-
-
-def _read_messages(path: str) -> list[dict]:
-    from strata.executor.chat import ChatError, check_messages
-
-    try:
-        messages = json.loads(_read_text("--messages", path))
-    except ValueError as e:
-        raise StrataError(f"--messages {path}: not valid JSON ({e})") from None
-    try:
-        check_messages(messages)
-    except ChatError as e:
-        raise ChatError(
-            f'--messages {path}: {e} (give [{{"role": "user", "content": "..."}}, ...])'
-        ) from None
-    return messages
-
-
-def _parse_ids(text: str) -> list[int]:
-    try:
-        return [int(t) for t in text.replace(" ", "").split(",")]
-    except ValueError:
-        raise StrataError(
-            f"--prompt-ids {text!r}: give comma-separated integers, e.g. 1,2,3"
-        ) from None
-
-
-def _one_line(e: Exception) -> str:
-    return " ".join(str(e).split())
-
-
-def read_chat_template(path: str) -> str:
-    """The ``--chat-template`` file's text, compiled once so that a syntax error shows before
-    any model is opened.
-
-    Raises:
-        StrataError: a missing or unreadable file, text that is not UTF-8, or not valid Jinja.
-    """
-    from strata.executor.chat import ChatError, compile_template
-
-    template = _read_text("--chat-template", path)
-    try:
-        compile_template(template)
-    except ChatError as e:
-        raise ChatError(f"--chat-template {path}: {_one_line(e)}") from None
-    return template
-
-
-def read_prompt(args: argparse.Namespace) -> PromptInput:
-    """Read and parse the prompt's options (--prompt, --messages, --prompt-ids, --chat-template):
-    the files read, the JSON parsed and its shape checked, the template compiled, before a model
-    is touched.
-
-    Raises:
-        StrataError: a missing or unreadable file, JSON that is not a list of ``{role,
-            content}`` objects, a template that is not valid Jinja, ids that are not integers,
-            text that is not UTF-8, or --chat-template without --messages.
-    """
-    if args.chat_template and args.messages is None:
-        raise StrataError("--chat-template applies to --messages only; drop it or pass --messages")
-    if args.prompt_ids is not None:
-        return PromptInput(ids=_parse_ids(args.prompt_ids))
-    if args.messages is not None:
-        messages = _read_messages(args.messages)
-        if not args.chat_template:
-            return PromptInput(messages=messages)
-        return PromptInput(
-            messages=messages,
-            template=read_chat_template(args.chat_template),
-            template_name=f"--chat-template {args.chat_template}",
-        )
-    try:
-        args.prompt.encode("utf-8")
-    except UnicodeEncodeError:
-        raise StrataError("--prompt is not valid UTF-8 text; re-encode it as UTF-8") from None
-    return PromptInput(text=args.prompt)
-
-
-def prompt_ids(tokenizer: GGUFTokenizer, prompt: PromptInput) -> list[int]:
-    """The prompt's token ids: ``--prompt-ids`` as they are, ``--prompt`` tokenized with the
-    GGUF's BOS rule, or ``--messages`` rendered once with the chat template and tokenized.
-
-    Raises:
-        ChatError: no chat template (neither given nor in the GGUF), or the template fails on the
-            messages (one line naming the template and the problem).
-    """
-    from strata.executor.chat import NO_TEMPLATE, ChatError, messages_to_ids
-
-    if prompt.ids is not None:
-        return prompt.ids
-    if prompt.messages is None:
-        return tokenizer.encode(prompt.text)
-    if prompt.template is None and tokenizer.chat_template is None:
-        raise ChatError(NO_TEMPLATE)
-    try:
-        return messages_to_ids(tokenizer, prompt.messages, prompt.template)
-    except ChatError as e:
-        raise ChatError(f"{prompt.template_name}: {_one_line(e)}") from None
-
-
-def prompt_ids_for(tokenizer: GGUFTokenizer, args: argparse.Namespace) -> list[int]:
-    """The prompt's token ids from --prompt, --messages or --prompt-ids (:func:`read_prompt`,
-    then :func:`prompt_ids`)."""
-    return prompt_ids(tokenizer, read_prompt(args))
-
-
-def check_plan(args: argparse.Namespace) -> None:
-    """Whether ``args.plan`` holds on this machine (``strata.check.require``, which the
-    ``strata`` command hands down as ``args.check_plan``): asked after a command's own options
-    are checked, before anything is loaded.
-
-    Raises:
-        PlanError: the plan does not hold here.
-    """
-    hook = getattr(args, "check_plan", None)
-    if hook is not None:
-        hook(args.plan)
+from strata.executor.inputs import (
+    check_plan,
+    prompt_ids,
+    read_chat_template,
+    read_prompt,
+)
 
 
 def cmd_run(args: argparse.Namespace) -> None:
-    import mlx.core as mx
-    from strata.executor.engine import Engine
-    from strata.executor.generate import generate, request_for
-    from strata.executor.plan_loader import load_plan, peek_plan
+    from strata.executor.generate import (
+        GenerationInterrupted,
+        generate,
+        request_for,
+        started_engine,
+    )
+    from strata.executor.plan_loader import peek_plan
     from strata.executor.sampling import SamplingParams
-    from strata.executor.serving import ServingEngine, check_request
+    from strata.executor.serving import check_request
     from strata.executor.tokenizer import GGUFTokenizer
 
     params = SamplingParams(args.temperature, args.top_k, args.top_p, args.seed)
@@ -198,38 +52,30 @@ def cmd_run(args: argparse.Namespace) -> None:
             raise StrataError("--save-routing-profile needs a mixture-of-experts model")
         writable_parent(Path(args.save_routing_profile))
     tokenizer = GGUFTokenizer.from_gguf(peeked.gguf)  # the vocabulary
-    ids = prompt_ids(tokenizer, prompt)
+    ids = prompt_ids(tokenizer, prompt, plan.costs.architecture.name)
     check_request(
         request_for(ids, params, args.max_tokens), plan, plan.costs.architecture.vocab_size
     )
-    loaded = load_plan(args.plan, peeked=peeked)  # the bytes checked (hashed once per file)
-    # The engine `serve` runs (warm-up, kernels, paged KV cache, the plan's speculative
-    # decoding), with one request.
-    engine = Engine(loaded, expert_cache_mode=args.expert_cache, tokenizer=tokenizer)
-    try:
-        serving = ServingEngine(engine)
-    except BaseException:
-        engine.close()
-        raise
 
     def write(piece: str) -> None:
         sys.stdout.write(piece)
         sys.stdout.flush()
 
-    try:
-        load_s = time.perf_counter() - t0
-        load_peak_mlx = int(mx.get_peak_memory())  # generate() resets MLX's peak: loading's own
-        if engine.config.warm_up_row_buckets:  # as serve says it (the GPU: up to a minute)
-            print("building kernels for every batch size ...", file=sys.stderr, flush=True)
-        warm_up_s = serving.start()
-        gen = generate(serving, ids, params, args.max_tokens, None if args.json else write)
-    finally:
-        serving.close()  # the engine thread and the I/O threads stop on success, errors, Ctrl-C
-    if args.save_routing_profile:
-        _save_routing(engine, loaded, Path(args.save_routing_profile))
+    # The engine `serve` runs, with one request; stopped on success, errors and Ctrl-C.
+    with started_engine(args.plan, peeked, tokenizer, t0, args.expert_cache) as started:
+        interrupted: GenerationInterrupted | None = None
+        try:
+            gen = generate(
+                started.serving, ids, params, args.max_tokens, None if args.json else write
+            )
+        except GenerationInterrupted as e:  # Ctrl-C: what was generated is printed, status 130
+            gen, interrupted = e.generation, e
+    load_s, warm_up_s = started.load_s, started.warm_up_s
+    if args.save_routing_profile and interrupted is None:
+        _save_routing(started.serving.engine, started.loaded, Path(args.save_routing_profile))
     gen.stats["load_s"] = round(load_s, 3)
     gen.stats["warm_up_s"] = round(warm_up_s, 3)
-    gen.stats["load_peak_mlx_bytes"] = load_peak_mlx
+    gen.stats["load_peak_mlx_bytes"] = started.load_peak_mlx_bytes
     if args.json:
         out = {
             "prompt_ids": gen.prompt_ids,
@@ -237,7 +83,14 @@ def cmd_run(args: argparse.Namespace) -> None:
             "text": gen.text,
             "stats": gen.stats,
         }
-        print(json.dumps(out, ensure_ascii=False))
+        if interrupted is not None:
+            out["interrupted"] = True
+        print(json.dumps(out, ensure_ascii=False), flush=True)
+    if interrupted is not None:  # strata.common.errors.run_command: one line, exit status 130
+        if gen.output_ids and not args.json:
+            print(file=sys.stderr)  # the streamed text stays on its own line
+        raise interrupted
+    if args.json:
         return
     s = gen.stats
     print(file=sys.stderr)  # stdout carries exactly the generated text
@@ -293,20 +146,56 @@ def cmd_serve(args: argparse.Namespace) -> None:
 
     if not 0 <= args.port <= 65535:
         raise StrataError(f"--port {args.port}: give a port in 0..65535 (0 = any free port)")
-    if args.api_key is not None and not args.api_key.strip():
-        raise StrataError("--api-key is empty; give a key, or leave the option out")
+    key = api_key(args)
     template = read_chat_template(args.chat_template) if args.chat_template else None
     serve(
         args.plan,
         args.host,
         args.port,
-        args.api_key,
+        key,
         args.model_name,
         args.batch_invariant,
         model=args.model,
         check=lambda: check_plan(args),
         chat_template=template,
+        access_log=not args.quiet,
     )
+
+
+def api_key(args: argparse.Namespace) -> str | None:
+    """The key ``serve`` requires, from the first of ``--api-key KEY``, ``--api-key-file FILE``
+    (its first line, without surrounding white space) and ``$STRATA_API_KEY``; None: no key.
+    The file and the variable keep the key off the command line, which ``ps`` shows.
+
+    Raises:
+        StrataError: both options given, an empty ``--api-key``, or a key file that is missing,
+            unreadable, not UTF-8 or whose first line is empty.
+    """
+    from strata.common import envs
+
+    if args.api_key is not None and args.api_key_file is not None:
+        raise StrataError("--api-key and --api-key-file both give the key; keep one of them")
+    if args.api_key is not None:
+        if not args.api_key.strip():
+            raise StrataError("--api-key is empty; give a key, or leave the option out")
+        return args.api_key
+    if args.api_key_file is not None:
+        where = f"--api-key-file {args.api_key_file}"
+        try:  # opened as given: a pipe such as <(pass show key) works too
+            raw = Path(args.api_key_file).read_bytes()
+        except FileNotFoundError:
+            raise StrataError(f"{where}: no such file") from None
+        except OSError as e:
+            raise StrataError(f"{where}: cannot read it ({e.strerror or e})") from None
+        try:
+            lines = raw.decode("utf-8").splitlines()
+        except UnicodeDecodeError:
+            raise StrataError(f"{where}: not UTF-8 text") from None
+        key = lines[0].strip() if lines else ""
+        if not key:
+            raise StrataError(f"{where}: the first line is empty; put the key on it")
+        return key
+    return envs.get("STRATA_API_KEY")
 
 
 def cmd_profile(args: argparse.Namespace) -> None:
@@ -326,23 +215,42 @@ def cmd_profile(args: argparse.Namespace) -> None:
         keep_profile(profile)  # what strata check and run compare plans' figures with
 
 
-def add_plan_arguments(p: argparse.ArgumentParser) -> None:
-    """``PLAN`` and ``--model PATH``: what every command that runs or checks a plan takes."""
-    p.add_argument("plan", help="plan file written by strata plan (or by hand)")
+def add_plan_arguments(p: argparse.ArgumentParser, *, model: bool = False) -> None:
+    """``PLAN`` and ``--model PATH``: what every command that runs or checks a plan takes.
+
+    ``model``: the positional may also be a model (catalog name or GGUF path), which the
+    ``strata`` command plans first (``strata.autoplan``: ``run``, ``serve``, ``chat``); it
+    stays ``args.plan``.
+    """
+    if model:
+        p.add_argument(
+            "plan",
+            metavar="PLAN|MODEL",
+            help="PLAN file (written by strata plan, or by hand) or MODEL (catalog name or GGUF "
+            "path: planned for this machine with the planning options below, cached)",
+        )
+    else:
+        p.add_argument("plan", help="plan file written by strata plan (or by hand)")
     p.add_argument(
         "--model",
         metavar="PATH",
-        help="the GGUF file, where it is not where the plan says (its sha256 must be the planned "
-        "one)",
+        help="with a PLAN file: the GGUF file, where it is not where the plan says (its sha256 "
+        "must be the planned one)",
     )
 
 
 def add_commands(sub) -> None:
-    """Add the executor's subcommands (run, serve, profile) to ``sub``."""
-    r = sub.add_parser("run", help="generate text from a prompt with a plan")
-    add_plan_arguments(r)
+    """Add the executor's subcommands (run, chat, serve, profile) to ``sub``."""
+    from strata.executor.chat_cli import add_chat_command
+
+    r = sub.add_parser("run", help="generate text from a prompt with a plan or a model")
+    add_plan_arguments(r, model=True)
     src = r.add_mutually_exclusive_group(required=True)
-    src.add_argument("--prompt", help="raw text, tokenized with the GGUF's own BOS rule")
+    src.add_argument(
+        "--prompt",
+        help="raw text, tokenized with the GGUF's own BOS rule; '-': read it from standard input",
+    )
+    src.add_argument("--prompt-file", metavar="FILE", help="raw text from a UTF-8 file")
     src.add_argument("--messages", help='JSON file: [{"role": ..., "content": ...}, ...]')
     src.add_argument("--prompt-ids", help="token ids as they are, e.g. 1,2,3")
     r.add_argument("--chat-template", help="Jinja chat template file (default: the GGUF's)")
@@ -364,15 +272,28 @@ def add_commands(sub) -> None:
         help="MoE: write the measured routing (JSON) for strata plan --routing-profile",
     )
 
-    s = sub.add_parser("serve", help="serve a plan over an OpenAI-compatible HTTP API")
-    add_plan_arguments(s)
+    add_plan_arguments(add_chat_command(sub), model=True)
+
+    s = sub.add_parser("serve", help="serve a plan or a model over an OpenAI-compatible HTTP API")
+    add_plan_arguments(s, model=True)
     s.add_argument("--host", default="127.0.0.1", help="address to listen on (127.0.0.1)")
     s.add_argument("--port", type=int, default=8000, help="TCP port (8000; 0 = any free port)")
     s.add_argument(
         "--api-key",
         metavar="KEY",
-        help="require 'Authorization: Bearer KEY' on /v1/* and /reset_prefix_cache (default: no "
-        "key; /health and /metrics are open)",
+        help="require 'Authorization: Bearer KEY' on /v1/* and /reset_prefix_cache (default: "
+        "--api-key-file, else $STRATA_API_KEY, else no key; /health and /metrics are open)",
+    )
+    s.add_argument(
+        "--api-key-file",
+        metavar="FILE",
+        help="read the key from FILE's first line (kept off the command line, which ps shows)",
+    )
+    s.add_argument(
+        "--quiet",
+        action="store_true",
+        help="no access log (by default one line per request on stderr: method, route, status, "
+        "prompt and completion tokens, time to first token, total time)",
     )
     s.add_argument(
         "--model-name",
@@ -410,4 +331,10 @@ def add_commands(sub) -> None:
     )
 
 
-COMMANDS = {"run": cmd_run, "serve": cmd_serve, "profile": cmd_profile}
+def cmd_chat(args: argparse.Namespace) -> None:
+    from strata.executor.chat_cli import cmd_chat as chat
+
+    chat(args)
+
+
+COMMANDS = {"run": cmd_run, "chat": cmd_chat, "serve": cmd_serve, "profile": cmd_profile}

@@ -220,8 +220,7 @@ class _DraftSeq:
 def _vocab_tokens(engine: Engine) -> tuple[str | None, list[bytes]]:
     """(``tokenizer.ggml.model``, every token's bytes) of an engine's GGUF."""
     g = engine.loaded.gguf
-    f = g.reader.fields.get("tokenizer.ggml.tokens")
-    tokens = [] if f is None else [bytes(f.parts[i]) for i in f.data]
+    tokens = g.string_bytes("tokenizer.ggml.tokens") or []
     return g.field("tokenizer.ggml.model"), tokens
 
 

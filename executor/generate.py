@@ -9,23 +9,37 @@ first token (prefill) and after it (decode), bytes read per tier, I/O wait, host
 cache counters and speculative decoding's drafts, each as the difference of the engine's own
 counters around the request. One request at a time: a request running beside it would be
 counted in its figures.
+
+Ctrl-C. A ``KeyboardInterrupt`` while :func:`generate` waits aborts the request
+(``ServingEngine.abort``: its pass stops within one block) and is raised again as
+:class:`GenerationInterrupted`, a ``KeyboardInterrupt`` that carries what was generated until
+then, with figures that say so (``finish_reason`` ``interrupted``): ``strata run`` prints it and
+exits with status 130, a caller that wants no partial result treats it as any Ctrl-C, and an
+interactive caller (``strata chat``) keeps the partial reply and goes on with the same engine.
 """
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import queue
 import resource
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING
 
 import mlx.core as mx
 from strata.common.errors import StrataError
 from strata.executor.sampling import SamplingParams
 from strata.executor.serving import THREAD_CHECK_S, GenerationRequest, ServingEngine, TokenEvent
 from strata.executor.tokenizer import StreamDecoder
+
+if TYPE_CHECKING:
+    from strata.executor.plan_loader import LoadedPlan, PeekedPlan
+    from strata.executor.tokenizer import GGUFTokenizer
 
 TIERS = ("gpu", "ram", "nvme")
 
@@ -50,6 +64,25 @@ class Generation:
     output_ids: list[int]
     text: str
     stats: dict = field(default_factory=dict)
+
+
+class GenerationInterrupted(KeyboardInterrupt):
+    """Ctrl-C stopped :func:`generate`; the request was aborted.
+
+    Its message says how far the request got (``strata.common.errors.run_command`` prints it
+    after ``interrupted``).
+
+    Attributes:
+        generation: what was generated until then (the tokens the caller had received), its
+            ``stats`` those of :func:`interrupted_stats`.
+    """
+
+    def __init__(self, generation: Generation):
+        s = generation.stats
+        super().__init__(
+            f"after {s['output_tokens']} generated tokens, {s['elapsed_s']:.1f} s into the request"
+        )
+        self.generation = generation
 
 
 def peak_rss_bytes() -> int:
@@ -165,6 +198,8 @@ def generate(
         StrataError: a negative ``max_tokens``; a prompt the plan can never run (empty, ids
             outside the vocabulary, no room in the context or the KV cache); a forward pass
             that failed (its message).
+        GenerationInterrupted: Ctrl-C (a ``KeyboardInterrupt`` here, or raised by
+            ``on_text``): the request is aborted and the exception carries the partial result.
     """
     req = request_for(prompt_ids, params, max_tokens, stop_at_eog)
     rid = req.request_id
@@ -186,6 +221,7 @@ def generate(
     serving.submit(req, on_event)
     stream = StreamDecoder(serving.tokenizer)
     out: list[int] = []
+    cached, last_t = 0, start.t  # from the events received: prefix hits, the latest token's time
     try:
         while True:
             try:  # a timeout lets Ctrl-C in while the engine computes
@@ -194,6 +230,9 @@ def generate(
                 if not serving.running():
                     raise StrataError("the serving engine stopped during the request") from None
                 continue
+            cached = ev.cached_tokens
+            if ev.token_ids:
+                last_t = time.perf_counter()
             if on_text is not None:
                 kept = ev.token_ids[: max(0, max_tokens - len(out))]
                 piece = "".join(stream.push(t) for t in kept)
@@ -202,7 +241,15 @@ def generate(
             out.extend(ev.token_ids)
             if ev.finish_reason is not None:
                 break
-    except BaseException:  # Ctrl-C or a failing callback: the engine drops the request
+    except KeyboardInterrupt:  # Ctrl-C: the engine drops the request; the caller gets the part
+        serving.abort(rid)
+        del out[max_tokens:]
+        stats = interrupted_stats(
+            serving, start, first[0] if first else None, last_t, len(prompt_ids), cached, len(out)
+        )
+        text = serving.tokenizer.decode(out)
+        raise GenerationInterrupted(Generation(list(prompt_ids), out, text, stats)) from None
+    except BaseException:  # a failing callback: the engine drops the request
         serving.abort(rid)
         raise
     if ev.finish_reason == "error":
@@ -229,6 +276,53 @@ def generate(
             for k in ("spec_proposed_tokens", "spec_accepted_tokens", "spec_verification_steps")
         }
     return Generation(list(prompt_ids), out, serving.tokenizer.decode(out), stats)
+
+
+def interrupted_stats(
+    serving: ServingEngine,
+    start: _Mark,
+    first: _Mark | None,
+    last_t: float,
+    prompt: int,
+    cached: int,
+    output: int,
+) -> dict:
+    """The figures of a request Ctrl-C stopped (:class:`GenerationInterrupted`), honest about
+    it: ``finish_reason`` ``interrupted``, ``interrupted`` True, ``elapsed_s`` (submission to the
+    interrupt); ``prefill_s`` and ``prefill_tok_s`` only once the first token came (else None:
+    the prefill did not finish); ``decode_s`` from the first to the latest token received,
+    ``decode_tokens`` and ``decode_tok_s`` over those; counters (steps, bytes read, I/O wait,
+    host copies) from submission to the interrupt, read on this thread while the engine drops
+    the request (the step it stopped in is not counted in ``prefill_steps``/``decode_steps``).
+    """
+    now = _Mark.now(serving)
+    decoded = max(0, output - 1)
+    decode_s = last_t - first.t if first is not None and decoded else 0.0
+    prefill_s = None if first is None else first.t - start.t
+    computed = prompt - cached
+    first_steps = now if first is None else first
+    return {
+        "prompt_tokens": prompt,
+        "cached_tokens": cached,
+        "output_tokens": output,
+        "finish_reason": "interrupted",
+        "interrupted": True,
+        "elapsed_s": round(now.t - start.t, 6),
+        "prefill_s": None if prefill_s is None else round(prefill_s, 6),
+        "prefill_tok_s": (
+            None if prefill_s is None else round(computed / prefill_s, 3) if prefill_s > 0 else 0.0
+        ),
+        "decode_s": round(decode_s, 6),
+        "decode_tokens": decoded,
+        "decode_tok_s": round(decoded / decode_s, 3) if decoded and decode_s > 0 else 0.0,
+        "prefill_steps": first_steps.serving["steps"] - start.serving["steps"],
+        "decode_steps": now.serving["steps"] - first_steps.serving["steps"],
+        "peak_rss_bytes": peak_rss_bytes(),
+        "peak_mlx_bytes": int(mx.get_peak_memory()),
+        "bytes_read": {t: int(now.read[t] - start.read[t]) for t in TIERS},
+        "io_wait_s": round(now.read["io_wait_s"] - start.read["io_wait_s"], 6),
+        "host_copy_s": round(now.copy_s - start.copy_s, 6),
+    }
 
 
 def _stats(
@@ -263,3 +357,60 @@ def _stats(
         "host_copy_s": round(end.copy_s - start.copy_s, 6),
         "decode_host_copy_s": round(end.copy_s - first.copy_s, 6),
     }
+
+
+@dataclass
+class Started:
+    """A plan's engine, loaded and started (:func:`started_engine`).
+
+    Attributes:
+        loaded: the plan, model and description.
+        serving: the started serving engine.
+        load_s: seconds from ``t0`` to the weights loaded.
+        warm_up_s: seconds the engine's warm-up took (kernels built; 0 on the CPU).
+        load_peak_mlx_bytes: MLX's peak memory while loading.
+    """
+
+    loaded: LoadedPlan
+    serving: ServingEngine
+    load_s: float
+    warm_up_s: float
+    load_peak_mlx_bytes: int
+
+
+@contextlib.contextmanager
+def started_engine(
+    plan_path: str | Path,
+    peeked: PeekedPlan,
+    tokenizer: GGUFTokenizer,
+    t0: float,
+    expert_cache_mode: str | None = None,
+) -> Iterator[Started]:
+    """Load the plan at ``plan_path`` (already peeked and checked) and start the engine that
+    ``serve`` runs (warm-up, kernels, paged KV cache, the plan's speculative decoding); stopped
+    on leaving, on success, errors and Ctrl-C alike (the wait bounded: Ctrl-C always ends the
+    command). ``t0``: when the command started (``load_s`` counts from it).
+
+    Raises:
+        StrataError: the model's bytes are not the planned ones, or the engine cannot start.
+    """
+    from strata.executor.engine import Engine
+    from strata.executor.plan_loader import load_plan
+    from strata.executor.serving import STOP_WAIT_S
+
+    loaded = load_plan(plan_path, peeked=peeked)  # the bytes checked (hashed once per file)
+    engine = Engine(loaded, expert_cache_mode=expert_cache_mode, tokenizer=tokenizer)
+    try:
+        serving = ServingEngine(engine)
+    except BaseException:
+        engine.close()
+        raise
+    try:
+        load_s = time.perf_counter() - t0
+        peak = int(mx.get_peak_memory())  # generate() resets MLX's peak: loading's own
+        if engine.config.warm_up_row_buckets:  # as serve says it (the GPU: up to a minute)
+            print("building kernels for every batch size ...", file=sys.stderr, flush=True)
+        warm_up_s = serving.start()
+        yield Started(loaded, serving, load_s, warm_up_s, peak)
+    finally:
+        serving.close(timeout=STOP_WAIT_S)

@@ -41,18 +41,19 @@ def machine_now() -> MachineNow:
     return MachineNow(backend, gpu, max(0, total - reserve), backend != "cuda")
 
 
-def _kept_profile() -> Path:
+def kept_profile_path() -> Path:
+    """Where this host's kept profile is: ``<cache>/machine/<host name>.yaml``."""
     return cache_dir() / "machine" / f"{socket.gethostname()}.yaml"
 
 
 def keep_profile(profile: HardwareProfile) -> None:
     """Keep ``profile`` in the cache as this host's latest measurement (``last_profile``)."""
-    write_yaml(profile, _kept_profile())
+    write_yaml(profile, kept_profile_path())
 
 
 def last_profile() -> HardwareProfile | None:
     """The profile ``strata profile`` last measured on this host (by host name), or None."""
-    p = _kept_profile()
+    p = kept_profile_path()
     if not p.is_file():
         return None
     try:

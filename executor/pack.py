@@ -20,12 +20,11 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-import gguf
 import numpy as np
 from strata.common.atomic import replaced
 from strata.common.catalog import cache_dir
 from strata.common.errors import StrataError
-from strata.common.gguf_file import GGUFFile
+from strata.common.gguf_file import GGUFFile, TensorInfo
 from strata.common.quant import PackedWeight, UnsupportedQuantError, repack
 from strata.common.schemas import ModelDescription, UnitInfo
 from strata.executor.direct_io import ALIGN
@@ -62,7 +61,7 @@ class PackedUnit:
 
 
 def unit_host_tensors(
-    g: GGUFFile, unit: UnitInfo, by_name: dict[str, gguf.ReaderTensor]
+    g: GGUFFile, unit: UnitInfo, by_name: dict[str, TensorInfo]
 ) -> Iterator[tuple[str, PackedWeight | np.ndarray]]:
     """A unit's tensors repacked into MLX layout on the host, as (GGUF tensor name, host array).
 
@@ -76,14 +75,14 @@ def unit_host_tensors(
     """
     for name in unit.tensors:
         t = by_name[name]
-        shape = tuple(int(d) for d in reversed(t.shape.tolist()))
+        shape = tuple(reversed(t.shape))
         raw = g.tensor_bytes(t)
         if unit.expert is not None:
             n = shape[0]
             raw = raw.reshape(n, -1)[unit.expert]
             shape = shape[1:]
         try:
-            host = repack(gguf.GGMLQuantizationType(t.tensor_type), raw, shape)
+            host = repack(t.tensor_type, raw, shape)
         except UnsupportedQuantError as e:
             raise StrataError(f"tensor {name}: {e}") from None
         if isinstance(host, np.ndarray):
@@ -94,9 +93,9 @@ def unit_host_tensors(
             g.drop_pages(t)  # copied: unmap the GGUF's pages
 
 
-def shape_experts(t: gguf.ReaderTensor) -> int:
+def shape_experts(t: TensorInfo) -> int:
     """Experts stacked in a tensor (its last GGUF dimension; 1 for a 2-D tensor)."""
-    return int(t.shape[2]) if len(t.shape) > 2 else 1
+    return t.shape[2] if len(t.shape) > 2 else 1
 
 
 def _host_parts(host: PackedWeight | np.ndarray) -> list[tuple[str, np.ndarray]]:
@@ -147,7 +146,7 @@ class PackStore:
     def _build(
         cls, g: GGUFFile, desc: ModelDescription, sha256: str, pack: Path, manifest: Path
     ) -> PackStore:
-        by_name = {t.name: t for t in g.reader.tensors}
+        by_name = {t.name: t for t in g.tensor_infos}
         units: dict[str, PackedUnit] = {}
         pos = 0
         try:

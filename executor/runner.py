@@ -11,12 +11,28 @@ up before serving (:meth:`ModelRunner.warm_up`).
 
 The model (``executor.models``) only computes a pass; whether that pass is replayed is decided
 here, so the model never imports the graphs that trace it.
+
+Interrupting a pass. MLX evaluates a graph without a way to stop it, so a pass given an
+``interrupt`` callable (the serving engine's: it is closing, or every request of the step is
+being aborted) is evaluated in pieces where it is long enough to matter (:func:`interruptible`),
+the callable asked between pieces (:func:`forward_in_pieces`); once it answers True the pass raises
+:class:`PassInterrupted` and leaves the rest of its blocks unbuilt. What it computed stays in the
+KV slots of the step's sequences, which the scheduler has not advanced past them (``update``
+never ran), so nothing reads those slots as computed and the prefix cache never holds them. On
+the CPU a piece is one block, evaluated before the next is built; where the runtime config
+schedules blocks ahead (``async_eval_blocks``: MLX's CUDA backend) a piece is that many blocks,
+handed to ``mx.async_eval`` as the uninterrupted pass hands them, and the next is built while it
+computes, so at most two pieces run after the callable turns True. Such a pass skips the output
+head where its step samples nothing (a prefill chunk before the prompt's last), whose logits no
+one reads. A model that streams units from NVMe is never left half way through a pass by an
+abort (the stream's order would break): the serving engine's callable answers True for it only
+when the engine closes.
 """
 
 from __future__ import annotations
 
 import threading
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -31,6 +47,23 @@ from strata.executor.paged_kv import ForwardBatch, PagedKVCache, SeqInput, Seque
 from strata.executor.sampling import Sampler, accept_greedy
 from strata.executor.scheduler import SchedulerStep
 
+INTERRUPTIBLE_MIN_ROWS = 8
+"""A pass given an ``interrupt`` callable is evaluated in pieces from this many rows on where
+blocks are evaluated as they are built (the CPU; module docstring). A shorter one (a decode
+step, a small batch of decodes) is one piece: on the CPU a row costs a few milliseconds per
+block, so it ends well within a second."""
+
+INTERRUPTIBLE_MIN_ROWS_AHEAD = pass_graph.MAX_ROWS + 1
+"""The same where the runtime config schedules blocks ahead (a GPU): only passes longer than
+the compiled graphs take, whose time is the device's (prefill chunks); decode steps there take
+milliseconds and keep their schedule untouched. A pass whose units stream from NVMe is in
+pieces whatever its rows: each streamed unit is evaluated as it is released anyway."""
+
+
+class PassInterrupted(Exception):
+    """A forward pass stopped between two of its blocks because its ``interrupt`` callable said
+    so (module docstring); the step it belonged to computed nothing that counts."""
+
 
 def forward(
     model: LlamaModel,
@@ -38,10 +71,13 @@ def forward(
     kv: PagedKVCache,
     layers: int | None = None,
     skip: frozenset[str] = frozenset(),
+    interrupt: Callable[[], bool] | None = None,
+    head: bool = True,
 ) -> mx.array:
     """One forward pass of ``batch`` over ``kv``: replayed from a compiled graph where the
     model's config compiles passes and ``executor.pass_graph`` takes this one (every block, no
-    unit skipped), else eager (``LlamaModel.forward_rows``).
+    unit skipped), else eager (``LlamaModel.forward_rows``), in pieces where it may be
+    interrupted (:func:`forward_in_pieces`).
 
     Args:
         model: the model.
@@ -49,16 +85,80 @@ def forward(
         kv: the paged KV cache.
         layers, skip: the self-drafter's early exit and layer skip (``LlamaModel.forward_rows``);
             such a pass is always eager.
+        interrupt: asked between the pieces of a pass long enough (:func:`interruptible`): True
+            stops the pass (None: never asked; the pass is built whole).
+        head: compute the output head; False (a pass evaluated in pieces, whose logits no one
+            reads) returns the residual stream after the last block instead.
 
     Returns:
-        float32 logits [S, vocab] of the batch's ``logit_rows``, in their order (unevaluated).
+        float32 logits [S, vocab] of the batch's ``logit_rows``, in their order (unevaluated),
+        or with ``head`` False where the pass ran in pieces, the residual stream.
+
+    Raises:
+        PassInterrupted: ``interrupt`` answered True between two blocks.
     """
     x = model.embed_pass(batch)
     if model.config.compiled_passes and layers is None and not skip:
         logits = pass_graph.replay(model, batch, kv, x, x.shape[1])
         if logits is not None:
             return logits
+    if interrupt is not None and interruptible(model, batch.num_tokens):
+        return forward_in_pieces(model, x, batch, kv, interrupt, layers, skip, head)
     return model.forward_rows(x, batch, kv, layers, skip)
+
+
+def interruptible(model: LlamaModel, tokens: int) -> bool:
+    """Whether a pass of ``tokens`` tokens given an ``interrupt`` callable runs in pieces
+    (``INTERRUPTIBLE_MIN_ROWS``, ``INTERRUPTIBLE_MIN_ROWS_AHEAD``)."""
+    if model.store.pool is not None:
+        return True
+    ahead = model.config.async_eval_blocks > 0
+    return tokens >= (INTERRUPTIBLE_MIN_ROWS_AHEAD if ahead else INTERRUPTIBLE_MIN_ROWS)
+
+
+def forward_in_pieces(
+    model: LlamaModel,
+    x: mx.array,
+    batch: ForwardBatch,
+    kv: PagedKVCache,
+    interrupt: Callable[[], bool],
+    layers: int | None = None,
+    skip: frozenset[str] = frozenset(),
+    head: bool = True,
+) -> mx.array:
+    """``LlamaModel.forward_rows`` of the embedded rows ``x`` in pieces, asking ``interrupt``
+    between them (module docstring): the same operations on the same arrays as the pass built
+    whole, so the same logits. A piece is one block, or where the runtime config schedules
+    blocks ahead (``async_eval_blocks``) that many, each handed to ``mx.async_eval`` as the
+    whole pass hands them, the wait being for the piece before it.
+
+    Returns:
+        the logits (unevaluated), or with ``head`` False (and no unit streamed) the residual
+        stream after the last block.
+
+    Raises:
+        PassInterrupted: ``interrupt`` answered True; the blocks after it are not built.
+    """
+    end = model.arch.block_count if layers is None else layers
+    rope = model.rope_factors()
+    every = model.config.async_eval_blocks
+    step = max(1, every)
+    pending: mx.array | None = None
+    for a in range(0, end, step):
+        b = min(a + step, end)
+        x = model.blocks(x, batch, kv, rope, a, b, skip)
+        if every:  # this piece computes while the next one is built; wait for the one before
+            mx.async_eval(x)
+            if pending is not None:
+                mx.eval(pending)
+            pending = x
+        else:
+            mx.eval(x)
+        if b < end and interrupt():
+            raise PassInterrupted(f"the pass stopped after block {b - 1} of {end}")
+    if head or model.store.pool is not None:  # a streamed head unit must still be taken
+        return model.head(x, batch)
+    return x
 
 
 def forward_sequence(
@@ -163,24 +263,44 @@ class ModelRunner:
             pass_graph.release(self.kv)
             self.kv = None
 
-    def run(self, inputs: list[SeqInput]) -> tuple[ForwardBatch, mx.array]:
+    def run(
+        self,
+        inputs: list[SeqInput],
+        interrupt: Callable[[], bool] | None = None,
+        head: bool = True,
+    ) -> tuple[ForwardBatch, mx.array]:
         """One batched forward pass of ``inputs`` over the KV cache: its layout and its logits
-        (unevaluated), its integer inputs staged where the config's ``stage_inputs`` says."""
+        (unevaluated), its integer inputs staged where the config's ``stage_inputs`` says.
+        ``interrupt`` and ``head``: as :func:`forward`'s.
+
+        Raises:
+            PassInterrupted: ``interrupt`` stopped the pass (its staged buffer is given up).
+        """
         staged = self.staging.begin() if self.config.stage_inputs else None
         batch = ForwardBatch.build(inputs, tile=self.tile, staged=staged)
-        logits = forward(self.model, batch, self.kv)
+        logits = forward(self.model, batch, self.kv, interrupt=interrupt, head=head)
         if staged is not None:
             staged.fence(logits)  # the buffer is rewritten once these are computed
         return batch, logits
 
-    def execute(self, step: SchedulerStep, live: Mapping[str, SampledRequest]) -> StepOutput:
+    def execute(
+        self,
+        step: SchedulerStep,
+        live: Mapping[str, SampledRequest],
+        interrupt: Callable[[], bool] | None = None,
+    ) -> StepOutput:
         """Run the step's chunks as one forward pass and sample what it finished
-        (:class:`StepOutput`). ``live``: the step's requests by id.
+        (:class:`StepOutput`). ``live``: the step's requests by id; ``interrupt``: asked between
+        the pass's blocks (:func:`forward`).
 
         Greedy requests without logit adjustments take one argmax on the device and one host
         transfer; otherwise the logits come to the host and each request's sampler chooses (or
         verifies its draft). One request's sampling failing ends that request, not the step's
-        others; a failed pass raises.
+        others; a failed pass raises. A step that samples nothing skips the output head where
+        the pass runs in pieces (no one reads its logits).
+
+        Raises:
+            PassInterrupted: ``interrupt`` stopped the pass; nothing was sampled.
         """
         bs = self.kv.block_size
         inputs = []
@@ -191,8 +311,8 @@ class ModelRunner:
             # something to evaluate); only sampling chunks use them; verification needs all.
             wanted = "all" if c.draft else "last"
             inputs.append(SeqInput(c.ids, c.start, slots, wanted, one_per_piece=bool(c.draft)))
-        batch, logits = self.run(inputs)
         want = [i for i, c in enumerate(step.chunks) if c.sample]
+        batch, logits = self.run(inputs, interrupt, head=bool(want))
         out = StepOutput()
         if not want:
             mx.eval(logits)

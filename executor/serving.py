@@ -49,6 +49,18 @@ sequence of that step is finished with the message; the thread keeps serving the
 A finished or aborted sequence's KV blocks go back to the pool at once; its full blocks stay in
 the prefix cache until evicted, or until ``reset_prefix_cache`` (refused while any request runs
 or waits, as in vLLM) forgets them all.
+
+Stopping promptly (Ctrl-C). MLX cannot interrupt an evaluation, so the engine bounds the work
+between two points where it can stop: on the CPU a prefill chunk is at most
+``CPU_PREFILL_CHUNK`` tokens (whatever the plan's ``prefill_chunk``), and a pass of many rows is
+evaluated one block at a time (``executor.runner.forward_in_pieces``), the engine asking between
+blocks whether to stop. It stops the pass once :meth:`ServingEngine.close` was called, or once
+every request of the step is being aborted (:meth:`ServingEngine.abort`; not where units stream
+from NVMe, whose read order a half pass would break: there an abort waits for the step's end);
+the stopped step computes nothing that counts (``executor.runner.PassInterrupted``) and the
+abort or stop queued behind it is applied at once. So ``close`` and ``abort`` take effect within
+one block of one chunk, a fraction of a second on the CPU for the catalog's small models, rather
+than after the whole prefill.
 """
 
 from __future__ import annotations
@@ -71,13 +83,30 @@ from strata.executor.engine import Engine, check_prompt_ids
 from strata.executor.ops import set_row_tile
 from strata.executor.paged_kv import PagedKVCache, slot_table
 from strata.executor.plan_loader import load_draft
-from strata.executor.runner import ModelRunner, TokenLogprob
+from strata.executor.runner import ModelRunner, PassInterrupted, TokenLogprob
 from strata.executor.sampling import Sampler, SamplingParams
 from strata.executor.scheduler import Scheduler, SchedulerStep, Sequence, check_kv_fits
 from strata.executor.self_drafter import SelfDrafter, streamed_units
 
 THREAD_CHECK_S = 1.0
 """Seconds between checks that the engine thread is alive while a caller waits on it."""
+
+STOP_WAIT_S = 5.0
+"""Seconds ``strata run`` waits for the engine thread after Ctrl-C (``ServingEngine.close``'s
+``timeout``) before it exits without it: a pass stops within one block, so this is only reached
+where the thread waits on something else (a slow disk read)."""
+
+CPU_PREFILL_CHUNK = 64
+"""Most tokens of a prefill chunk on the CPU, where the plan's ``prefill_chunk`` is larger. A
+prompt token costs the CPU tens of milliseconds per pass (SmolLM2-135M, Gemma-3-270M on two
+cores), a few milliseconds per block: a 512-token chunk kept one block of its pass, the smallest
+piece MLX evaluates without a stop, busy for one to two seconds, and a stop waited for it
+(module docstring); 64 tokens keep it to a few tenths of a second. On the CPU the weight
+products cost in proportion to their rows, so smaller chunks cost little more: a 300-token
+prefill took the same time in chunks of 64 as in one (within 1%, both models), the output head
+being skipped for a chunk that samples nothing (``executor.runner.forward_in_pieces``). Prompts
+of at most 64 tokens are one chunk, as before; a longer one's logits move within rounding (chunked
+attention sums in another order)."""
 
 STALL_WAIT_S = 0.01
 """Seconds the engine thread waits for a message after a step that could schedule nothing,
@@ -244,6 +273,11 @@ class ServingEngine:
         # Batch invariance: attention pieces and chunk ends on KV block boundaries, where
         # prefix-cache hits end too.
         self._tile = b.kv_block_size if batch_invariant else 0
+        # On the CPU a chunk's block of work is kept short enough to stop promptly (module
+        # docstring); an aligned chunk still holds at least one tile.
+        self.prefill_chunk = b.prefill_chunk
+        if mx.default_device() == mx.cpu:
+            self.prefill_chunk = min(b.prefill_chunk, max(CPU_PREFILL_CHUNK, self._tile))
         # The forward passes; its KV pool is made on the engine thread (MLX streams belong to
         # the thread that made them).
         self.runner = ModelRunner(engine.model, self.config, self._tile)
@@ -251,7 +285,7 @@ class ServingEngine:
             self.pool,
             b.max_num_seqs,
             b.max_num_batched_tokens,
-            b.prefill_chunk,
+            self.prefill_chunk,
             self.context,
             self.num_draft_tokens,
             chunk_align=self._tile,
@@ -262,7 +296,12 @@ class ServingEngine:
         self._live: dict[str, _Live] = {}
         self._thread: threading.Thread | None = None
         self._ready = threading.Event()  # set once the thread serves (after any warm-up)
-        self._stopping = threading.Event()  # set by close(): the warm-up stops early
+        self._stopping = threading.Event()  # set by close(): a warm-up or a pass stops early
+        # Requests abort() was called for whose message the engine thread has not applied yet:
+        # a pass of only these stops early (module docstring). Added to by any thread, removed
+        # by the engine thread (each a single set operation: atomic under the GIL).
+        self._aborting: set[str] = set()
+        self._streams = engine.store.pool is not None  # units stream from NVMe
         self._warm_s, self._start_error = 0.0, None  # the engine thread's start, for start()
         self.steps = self.batched_tokens = 0
         # Speculative decoding: draft tokens verified and accepted, verification chunks.
@@ -340,8 +379,13 @@ class ServingEngine:
         self._inbox.put(("submit", req, on_event))
 
     def abort(self, request_id: str) -> None:
-        """Stop a request and free its KV blocks (no more events; unknown ids are ignored)."""
+        """Stop a request and free its KV blocks (no more events; unknown ids are ignored).
+
+        Returns at once; the engine thread applies it between steps, and a step whose every
+        request is being aborted stops within one block of its pass (module docstring), so the
+        engine is free for the next request promptly (a Ctrl-C in ``strata chat``)."""
         self._inbox.put(("abort", request_id, None))
+        self._aborting.add(request_id)  # after the message: a stopped step finds it queued
 
     def running(self) -> bool:
         """Whether the engine thread runs (started, not stopped): a caller waiting for a
@@ -372,15 +416,30 @@ class ServingEngine:
                 if not self._thread.is_alive() and not done.done():
                     raise StrataError("the serving engine stopped") from None
 
-    def close(self) -> None:
-        """Abort what is left (events ``abort``), stop the thread and the engine's I/O."""
+    def close(self, timeout: float | None = None) -> bool:
+        """Abort what is left (events ``abort``), stop the thread and the engine's I/O.
+
+        A pass in progress stops within one block (module docstring), a warm-up after its
+        current pass. Safe to call again, e.g. after a ``timeout`` ran out.
+
+        Args:
+            timeout: seconds to wait for the engine thread, at most (None: until it ends).
+
+        Returns:
+            True once everything is stopped; False when the thread was still computing after
+            ``timeout`` seconds (then the engine's I/O is left open for it: the process may
+            exit, the thread is a daemon).
+        """
         if self._thread is not None and self._thread.is_alive():
-            self._stopping.set()  # a warm-up in progress ends after its current pass
             self._inbox.put(("stop", None, None))
-            self._thread.join()
+            self._stopping.set()  # after the message: a stopped pass finds it queued
+            self._thread.join(timeout)
+            if self._thread.is_alive():
+                return False
         self.engine.close()
         if self._draft_engine is not None:
             self._draft_engine.close()
+        return True
 
     def metrics(self) -> dict:
         """A snapshot of the serving counters (read without locking: each value is one int)."""
@@ -484,6 +543,7 @@ class ServingEngine:
                 if kind == "submit":
                     self._admit(arg, cb)
                 elif kind == "abort":
+                    self._aborting.discard(arg)
                     live = self._live.pop(arg, None)
                     if live is not None:
                         self.scheduler.abort(arg)
@@ -564,11 +624,29 @@ class ServingEngine:
         finally:
             self.scheduler.release_copies(copies)
 
+    def _interrupter(self, step: SchedulerStep) -> Callable[[], bool]:
+        """What the step's pass asks between its blocks: stop, because the engine is closing,
+        or because every request of the step is being aborted and no unit streams (module
+        docstring)."""
+        rids = [c.seq.request_id for c in step.chunks]
+        stopping, aborting, streams = self._stopping, self._aborting, self._streams
+
+        def interrupt() -> bool:
+            if stopping.is_set():
+                return True
+            return not streams and all(r in aborting for r in rids)
+
+        return interrupt
+
     def _run_step(self, step: SchedulerStep) -> bool:
         try:
             if self.drafter is not None:
                 self._draft(step)
-            out = self.runner.execute(step, self._live)
+            out = self.runner.execute(step, self._live, self._interrupter(step))
+        except PassInterrupted:
+            # Its requests' abort, or the engine's stop, is queued: the loop applies it next.
+            # Nothing was sampled and the scheduler was not advanced past the pass.
+            return True
         except Exception as e:  # a failed step ends its sequences, never the thread
             print(f"error: serving step failed: {e}", file=sys.stderr)
             for c in step.chunks:

@@ -26,10 +26,10 @@ from collections import OrderedDict
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import gguf
-from gguf import GGUFReader, GGUFValueType, TokenType
+from gguf import GGUFValueType, TokenType
 from strata.common.errors import StrataError
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers
 
@@ -433,22 +433,6 @@ _ADDED_TYPES = _SPECIAL_TYPES | {TokenType.USER_DEFINED}
 # --------------------------------------------------------------------------------------------
 
 
-class _ReaderFields:
-    """The metadata of a ``gguf.GGUFReader`` through ``GGUFFile``'s two methods (``field``,
-    ``field_types``), so the tokenizer reads either."""
-
-    def __init__(self, reader: GGUFReader):
-        self.reader = reader
-
-    def field(self, key: str, default: Any = None) -> Any:
-        f = self.reader.fields.get(key)
-        return default if f is None else f.contents()
-
-    def field_types(self, key: str) -> tuple[GGUFValueType, ...] | None:
-        f = self.reader.fields.get(key)
-        return None if f is None else tuple(f.types)
-
-
 @dataclass
 class _Vocab:
     """The tokenizer metadata of one GGUF, read once.
@@ -456,7 +440,7 @@ class _Vocab:
     ``types`` is a mutable copy: llama.cpp's load-time rules re-type a few tokens.
     """
 
-    meta: GGUFFile | _ReaderFields
+    meta: GGUFFile
     model: str
     pre: str | None
     tokens: list[str]
@@ -478,7 +462,7 @@ class _Vocab:
         return value
 
 
-def _read_vocab(meta: GGUFFile | _ReaderFields) -> _Vocab:
+def _read_vocab(meta: GGUFFile) -> _Vocab:
     """Read and check the vocabulary fields shared by every tokenizer model."""
     model = _string_field(meta, _K.MODEL)
     if model is None:
@@ -502,7 +486,7 @@ def _read_vocab(meta: GGUFFile | _ReaderFields) -> _Vocab:
     )
 
 
-def _string_field(meta: GGUFFile | _ReaderFields, key: str) -> str | None:
+def _string_field(meta: GGUFFile, key: str) -> str | None:
     value = meta.field(key)
     if value is None:
         return None
@@ -511,7 +495,7 @@ def _string_field(meta: GGUFFile | _ReaderFields, key: str) -> str | None:
     return value
 
 
-def _typed_array(meta: GGUFFile | _ReaderFields, key: str, *items: GGUFValueType) -> list | None:
+def _typed_array(meta: GGUFFile, key: str, *items: GGUFValueType) -> list | None:
     """The array under ``key`` (None when absent), checked to hold values of one of ``items``."""
     types = meta.field_types(key)
     if types is None:
@@ -629,20 +613,22 @@ def _pre_tokenizer_spec(pre: str | None) -> _PreTokenizer:
     return spec
 
 
-def _build_gpt2(vocab: _Vocab) -> _Backend:
-    """Byte-level BPE (``tokenizer.ggml.model == "gpt2"``)."""
+def _build_gpt2(vocab: _Vocab, hf: Tokenizer | None) -> _Backend:
+    """Byte-level BPE (``tokenizer.ggml.model == "gpt2"``); ``hf``: the one built before for
+    this metadata (``_cached_hf``), else None to build it."""
     spec = _pre_tokenizer_spec(vocab.pre)
-    bpe = models.BPE(
-        vocab=vocab.token_to_id, merges=_parse_merges(vocab), ignore_merges=spec.ignore_merges
-    )
-    hf = Tokenizer(bpe)
-    try:
-        splits = [pre_tokenizers.Split(Regex(r), behavior="isolated") for r in spec.regexes]
-    except Exception as e:  # tokenizers raises a bare Exception for a bad regex
-        raise TokenizerError(f"pre-tokenizer {vocab.pre!r}: regex rejected: {e}") from e
-    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
-    hf.pre_tokenizer = pre_tokenizers.Sequence([*splits, byte_level])
-    hf.decoder = decoders.ByteLevel()
+    if hf is None:
+        bpe = models.BPE(
+            vocab=vocab.token_to_id, merges=_parse_merges(vocab), ignore_merges=spec.ignore_merges
+        )
+        hf = Tokenizer(bpe)
+        try:
+            splits = [pre_tokenizers.Split(Regex(r), behavior="isolated") for r in spec.regexes]
+        except Exception as e:  # tokenizers raises a bare Exception for a bad regex
+            raise TokenizerError(f"pre-tokenizer {vocab.pre!r}: regex rejected: {e}") from e
+        byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+        hf.pre_tokenizer = pre_tokenizers.Sequence([*splits, byte_level])
+        hf.decoder = decoders.ByteLevel()
     # 11 and 11: llama.cpp's BOS and EOS for a BPE vocab whose GGUF names none.
     return _Backend(
         hf=hf,
@@ -689,7 +675,7 @@ def _unescape_spaces(text: str) -> bytes:
     return text.replace("▁", " ").encode()
 
 
-def _build_spm(vocab: _Vocab) -> _Backend:
+def _build_spm(vocab: _Vocab, hf: Tokenizer | None) -> _Backend:
     """SentencePiece (``tokenizer.ggml.model == "llama"``: Llama 1/2, Gemma, ...).
 
     As llama.cpp's ``llama_vocab::impl::tokenize`` (``LLAMA_VOCAB_TYPE_SPM``) does to each piece of
@@ -702,20 +688,24 @@ def _build_spm(vocab: _Vocab) -> _Backend:
     an out-of-vocab character; Gemma's only such character is the space, which never reaches the
     model). BOS is added by default, BOS and EOS default to ids 1 and 2 (``load``).
     """
-    bpe = models.BPE(vocab=vocab.token_to_id, merges=_spm_merges(vocab), byte_fallback=True)
-    hf = Tokenizer(bpe)
-    add_prefix = vocab.value(_K.ADD_PREFIX)
-    prefix = [normalizers.Prepend("▁")] if add_prefix is None or add_prefix else []
-    hf.normalizer = normalizers.Sequence([*prefix, normalizers.Replace(" ", "▁")])
-    hf.decoder = decoders.Sequence(
-        [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse()]
-    )
+    if hf is None:
+        bpe = models.BPE(vocab=vocab.token_to_id, merges=_spm_merges(vocab), byte_fallback=True)
+        hf = Tokenizer(bpe)
+        add_prefix = vocab.value(_K.ADD_PREFIX)
+        prefix = [normalizers.Prepend("▁")] if add_prefix is None or add_prefix else []
+        hf.normalizer = normalizers.Sequence([*prefix, normalizers.Replace(" ", "▁")])
+        hf.decoder = decoders.Sequence(
+            [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse()]
+        )
     return _Backend(
         hf=hf, normal_bytes=_unescape_spaces, add_bos=True, default_bos=1, default_eos=2
     )
 
 
-_BACKENDS: dict[str, Callable[[_Vocab], _Backend]] = {"gpt2": _build_gpt2, "llama": _build_spm}
+_BACKENDS: dict[str, Callable[[_Vocab, Tokenizer | None], _Backend]] = {
+    "gpt2": _build_gpt2,
+    "llama": _build_spm,
+}
 _NOT_YET: dict[str, str] = {
     "bert": "WordPiece",
     "t5": "Unigram",
@@ -727,10 +717,18 @@ _NOT_YET: dict[str, str] = {
 }
 
 
-def _backend_for(vocab: _Vocab) -> _Backend:
+def _backend_for(vocab: _Vocab, header_sha256: str | None = None) -> _Backend:
+    """The tokenizer model's backend; its HF tokenizer read from the cache when one was built
+    before for the same metadata (``header_sha256``, None: no cache), else built and cached."""
     build = _BACKENDS.get(vocab.model)
     if build is not None:
-        return build(vocab)
+        if len(vocab.tokens) < HF_CACHE_MIN_TOKENS:
+            header_sha256 = None
+        cached = _cached_hf(header_sha256)
+        backend = build(vocab, cached)
+        if cached is None and header_sha256 is not None:
+            _keep_hf(header_sha256, backend.hf)
+        return backend
     if vocab.model in _NOT_YET:
         raise TokenizerError(
             f"tokenizer model {vocab.model!r} ({_NOT_YET[vocab.model]}) is not supported yet"
@@ -738,6 +736,64 @@ def _backend_for(vocab: _Vocab) -> _Backend:
     raise TokenizerError(
         f"unknown tokenizer model {vocab.model!r} ({_K.MODEL}); supported: {', '.join(_BACKENDS)}"
     )
+
+
+# --------------------------------------------------------------------------------------------
+# The built HF tokenizer, cached
+# --------------------------------------------------------------------------------------------
+
+HF_CACHE_MIN_TOKENS = 65_536
+"""Smallest vocabulary whose built HF tokenizer is cached: below it, building takes about as
+long as reading the built one back (SmolLM2's 49,152 tokens: about 0.1 s either way; Gemma-3's
+262,144: reading back takes half of building — docs/benchmarks.md, "Loading"), and the files of
+small test models would only fill the cache."""
+
+HF_CACHE_VERSION = 1
+"""Part of a cached tokenizer's name: bump it when ``_build_gpt2`` or ``_build_spm`` build
+another HF tokenizer from the same metadata, so that older files are not read."""
+
+
+def _hf_cache_path(header_sha256: str) -> Path:
+    """``<cache>/tokenizers/<header sha256>.v<HF_CACHE_VERSION>.json``: the HF tokenizer depends
+    on the GGUF's metadata only, so the key is the sha256 of its header (metadata and tensor
+    table), which ``open_gguf`` computes anyway; no hashing of the weights."""
+    from strata.common.catalog import cache_dir
+
+    return cache_dir() / "tokenizers" / f"{header_sha256}.v{HF_CACHE_VERSION}.json"
+
+
+def _cached_hf(header_sha256: str | None) -> Tokenizer | None:
+    """The HF tokenizer built before for this header, or None (none, unreadable or damaged: it
+    is built again and the file replaced). Reading it back is about twice as fast as building
+    it from a large vocabulary (SentencePiece's merges are derived token by token)."""
+    if header_sha256 is None:
+        return None
+    path = _hf_cache_path(header_sha256)
+    if not path.is_file():
+        return None
+    try:
+        return Tokenizer.from_file(str(path))
+    except Exception as e:  # tokenizers raises a bare Exception on a damaged file
+        log.warning("rebuilding the cached tokenizer: %s", _first_line(e))
+        return None
+
+
+def _keep_hf(header_sha256: str, hf: Tokenizer) -> None:
+    """Write ``hf`` to the cache, whole or not at all; a cache that cannot be written only
+    costs the next run the build (one warning)."""
+    from strata.common.atomic import replaced
+
+    path = _hf_cache_path(header_sha256)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with replaced(path, "w") as f:
+            f.write(hf.to_str())
+    except (OSError, StrataError) as e:
+        log.warning("cannot cache the tokenizer in %s: %s", path.parent, _first_line(e))
+
+
+def _first_line(e: Exception) -> str:
+    return str(e).splitlines()[0] if str(e) else type(e).__name__
 
 
 # --------------------------------------------------------------------------------------------
@@ -956,7 +1012,7 @@ class GGUFTokenizer:
     """A GGUF model's tokenizer, giving the same ids as llama.cpp for the same file.
 
     Build it with ``from_gguf(path)``, or ``from_gguf(g)`` when the file is already open as a
-    ``GGUFFile`` (``from_reader(reader)`` for a ``gguf.GGUFReader``).
+    ``GGUFFile``.
 
     Attributes:
         vocab_size (int): number of tokens.
@@ -984,7 +1040,7 @@ class GGUFTokenizer:
     """
 
     def __init__(self, vocab: _Vocab, backend: _Backend):
-        """Use ``from_gguf`` or ``from_reader``; this wires up already-read parts."""
+        """Use ``from_gguf``; this wires up already-read parts."""
         self.vocab_size = len(vocab.tokens)
         self.hf = backend.hf
         self.chat_template = _string_field(vocab.meta, _K.CHAT_TEMPLATE)
@@ -1012,10 +1068,10 @@ class GGUFTokenizer:
     # -- construction ------------------------------------------------------------------------
 
     @classmethod
-    def from_gguf(cls, source: str | Path | GGUFFile) -> GGUFTokenizer:
+    def from_gguf(cls, source: str | Path | GGUFFile, cache: bool = True) -> GGUFTokenizer:
         """Build the tokenizer of a GGUF: a path, or a file already open (``open_gguf``), whose
-        metadata it reads without building the file's ``gguf.GGUFReader`` (slow for a large
-        vocabulary) and without rereading the file.
+        metadata it reads without rereading the file. With ``cache``, the HF tokenizer is read
+        from (or written to) the cache, keyed by the GGUF header's sha256 (``_cached_hf``).
 
         Raises:
             strata.common.errors.GGUFError: the file is missing or not a valid GGUF, or a text
@@ -1026,17 +1082,7 @@ class GGUFTokenizer:
 
         g = source if isinstance(source, GGUFFile) else open_gguf(source)
         vocab = _read_vocab(g)
-        return cls(vocab, _backend_for(vocab))
-
-    @classmethod
-    def from_reader(cls, reader: GGUFReader) -> GGUFTokenizer:
-        """Build the tokenizer from an already open ``gguf.GGUFReader`` (the file is not reread).
-
-        Raises:
-            TokenizerError: the tokenizer metadata is missing, malformed or not supported yet.
-        """
-        vocab = _read_vocab(_ReaderFields(reader))
-        return cls(vocab, _backend_for(vocab))
+        return cls(vocab, _backend_for(vocab, g.header_sha256 if cache else None))
 
     def _register_added_tokens(self) -> None:
         # Registered so that ``self.hf`` on its own treats them as llama.cpp does without

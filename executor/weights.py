@@ -77,7 +77,7 @@ class WeightStore:
         self._unit_tensors: dict[str, list[str]] = {}
         self._gpu: dict[str, Weight] = {}
         self._ram: dict[str, HostWeight] = {}
-        by_name = {t.name: t for t in g.reader.tensors}
+        by_name = {t.name: t for t in g.tensor_infos}
         self._experts: dict[str, dict[str, Weight | HostWeight]] = {}
         if "nvme" in tiers.values():
             # Before any resident unit is loaded: a first run builds the pack, and its transient
@@ -101,7 +101,7 @@ class WeightStore:
                     self._gpu[name] = self._to_device(host)
                 else:
                     self._ram[name] = host  # the RAM tier is this host copy, not the mapped file
-        for t in g.reader.tensors:
+        for t in g.tensor_infos:
             g.drop_pages(t)
         resident = list(self._gpu.values()) + [
             w for u, ws in self._experts.items() if tiers[u] == "gpu" for w in ws.values()

@@ -100,16 +100,24 @@ def speculative_from_args(args: argparse.Namespace):
     )
 
 
-def cmd_plan(args: argparse.Namespace) -> None:
+def plan_from_args(args: argparse.Namespace, desc: ModelDescription | None = None) -> Plan:
+    """The plan ``strata plan``'s options ask for: ``args.model`` (or ``--arch``/``--ftype``, or
+    the already-built description ``desc``), ``args.profile`` (a path) and every option of
+    :func:`add_plan_options`. ``strata plan`` writes it; ``strata run|serve|chat MODEL``
+    (``strata.autoplan``) caches it.
+
+    Raises:
+        StrataError: options that do not go together or are out of range (before the model is
+            read), a bad model or profile, an infeasible request (``planning.build_plan``).
+    """
     from strata.planner.planning import build_plan
 
-    draft = getattr(args, "draft_model", None)
-    check_output(args.output, args.model, args.profile, getattr(args, "arch", None), draft)
     speculative = speculative_from_args(args)  # before describing: option errors come first
-    desc = _arch_description(args, "--model")
+    if desc is None:
+        desc = _arch_description(args, "--model")
     request = request_from_args(args)
     routing = Path(args.routing_profile) if args.routing_profile else None
-    plan = build_plan(
+    return build_plan(
         args.model,
         Path(args.profile),
         request,
@@ -118,7 +126,11 @@ def cmd_plan(args: argparse.Namespace) -> None:
         speculative=speculative,
         baseline=args.baseline,
     )
-    write_yaml(plan, args.output)
+
+
+def plan_summary(plan: Plan, baseline: bool = False) -> str:
+    """What a plan decided, in one line: the bytes on each tier, speculative decoding, and the
+    predicted decode rate (e.g. ``gpu 112.35 MiB; predicted 25.3 tok/s``)."""
     tiers: dict[str, int] = {}
     for p in plan.placement:
         tiers[p.tier] = tiers.get(p.tier, 0) + p.bytes
@@ -132,9 +144,17 @@ def cmd_plan(args: argparse.Namespace) -> None:
             + f", {format_rate(sp.predicted_decode_tok_s or 0)} tok/s with it"
         )
     rate = f"{format_rate(tok_s)} tok/s" + rate_label(plan.request, plan.batch)
-    if args.baseline:
+    if baseline:
         rate += " (the baseline rule's plan, not the ILP's)"
-    print(f"wrote {args.output}: {where}; predicted {rate}", file=sys.stderr)
+    return f"{where}; predicted {rate}"
+
+
+def cmd_plan(args: argparse.Namespace) -> None:
+    draft = getattr(args, "draft_model", None)
+    check_output(args.output, args.model, args.profile, getattr(args, "arch", None), draft)
+    plan = plan_from_args(args)
+    write_yaml(plan, args.output)
+    print(f"wrote {args.output}: {plan_summary(plan, args.baseline)}", file=sys.stderr)
 
 
 def cmd_diff(args: argparse.Namespace) -> None:
@@ -194,6 +214,118 @@ def presets() -> str:
     return "presets:\n" + "\n".join(line(s) for s in SHAPES.values())
 
 
+PLAN_DEFAULTS: dict[str, object] = {
+    "routing_profile": None,
+    "profile": None,
+    "context": 4096,
+    "concurrency": 1,
+    "objective": "latency",
+    "prompt_tokens": None,
+    "output_tokens": None,
+    "gpu_budget": None,
+    "ram_budget": None,
+    "tiers": "gpu,ram,nvme",
+    "speculative": "none",
+    "draft_model": None,
+    "num_draft_tokens": None,
+    "acceptance_rate": None,
+    "baseline": False,
+}
+"""Every option of :func:`add_plan_options` by its ``dest``, with ``strata plan``'s default."""
+
+
+def add_plan_options(p, *, from_model: bool = False, concurrency: int = 1) -> None:
+    """Declare the planning options (``--profile``, ``--context``, ``--concurrency``, budgets,
+    tiers, speculative decoding, ``--baseline`` ...; one per key of :data:`PLAN_DEFAULTS`) on
+    ``p``, a parser or an argument group. The model (``--model``/``--arch``) and ``-o`` are the
+    caller's.
+
+    Args:
+        p: where to add them.
+        from_model: for ``strata run|serve|chat MODEL`` (``strata.autoplan``): ``--profile`` is
+            optional (default: this machine's kept profile) and no option has a default, so an
+            option is in the parsed namespace only when given (``argparse.SUPPRESS``): the
+            command refuses them with a plan file and fills in the defaults itself.
+        concurrency: the default ``--concurrency`` the help states (``serve``'s differs).
+    """
+
+    def opt(*flags: str, **kw) -> None:
+        dest = flags[0].lstrip("-").replace("-", "_")
+        kw["default"] = argparse.SUPPRESS if from_model else PLAN_DEFAULTS[dest]
+        p.add_argument(*flags, **kw)
+
+    opt(
+        "--routing-profile",
+        metavar="FILE",
+        help="MoE: measured routing (strata run --save-routing-profile) in place of uniform "
+        "top-k/n expert access",
+    )
+    if from_model:
+        opt(
+            "--profile",
+            metavar="FILE",
+            help="hardware profile YAML to plan with (default: this machine's, measured once and "
+            "kept in the cache; strata profile measures it again)",
+        )
+    else:
+        opt("--profile", required=True, help="hardware profile YAML")
+    shorter = ", or the model's training context where shorter" if from_model else ""
+    opt(
+        "--context",
+        type=int,
+        help=f"tokens per sequence (default {PLAN_DEFAULTS['context']}{shorter})",
+    )
+    opt("--concurrency", type=int, help=f"sequences at once (default {concurrency})")
+    opt("--objective", choices=("latency", "throughput"), help="what to optimize (latency)")
+    opt(
+        "--prompt-tokens",
+        metavar="MIN,MAX",
+        help="the shortest and longest prompt to plan for, tokens: the cost model prices time to "
+        "first token over them (default min(128, context/4),min(1024, context/2))",
+    )
+    opt(
+        "--output-tokens",
+        type=int,
+        help="tokens generated per request, which weighs time to first token against decode "
+        "(default 256, or what the context leaves after the longest prompt)",
+    )
+    opt("--gpu-budget", help="override the device working set, e.g. 512MiB, 8GiB")
+    opt("--ram-budget", help="override host RAM available, e.g. 8GB")
+    opt("--tiers", help=f"tiers the plan may use (default {PLAN_DEFAULTS['tiers']})")
+    opt(
+        "--speculative",
+        choices=("none", "prompt_lookup", "draft_model", "self"),
+        help="speculative decoding: draft tokens from n-grams of the sequence (prompt_lookup), a "
+        "smaller model of the same vocabulary (draft_model), or the model's own resident layers "
+        "(self); the cost model chooses K (default none)",
+    )
+    opt(
+        "--draft-model",
+        metavar="MODEL",
+        help="with --speculative draft_model: catalog name or GGUF path, planned together with "
+        "the target (its weights and KV cache on the device first)",
+    )
+    opt(
+        "--num-draft-tokens",
+        type=int,
+        metavar="K",
+        help="draft tokens per step, 1..16 (default: the cost model's choice, 1..8)",
+    )
+    opt(
+        "--acceptance-rate",
+        type=float,
+        metavar="A",
+        help="measured share of draft tokens accepted, 0..1 (default: an assumed figure per "
+        "method, stated in the plan)",
+    )
+    opt(
+        "--baseline",
+        action="store_true",
+        help="the baseline rule's plan instead of the ILP's: the first blocks resident in "
+        "order, the rest on the next tier (llama.cpp's -ngl/--fit), for comparison",
+    )
+
+
 def add_commands(sub) -> None:
     """Add the planner's subcommands (describe, plan, diff, explain) to ``sub``."""
     d = sub.add_parser(
@@ -208,66 +340,7 @@ def add_commands(sub) -> None:
     pl.add_argument("--model", help="catalog name or GGUF path")
     pl.add_argument("--arch", help="instead of --model: architecture file (profiles/arch/*.yaml)")
     pl.add_argument("--ftype", help="with --arch: llama.cpp file type, e.g. Q4_K_M")
-    pl.add_argument(
-        "--routing-profile",
-        metavar="FILE",
-        help="MoE: measured routing (strata run --save-routing-profile) in place of uniform "
-        "top-k/n expert access",
-    )
-    pl.add_argument("--profile", required=True, help="hardware profile YAML")
-    pl.add_argument("--context", type=int, default=4096, help="tokens per sequence (default 4096)")
-    pl.add_argument("--concurrency", type=int, default=1, help="sequences at once (default 1)")
-    pl.add_argument("--objective", choices=("latency", "throughput"), default="latency")
-    pl.add_argument(
-        "--prompt-tokens",
-        metavar="MIN,MAX",
-        help="the shortest and longest prompt to plan for, tokens: the cost model prices time to "
-        "first token over them (default min(128, context/4),min(1024, context/2))",
-    )
-    pl.add_argument(
-        "--output-tokens",
-        type=int,
-        help="tokens generated per request, which weighs time to first token against decode "
-        "(default 256, or what the context leaves after the longest prompt)",
-    )
-    pl.add_argument("--gpu-budget", help="override the device working set, e.g. 512MiB, 8GiB")
-    pl.add_argument("--ram-budget", help="override host RAM available, e.g. 8GB")
-    pl.add_argument(
-        "--tiers", default="gpu,ram,nvme", help="tiers the plan may use (default gpu,ram,nvme)"
-    )
-    pl.add_argument(
-        "--speculative",
-        choices=("none", "prompt_lookup", "draft_model", "self"),
-        default="none",
-        help="speculative decoding: draft tokens from n-grams of the sequence (prompt_lookup), a "
-        "smaller model of the same vocabulary (draft_model), or the model's own resident layers "
-        "(self); the cost model chooses K (default none)",
-    )
-    pl.add_argument(
-        "--draft-model",
-        metavar="MODEL",
-        help="with --speculative draft_model: catalog name or GGUF path, planned together with "
-        "the target (its weights and KV cache on the device first)",
-    )
-    pl.add_argument(
-        "--num-draft-tokens",
-        type=int,
-        metavar="K",
-        help="draft tokens per step, 1..16 (default: the cost model's choice, 1..8)",
-    )
-    pl.add_argument(
-        "--acceptance-rate",
-        type=float,
-        metavar="A",
-        help="measured share of draft tokens accepted, 0..1 (default: an assumed figure per "
-        "method, stated in the plan)",
-    )
-    pl.add_argument(
-        "--baseline",
-        action="store_true",
-        help="write the baseline rule's plan instead of the ILP's: the first blocks resident in "
-        "order, the rest on the next tier (llama.cpp's -ngl/--fit), for comparison",
-    )
+    add_plan_options(pl)
     pl.add_argument("-o", "--output", required=True, help="plan file to write")
 
     df = sub.add_parser("diff", help="what differs between two plans")

@@ -662,19 +662,19 @@ def _tokenizer_fields(source: str) -> tuple[_Field, ...]:
 
 @functools.lru_cache(maxsize=4)
 def _read_tokenizer_fields(path: str, size: int, mtime_ns: int) -> tuple[_Field, ...]:
-    # Parsing 49152 tokens and their merges with GGUFReader takes about 1.5 s; size and mtime in
-    # the key make a changed file read again. Callers must not mutate the returned values.
+    # Size and mtime in the key make a changed file read again. Callers must not mutate the
+    # returned values.
     from strata.common.gguf_file import open_gguf
 
     g = open_gguf(path)
     out = []
-    for key, f in g.reader.fields.items():
+    for key in g.keys():
         if not key.startswith("tokenizer."):
             continue
-        types = list(f.types)
-        if len(types) > 2 or (types[0] == GGUFValueType.ARRAY and len(types) != 2):
-            raise StrataError(f"{path}: tokenizer key {key} is a nested array; cannot copy it")
-        out.append((key, f.contents(), types[0], types[1] if len(types) == 2 else None))
+        types = g.field_types(key)
+        if types[0] == GGUFValueType.ARRAY and len(types) != 2:
+            raise StrataError(f"{path}: tokenizer key {key} is an empty array; cannot copy it")
+        out.append((key, g.field(key), types[0], types[1] if len(types) == 2 else None))
     if not any(k == "tokenizer.ggml.tokens" for k, *_ in out):
         raise StrataError(f"{path}: no tokenizer.ggml.tokens; give a GGUF that has a tokenizer")
     return tuple(out)

@@ -55,7 +55,7 @@ import numpy as np
 from strata.common.errors import StrataError
 
 if TYPE_CHECKING:
-    import gguf
+    from strata.common.gguf_file import GGUFFile
 
 __all__ = [
     "SEED_KEY",
@@ -125,34 +125,24 @@ def successor_permutations(n_expert: int, layers: int, seed: int) -> np.ndarray:
     return succ
 
 
-def file_successors(model: str | Path | gguf.GGUFReader) -> np.ndarray:
+def file_successors(model: str | Path | GGUFFile) -> np.ndarray:
     """The designated successors of a synthetic MoE GGUF written by ``synth.py``, from its
     metadata (expert count, block count and ``strata.synthetic.seed``).
 
     Args:
-        model: the GGUF's path, or a ``gguf.GGUFReader`` already open on it.
+        model: the GGUF's path, or the file already open (``open_gguf``).
 
     Returns:
         int64 [layers - 1, n_expert], as :func:`successor_permutations`.
 
     Raises:
+        GGUFError: the file is missing or not a valid GGUF.
         StrataError: not a GGUF with experts, or without the seed key (not written by synth.py).
     """
-    import gguf
+    from strata.common.gguf_file import GGUFFile, open_gguf
 
-    if isinstance(model, gguf.GGUFReader):
-        fields, path = model.fields, model.data.filename
-    else:
-        path = model
-        try:
-            fields = gguf.GGUFReader(str(path)).fields
-        except (OSError, ValueError) as e:
-            raise StrataError(f"{path}: cannot read it as GGUF: {e}") from None
-
-    def get(key: str):
-        f = fields.get(key)
-        return None if f is None else f.contents()
-
+    g = model if isinstance(model, GGUFFile) else open_gguf(model)
+    path, get = g.path, g.field
     arch = get("general.architecture")
     n, layers, seed = get(f"{arch}.expert_count"), get(f"{arch}.block_count"), get(SEED_KEY)
     if not n or layers is None:

@@ -90,7 +90,9 @@ def cut_gguf(model: str | Path, blocks: int, out: str | Path) -> Path:
     if out.exists() and out.resolve() == Path(src).resolve():
         raise StrataError(f"-o {out} is the model itself; write the cut model to another file")
     g = open_gguf(src)  # bounds-checked header walk before gguf.GGUFReader trusts it
-    reader, arch = g.reader, g.architecture
+    # A tool, not the run path: gguf's reader (slow for a large vocabulary) copies every field
+    # and tensor as the gguf package sees them.
+    reader, arch = gguf.GGUFReader(src), g.architecture
     count_key = f"{arch}.block_count"
     total = g.field(count_key)
     if total is None:

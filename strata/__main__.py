@@ -2,6 +2,6 @@
 
 import sys
 
-from strata.cli import main
+from strata.entry import main
 
 sys.exit(main())

@@ -1,10 +1,10 @@
 """The ``strata`` command, and the ``plan.py`` / ``execute.py`` / ``synth.py`` entry points.
 
-``strata describe|profile|plan|check|explain|diff|run|serve|bench|synth ...``: each
+``strata describe|profile|plan|check|explain|diff|run|serve|bench|synth|cache ...``: each
 subcommand's options and work live with its layer (``strata.planner.cli``, ``strata.executor.cli``,
 ``strata.benchmarks.cli``; ``check`` in ``strata.check``, which ``run``, ``serve`` and ``bench``
-ask first); this module only builds the parsers and runs the chosen command,
-turning a ``StrataError`` into one line on stderr and exit status 2
+ask first; ``cache`` in ``strata.caches``); this module only builds the parsers and runs the
+chosen command, turning a ``StrataError`` into one line on stderr and exit status 2
 (``strata.common.errors.run_command``).
 """
 
@@ -13,7 +13,7 @@ from __future__ import annotations
 import argparse
 from collections.abc import Callable
 
-from strata import check
+from strata import autoplan, caches, check
 from strata.benchmarks import cli as benchmarks_cli
 from strata.common.errors import run_command
 from strata.executor import cli as executor_cli
@@ -22,7 +22,7 @@ from strata.planner import cli as planner_cli
 DESCRIPTION = "Plan LLM inference across a memory hierarchy (GPU, RAM, NVMe) and run it on MLX."
 #: The subcommands that plan.py and execute.py offer (strata offers them all, and synth).
 PLAN_COMMANDS = ("describe", "profile", "plan", "check", "diff", "explain")
-EXECUTE_COMMANDS = ("run", "bench", "serve")
+EXECUTE_COMMANDS = ("run", "chat", "bench", "serve")
 
 
 def _commands() -> dict[str, Callable[[argparse.Namespace], None]]:
@@ -31,6 +31,7 @@ def _commands() -> dict[str, Callable[[argparse.Namespace], None]]:
         "check": check.cmd_check,
         **executor_cli.COMMANDS,
         **benchmarks_cli.COMMANDS,
+        **caches.COMMANDS,
     }
 
 
@@ -54,6 +55,7 @@ def _parser(prog: str, description: str, keep: tuple[str, ...] | None) -> argpar
     check.add_command(sub)
     executor_cli.add_commands(sub)
     benchmarks_cli.add_commands(sub)
+    autoplan.add_options(sub.sub.choices)  # run|serve|chat MODEL: plan's options
     syn = sub.add_parser(
         "synth",
         help="write a synthetic GGUF of a real model's shape",
@@ -62,7 +64,17 @@ def _parser(prog: str, description: str, keep: tuple[str, ...] | None) -> argpar
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     planner_cli.add_synth_arguments(syn)
+    caches.add_command(sub)
     return p
+
+
+def _plan_and_check(args: argparse.Namespace) -> None:
+    """``args.check_plan`` (``executor.inputs.check_plan``): a model given in place of a plan is
+    planned first (``autoplan.prepare``: ``args.plan`` becomes the cached plan), then the plan
+    is checked against this machine (``check.require``)."""
+    if args.command in autoplan.COMMANDS:
+        autoplan.prepare(args)
+    check.require(args.plan)
 
 
 def _run(p: argparse.ArgumentParser, argv: list[str] | None) -> int:
@@ -72,7 +84,7 @@ def _run(p: argparse.ArgumentParser, argv: list[str] | None) -> int:
         if args.command in EXECUTE_COMMANDS:
             # Asked by the command after its own options are checked, before it loads anything
             # (the executor and the benchmarks cannot import the layer above them).
-            args.check_plan = check.require
+            args.check_plan = _plan_and_check
         _commands()[args.command](args)
 
     return run_command(command)
@@ -94,9 +106,9 @@ def plan_main(argv: list[str] | None = None) -> int:
 
 
 def execute_main(argv: list[str] | None = None) -> int:
-    """``execute.py``: run, bench, serve."""
+    """``execute.py``: run, chat, bench, serve."""
     return _run(
-        _parser("execute.py", "Strata's executor: run, bench, serve.", EXECUTE_COMMANDS), argv
+        _parser("execute.py", "Strata's executor: run, chat, bench, serve.", EXECUTE_COMMANDS), argv
     )
 
 

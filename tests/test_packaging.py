@@ -59,7 +59,7 @@ def test_wheel_holds_one_top_level_package_and_the_command(tmp_path):
         wheel.name.split("-py3")[0] + ".dist-info",
     }
     assert "strata/executor/server/app.py" in names and "strata/common/schemas.py" in names
-    assert "strata = strata.cli:main" in entry_points
+    assert "strata = strata.entry:main" in entry_points
 
 
 def test_the_command_line_imports_no_mlx():

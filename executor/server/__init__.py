@@ -14,6 +14,8 @@ One module per role, each importing only those above it in this list:
   ``stop``: stop-string matching;
 - ``generation``: one request's path from the engine thread to its response, and the handlers'
   shared state (threads, back-pressure, disconnects);
+- ``access_log``: one line per request on stderr (the middleware, and the hooks ``streaming``
+  calls);
 - ``streaming``: a generation sent as server-sent events, or collected whole;
 - ``routes``: the route handlers; ``app``: the application and ``serve`` (shutdown).
 """

@@ -3,7 +3,10 @@
 
 Shutdown. On Ctrl-C or SIGTERM new generations get 503 and ``/health`` turns 503; running ones
 get ``GRACEFUL_SHUTDOWN_S`` seconds to finish, then end with a 503 error (a final error event
-when streaming); only then is the engine closed.
+when streaming); only then is the engine closed. A second Ctrl-C or SIGTERM ends the wait at
+once: the running generations end with their 503 and the engine closes, its pass in progress
+stopping within one block even in the middle of a prefill (``executor.serving``, "Stopping
+promptly"), so the process exits within about a second.
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ from starlette.responses import Response
 from starlette.routing import Route
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from strata.common.errors import StrataError
+from strata.executor.server.access_log import AccessLog
 from strata.executor.server.generation import ServerState
 from strata.executor.server.metrics import ServerMetrics
 from strata.executor.server.protocol import APIError
@@ -41,6 +45,7 @@ from strata.executor.server.routes import (
 )
 
 if TYPE_CHECKING:
+    from strata.executor.chat import ChatTemplate
     from strata.executor.serving import ServingEngine
 
 GRACEFUL_SHUTDOWN_S = 5
@@ -135,7 +140,8 @@ def create_app(
     engine: ServingEngine,
     model_name: str,
     api_key: str | None = None,
-    chat_template: str | None = None,
+    chat_template: ChatTemplate | None = None,
+    access_log: bool = True,
 ) -> Starlette:
     """The ASGI application over a started ``ServingEngine``.
 
@@ -144,6 +150,10 @@ def create_app(
         model_name: the model's name in requests and ``/v1/models``.
         api_key: when given, every ``/v1/*`` and ``/reset_prefix_cache`` request needs
             ``Authorization: Bearer api_key``.
+        chat_template: the chat completions' template in place of the GGUF's (given, or a
+            built-in for a GGUF without one).
+        access_log: write one line per request on stderr (``server.access_log``); False:
+            none (``serve --quiet``).
     """
     server_metrics = ServerMetrics()
     app = Starlette(
@@ -156,7 +166,10 @@ def create_app(
             Route("/metrics", metrics, methods=["GET"]),
             Route("/reset_prefix_cache", reset_prefix_cache, methods=["POST"]),
         ],
-        middleware=[Middleware(_Gate, api_key=api_key, metrics=server_metrics)],
+        middleware=[  # outermost first: the log sees the key check's 401s too
+            Middleware(AccessLog, enabled=access_log),
+            Middleware(_Gate, api_key=api_key, metrics=server_metrics),
+        ],
         exception_handlers={
             APIError: _api_error,
             HTTPException: _http_error,
@@ -198,6 +211,8 @@ def bind_socket(host: str, port: int) -> socket.socket:
 
 
 def _uvicorn_server(app: Starlette, ready: Callable[[], None]):
+    from types import FrameType
+
     import uvicorn
 
     state: ServerState = app.state.strata
@@ -223,6 +238,12 @@ def _uvicorn_server(app: Starlette, ready: Callable[[], None]):
             await state.drain(GRACEFUL_SHUTDOWN_S, lambda: self.force_exit)
             await super().shutdown(sockets)
 
+        def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+            # uvicorn forces the exit on a second SIGINT only; a second SIGTERM does too.
+            if self.should_exit:
+                self.force_exit = True
+            super().handle_exit(sig, frame)
+
         @contextlib.contextmanager
         def capture_signals(self) -> Iterator[None]:
             # uvicorn re-raises Ctrl-C / SIGTERM after its graceful shutdown, which would kill
@@ -241,6 +262,7 @@ def _uvicorn_server(app: Starlette, ready: Callable[[], None]):
     config = uvicorn.Config(
         app,
         log_level="warning",
+        access_log=False,  # ours, with tokens and times: server.access_log
         lifespan="off",
         timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
     )
@@ -262,20 +284,25 @@ def serve(
     batch_invariant: bool = False,
     *,
     model: str | None = None,
-    check: Callable[[], None] | None = None,
-    chat_template: str | None = None,
+    check: Callable[[], str | Path] | None = None,
+    chat_template: ChatTemplate | None = None,
+    access_log: bool = True,
 ) -> None:
     """Load a plan and serve it until Ctrl-C or SIGTERM (``strata serve``).
 
     Prints ``serving MODEL on http://HOST:PORT`` to stderr once requests are accepted.
     ``batch_invariant``: ``ServingEngine``'s mode of that name (``--batch-invariant``);
     ``model``: the GGUF file where it is not where the plan says (``--model``); ``check``:
-    asked once the socket is bound, before the plan is loaded (``strata check``'s question);
-    ``chat_template``: the chat completions' template in place of the GGUF's (``--chat-template``).
+    asked once the socket is bound, before the plan is loaded (a model given in place of a
+    plan is planned, ``strata check``'s question asked): the plan file to load;
+    ``chat_template``: the chat completions' template in place of the GGUF's (``--chat-template``;
+    None: the GGUF's, else the built-in one for its architecture, said on stderr);
+    ``access_log``: one line per request on stderr (False: ``--quiet``).
 
     Raises:
         StrataError: the address cannot be used, or the plan cannot be loaded.
     """
+    from strata.executor.chat import chat_template_for
     from strata.executor.engine import Engine
     from strata.executor.plan_loader import load_plan
     from strata.executor.serving import ServingEngine
@@ -283,7 +310,7 @@ def serve(
     sock = bind_socket(host, port)  # before loading: a busy port fails in a second, not after
     try:
         if check is not None:
-            check()
+            plan_path = check()
         loaded = load_plan(plan_path, model)
         engine = Engine(loaded)
         try:
@@ -295,9 +322,15 @@ def serve(
                 if warm:
                     print(f"kernels built in {warm:.1f} s", file=sys.stderr, flush=True)
                 name = model_name or default_model_name(loaded)
+                template = chat_template_for(
+                    engine.tokenizer, loaded.desc.architecture.name, chat_template
+                )
+                if template is not None and template.fallback:
+                    print(f"chat completions: {template.name} (the GGUF has none)", file=sys.stderr)
+                    chat_template = template
                 bound = sock.getsockname()[1]
                 shown = f"[{host}]" if ":" in host else host
-                app = create_app(serving, name, api_key, chat_template)
+                app = create_app(serving, name, api_key, chat_template, access_log)
 
                 def ready() -> None:
                     print(f"serving {name} on http://{shown}:{bound}", file=sys.stderr, flush=True)

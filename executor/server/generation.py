@@ -44,6 +44,7 @@ from strata.executor.server.stop import StopMatcher
 from strata.executor.serving import GenerationRequest, TokenEvent, TokenLogprob
 
 if TYPE_CHECKING:
+    from strata.executor.chat import ChatTemplate
     from strata.executor.serving import ServingEngine
 
 
@@ -143,6 +144,12 @@ class Generation:
             raise engine_error(f"the engine refused the request: {e}") from e
         self.state.live.add(self)
         self.state.metrics.prompt_tokens += self.prompt_tokens
+
+    @property
+    def first_token_at(self) -> float | None:
+        """When the engine produced the first token (``time.perf_counter`` seconds), or None
+        before it (the access log's TTFT)."""
+        return self._t_first
 
     def client_gone(self) -> None:
         """Called by the disconnect watcher: wakes ``pieces``, which stops the request."""
@@ -293,8 +300,8 @@ class ServerState:
         created: when the server started (Unix seconds), for ``/v1/models``.
         live: the generations submitted and not closed yet.
         closing: the server is shutting down (new generations get 503).
-        chat_template: the template of chat completions (``serve --chat-template``); None: the
-            GGUF's.
+        chat_template: the template of chat completions (``serve --chat-template``, or a
+            built-in for a GGUF without one); None: the GGUF's.
     """
 
     engine: ServingEngine
@@ -302,7 +309,7 @@ class ServerState:
     metrics: ServerMetrics
     created: int
     live: set[Generation] = field(default_factory=set)
-    chat_template: str | None = None
+    chat_template: ChatTemplate | None = None
     closing: bool = False
     _mailbox: _Mailbox | None = None
 

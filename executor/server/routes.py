@@ -14,7 +14,7 @@ from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response
 from strata.common.errors import StrataError
-from strata.executor.chat import messages_to_ids
+from strata.executor.chat import BUILTIN_TEMPLATES, messages_to_ids
 from strata.executor.server.generation import Generation, ServerState
 from strata.executor.server.logprobs import TextOffsets, chat_logprobs, completion_logprobs
 from strata.executor.server.protocol import (
@@ -122,15 +122,16 @@ async def chat_completions(request: Request) -> Response:
         raise APIError(
             400,
             "this model's GGUF has no chat template (tokenizer.chat_template); start the server "
-            "with --chat-template FILE (e.g. templates/gemma3.jinja for Gemma 3) or use "
-            "/v1/completions with a prompt instead",
+            f"with --chat-template FILE or a built-in name ({', '.join(BUILTIN_TEMPLATES)}), or "
+            "use /v1/completions with a prompt instead",
             param="messages",
         )
+    template = None if state.chat_template is None else state.chat_template.text
     messages = [m.for_template() for m in body.messages]
     # the template's text per message counts too: many tiny messages are a long render
     chars = sum(len(str(m.get("content") or "")) + 64 for m in messages)
     try:
-        ids = await _tokenize(chars, messages_to_ids, tok, messages, state.chat_template)
+        ids = await _tokenize(chars, messages_to_ids, tok, messages, template)
     except StrataError as e:  # ChatError, or a TokenizerError
         raise APIError(400, str(e), param="messages") from None
     gen = await _start(state, body, ids, body.max_new_tokens(), None, "messages")

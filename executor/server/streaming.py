@@ -11,6 +11,7 @@ from collections.abc import AsyncIterator
 from starlette.requests import Request
 from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
+from strata.executor.server import access_log
 from strata.executor.server.generation import Disconnected, Generation
 from strata.executor.server.protocol import APIError
 from strata.executor.serving import TokenLogprob
@@ -34,6 +35,7 @@ class EventStream(Response):
         self.init_headers({"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        access_log.track(scope, self.generation)
         watcher = asyncio.create_task(self.generation.watch(receive))
         try:
             await send({"type": "http.response.start", "status": 200, "headers": self.raw_headers})
@@ -43,12 +45,16 @@ class EventStream(Response):
                         {"type": "http.response.body", "body": _sse(chunk), "more_body": True}
                     )
             except APIError as e:  # the status is sent already: the error is the last event
+                access_log.note(scope, f"stream ended with error {e.status}: {e.message}")
                 await send(
                     {"type": "http.response.body", "body": _sse(e.body()), "more_body": True}
                 )
             await send({"type": "http.response.body", "body": b"data: [DONE]\n\n"})
         except (Disconnected, OSError):
-            pass  # nobody to tell; the generation is aborted below
+            access_log.note(scope, "client disconnected")  # the generation is aborted below
+        except asyncio.CancelledError:
+            access_log.note(scope, "cancelled")
+            raise
         finally:
             watcher.cancel()
             self.generation.close()
@@ -66,6 +72,7 @@ async def collect(
 ) -> tuple[str, str, list[tuple[int, TokenLogprob]] | None]:
     """The whole text, finish reason and logprob entries (None unless asked for) of a
     non-streamed generation; aborts it if the client disconnects while it runs."""
+    access_log.track(request.scope, generation)
     watcher = asyncio.create_task(generation.watch(request.receive))
     text: list[str] = []
     lps: list[tuple[int, TokenLogprob]] | None = None
@@ -81,6 +88,7 @@ async def collect(
                 return "".join(text), piece.finish_reason, lps
         raise AssertionError("pieces() ended without a finish reason")
     except Disconnected:
+        access_log.note(request.scope, "client disconnected")
         # Nobody reads the answer; 499 (nginx's "client closed request") shows in /metrics.
         raise APIError(499, "the client closed the request") from None
     finally:

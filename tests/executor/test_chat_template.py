@@ -14,7 +14,7 @@ import pytest
 from conftest import ROOT
 from strata.common.errors import StrataError, run_command
 from strata.executor.chat import NO_TEMPLATE, ChatError, render_chat
-from strata.executor.cli import prompt_ids_for
+from strata.executor.inputs import prompt_ids_for
 from strata.executor.tokenizer import GGUFTokenizer
 from test_tokenizer import GEMMA_REF, gemma_tokenizer
 
@@ -108,8 +108,12 @@ def test_missing_chat_template_file(engine, tmp_path: Path, capsys) -> None:
     assert "no such file" in _one_line_error(capsys, engine, args)
 
 
-def test_execute_run_refuses_messages_before_loading(gemma3_gguf: Path, tmp_path: Path) -> None:
-    """``execute.py run --messages`` on a GGUF without a template fails before the weights load."""
+def test_execute_run_chats_with_gemma_and_refuses_bad_messages_before_loading(
+    gemma3_gguf: Path, tmp_path: Path
+) -> None:
+    """``execute.py run --messages`` on Gemma's GGUF (no template) renders with the built-in
+    gemma3 template, as llama.cpp tokenizes it; messages the template refuses fail in one line
+    before the weights load."""
     import subprocess
     import sys
 
@@ -117,10 +121,40 @@ def test_execute_run_refuses_messages_before_loading(gemma3_gguf: Path, tmp_path
 
     plan = make_plan_file(str(gemma3_gguf), tmp_path / "gemma3.yaml", context=256)
     messages = tmp_path / "m.json"
-    messages.write_text(json.dumps(MESSAGES))
-    run = subprocess.run(
-        [sys.executable, "execute.py", "run", str(plan), "--messages", str(messages)],
-        cwd=ROOT, capture_output=True, text=True, timeout=120,
-    )  # fmt: skip
-    assert run.returncode == 2
-    assert run.stderr == f"error: {NO_TEMPLATE}\n"
+
+    def run(chat: list[dict], *extra: str) -> subprocess.CompletedProcess:
+        messages.write_text(json.dumps(chat))
+        return subprocess.run(
+            [sys.executable, "execute.py", "run", str(plan), "--messages", str(messages), *extra],
+            cwd=ROOT, capture_output=True, text=True, timeout=300,
+        )  # fmt: skip
+
+    ok = run(MESSAGES, "--max-tokens", "2", "--json")
+    assert ok.returncode == 0, ok.stderr
+    case = next(c for c in GEMMA_REF["cases"] if "You are terse." in c["text"])
+    assert json.loads(ok.stdout)["prompt_ids"] == case["ids"]
+    assert "built-in gemma3 template" in ok.stderr
+    bad = run([MESSAGES[1], MESSAGES[1]])  # two user turns in a row
+    assert bad.returncode == 2
+    assert bad.stderr.endswith(
+        "error: the built-in gemma3 template: the chat template rejected the messages: "
+        "Conversation roles must "
+        "alternate user/assistant/user/assistant/...\n"
+    ), bad.stderr
+    assert "load" not in bad.stderr
+
+
+def test_gemma_without_a_template_chats_with_the_built_in_one(engine, tmp_path: Path, capsys):
+    """Gemma-3's architecture has a built-in template: a chat renders as with the file given,
+    and stderr says which template it used (once)."""
+    want = prompt_ids_for(engine.tokenizer, _args(tmp_path, GEMMA_TEMPLATE))
+    assert prompt_ids_for(engine.tokenizer, _args(tmp_path, None), "gemma3") == want
+    assert capsys.readouterr().err.count("built-in gemma3 template") == 1
+    args = _args(tmp_path, None)
+    args.chat_template = "gemma3"  # a built-in by name
+    assert prompt_ids_for(engine.tokenizer, args) == want
+    args.chat_template = "chatml"
+    assert prompt_ids_for(engine.tokenizer, args) != want
+    # an architecture without a built-in: the error names the built-ins
+    with pytest.raises(ChatError, match="chatml, gemma3"):
+        prompt_ids_for(engine.tokenizer, _args(tmp_path, None), "llama")

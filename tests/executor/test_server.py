@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import json
+import os
 import random
 import re
 import shutil
@@ -41,6 +42,7 @@ PROMPT = "The capital of France is"
 class Server:
     url: str
     proc: subprocess.Popen
+    log: Path
 
     def client(self, key: str = KEY) -> openai.OpenAI:
         return openai.OpenAI(base_url=f"{self.url}/v1", api_key=key, max_retries=0, timeout=60)
@@ -84,16 +86,23 @@ def parse_prometheus(text: str) -> dict[str, float]:
 
 
 @contextlib.contextmanager
-def serve_process(plan: Path, log: Path, *options: str) -> Iterator[Server]:
-    """``execute.py serve PLAN --port 0 --api-key KEY *options`` (port 0: the server reports
-    the one it got), stopped with SIGINT after use; its stderr goes to ``log``."""
+def serve_process(
+    plan: Path,
+    log: Path,
+    *options: str,
+    key: tuple[str, ...] = ("--api-key", KEY),
+    env: dict[str, str] | None = None,
+) -> Iterator[Server]:
+    """``execute.py serve PLAN --port 0 *key *options`` (port 0: the server reports the one it
+    got; ``key``: how it is given the API key KEY), stopped with SIGINT after use; its stderr
+    goes to ``log``; ``env``: variables added to the environment."""
     with open(log, "w") as err:
         proc = subprocess.Popen(
-            [sys.executable, "execute.py", "serve", str(plan), "--port", "0"]
-            + ["--api-key", KEY, *options],
+            [sys.executable, "execute.py", "serve", str(plan), "--port", "0", *key, *options],
             cwd=ROOT,
             stdout=subprocess.DEVNULL,
             stderr=err,
+            env={**os.environ, **(env or {})},
         )
     deadline = time.monotonic() + 120
     url = None
@@ -108,7 +117,7 @@ def serve_process(plan: Path, log: Path, *options: str) -> Iterator[Server]:
         else:
             time.sleep(0.2)
     assert httpx.get(f"{url}/health", timeout=10).json() == {"status": "ok"}  # no key needed
-    yield Server(url, proc)
+    yield Server(url, proc, log)
     proc.send_signal(signal.SIGINT)
     try:
         assert proc.wait(timeout=30) == 0, log.read_text()
@@ -120,8 +129,12 @@ def serve_process(plan: Path, log: Path, *options: str) -> Iterator[Server]:
 
 @pytest.fixture(scope="module")
 def server(smollm2_plan, tmp_path_factory) -> Iterator[Server]:
-    """The module's server: ``execute.py serve`` on the SmolLM2 plan."""
-    with serve_process(smollm2_plan, tmp_path_factory.mktemp("serve") / "stderr.txt") as srv:
+    """The module's server: ``execute.py serve`` on the SmolLM2 plan, its API key read from a
+    file (``--api-key-file``: the key's first line, its spaces and later lines left out)."""
+    folder = tmp_path_factory.mktemp("serve")
+    (folder / "key.txt").write_text(f"  {KEY} \nnot the key\n")
+    key = ("--api-key-file", str(folder / "key.txt"))
+    with serve_process(smollm2_plan, folder / "stderr.txt", key=key) as srv:
         yield srv
 
 
@@ -769,6 +782,102 @@ def test_concurrent_requests_match_sequential(server):
     assert results == [expected, expected]
 
 
+# ------------------------------------------------------------------------------------ access log
+
+ACCESS = re.compile(
+    r"^(?P<method>GET|POST) (?P<path>/\S*) (?P<status>\d{3})"
+    r"(?: prompt=(?P<prompt>\d+) completion=(?P<completion>\d+)(?: ttft=(?P<ttft>\d+)ms)?)?"
+    r" total=(?P<total>\d+)ms(?: \((?P<note>.+)\))?$"
+)
+"""An access-log line (``executor.server.access_log``)."""
+
+
+def access_lines(log: Path) -> list[dict]:
+    """The access-log lines in a server's stderr, parsed."""
+    return [m.groupdict() for m in map(ACCESS.match, log.read_text().splitlines()) if m]
+
+
+def new_access_lines(server: Server, before: int, count: int, timeout: float = 15) -> list[dict]:
+    """The access-log lines after the first ``before``, once there are ``count`` of them (a
+    line is written as its response ends, a moment after the client has read it)."""
+    deadline = time.monotonic() + timeout
+    while len(lines := access_lines(server.log)[before:]) < count:
+        assert time.monotonic() < deadline, f"{len(lines)} of {count} lines: {lines}"
+        time.sleep(0.05)
+    time.sleep(0.2)
+    lines = access_lines(server.log)[before:]
+    assert len(lines) == count, lines  # one line per request, no more
+    return lines
+
+
+def test_access_log(server):
+    """One line per request with its method, route, status, tokens and times: a chat, a
+    streamed completion, a refused key, an open route, and a stream the client hangs up on."""
+    before = len(access_lines(server.log))
+    r = chat(server, max_tokens=4)
+    _, _, usage = stream_complete(server, max_tokens=3)
+    server.post("/v1/completions", {"prompt": PROMPT}, key="wrong")
+    httpx.get(f"{server.url}/health", timeout=10)
+    long = {"model": MODEL, "prompt": PROMPT, "max_tokens": 1500, "ignore_eos": True}
+    with contextlib.ExitStack() as stack:
+        lines = open_stream(stack, server, long).iter_lines()
+        assert next(line for line in lines if line.startswith("data:"))
+    chat_line, stream_line, refused, health_line, gone = new_access_lines(server, before, 5)
+    assert chat_line["method"] == "POST" and chat_line["path"] == "/v1/chat/completions"
+    assert chat_line["status"] == "200" and chat_line["note"] is None
+    assert int(chat_line["prompt"]) == r.usage.prompt_tokens
+    assert int(chat_line["completion"]) == r.usage.completion_tokens
+    assert int(chat_line["ttft"]) <= int(chat_line["total"])
+    assert stream_line["path"] == "/v1/completions" and stream_line["status"] == "200"
+    assert (int(stream_line["prompt"]), int(stream_line["completion"])) == (
+        usage.prompt_tokens,
+        usage.completion_tokens,
+    )
+    assert stream_line["ttft"] is not None and stream_line["note"] is None
+    assert refused["status"] == "401" and refused["prompt"] is None  # nothing generated
+    assert (health_line["method"], health_line["path"], health_line["status"]) == (
+        "GET",
+        "/health",
+        "200",
+    )
+    assert gone["path"] == "/v1/completions" and gone["note"] == "client disconnected"
+    assert 1 <= int(gone["completion"]) < 1500
+    wait_for_idle(server)
+
+
+def test_quiet_server_takes_its_key_from_the_environment(smollm2_plan, tmp_path):
+    """``serve --quiet``: no access log; ``STRATA_API_KEY`` is the key when no option gives
+    one."""
+    log = tmp_path / "stderr.txt"
+    env = {"STRATA_API_KEY": f" {KEY}\n"}
+    with serve_process(smollm2_plan, log, "--quiet", key=(), env=env) as srv:
+        assert complete(srv, max_tokens=2).usage.completion_tokens >= 1
+        error_of(srv.post("/v1/completions", {"prompt": PROMPT}, key="wrong"), 401, "API key")
+        assert httpx.get(f"{srv.url}/health", timeout=10).status_code == 200
+        time.sleep(0.2)
+    assert access_lines(log) == [], log.read_text()
+
+
+def test_access_log_notes_a_stream_that_ended_in_an_error(tokenizer, capsys):
+    """A streamed request's status (200) is sent before its error: the line says what ended
+    it. ``access_log=False`` (``--quiet``) writes nothing."""
+    from starlette.testclient import TestClient
+    from strata.executor.server import create_app
+
+    body = {"model": "m", "prompt": [1, 2, 3], "max_tokens": 4, "stream": True}
+    with TestClient(create_app(FailingEngine(tokenizer), "m")) as client:
+        with client.stream("POST", "/v1/completions", json=body) as r:
+            assert r.status_code == 200 and list(r.iter_lines())
+    line = capsys.readouterr().err.strip()
+    m = ACCESS.match(line)
+    assert m, line
+    assert m["status"] == "200" and (m["prompt"], m["completion"]) == ("3", "1")
+    assert m["note"].startswith("stream ended with error 500:") and "out of memory" in m["note"]
+    with TestClient(create_app(FailingEngine(tokenizer), "m", access_log=False)) as client:
+        assert client.get("/health").status_code == 200
+    assert capsys.readouterr().err == ""
+
+
 # ------------------------------------------------------------------------------------ CLI
 
 
@@ -832,6 +941,7 @@ class FailingEngine:
 
 def test_engine_errors_and_missing_template(tokenizer):
     from starlette.testclient import TestClient
+    from strata.executor.chat import ChatTemplate
     from strata.executor.server import create_app
 
     engine = FailingEngine(tokenizer)
@@ -856,7 +966,9 @@ def test_engine_errors_and_missing_template(tokenizer):
         error_of(client.post("/v1/completions", json=big), 413, "MiB")
     assert engine.aborted == []  # errors end requests in the engine already: nothing to abort
     # serve --chat-template: a GGUF without a template renders chats with the given one.
-    template = "{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}<assistant>"
+    template = ChatTemplate(
+        "{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}<assistant>", "test"
+    )
     with TestClient(create_app(engine, "m", chat_template=template)) as client:
         r = client.post("/v1/chat/completions", json=chat_body)
         assert r.status_code == 500 and "out of memory" in r.text  # it reached the engine
@@ -882,3 +994,54 @@ def test_short_prompts_are_tokenized_on_the_event_loop(monkeypatch):
         got = asyncio.run(server._tokenize(n, lambda text: [len(text)], "x" * n))
         assert got == [n]
     assert hops == [limit + 1]
+
+
+def _serve_args(*argv: str):
+    from strata.cli import _parser
+
+    return _parser("strata", "", None).parse_args(["serve", "p.yaml", *argv])
+
+
+def test_api_key_sources(tmp_path, monkeypatch):
+    """``--api-key``, else ``--api-key-file``'s first line, else ``$STRATA_API_KEY`` (each
+    without surrounding spaces, but --api-key as given), else no key."""
+    from strata.executor.cli import api_key
+
+    key_file = tmp_path / "key.txt"
+    key_file.write_text(" from-file \nsecond line\n")
+    monkeypatch.delenv("STRATA_API_KEY", raising=False)
+    assert api_key(_serve_args()) is None
+    monkeypatch.setenv("STRATA_API_KEY", "  from-env\n")
+    assert api_key(_serve_args()) == "from-env"
+    assert api_key(_serve_args("--api-key-file", str(key_file))) == "from-file"
+    assert api_key(_serve_args("--api-key", "from-option")) == "from-option"
+
+
+@pytest.mark.parametrize(
+    ("argv", "content", "env", "expected"),
+    [
+        (["--api-key", "k", "--api-key-file", "{file}"], "k", "", "keep one of them"),
+        (["--api-key", " "], None, "", "--api-key is empty"),
+        (["--api-key-file", "{file}"], None, "", "--api-key-file {file}: no such file"),
+        (["--api-key-file", "{file}"], "", "", "{file}: the first line is empty"),
+        (["--api-key-file", "{file}"], "  \nkey\n", "", "{file}: the first line is empty"),
+        (["--api-key-file", "{file}"], b"\xff\xfe", "", "{file}: not UTF-8 text"),
+        (["--api-key-file", "{dir}"], None, "", "--api-key-file {dir}: cannot read it"),
+        ([], None, "  ", "STRATA_API_KEY holds only white space"),
+    ],
+)
+def test_api_key_errors_are_one_line(tmp_path, monkeypatch, capsys, argv, content, env, expected):
+    """A bad key source is a one-line error (exit status 2) before anything is bound or loaded."""
+    from strata.cli import main
+
+    file = tmp_path / "key.txt"
+    if isinstance(content, bytes):
+        file.write_bytes(content)
+    elif content is not None:
+        file.write_text(content)
+    fill = {"file": str(file), "dir": str(tmp_path)}
+    monkeypatch.setenv("STRATA_API_KEY", env)
+    plan = str(tmp_path / "missing.yaml")  # never reached: the key is checked first
+    assert main(["serve", plan, "--port", "0", *(a.format(**fill) for a in argv)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and expected.format(**fill) in err, err

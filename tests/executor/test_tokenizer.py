@@ -12,8 +12,9 @@ import json
 from pathlib import Path
 
 import gguf
+import numpy as np
 import pytest
-from gguf import GGUFReader, TokenType
+from gguf import TokenType
 from strata.common.catalog import CATALOG
 from strata.executor.chat import NO_TEMPLATE, ChatError, messages_to_ids, render_chat
 from strata.executor.tokenizer import _PRE_TOKENIZERS, GGUFTokenizer, StreamDecoder, TokenizerError
@@ -26,7 +27,9 @@ GEMMA_BYTES = range(238, 494)  # Gemma's <0x00>..<0xFF>
 
 
 def _finish(writer) -> None:
-    """Write a GGUFWriter's header, metadata and (no) tensors, and close it."""
+    """Write a GGUFWriter's header, metadata and one small tensor (a model file has tensors),
+    and close it."""
+    writer.add_tensor("token_embd.weight", np.zeros((4, 32), dtype=np.float32))
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
@@ -234,7 +237,7 @@ def _tiny_gguf(tmp_path: Path, pre: str | None = "smollm", model: str = "gpt2", 
 
 
 def _tiny(tmp_path: Path, **kwargs) -> GGUFTokenizer:
-    return GGUFTokenizer.from_reader(GGUFReader(_tiny_gguf(tmp_path, **kwargs)))
+    return GGUFTokenizer.from_gguf(_tiny_gguf(tmp_path, **kwargs))
 
 
 def test_unknown_pre_tokenizer(tmp_path: Path) -> None:
@@ -286,7 +289,7 @@ def _tiny_spm(tmp_path: Path, **keys: bool) -> GGUFTokenizer:
     if "add_eos" in keys:
         writer.add_add_eos_token(keys["add_eos"])
     _finish(writer)
-    return GGUFTokenizer.from_reader(GGUFReader(path))
+    return GGUFTokenizer.from_gguf(path)
 
 
 # llama.cpp's ids (llama_tokenize, add_special=True) for _tiny_spm with the defaults: BOS,

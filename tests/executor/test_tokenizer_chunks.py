@@ -14,7 +14,7 @@ from pathlib import Path
 
 import gguf
 import pytest
-from gguf import GGUFReader, TokenType
+from gguf import TokenType
 from strata.executor import tokenizer as tokenizer_module
 from strata.executor.tokenizer import (
     _PRE_TOKENIZER_GROUPS,
@@ -55,7 +55,7 @@ def _pair_gguf(tmp_path: Path, pre: str, added: tuple[str, ...] = ()) -> Path:
 
 
 def _pair_tokenizer(tmp_path: Path, pre: str, added: tuple[str, ...] = ()) -> GGUFTokenizer:
-    return GGUFTokenizer.from_reader(GGUFReader(_pair_gguf(tmp_path, pre, added)))
+    return GGUFTokenizer.from_gguf(_pair_gguf(tmp_path, pre, added))
 
 
 def _whole(tok: GGUFTokenizer, text: str, **kwargs) -> list[int]:

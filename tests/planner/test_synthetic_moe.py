@@ -19,6 +19,7 @@ import pytest
 from conftest import ROOT, make_plan_file
 from moe_reference import Reference, forward, measure, reader, sample_ids
 from strata.common.errors import StrataError
+from strata.common.gguf_file import open_gguf
 from strata.planner.synthetic import (
     FTYPES,
     ROUTING_KEY,
@@ -340,14 +341,14 @@ def test_successors_follow_the_lanes_and_do_not_depend_on_depth():
 def test_file_successors_reads_the_seed(tmp_path, models, smollm2_gguf):
     assert np.array_equal(file_successors(models["skewed"]), successor_permutations(8, 4, 0))
     assert np.array_equal(
-        file_successors(reader(models["uniform"])), file_successors(models["skewed"])
+        file_successors(open_gguf(models["uniform"])), file_successors(models["skewed"])
     )
     seven = write_synthetic(tmp_path / "s7.gguf", TINY, seed=7, tokenizer=str(smollm2_gguf))
     assert np.array_equal(file_successors(seven.path), successor_permutations(8, 4, 7))
     dense = write_synthetic(tmp_path / "d.gguf", SHAPES["tiny"], tokenizer=str(smollm2_gguf))
     with pytest.raises(StrataError, match="not a mixture-of-experts"):
         file_successors(dense.path)
-    with pytest.raises(StrataError, match="cannot read it as GGUF"):
+    with pytest.raises(StrataError, match="missing.gguf: no such file"):
         file_successors(tmp_path / "missing.gguf")
 
 
