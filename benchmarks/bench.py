@@ -29,8 +29,7 @@ import time
 from pathlib import Path
 
 from strata.common.errors import StrataError
-from strata.executor.engine import Engine
-from strata.executor.generate import Generation, generate
+from strata.executor.generate import Generation, generate, serving_for
 from strata.executor.plan_loader import LoadedPlan, load_plan
 from strata.executor.profile import read_sequential
 from strata.executor.sampling import SamplingParams
@@ -51,12 +50,7 @@ WARMUP_TOKENS = 4
 def _serving(loaded: LoadedPlan, expert_cache_mode: str | None = None) -> ServingEngine:
     """The engine ``serve`` runs for ``loaded`` (its warm-up, kernels, prefix cache, the plan's
     speculative decoding), started."""
-    engine = Engine(loaded, expert_cache_mode=expert_cache_mode)
-    try:
-        serving = ServingEngine(engine)
-    except BaseException:
-        engine.close()
-        raise
+    serving = serving_for(loaded, expert_cache_mode)
     try:
         serving.start()
     except BaseException:

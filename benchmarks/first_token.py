@@ -7,15 +7,17 @@ process is started to the first byte of generated text on its standard output (`
 and to its exit (``total_s``), generating as many tokens as llama.cpp's greedy choices are clear
 (its top-2 logit gap at least ``NEAR_TIE`` at every step, the project's rule; at most
 ``--max-tokens``). The first run of each model may build caches (this machine's
-profile, the plan, the tokenizer) and is reported apart (``cold``); the next ``--runs`` runs are
+profile, the plan, the tokenizer) and is reported apart (``cold``: with ``--fresh-cache``, in an
+empty cache but for the model files and this host's kept profile, so that it builds the plan and
+the tokenizer); the next ``--runs`` runs are
 the figure (``warm``: median, min, max). Each run's text is checked against llama.cpp's greedy
 text for the same GGUF and prompt (tests/fixtures/data/llamacpp_visible.json, written by
 tests/fixtures/make_arch_references.py): a run whose text is not a prefix of llama.cpp's fails
 the benchmark. The load average is recorded with every run (``os.getloadavg``: 1 minute), as the
 machine is shared.
 
-Usage (from the project root): ``python -m strata.benchmarks.first_token --runs 3`` (writes
-benchmarks/results/<date>.first-token.<machine>.json).
+Usage (from the project root): ``python -m strata.benchmarks.first_token --runs 3
+--fresh-cache`` (writes benchmarks/results/<date>.first-token.<machine>.json).
 """
 
 from __future__ import annotations
@@ -25,9 +27,11 @@ import datetime
 import json
 import os
 import platform
+import shutil
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -64,6 +68,28 @@ def oracle(model: str) -> tuple[str, int]:
     raise StrataError(f"{ORACLE} has no llama.cpp output for {model} on {PROMPT!r}")
 
 
+def fresh_cache(folder: Path) -> dict[str, str]:
+    """The environment of a run in an empty ``STRATA_CACHE`` at ``folder`` that still has this
+    machine's catalog models (linked) and kept profile (copied): a cold run plans and builds the
+    tokenizer, it neither downloads nor profiles.
+
+    Raises:
+        StrataError: this host has no kept profile (run ``strata profile`` first).
+    """
+    from strata.common.catalog import cache_dir
+    from strata.executor.machine import kept_profile_path
+
+    kept = kept_profile_path()
+    if not kept.is_file():
+        raise StrataError(f"no kept profile at {kept}: run strata profile first")
+    models = cache_dir() / "models"
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "models").symlink_to(models, target_is_directory=True)
+    (folder / "machine").mkdir()
+    shutil.copyfile(kept, folder / "machine" / kept.name)
+    return {**os.environ, "STRATA_CACHE": str(folder)}
+
+
 def _strata(*args: str) -> list[str]:
     return [sys.executable, "-m", "strata", *args]
 
@@ -82,7 +108,7 @@ def time_describe(model: str) -> float:
     return seconds
 
 
-def time_run(model: str, max_tokens: int) -> dict:
+def time_run(model: str, max_tokens: int, env: dict[str, str] | None = None) -> dict:
     """One ``strata run MODEL``: seconds to the first byte of text and to exit, the text, the
     1-minute load average when it started.
 
@@ -95,6 +121,7 @@ def time_run(model: str, max_tokens: int) -> dict:
         _strata("run", model, "--prompt", PROMPT, "--max-tokens", str(max_tokens)),
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
+        env=env,
     )
     assert proc.stdout is not None
     first = os.read(proc.stdout.fileno(), 65536)  # blocks until the first streamed piece
@@ -113,7 +140,7 @@ def time_run(model: str, max_tokens: int) -> dict:
     }
 
 
-def measure(models: list[str], runs: int, max_tokens: int) -> dict:
+def measure(models: list[str], runs: int, max_tokens: int, fresh: bool) -> dict:
     """Every model's describe time and cold and warm runs (see the module docstring).
 
     Raises:
@@ -123,8 +150,10 @@ def measure(models: list[str], runs: int, max_tokens: int) -> dict:
     for model in models:
         want, clear = oracle(model)
         tokens = min(max_tokens, clear)
-        cold = time_run(model, tokens)
-        warm = [time_run(model, tokens) for _ in range(runs)]
+        with tempfile.TemporaryDirectory() as tmp:
+            env = fresh_cache(Path(tmp) / "cache") if fresh else None
+            cold = time_run(model, tokens, env)
+            warm = [time_run(model, tokens, env) for _ in range(runs)]
         for r in [cold, *warm]:
             if not want.startswith(r["text"]):
                 raise StrataError(
@@ -159,6 +188,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--models", default=",".join(MODELS), help="catalog names, comma-separated")
     p.add_argument("--runs", type=int, default=3, help="warm runs per model (3)")
     p.add_argument("--max-tokens", type=int, default=8, help="tokens per run (8)")
+    p.add_argument(
+        "--fresh-cache",
+        action="store_true",
+        help="run in an empty cache (but for the models and the kept profile): the first run "
+        "builds the plan and the tokenizer",
+    )
     p.add_argument("--machine", default="dev-linux-cpu", help="machine name in the result's name")
     p.add_argument("-o", "--output", help="result file (default: benchmarks/results/...)")
     args = p.parse_args(argv)
@@ -179,7 +214,8 @@ def main(argv: list[str] | None = None) -> int:
             "prompt": PROMPT,
             "max_tokens": args.max_tokens,
             "command": "strata run MODEL --prompt PROMPT --max-tokens N",
-            "models": measure(models, args.runs, args.max_tokens),
+            "fresh_cache": args.fresh_cache,
+            "models": measure(models, args.runs, args.max_tokens, args.fresh_cache),
         }
         today = datetime.date.today().isoformat()
         path = Path(args.output or RESULTS / f"{today}.first-token.{args.machine}.json")

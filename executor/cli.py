@@ -253,7 +253,12 @@ def add_commands(sub) -> None:
     src.add_argument("--prompt-file", metavar="FILE", help="raw text from a UTF-8 file")
     src.add_argument("--messages", help='JSON file: [{"role": ..., "content": ...}, ...]')
     src.add_argument("--prompt-ids", help="token ids as they are, e.g. 1,2,3")
-    r.add_argument("--chat-template", help="Jinja chat template file (default: the GGUF's)")
+    r.add_argument(
+        "--chat-template",
+        metavar="FILE|NAME",
+        help="Jinja chat template file, or a built-in (chatml, gemma3); default: the GGUF's, else "
+        "the built-in one for its architecture",
+    )
     r.add_argument("--max-tokens", type=int, default=256, help="most tokens to generate (256)")
     r.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     r.add_argument("--top-p", type=float, default=1.0)
@@ -303,9 +308,9 @@ def add_commands(sub) -> None:
     )
     s.add_argument(
         "--chat-template",
-        metavar="FILE",
-        help="Jinja chat template for /v1/chat/completions (default: the GGUF's; e.g. "
-        "templates/gemma3.jinja for a GGUF without one)",
+        metavar="FILE|NAME",
+        help="Jinja chat template for /v1/chat/completions, or a built-in (chatml, gemma3); "
+        "default: the GGUF's, else the built-in one for its architecture",
     )
     s.add_argument(
         "--batch-invariant",

@@ -296,33 +296,18 @@ def interrupted_stats(
     the request (the step it stopped in is not counted in ``prefill_steps``/``decode_steps``).
     """
     now = _Mark.now(serving)
-    decoded = max(0, output - 1)
+    stats = _stats(start, first or now, now, prompt, cached, output, "interrupted")
+    decoded = stats["decode_tokens"]
     decode_s = last_t - first.t if first is not None and decoded else 0.0
-    prefill_s = None if first is None else first.t - start.t
-    computed = prompt - cached
-    first_steps = now if first is None else first
-    return {
-        "prompt_tokens": prompt,
-        "cached_tokens": cached,
-        "output_tokens": output,
-        "finish_reason": "interrupted",
-        "interrupted": True,
-        "elapsed_s": round(now.t - start.t, 6),
-        "prefill_s": None if prefill_s is None else round(prefill_s, 6),
-        "prefill_tok_s": (
-            None if prefill_s is None else round(computed / prefill_s, 3) if prefill_s > 0 else 0.0
-        ),
-        "decode_s": round(decode_s, 6),
-        "decode_tokens": decoded,
-        "decode_tok_s": round(decoded / decode_s, 3) if decoded and decode_s > 0 else 0.0,
-        "prefill_steps": first_steps.serving["steps"] - start.serving["steps"],
-        "decode_steps": now.serving["steps"] - first_steps.serving["steps"],
-        "peak_rss_bytes": peak_rss_bytes(),
-        "peak_mlx_bytes": int(mx.get_peak_memory()),
-        "bytes_read": {t: int(now.read[t] - start.read[t]) for t in TIERS},
-        "io_wait_s": round(now.read["io_wait_s"] - start.read["io_wait_s"], 6),
-        "host_copy_s": round(now.copy_s - start.copy_s, 6),
-    }
+    stats.update(
+        interrupted=True,
+        elapsed_s=round(now.t - start.t, 6),
+        decode_s=round(decode_s, 6),
+        decode_tok_s=round(decoded / decode_s, 3) if decoded and decode_s > 0 else 0.0,
+    )
+    if first is None:  # the prefill did not finish
+        stats.update(prefill_s=None, prefill_tok_s=None)
+    return stats
 
 
 def _stats(
@@ -378,6 +363,28 @@ class Started:
     load_peak_mlx_bytes: int
 
 
+def serving_for(
+    loaded: LoadedPlan,
+    expert_cache_mode: str | None = None,
+    tokenizer: GGUFTokenizer | None = None,
+) -> ServingEngine:
+    """The engine ``serve`` runs for ``loaded`` (warm-up, kernels, paged KV cache, the plan's
+    speculative decoding), made and not started (``ServingEngine.start``); ``tokenizer``: the
+    one already built for it, else built here.
+
+    Raises:
+        StrataError: the weights cannot be loaded or the engine cannot be made.
+    """
+    from strata.executor.engine import Engine
+
+    engine = Engine(loaded, expert_cache_mode=expert_cache_mode, tokenizer=tokenizer)
+    try:
+        return ServingEngine(engine)
+    except BaseException:
+        engine.close()
+        raise
+
+
 @contextlib.contextmanager
 def started_engine(
     plan_path: str | Path,
@@ -394,21 +401,15 @@ def started_engine(
     Raises:
         StrataError: the model's bytes are not the planned ones, or the engine cannot start.
     """
-    from strata.executor.engine import Engine
     from strata.executor.plan_loader import load_plan
     from strata.executor.serving import STOP_WAIT_S
 
     loaded = load_plan(plan_path, peeked=peeked)  # the bytes checked (hashed once per file)
-    engine = Engine(loaded, expert_cache_mode=expert_cache_mode, tokenizer=tokenizer)
-    try:
-        serving = ServingEngine(engine)
-    except BaseException:
-        engine.close()
-        raise
+    serving = serving_for(loaded, expert_cache_mode, tokenizer)
     try:
         load_s = time.perf_counter() - t0
         peak = int(mx.get_peak_memory())  # generate() resets MLX's peak: loading's own
-        if engine.config.warm_up_row_buckets:  # as serve says it (the GPU: up to a minute)
+        if serving.engine.config.warm_up_row_buckets:  # as serve says it (the GPU: up to a minute)
             print("building kernels for every batch size ...", file=sys.stderr, flush=True)
         warm_up_s = serving.start()
         yield Started(loaded, serving, load_s, warm_up_s, peak)

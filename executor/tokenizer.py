@@ -743,10 +743,10 @@ def _backend_for(vocab: _Vocab, header_sha256: str | None = None) -> _Backend:
 # --------------------------------------------------------------------------------------------
 
 HF_CACHE_MIN_TOKENS = 65_536
-"""Smallest vocabulary whose built HF tokenizer is cached: below it, building takes about as
-long as reading the built one back (SmolLM2's 49,152 tokens: about 0.1 s either way; Gemma-3's
-262,144: reading back takes half of building — docs/benchmarks.md, "Loading"), and the files of
-small test models would only fill the cache."""
+"""Smallest vocabulary whose built HF tokenizer is cached: below it, building takes about as long
+as reading the built one back, and the files of small test models would only fill the cache;
+Gemma-3's 262,144 tokens are read back in about half the time they take to build
+(docs/benchmarks.md, "First token")."""
 
 HF_CACHE_VERSION = 1
 """Part of a cached tokenizer's name: bump it when ``_build_gpt2`` or ``_build_spm`` build
