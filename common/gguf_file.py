@@ -89,24 +89,34 @@ class GGUFFile:
     )
 
     def _mapped(self) -> mmap.mmap:
-        """The file's read-only memory map, made on first use (one per ``GGUFFile``).
+        """The file's read-only memory map, made on first use (one per ``GGUFFile``, kept while
+        the object lives: the tensors' views point into it), of the file as it was opened: its
+        size and header bytes (``header_sha256``) are checked, so that a file replaced or
+        rewritten since is never read with the old tensor table.
 
         Raises:
-            GGUFError: the file is gone, or its size is not the one opened (it was rewritten
-                since: open it again).
+            GGUFError: the file is gone, or its size or header is not the one opened (it was
+                rewritten since: open it again).
         """
         with self._map_lock:  # one map per file object, even when threads ask at once
             if self._map is None:
                 try:
                     with open(self.path, "rb") as f:
-                        if os.fstat(f.fileno()).st_size != self.size_bytes:
-                            raise GGUFError(
-                                f"{self.path}: the file changed size since it was opened; "
-                                "open it again"
-                            )
-                        self._map = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+                        same = os.fstat(f.fileno()).st_size == self.size_bytes
+                        mapped = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) if same else None
                 except OSError as e:
                     raise GGUFError(f"{self.path}: cannot read it ({e.strerror})") from None
+                if mapped is not None:
+                    header = hashlib.sha256(mapped[: self.data_offset]).hexdigest()
+                    if header != self.header_sha256:
+                        mapped.close()
+                        mapped = None
+                if mapped is None:
+                    raise GGUFError(
+                        f"{self.path}: the file changed since it was opened (another size or "
+                        "header); open it again"
+                    )
+                self._map = mapped
         return self._map
 
     def field(self, key: str, default: Any = None) -> Any:

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import socket
 import sys
 import time
 from pathlib import Path
@@ -76,6 +75,7 @@ def cmd_run(args: argparse.Namespace) -> None:
     gen.stats["load_s"] = round(load_s, 3)
     gen.stats["warm_up_s"] = round(warm_up_s, 3)
     gen.stats["load_peak_mlx_bytes"] = started.load_peak_mlx_bytes
+    gen.stats["prefill_chunk"] = started.serving.prefill_chunk  # in force (64 at most on a CPU)
     if args.json:
         out = {
             "prompt_ids": gen.prompt_ids,
@@ -188,7 +188,7 @@ def api_key(args: argparse.Namespace) -> str | None:
         except OSError as e:
             raise StrataError(f"{where}: cannot read it ({e.strerror or e})") from None
         try:
-            lines = raw.decode("utf-8").splitlines()
+            lines = raw.decode("utf-8-sig").splitlines()  # a BOM is not part of the key
         except UnicodeDecodeError:
             raise StrataError(f"{where}: not UTF-8 text") from None
         key = lines[0].strip() if lines else ""
@@ -200,12 +200,13 @@ def api_key(args: argparse.Namespace) -> str | None:
 
 def cmd_profile(args: argparse.Namespace) -> None:
     from strata.common.catalog import cache_dir
+    from strata.executor.machine import host_profile_name
     from strata.executor.profile import measure_profile
 
     check_output(args.output)  # before a measurement of ~10 s, not after
     # Default name: the output file's stem (profiles/mybox.yaml -> mybox), else the host name.
     name = args.name or (Path(args.output).stem if args.output else None)
-    name = name or socket.gethostname().split(".")[0].lower() or "this-machine"
+    name = name or host_profile_name()
     disk = Path(args.disk_dir) if args.disk_dir else cache_dir()
     profile = measure_profile(disk, name, quick=args.quick)
     emit(profile, args.output)

@@ -42,11 +42,18 @@ class PromptInput:
 
 
 def _read_text(option: str, path: str) -> str:
+    """A file's text (a pipe such as ``<(cmd)`` too), read as UTF-8.
+
+    Raises:
+        StrataError: no such file, a folder, unreadable, or not UTF-8 (one line naming it).
+    """
     p = Path(path)
-    if not p.is_file():
-        raise StrataError(f"{option} {path}: no such file")
+    if p.is_dir():
+        raise StrataError(f"{option} {path}: a folder, not a file")
     try:
         return p.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise StrataError(f"{option} {path}: no such file") from None
     except UnicodeDecodeError:
         raise StrataError(f"{option} {path}: not UTF-8 text") from None
     except OSError as e:

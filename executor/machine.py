@@ -41,6 +41,12 @@ def machine_now() -> MachineNow:
     return MachineNow(backend, gpu, max(0, total - reserve), backend != "cuda")
 
 
+def host_profile_name() -> str:
+    """The name a profile of this host gets by default: the host name's first label, lowercase
+    (``this-machine`` where there is none)."""
+    return socket.gethostname().split(".")[0].lower() or "this-machine"
+
+
 def kept_profile_path() -> Path:
     """Where this host's kept profile is: ``<cache>/machine/<host name>.yaml``."""
     return cache_dir() / "machine" / f"{socket.gethostname()}.yaml"

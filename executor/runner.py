@@ -50,8 +50,7 @@ from strata.executor.scheduler import SchedulerStep
 INTERRUPTIBLE_MIN_ROWS = 8
 """A pass given an ``interrupt`` callable is evaluated in pieces from this many rows on where
 blocks are evaluated as they are built (the CPU; module docstring). A shorter one (a decode
-step, a small batch of decodes) is one piece: on the CPU a row costs a few milliseconds per
-block, so it ends well within a second."""
+step, a small batch of decodes) is one piece: its few rows end well within a second."""
 
 INTERRUPTIBLE_MIN_ROWS_AHEAD = pass_graph.MAX_ROWS + 1
 """The same where the runtime config schedules blocks ahead (a GPU): only passes longer than

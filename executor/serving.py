@@ -97,16 +97,15 @@ STOP_WAIT_S = 5.0
 where the thread waits on something else (a slow disk read)."""
 
 CPU_PREFILL_CHUNK = 64
-"""Most tokens of a prefill chunk on the CPU, where the plan's ``prefill_chunk`` is larger. A
-prompt token costs the CPU tens of milliseconds per pass (SmolLM2-135M, Gemma-3-270M on two
-cores), a few milliseconds per block: a 512-token chunk kept one block of its pass, the smallest
-piece MLX evaluates without a stop, busy for one to two seconds, and a stop waited for it
-(module docstring); 64 tokens keep it to a few tenths of a second. On the CPU the weight
-products cost in proportion to their rows, so smaller chunks cost little more: a 300-token
-prefill took the same time in chunks of 64 as in one (within 1%, both models), the output head
-being skipped for a chunk that samples nothing (``executor.runner.forward_in_pieces``). Prompts
-of at most 64 tokens are one chunk, as before; a longer one's logits move within rounding (chunked
-attention sums in another order)."""
+"""Most tokens of a prefill chunk on the CPU, where the plan's ``prefill_chunk`` is larger
+(``ServingEngine.prefill_chunk`` is the one in force). One block of a pass is the smallest piece
+MLX evaluates without a stop (module docstring), and on the CPU its time grows with the chunk's
+rows: a 512-token chunk kept a stop waiting for seconds, 64 tokens keep it well under one. The
+CPU's weight products cost in proportion to their rows, so smaller chunks cost about the same
+in all (measured: docs/benchmarks.md, "First token"), the output head being skipped for a chunk
+that samples nothing (``executor.runner.forward_in_pieces``). Prompts of at most 64 tokens are one
+chunk, as before; a longer one's logits move within rounding (chunked attention sums in another
+order)."""
 
 STALL_WAIT_S = 0.01
 """Seconds the engine thread waits for a message after a step that could schedule nothing,
@@ -384,8 +383,11 @@ class ServingEngine:
         Returns at once; the engine thread applies it between steps, and a step whose every
         request is being aborted stops within one block of its pass (module docstring), so the
         engine is free for the next request promptly (a Ctrl-C in ``strata chat``)."""
+        # Marked before the message is queued: the engine thread unmarks it when it applies the
+        # message, so it is never left marked (a step it stops meanwhile is stopped again until
+        # the message arrives, microseconds later).
+        self._aborting.add(request_id)
         self._inbox.put(("abort", request_id, None))
-        self._aborting.add(request_id)  # after the message: a stopped step finds it queued
 
     def running(self) -> bool:
         """Whether the engine thread runs (started, not stopped): a caller waiting for a

@@ -18,6 +18,8 @@ plugs in as one more entry of ``_BACKENDS``.
 from __future__ import annotations
 
 import codecs
+import functools
+import hashlib
 import logging
 import re
 import threading
@@ -724,7 +726,7 @@ def _backend_for(vocab: _Vocab, header_sha256: str | None = None) -> _Backend:
     if build is not None:
         if len(vocab.tokens) < HF_CACHE_MIN_TOKENS:
             header_sha256 = None
-        cached = _cached_hf(header_sha256)
+        cached = _cached_hf(header_sha256, len(vocab.tokens))
         backend = build(vocab, cached)
         if cached is None and header_sha256 is not None:
             _keep_hf(header_sha256, backend.hf)
@@ -748,39 +750,54 @@ as reading the built one back, and the files of small test models would only fil
 Gemma-3's 262,144 tokens are read back in about half the time they take to build
 (docs/benchmarks.md, "First token")."""
 
-HF_CACHE_VERSION = 1
-"""Part of a cached tokenizer's name: bump it when ``_build_gpt2`` or ``_build_spm`` build
-another HF tokenizer from the same metadata, so that older files are not read."""
+
+@functools.cache
+def _builder_identity() -> str:
+    """12 hex digits naming what builds an HF tokenizer from the metadata: this module's source
+    and the ``tokenizers`` version. A change to either names other files, so a tokenizer built
+    by other code is never read back."""
+    import tokenizers
+
+    h = hashlib.sha256(Path(__file__).read_bytes())
+    h.update(tokenizers.__version__.encode())
+    return h.hexdigest()[:12]
 
 
 def _hf_cache_path(header_sha256: str) -> Path:
-    """``<cache>/tokenizers/<header sha256>.v<HF_CACHE_VERSION>.json``: the HF tokenizer depends
-    on the GGUF's metadata only, so the key is the sha256 of its header (metadata and tensor
-    table), which ``open_gguf`` computes anyway; no hashing of the weights."""
+    """``<cache>/tokenizers/<header sha256>.<builder identity>.json``: the HF tokenizer depends
+    on the GGUF's metadata and the code that builds it (``_builder_identity``), so the key is
+    the sha256 of the GGUF's header (metadata and tensor table), which ``open_gguf`` computes
+    anyway (no hashing of the weights), and the builder."""
     from strata.common.catalog import cache_dir
 
-    return cache_dir() / "tokenizers" / f"{header_sha256}.v{HF_CACHE_VERSION}.json"
+    return cache_dir() / "tokenizers" / f"{header_sha256}.{_builder_identity()}.json"
 
 
-def _cached_hf(header_sha256: str | None) -> Tokenizer | None:
-    """The HF tokenizer built before for this header, or None (none, unreadable or damaged: it
-    is built again and the file replaced). Reading it back is about twice as fast as building
-    it from a large vocabulary (SentencePiece's merges are derived token by token)."""
+def _cached_hf(header_sha256: str | None, vocab_size: int) -> Tokenizer | None:
+    """The HF tokenizer built before for this header, or None (none, unreadable, damaged or not
+    of ``vocab_size`` tokens: it is built again and the file replaced). Reading it back is
+    about twice as fast as building it from a large vocabulary (SentencePiece's merges are
+    derived token by token)."""
     if header_sha256 is None:
         return None
     path = _hf_cache_path(header_sha256)
     if not path.is_file():
         return None
     try:
-        return Tokenizer.from_file(str(path))
+        hf = Tokenizer.from_file(str(path))
     except Exception as e:  # tokenizers raises a bare Exception on a damaged file
         log.warning("rebuilding the cached tokenizer: %s", _first_line(e))
         return None
+    if hf.get_vocab_size(with_added_tokens=False) != vocab_size:
+        log.warning("rebuilding the cached tokenizer %s: not of this vocabulary", path.name)
+        return None
+    return hf
 
 
 def _keep_hf(header_sha256: str, hf: Tokenizer) -> None:
-    """Write ``hf`` to the cache, whole or not at all; a cache that cannot be written only
-    costs the next run the build (one warning)."""
+    """Write ``hf`` to the cache, whole or not at all, and remove the files other builders made
+    for the same header (superseded); a cache that cannot be written only costs the next run
+    the build (one warning)."""
     from strata.common.atomic import replaced
 
     path = _hf_cache_path(header_sha256)
@@ -788,6 +805,9 @@ def _keep_hf(header_sha256: str, hf: Tokenizer) -> None:
         path.parent.mkdir(parents=True, exist_ok=True)
         with replaced(path, "w") as f:
             f.write(hf.to_str())
+        for old in path.parent.glob(f"{header_sha256}.*.json"):
+            if old != path:
+                old.unlink(missing_ok=True)
     except (OSError, StrataError) as e:
         log.warning("cannot cache the tokenizer in %s: %s", path.parent, _first_line(e))
 

@@ -37,7 +37,6 @@ import argparse
 import contextlib
 import hashlib
 import io
-import socket
 import sys
 import time
 from pathlib import Path
@@ -90,7 +89,7 @@ def is_model(spec: str) -> bool:
     path = Path(spec).expanduser()
     if path.suffix.lower() in PLAN_SUFFIXES:
         return False  # a missing plan file is the plan reader's error, as it always was
-    if spec in catalog.CATALOG:
+    if spec in catalog.CATALOG and not path.is_file():  # a file of that name is read as one
         return True
     if path.is_file():
         try:
@@ -150,7 +149,12 @@ def machine_profile() -> Path:
     Raises:
         StrataError: the measurement failed (e.g. the cache's disk cannot be written).
     """
-    from strata.executor.machine import keep_profile, kept_profile_path, last_profile
+    from strata.executor.machine import (
+        host_profile_name,
+        keep_profile,
+        kept_profile_path,
+        last_profile,
+    )
     from strata.executor.profile import detect_backend, measure_profile
 
     kept = last_profile()
@@ -166,12 +170,13 @@ def machine_profile() -> Path:
         flush=True,
     )
     t0 = time.perf_counter()
-    name = socket.gethostname().split(".")[0].lower() or "this-machine"  # as strata profile
+    said = io.StringIO()
     try:
-        with contextlib.redirect_stderr(io.StringIO()):  # its progress lines: one line here
-            profile = measure_profile(catalog.cache_dir(), name)
+        with contextlib.redirect_stderr(said):  # its progress lines: one line here
+            profile = measure_profile(catalog.cache_dir(), host_profile_name())
     except BaseException:
-        print(file=sys.stderr)  # an error (or Ctrl-C) gets a line of its own
+        print(file=sys.stderr)  # an error (or Ctrl-C) gets a line of its own, after what
+        sys.stderr.write(said.getvalue())  # the measurement said
         raise
     keep_profile(profile)
     print(f" done in {time.perf_counter() - t0:.1f} s", file=sys.stderr)
@@ -179,14 +184,16 @@ def machine_profile() -> Path:
 
 
 def _planner_identity() -> str:
-    """Strata's version, the plan format and a digest of the planner's and the contract layer's
-    source files: a cached plan is solved again after any change to the code that made it."""
+    """Strata's version, the plan format and a digest of the planner's, the contract layer's and
+    this module's source files: a cached plan is solved again after any change to the code that
+    made it."""
     from strata import common, planner
 
     h = hashlib.sha256(f"{__version__}|{PLAN_VERSION}".encode())
     for package in (planner, common):
         for f in sorted(Path(package.__file__).parent.glob("*.py")):
             h.update(f.name.encode() + b"\0" + f.read_bytes())
+    h.update(Path(__file__).read_bytes())  # this module's defaults (the context rule)
     return h.hexdigest()
 
 
@@ -260,7 +267,7 @@ def _shown(path: Path) -> str:
     """``path`` with the home folder as ``~``."""
     try:
         return "~/" + str(path.relative_to(Path.home()))
-    except ValueError:
+    except (ValueError, RuntimeError):  # elsewhere, or no home folder known
         return str(path)
 
 

@@ -138,6 +138,7 @@ def _group_by_sha16(name: str) -> str:
 
 
 _SHA = re.compile(r"^[0-9a-f]{12,64}$")
+_DANGLING = "a link to nothing (its target is gone)"
 _PARTIAL = "unfinished write (a process writing it, or one interrupted)"
 
 
@@ -289,6 +290,9 @@ def entries(root: Path | None = None) -> list[Entry]:
         if place.is_file():
             what, model = kind.describe(place.name, [place], models)
             out.append(Entry(kind.name, place.name, (place,), _size(place), what, model))
+            continue
+        if not place.is_dir():  # a link to nothing, or to something gone
+            out.append(Entry(kind.name, place.name, (place,), _size(place), _DANGLING, None))
             continue
         groups: dict[str, list[Path]] = {}
         for p in sorted(place.iterdir()):

@@ -24,6 +24,7 @@ import sys
 import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
+from urllib.parse import quote
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
@@ -98,9 +99,11 @@ class AccessLog:
 
 
 def access_line(method: str, path: str, status: int, record: _Record) -> str:
-    """The log line of one request (see the module docstring); times to the millisecond."""
+    """The log line of one request (see the module docstring); times to the millisecond. The
+    method and path are percent-encoded again (the server hands them over decoded), so that no
+    request writes a line break, a forged line or a terminal escape into the log."""
     end = time.perf_counter()
-    parts = [method, path, str(status)]
+    parts = [quote(method, safe=""), quote(path, safe=_PATH_SAFE), str(status)]
     gen = record.generation
     if gen is not None:
         parts += [f"prompt={gen.prompt_tokens}", f"completion={gen.completion_tokens}"]
@@ -109,6 +112,11 @@ def access_line(method: str, path: str, status: int, record: _Record) -> str:
     parts.append(f"total={_ms(end - record.start)}")
     line = " ".join(parts)
     return f"{line} ({record.note})" if record.note else line
+
+
+_PATH_SAFE = "/:@!$&'()*+,;=-._~"
+"""Characters a path keeps as they are (RFC 3986's path characters); every other one, spaces and
+control characters included, is written as %XX."""
 
 
 def _ms(seconds: float) -> str:

@@ -238,5 +238,14 @@ def test_a_file_changed_since_opening_is_refused(tmp_path):
     path = write_tiny_llama(tmp_path / "m.gguf")
     g = open_gguf(path)
     write_tiny_llama(path, tied=False)  # one more tensor (output.weight)
-    with pytest.raises(GGUFError, match="changed size since it was opened"):
+    with pytest.raises(GGUFError, match="changed since it was opened"):
+        g.tensor_bytes(g.tensor_infos[0])
+    # the same size, another header: a tensor renamed in place
+    path = write_tiny_llama(tmp_path / "n.gguf")
+    g = open_gguf(path)
+    data = bytearray(path.read_bytes())
+    at = data.index(g.tensor_infos[0].name.encode())
+    data[at] ^= 0x20  # "token_embd" -> "Token_embd"
+    path.write_bytes(data)
+    with pytest.raises(GGUFError, match="changed since it was opened"):
         g.tensor_bytes(g.tensor_infos[0])

@@ -58,8 +58,19 @@ def test_a_large_vocabulary_is_built_once_then_read_from_the_cache(
     cached[0].write_text("{not json")  # a damaged file is rebuilt and replaced
     third = GGUFTokenizer.from_gguf(gemma3_gguf)
     assert merges.calls == 2 and third.encode(text) == first.encode(text)
-    GGUFTokenizer.from_gguf(gemma3_gguf, cache=False)
+    # a valid tokenizer of another vocabulary (SmolLM2's) in its place: rebuilt, not trusted
+    cached[0].write_text(GGUFTokenizer.from_gguf(smollm2_gguf, cache=False).hf.to_str())
+    assert GGUFTokenizer.from_gguf(gemma3_gguf).encode(text) == first.encode(text)
     assert merges.calls == 3
+    # a file another builder (older code, another tokenizers version) made is never read, and
+    # is removed once this one's is written
+    stale = cached[0].with_name(cached[0].name.split(".")[0] + ".000000000000.json")
+    stale.write_text("{}")
+    cached[0].unlink()
+    GGUFTokenizer.from_gguf(gemma3_gguf)
+    assert merges.calls == 4 and not stale.exists() and cached[0].is_file()
+    GGUFTokenizer.from_gguf(gemma3_gguf, cache=False)
+    assert merges.calls == 5
     small = GGUFTokenizer.from_gguf(smollm2_gguf)
     assert small.vocab_size < HF_CACHE_MIN_TOKENS
     assert len(list((tmp_path / "tokenizers").glob("*.json"))) == 1

@@ -876,6 +876,13 @@ def test_access_log_notes_a_stream_that_ended_in_an_error(tokenizer, capsys):
     with TestClient(create_app(FailingEngine(tokenizer), "m", access_log=False)) as client:
         assert client.get("/health").status_code == 200
     assert capsys.readouterr().err == ""
+    # a path that would write a second, forged line (or an escape) stays on its own line
+    with TestClient(create_app(FailingEngine(tokenizer), "m")) as client:
+        forged = "/v1/models%0APOST%20/v1/chat/completions%20200%20prompt=1%1B[2J"
+        assert client.get(forged).status_code == 404
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "\x1b" not in err, err
+    assert err.startswith("GET /v1/models%0APOST%20/v1/chat/completions%20200%20prompt=1%1B"), err
 
 
 # ------------------------------------------------------------------------------------ CLI
