@@ -35,15 +35,32 @@ def cmd_chat(args: argparse.Namespace) -> None:
     if args.max_tokens < 1:
         raise StrataError(f"--max-tokens {args.max_tokens}: give 1 or more")
     params = SamplingParams(args.temperature, args.top_k, args.top_p, args.seed)
-    t0 = time.perf_counter()
     given = read_chat_template(args.chat_template) if args.chat_template else None
     check_plan(args)
+    t0 = time.perf_counter()
     peeked = peek_plan(args.plan, args.model)
     tokenizer = GGUFTokenizer.from_gguf(peeked.gguf)
     template = chat_template(tokenizer, peeked.plan.costs.architecture.name, given)
+    _try_template(tokenizer, template, args.system)
     with started_engine(args.plan, peeked, tokenizer, t0) as started:
         print(f"chat ready in {time.perf_counter() - t0:.1f} s; {HELP}", file=sys.stderr)
         _converse(started, template.text, template.name, params, args)
+
+
+def _try_template(tokenizer, template, system: str | None) -> None:
+    """Render a first turn before the model loads, so that a template that cannot render a
+    chat stops the command (status 2) instead of failing every turn.
+
+    Raises:
+        ChatError: the template fails on a system message (where given) and a user message.
+    """
+    from strata.executor.chat import ChatError, messages_to_ids
+
+    first = [{"role": "system", "content": system}] if system else []
+    try:
+        messages_to_ids(tokenizer, [*first, {"role": "user", "content": "Hello"}], template.text)
+    except ChatError as e:
+        raise ChatError(f"{template.name}: {' '.join(str(e).split())}") from None
 
 
 def _read_line() -> str | None:
@@ -91,6 +108,9 @@ def _converse(started: Started, template: str, template_name: str, params, args)
         if text.startswith("/") and text.split()[0] in ("/help", "/?"):
             print(HELP, file=sys.stderr)
             continue
+        if text.startswith("/") and " " not in text:
+            print(f"unknown command {text}; {HELP}", file=sys.stderr)
+            continue
         messages.append({"role": "user", "content": line})
         try:
             ids = messages_to_ids(serving.tokenizer, messages, template)
@@ -114,9 +134,19 @@ def _converse(started: Started, template: str, template_name: str, params, args)
             gen = generate(serving, ids, params, max_tokens, write)
         except GenerationInterrupted as e:  # Ctrl-C in a reply: it stops, the chat goes on
             gen = e.generation
+            if not gen.output_ids:  # stopped before it answered: the message is taken back
+                messages.pop()
+                print("\n(stopped; the message is not kept)", file=sys.stderr, flush=True)
+                continue
             print("\n(stopped)", file=sys.stderr, flush=True)
         else:
             print(flush=True)
+            if gen.stats["finish_reason"] == "length" and max_tokens < args.max_tokens:
+                print(
+                    f"(the context of {context} tokens is full: /reset to start over, or plan "
+                    "a longer --context)",
+                    file=sys.stderr,
+                )
         messages.append({"role": "assistant", "content": gen.text})
 
 
@@ -125,7 +155,9 @@ def add_chat_command(sub) -> argparse.ArgumentParser:
     c = sub.add_parser(
         "chat",
         help="chat with a model in the terminal (multi-turn, streamed)",
-        description=__doc__.split("\n\n")[0],
+        description="An interactive, multi-turn chat in the terminal, each reply streamed. "
+        + HELP
+        + " (and, at the prompt, the chat).",
     )
     c.add_argument("--system", metavar="TEXT", help="a system message that opens the chat")
     c.add_argument(

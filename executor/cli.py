@@ -39,11 +39,14 @@ def cmd_run(args: argparse.Namespace) -> None:
     from strata.executor.tokenizer import GGUFTokenizer
 
     params = SamplingParams(args.temperature, args.top_k, args.top_p, args.seed)
-    t0 = time.perf_counter()
+    if args.max_tokens < 1:
+        raise StrataError(f"--max-tokens {args.max_tokens}: give 1 or more")
     # Every input is checked before the weights load (seconds to minutes), not after: the
-    # prompt's files first (no model needed), then the prompt itself against the plan.
+    # prompt's files first (no model needed), then the prompt itself against the plan (a model
+    # given in place of a plan is planned first: not part of load_s).
     prompt = read_prompt(args)
     check_plan(args)
+    t0 = time.perf_counter()
     peeked = peek_plan(args.plan, args.model)  # the header: no hashing, no weights
     plan = peeked.plan
     if args.save_routing_profile:

@@ -107,6 +107,11 @@ def read_chat_template(value: str) -> ChatTemplate:
 
     if value in BUILTIN_TEMPLATES and not Path(value).exists():
         return ChatTemplate(builtin_template(value), f"the built-in {value} template")
+    if not Path(value).exists() and not Path(value).suffix and "/" not in value:
+        raise ChatError(
+            f"--chat-template {value}: no such file or built-in template; built-in: "
+            f"{', '.join(BUILTIN_TEMPLATES)}"
+        )
     template = _read_text("--chat-template", value)
     try:
         compile_template(template)

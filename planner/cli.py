@@ -234,6 +234,17 @@ PLAN_DEFAULTS: dict[str, object] = {
 """Every option of :func:`add_plan_options` by its ``dest``, with ``strata plan``'s default."""
 
 
+def _at_least_one(text: str) -> int:
+    """An option's whole number of at least 1 (argparse turns the error into one line)."""
+    try:
+        n = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"{n}: give 1 or more")
+    return n
+
+
 def add_plan_options(p, *, from_model: bool = False, concurrency: int = 1) -> None:
     """Declare the planning options (``--profile``, ``--context``, ``--concurrency``, budgets,
     tiers, speculative decoding, ``--baseline`` ...; one per key of :data:`PLAN_DEFAULTS`) on
@@ -272,10 +283,10 @@ def add_plan_options(p, *, from_model: bool = False, concurrency: int = 1) -> No
     shorter = ", or the model's training context where shorter" if from_model else ""
     opt(
         "--context",
-        type=int,
+        type=_at_least_one,
         help=f"tokens per sequence (default {PLAN_DEFAULTS['context']}{shorter})",
     )
-    opt("--concurrency", type=int, help=f"sequences at once (default {concurrency})")
+    opt("--concurrency", type=_at_least_one, help=f"sequences at once (default {concurrency})")
     opt("--objective", choices=("latency", "throughput"), help="what to optimize (latency)")
     opt(
         "--prompt-tokens",

@@ -109,3 +109,28 @@ def test_ctrl_c_stops_a_reply_then_the_chat(catalog_cache, tmp_path):  # noqa: F
     t.proc.send_signal(signal.SIGINT)  # at the prompt: the chat ends
     assert t.close() == 130
     assert time.monotonic() - sent < 2.0
+
+
+def test_chat_refuses_a_template_that_cannot_render_and_unknown_commands(
+    catalog_cache,  # noqa: F811
+    tmp_path,
+):
+    """A template that fails on a first turn stops the chat before the model loads (status 2,
+    one line); an unknown /command is said, not sent to the model."""
+    bad = tmp_path / "bad.jinja"
+    bad.write_text("{{ raise_exception('no chats here') }}")
+    done = subprocess.run(
+        [sys.executable, "-m", "strata", "chat", "smollm2-135m", "--chat-template", str(bad)],
+        cwd=ROOT, input="hi\n", capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert done.returncode == 2
+    assert done.stderr.splitlines()[-1] == (
+        f"error: --chat-template {bad}: the chat template rejected the messages: no chats here"
+    ), done.stderr
+    done = subprocess.run(
+        [sys.executable, "-m", "strata", "chat", "smollm2-135m", "--max-tokens", "2"],
+        cwd=ROOT, input="/foo\n/exit\n", capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert "unknown command /foo" in done.stderr
+    assert done.stdout == ">>> >>> "  # no reply: nothing was sent to the model
