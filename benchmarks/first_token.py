@@ -35,6 +35,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from strata.common import envs
 from strata.common.errors import StrataError, run_command
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -87,7 +88,7 @@ def fresh_cache(folder: Path) -> dict[str, str]:
     (folder / "models").symlink_to(models, target_is_directory=True)
     (folder / "machine").mkdir()
     shutil.copyfile(kept, folder / "machine" / kept.name)
-    return {**os.environ, "STRATA_CACHE": str(folder)}
+    return envs.child_environment(STRATA_CACHE=str(folder))
 
 
 def _strata(*args: str) -> list[str]:

@@ -114,6 +114,18 @@ def get(name: str) -> Any:
     return var.parse(name, text) if text else var.default()
 
 
+def child_environment(**values: str) -> dict[str, str]:
+    """This process's environment with Strata variables set for a child process (by name,
+    e.g. ``STRATA_CACHE="/tmp/c"``).
+
+    Raises:
+        KeyError: a name not in :data:`VARIABLES`.
+    """
+    for name in values:
+        VARIABLES[name]  # noqa: B018 - a KeyError names an unknown variable
+    return {**os.environ, **values}
+
+
 def __getattr__(name: str) -> Any:
     """``envs.STRATA_CACHE`` reads the variable now (module attribute access, PEP 562)."""
     if name in VARIABLES:

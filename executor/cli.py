@@ -39,8 +39,8 @@ def cmd_run(args: argparse.Namespace) -> None:
     from strata.executor.tokenizer import GGUFTokenizer
 
     params = SamplingParams(args.temperature, args.top_k, args.top_p, args.seed)
-    if args.max_tokens < 1:
-        raise StrataError(f"--max-tokens {args.max_tokens}: give 1 or more")
+    if args.max_tokens < 0:  # as check_request says it, before any planning
+        raise StrataError(f"--max-tokens {args.max_tokens} is negative")
     # Every input is checked before the weights load (seconds to minutes), not after: the
     # prompt's files first (no model needed), then the prompt itself against the plan (a model
     # given in place of a plan is planned first: not part of load_s).
