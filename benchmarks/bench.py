@@ -367,9 +367,12 @@ def write_result(result: dict, output: str | None, plot_path: str | None, plot_f
     through ``plot_fn(result, path)``; says where on stderr."""
     import sys
 
+    from strata.common.atomic import replaced
+
     text = json.dumps(result, indent=1, ensure_ascii=False)
     if output:
-        Path(output).write_text(text + "\n")
+        with replaced(Path(output), "w") as f:  # whole or not at all: Ctrl-C leaves the old one
+            f.write(text + "\n")
         print(f"wrote {output}", file=sys.stderr)
     else:
         print(text)

