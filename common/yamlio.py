@@ -165,6 +165,53 @@ def parse_doc(data: object, model: type[M], origin: str) -> M:
         raise SchemaError(f"{origin}: {msg}{more}") from None
 
 
+MAX_DOCUMENT_BYTES = 256 << 20
+"""Largest YAML document read: a plan of a model with tens of thousands of placement units and
+its embedded profile and costs is a few MiB; more is not a Strata document."""
+
+MAX_DEPTH = 32
+"""Deepest nesting of a YAML document read: Strata's schemas nest a handful of levels; without a
+bound, a file nested thousands deep exhausts Python's recursion (a ``RecursionError``)."""
+
+
+class _BoundedLoader(yaml.SafeLoader):
+    """PyYAML's safe loader with bounds: no aliases (a few KB of ``&a [*b, *b, ...]`` expand to
+    billions of values; Strata writes none) and at most ``MAX_DEPTH`` levels of nesting."""
+
+    def __init__(self, text: str):
+        super().__init__(text)
+        self._depth = 0
+
+    def compose_node(self, parent, index):  # noqa: ANN001 - PyYAML's signature
+        if self.check_event(yaml.AliasEvent):
+            event = self.peek_event()
+            raise _Refused(f"YAML aliases (*{event.anchor}) are not allowed", event.start_mark)
+        self._depth += 1
+        try:
+            if self._depth > MAX_DEPTH:
+                raise _Refused(
+                    f"nested more than {MAX_DEPTH} levels deep", self.peek_event().start_mark
+                )
+            return super().compose_node(parent, index)
+        finally:
+            self._depth -= 1
+
+    def get_single_data_bounded(self, origin: Path):
+        """``get_single_data``, the bounds' refusal as a ``SchemaError`` naming the line."""
+        try:
+            return self.get_single_data()
+        except _Refused as e:
+            raise SchemaError(f"{origin}: {e.args[0]} (line {e.mark.line + 1})") from None
+        finally:
+            self.dispose()
+
+
+class _Refused(Exception):
+    def __init__(self, what: str, mark):  # noqa: ANN001 - a yaml Mark
+        super().__init__(what)
+        self.mark = mark
+
+
 def read_yaml(path: str | Path, model: type[M]) -> M:
     """Read and validate a YAML document.
 
@@ -176,8 +223,14 @@ def read_yaml(path: str | Path, model: type[M]) -> M:
         raise SchemaError(f"{p}: is a folder; give the YAML file in it")
     if not p.is_file():
         raise SchemaError(f"{p}: no such file")
+    size = p.stat().st_size
+    if size > MAX_DOCUMENT_BYTES:
+        raise SchemaError(
+            f"{p}: {size} bytes, over the {MAX_DOCUMENT_BYTES >> 20} MiB a plan, profile or "
+            "description may have; not a Strata document"
+        )
     try:
-        data = yaml.safe_load(p.read_text())
+        data = _BoundedLoader(p.read_text()).get_single_data_bounded(p)
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         where = f" at line {mark.line + 1}" if mark else ""

@@ -1,0 +1,47 @@
+"""``yamlio.read_yaml`` bounds what it parses (issue 35): no YAML aliases (an alias bomb of a few
+hundred bytes would expand to 10^10 values), at most ``MAX_DEPTH`` levels of nesting (5,000 was a
+``RecursionError``), at most ``MAX_DOCUMENT_BYTES``; each a one-line ``SchemaError`` naming the
+line, refused in milliseconds."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+from conftest import ROOT
+from strata.common import yamlio
+from strata.common.errors import SchemaError
+from strata.common.schemas import HardwareProfile, Plan
+
+
+def _refused(path, model, match) -> None:
+    t0 = time.process_time()
+    with pytest.raises(SchemaError, match=match) as e:
+        yamlio.read_yaml(path, model)
+    assert "\n" not in str(e.value)
+    assert time.process_time() - t0 < 1.0
+
+
+def test_alias_bomb_and_deep_nesting_are_refused(tmp_path):
+    bomb = tmp_path / "bomb.yaml"
+    lines = ["a0: &a0 [1, 1, 1, 1, 1, 1, 1, 1, 1, 1]"]
+    lines += [f"a{i}: &a{i} [{', '.join([f'*a{i - 1}'] * 10)}]" for i in range(1, 10)]
+    bomb.write_text("\n".join(lines) + "\n")
+    _refused(bomb, Plan, r"bomb.yaml: YAML aliases \(\*a0\) are not allowed \(line 2\)")
+    deep = tmp_path / "deep.yaml"
+    deep.write_text("name: " + "[" * 5000 + "]" * 5000 + "\n")
+    _refused(deep, HardwareProfile, f"nested more than {yamlio.MAX_DEPTH} levels deep")
+
+
+def test_an_oversized_document_is_refused_before_it_is_read(tmp_path, monkeypatch):
+    monkeypatch.setattr(yamlio, "MAX_DOCUMENT_BYTES", 1000)
+    big = tmp_path / "big.yaml"
+    big.write_text("x: " + "y" * 2000 + "\n")
+    _refused(big, Plan, "over the 0 MiB")
+
+
+def test_shipped_documents_are_within_the_bounds():
+    for path in sorted((ROOT / "plans").glob("*.yaml")):
+        yamlio.read_yaml(path, Plan)
+    for path in sorted((ROOT / "profiles").glob("*.yaml")):
+        yamlio.read_yaml(path, HardwareProfile)
