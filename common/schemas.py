@@ -418,11 +418,28 @@ class ModelCosts(Strict):
     units: list[UnitCosts]
 
 
+MAX_TOKENS = 1 << 24
+"""Bound on any count of tokens in a plan (context, step budget, prefill chunk): above the
+longest training context any GGUF declares (10 M tokens), so that a mistyped or hostile plan is
+refused here rather than tried (issue 35: ``context: 10^7`` allocated)."""
+
+MAX_SEQUENCES = 1 << 14
+"""Bound on sequences served at once: far above what one machine's KV cache holds."""
+
+MAX_COUNT = 1 << 24
+"""Bound on a count of slots, blocks or threads in a plan (pool and cache slots, KV blocks,
+prefetch depth): 16 M, above any machine's need (``kv_num_blocks: 10^9`` was a MemoryError)."""
+
+
 class Request(Strict):
     """What the plan was asked to serve."""
 
-    context: int = Field(ge=1, description="tokens of context per sequence (prompt + output)")
-    concurrency: int = Field(default=1, ge=1, description="sequences served at once")
+    context: int = Field(
+        ge=1, le=MAX_TOKENS, description="tokens of context per sequence (prompt + output)"
+    )
+    concurrency: int = Field(
+        default=1, ge=1, le=MAX_SEQUENCES, description="sequences served at once"
+    )
     objective: Literal["latency", "throughput"] = "latency"
     gpu_budget_bytes: int | None = Field(default=None, ge=0, description="override of the profile")
     ram_budget_bytes: int | None = Field(default=None, ge=0, description="override of the profile")
@@ -501,22 +518,25 @@ class Placement(Strict):
 class Pool(Strict):
     """The streaming pool: fixed slots that NVMe reads land in, reused without reallocation."""
 
-    slots: int = Field(ge=0)
+    slots: int = Field(ge=0, le=MAX_COUNT)
     slot_bytes: int = Field(ge=0, description="bytes per slot (the largest streamed unit)")
 
 
 class Prefetch(Strict):
     """How far ahead streamed units are read."""
 
-    depth: int = Field(ge=0, description="units read ahead of the one being computed")
-    io_threads: int = Field(ge=0)
+    depth: int = Field(ge=0, le=MAX_COUNT, description="units read ahead of the one being computed")
+    io_threads: int = Field(ge=0, le=1024)
 
 
 class ExpertCache(Strict):
     """MoE expert cache for experts streamed from NVMe (zero for dense models)."""
 
     slots: int = Field(
-        default=0, ge=0, description="device slots holding streamed experts (LFU eviction)"
+        default=0,
+        ge=0,
+        le=MAX_COUNT,
+        description="device slots holding streamed experts (LFU eviction)",
     )
     slot_bytes: int = Field(default=0, ge=0, description="bytes per slot (the largest expert)")
     prefetch: int = Field(
@@ -537,11 +557,11 @@ class ExpertCache(Strict):
 class BatchLimits(Strict):
     """Continuous-batching limits, sized from the memory left for the KV cache."""
 
-    max_num_seqs: int = Field(ge=1)
-    max_num_batched_tokens: int = Field(ge=1, description="token budget of one step")
-    kv_block_size: int = Field(ge=1, description="tokens per KV-cache block")
-    kv_num_blocks: int = Field(ge=1)
-    prefill_chunk: int = Field(ge=1, description="tokens of one prefill chunk")
+    max_num_seqs: int = Field(ge=1, le=MAX_SEQUENCES)
+    max_num_batched_tokens: int = Field(ge=1, le=MAX_TOKENS, description="token budget of one step")
+    kv_block_size: int = Field(ge=1, le=4096, description="tokens per KV-cache block")
+    kv_num_blocks: int = Field(ge=1, le=MAX_COUNT)
+    prefill_chunk: int = Field(ge=1, le=MAX_TOKENS, description="tokens of one prefill chunk")
 
 
 class TierMemory(Strict):

@@ -45,3 +45,20 @@ def test_shipped_documents_are_within_the_bounds():
         yamlio.read_yaml(path, Plan)
     for path in sorted((ROOT / "profiles").glob("*.yaml")):
         yamlio.read_yaml(path, HardwareProfile)
+
+
+@pytest.mark.parametrize(
+    ("key", "value"),
+    [("kv_num_blocks", 10**9), ("context", 10**9), ("slots", 10**9), ("max_num_seqs", 10**6)],
+)
+def test_counts_in_a_plan_are_bounded(tmp_path, key, value):
+    """A count far beyond any machine (a typo or an attack) is refused when the plan is read,
+    before anything is allocated for it."""
+    import re
+
+    text = (ROOT / "plans" / "smollm2-135m.dev-linux-cpu.yaml").read_text()
+    edited, n = re.subn(rf"(\b{key}: )\d+", rf"\g<1>{value}", text, count=1)
+    assert n == 1
+    path = tmp_path / "p.yaml"
+    path.write_text(edited)
+    _refused(path, Plan, f"{key}': Input should be less than or equal to")
