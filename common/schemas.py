@@ -426,6 +426,10 @@ refused here rather than tried (issue 35: ``context: 10^7`` allocated)."""
 MAX_SEQUENCES = 1 << 14
 """Bound on sequences served at once: far above what one machine's KV cache holds."""
 
+MAX_KV_TOKENS = 1 << 28
+"""Bound on context x concurrency, the KV cache's tokens: 268 M, more than any machine holds,
+and what keeps ``kv_num_blocks`` (16 tokens a block) within ``MAX_COUNT``."""
+
 MAX_COUNT = 1 << 24
 """Bound on a count of slots, blocks or threads in a plan (pool and cache slots, KV blocks,
 prefetch depth): 16 M, above any machine's need (``kv_num_blocks: 10^9`` was a MemoryError)."""
@@ -486,6 +490,12 @@ class Request(Strict):
 
     @model_validator(mode="after")
     def _prompts_fit(self) -> Request:
+        if self.context * self.concurrency > MAX_KV_TOKENS:
+            raise ValueError(
+                f"context {self.context} x concurrency {self.concurrency} is "
+                f"{self.context * self.concurrency} tokens of KV cache, over the {MAX_KV_TOKENS} "
+                "a plan may hold; give a shorter context or fewer sequences"
+            )
         if self.prompt_tokens[1] >= self.context and self.context > 1:
             raise ValueError(
                 f"prompt_tokens {self.prompt_tokens[1]} leaves no room in a context of "
