@@ -251,7 +251,6 @@ def bench(
         ids = engine.tokenizer.encode(prompt)
         gen = _timed_generate(serving, ids, max_tokens)
         pool = engine.store.pool or engine.store.experts_cache
-        direct = pool.method if pool is not None else None
         step_bytes = gen.stats["decode_bytes_read"]["nvme"] // max(1, gen.stats["decode_steps"])
         threads = loaded.plan.prefetch.io_threads
         raw = _raw_read(engine.store.pack_path, step_bytes, threads) if pool is not None else None
@@ -298,7 +297,8 @@ def bench(
         "disk_bound_tok_s": round(disk_bound, 4) if disk_bound else None,
         "of_disk_bound": round(s["decode_tok_s"] / disk_bound, 3) if disk_bound else None,
         "ffn_bytes_streamed_fraction": _ffn_streamed_fraction(loaded),
-        "read_method": direct,
+        "read_method": s["read_method"],  # direct or buffered (None: nothing streams)
+        "read_method_detail": s["read_method_detail"],
         "streamed_bytes_per_token": round(per_token),
         "disk_bytes_s": round(nvme / decode_s) if decode_s > 0 else 0,
         "raw_direct_io_bytes_s": raw["bytes_s"] if raw else None,

@@ -25,6 +25,26 @@ from pydantic import ValidationError
 from strata.common.catalog import ResolvedModel, resolve_model
 from strata.common.errors import GGUFError
 from strata.common.gguf_file import GGUFFile, open_gguf
+from strata.common.gguf_values import (
+    MAX_BLOCKS,
+    MAX_CONTEXT,
+    MAX_EMBEDDING,
+    MAX_EXPERT_UNITS,
+    MAX_EXPERTS,
+    MAX_FFN,
+    MAX_HEAD_DIM,
+    MAX_HEADS,
+    MAX_NORM_EPS,
+    MAX_ROPE_BASE,
+    MAX_ROPE_FACTOR,
+    MAX_SCALE,
+    MAX_VOCAB,
+    read_bool,
+    read_float,
+    read_int,
+    read_str,
+    shown,
+)
 from strata.common.schemas import Architecture, ModelDescription, ModelSource, TensorInfo, UnitInfo
 
 _BLOCK = re.compile(r"^blk\.(\d+)\.(.+)$")
@@ -58,61 +78,90 @@ def classify(name: str) -> tuple[int | None, str, str]:
     return layer, "other", f"blk.{layer}.attn"
 
 
-def _arch_field(g: GGUFFile, arch: str, key: str, default: object = None) -> object:
-    v = g.field(f"{arch}.{key}", default)
-    if v is None:
-        raise GGUFError(
-            f"{g.path}: architecture {arch!r} has no {arch}.{key} in its metadata; "
-            "this GGUF is not a text-generation model Strata can describe"
-        )
-    return v
-
-
 def read_architecture(g: GGUFFile) -> Architecture:
-    """Hyperparameters from the ``{arch}.*`` metadata keys.
+    """Hyperparameters from the ``{arch}.*`` metadata keys, each typed and bounded
+    (``strata.common.gguf_values``: the limits and why).
 
     Raises:
-        GGUFError: a required key is missing or a value is out of range.
+        GGUFError: a required key is missing, a value has the wrong type, is not finite or is
+            out of its plausible range (names the key and the value).
     """
     arch = g.architecture
-    heads = int(_arch_field(g, arch, "attention.head_count"))
-    width = int(_arch_field(g, arch, "embedding_length"))
-    if heads <= 0 or width % heads and not g.field(f"{arch}.attention.key_length"):
+    if not re.fullmatch(r"[A-Za-z0-9_.-]{1,64}", arch):
+        raise GGUFError(f"{g.path}: general.architecture {shown(arch)} is not an architecture name")
+
+    def key(name: str) -> str:
+        return f"{arch}.{name}"
+
+    heads = read_int(g, key("attention.head_count"), 1, MAX_HEADS, per_layer=True)
+    width = read_int(g, key("embedding_length"), 1, MAX_EMBEDDING)
+    key_length = read_int(g, key("attention.key_length"), 0, MAX_HEAD_DIM, 0)
+    if width % heads and not key_length:
         raise GGUFError(
             f"{g.path}: {arch}.attention.head_count {heads} does not divide the width {width}"
         )
-    head_dim = int(g.field(f"{arch}.attention.key_length") or width // heads)
-    vocab = g.field(f"{arch}.vocab_size") or g.field_count("tokenizer.ggml.tokens") or 0
+    head_dim = key_length or width // heads
+    if head_dim > MAX_HEAD_DIM:
+        raise GGUFError(
+            f"{g.path}: head dimension {head_dim} ({arch}.embedding_length / head_count) is above "
+            f"{MAX_HEAD_DIM}; the file is damaged or not a model Strata supports"
+        )
+    vocab = (
+        read_int(g, key("vocab_size"), 0, MAX_VOCAB, 0)
+        or g.field_count("tokenizer.ggml.tokens")
+        or 0
+    )
     if not vocab:
         out = next((t for t in g.tensor_infos if t.name == "token_embd.weight"), None)
-        vocab = int(out.shape[1]) if out is not None else 1
+        vocab = int(out.shape[1]) if out is not None and len(out.shape) > 1 else 1
+    if vocab > MAX_VOCAB:
+        raise GGUFError(f"{g.path}: a vocabulary of {vocab} tokens is above {MAX_VOCAB}")
     names = {t.name for t in g.tensor_infos}
-    blocks = int(_arch_field(g, arch, "block_count"))
+    blocks = read_int(g, key("block_count"), 1, MAX_BLOCKS)
+    rope_dims = read_int(g, key("rope.dimension_count"), 0, MAX_HEAD_DIM, 0) or head_dim
+    if rope_dims % 2 or rope_dims > head_dim:
+        raise GGUFError(
+            f"{g.path}: metadata '{arch}.rope.dimension_count' is {rope_dims}; RoPE rotates pairs "
+            f"of an even number of dimensions, at most the head dimension {head_dim}; "
+            "re-convert the model"
+        )
+    experts = read_int(g, key("expert_count"), 0, MAX_EXPERTS, 0)
+    if experts * blocks > MAX_EXPERT_UNITS:
+        raise GGUFError(
+            f"{g.path}: {experts} experts x {blocks} blocks = {experts * blocks} expert units, "
+            f"above the limit of {MAX_EXPERT_UNITS}; the file is damaged or not a model Strata "
+            "supports"
+        )
+    used = read_int(g, key("expert_used_count"), 0, max(experts, 0), 0)
+    eps_key = key("attention.layer_norm_rms_epsilon")
+    if g.field_types(eps_key) is None:
+        eps_key = key("attention.layer_norm_epsilon")
     try:
         return Architecture(
             name=arch,
             block_count=blocks,
-            context_length=int(_arch_field(g, arch, "context_length", 2048)),
+            context_length=read_int(g, key("context_length"), 1, MAX_CONTEXT, 2048),
             embedding_length=width,
-            feed_forward_length=int(g.field(f"{arch}.feed_forward_length") or 0),
-            head_count=heads,
-            head_count_kv=int(g.field(f"{arch}.attention.head_count_kv") or heads),
-            head_dim=head_dim,
-            vocab_size=int(vocab),
-            rope_freq_base=float(g.field(f"{arch}.rope.freq_base") or 10000.0),
-            rope_dimension_count=int(g.field(f"{arch}.rope.dimension_count") or head_dim),
-            rms_norm_eps=float(
-                g.field(f"{arch}.attention.layer_norm_rms_epsilon")
-                or g.field(f"{arch}.attention.layer_norm_epsilon")
-                or 1e-5
+            feed_forward_length=read_int(
+                g, key("feed_forward_length"), 0, MAX_FFN, 0, per_layer=True
             ),
+            head_count=heads,
+            head_count_kv=read_int(g, key("attention.head_count_kv"), 0, heads, 0, per_layer=True)
+            or heads,
+            head_dim=head_dim,
+            vocab_size=vocab,
+            rope_freq_base=read_float(g, key("rope.freq_base"), 0.0, MAX_ROPE_BASE, 0.0) or 10000.0,
+            rope_dimension_count=rope_dims,
+            rms_norm_eps=read_float(g, eps_key, 0.0, MAX_NORM_EPS, 0.0) or 1e-5,
             tied_embeddings="output.weight" not in names,
-            expert_count=int(g.field(f"{arch}.expert_count") or 0),
-            expert_used_count=int(g.field(f"{arch}.expert_used_count") or 0),
+            expert_count=experts,
+            expert_used_count=used,
             **_expert_keys(g, arch),
             **_attention_window(g, arch, blocks),
             **_rope_scaling(g, arch),
-            final_logit_softcapping=float(g.field(f"{arch}.final_logit_softcapping") or 0.0),
+            final_logit_softcapping=read_float(
+                g, key("final_logit_softcapping"), 0.0, MAX_SCALE, 0.0
+            ),
         )
     except ValidationError as e:
         err = e.errors()[0]
@@ -126,23 +175,27 @@ GATING_FUNCS = {1: "softmax", 2: "sigmoid"}
 
 def _expert_keys(g: GGUFFile, arch: str) -> dict:
     """The MoE keys llama.cpp reads when present (its per-architecture defaults apply when not:
-    ``executor/models``)."""
+    ``executor/models``), typed and bounded.
+
+    Raises:
+        GGUFError: a value of the wrong type or out of range (names the key and the value).
+    """
     out: dict = {}
     for key in ("expert_feed_forward_length", "expert_shared_feed_forward_length"):
-        v = g.field(f"{arch}.{key}")
+        v = read_int(g, f"{arch}.{key}", 0, MAX_FFN, 0, per_layer=True)
         if v:
-            out[key] = int(v)
-    norm = g.field(f"{arch}.expert_weights_norm")
+            out[key] = v
+    norm = read_bool(g, f"{arch}.expert_weights_norm")
     if norm is not None:
-        out["expert_weights_norm"] = bool(norm)
-    func = g.field(f"{arch}.expert_gating_func")
+        out["expert_weights_norm"] = norm
+    func = read_int(g, f"{arch}.expert_gating_func", 0, 2**32, 0)
     if func:
-        if int(func) not in GATING_FUNCS:
+        if func not in GATING_FUNCS:
             raise GGUFError(f"{g.path}: {arch}.expert_gating_func {func} is not 1 or 2")
-        out["expert_gating_func"] = GATING_FUNCS[int(func)]
-    scale = g.field(f"{arch}.expert_weights_scale")
+        out["expert_gating_func"] = GATING_FUNCS[func]
+    scale = read_float(g, f"{arch}.expert_weights_scale", 0.0, MAX_SCALE, 0.0)
     if scale:
-        out["expert_weights_scale"] = float(scale)
+        out["expert_weights_scale"] = scale
     return out
 
 
@@ -167,40 +220,51 @@ def _attention_window(g: GGUFFile, arch: str, blocks: int) -> dict:
     windowed when ``n == 0`` or ``i % n < n - 1`` (the last of every ``n`` is global).
 
     Raises:
-        GGUFError: a pattern array of the wrong length.
+        GGUFError: a pattern array of the wrong length or element type; a window, period or
+            base of the wrong type or out of range.
     """
-    window = int(g.field(f"{arch}.attention.sliding_window") or 0)
+    window = read_int(g, f"{arch}.attention.sliding_window", 0, MAX_CONTEXT, 0, per_layer=True)
     if window <= 0 or arch not in SWA_DEFAULT_PATTERN:
         return {}
-    pattern = g.field(f"{arch}.attention.sliding_window_pattern", SWA_DEFAULT_PATTERN[arch])
-    if isinstance(pattern, list):
-        if len(pattern) != blocks:
+    key = f"{arch}.attention.sliding_window_pattern"
+    types = g.field_types(key)
+    if types is not None and types[0] == gguf.GGUFValueType.ARRAY:
+        count = g.field_count(key)
+        if count != blocks or types[1:] not in ((gguf.GGUFValueType.BOOL,), ()):
             raise GGUFError(
-                f"{g.path}: {arch}.attention.sliding_window_pattern has {len(pattern)} entries "
-                f"for {blocks} blocks"
+                f"{g.path}: {key} is an array of {count} "
+                f"{types[1].name if len(types) > 1 else 'values'}; it needs one BOOL per block "
+                f"({blocks}); re-convert the model"
             )
-        layers = [i for i, windowed in enumerate(pattern) if windowed]
+        layers = [i for i, windowed in enumerate(g.field(key)) if windowed]
     else:
-        n = int(pattern)
+        n = read_int(g, key, 0, MAX_BLOCKS, SWA_DEFAULT_PATTERN[arch])
         layers = [i for i in range(blocks) if n == 0 or i % n < n - 1]
-    base = g.field(f"{arch}.rope.freq_base_swa") or SWA_ROPE_BASE_DEFAULT.get(arch)
+    base = read_float(g, f"{arch}.rope.freq_base_swa", 0.0, MAX_ROPE_BASE, 0.0)
+    base = base or SWA_ROPE_BASE_DEFAULT.get(arch)
     return {
         "sliding_window": window,
         "sliding_window_layers": layers,
-        "rope_freq_base_swa": None if base is None else float(base),
+        "rope_freq_base_swa": base,
     }
 
 
 def _rope_scaling(g: GGUFFile, arch: str) -> dict:
     """``rope_scaling_type`` and ``rope_freq_scale`` as llama.cpp reads them: the factor from
-    ``rope.scale_linear`` or ``rope.scaling.factor``, the position scale its inverse."""
-    kind = g.field(f"{arch}.rope.scaling.type")
-    factor = g.field(f"{arch}.rope.scale_linear") or g.field(f"{arch}.rope.scaling.factor") or 0.0
+    ``rope.scale_linear`` or ``rope.scaling.factor``, the position scale its inverse.
+
+    Raises:
+        GGUFError: a type or factor out of range (``MAX_ROPE_FACTOR``).
+    """
+    kind = read_str(g, f"{arch}.rope.scaling.type", max_chars=32)
+    factor = read_float(g, f"{arch}.rope.scale_linear", 0.0, MAX_ROPE_FACTOR, 0.0) or read_float(
+        g, f"{arch}.rope.scaling.factor", 0.0, MAX_ROPE_FACTOR, 0.0
+    )
     if not factor and kind in (None, "none", "linear"):
         return {}
     return {
-        "rope_scaling_type": str(kind or "linear"),
-        "rope_freq_scale": 1.0 / float(factor) if factor else 1.0,
+        "rope_scaling_type": kind or "linear",
+        "rope_freq_scale": 1.0 / factor if factor else 1.0,
     }
 
 
@@ -215,9 +279,18 @@ def mlx_size(qtype: gguf.GGMLQuantizationType, shape: list[int]) -> tuple[int, b
 
     Unsupported types are counted at their file size (``GGML_QUANT_SIZES``) until a repacking
     exists for them.
+
+    Raises:
+        GGUFError: a quantized type on a 1-D tensor.
     """
     from strata.common.quant import SUPPORTED_TYPES, mlx_nbytes
 
+    block, size = gguf.GGML_QUANT_SIZES[qtype]
+    if block > 1 and len(shape) < 2:
+        raise GGUFError(
+            f"a 1-D tensor of shape {shape} has the quantized type {qtype.name}; quantized "
+            "tensors are matrices (norms and biases are F32): re-convert the model"
+        )
     n = 1
     for d in shape:
         n *= d
@@ -225,7 +298,6 @@ def mlx_size(qtype: gguf.GGMLQuantizationType, shape: list[int]) -> tuple[int, b
         cols = shape[0] if shape else 1
         rows_first = (n // cols, cols) if len(shape) > 2 else tuple(reversed(shape))
         return mlx_nbytes(qtype, rows_first), True
-    block, size = gguf.GGML_QUANT_SIZES[qtype]
     return n // block * size, False
 
 
@@ -244,7 +316,10 @@ def tensor_info(
     routing profile replaces it).
     """
     layer, role, unit = classify(name)
-    mlx_bytes, supported = mlx_size(qtype, shape)
+    try:
+        mlx_bytes, supported = mlx_size(qtype, shape)
+    except GGUFError as e:
+        raise GGUFError(f"tensor {shown(name)}: {e}") from None
     access = 1.0
     if role == "embedding" and not arch.tied_embeddings:
         access = 1.0 / arch.vocab_size  # a token reads one row of an untied embedding
@@ -301,7 +376,8 @@ def describe_gguf(g: GGUFFile, source: ModelSource) -> ModelDescription:
     """Build the model description of an opened GGUF.
 
     Raises:
-        GGUFError: missing hyperparameters.
+        GGUFError: missing or invalid hyperparameters (``read_architecture``); a tensor of a
+            block past ``block_count``; a quantized 1-D tensor; stacked experts of another count.
     """
     arch = read_architecture(g)
     tensors = [
@@ -315,11 +391,23 @@ def describe_gguf(g: GGUFFile, source: ModelSource) -> ModelDescription:
         )
         for t in g.tensor_infos
     ]
+    for t in tensors:
+        if t.layer is not None and t.layer >= arch.block_count:
+            raise GGUFError(
+                f"{g.path}: tensor {shown(t.name)} belongs to block {t.layer}, but the model has "
+                f"{arch.block_count} blocks ({arch.name}.block_count); the file is damaged — "
+                "re-download or re-convert it"
+            )
     return assemble(source, arch, _file_type(g), tensors)
 
 
 def _file_type(g: GGUFFile) -> str:
-    ft = g.field("general.file_type")
+    """``general.file_type`` by name (its number when llama.cpp has no name for it).
+
+    Raises:
+        GGUFError: not an integer.
+    """
+    ft = read_int(g, "general.file_type", 0, 2**32 - 1, None)
     try:
         return gguf.LlamaFileType(ft).name
     except (ValueError, TypeError):
@@ -371,8 +459,8 @@ def _expert_units(group: str, members: list[TensorInfo], arch: Architecture) -> 
     for t in members:
         if len(t.shape) != 3 or t.shape[2] != n or n == 0:
             raise GGUFError(
-                f"tensor {t.name} has shape {t.shape}; stacked experts need 3 dimensions, the "
-                f"last equal to expert_count ({n})"
+                f"tensor {shown(t.name)} has shape {t.shape}; stacked experts need 3 "
+                f"dimensions, the last equal to expert_count ({n})"
             )
     layer = members[0].layer
     access = members[0].access_per_token

@@ -25,6 +25,7 @@ from typing import Any, NamedTuple
 import gguf
 import numpy as np
 from strata.common.errors import GGUFError
+from strata.common.gguf_values import shown
 
 # Size in bytes of each fixed-size GGUF metadata value type (gguf.md: GGUFValueType).
 _FIXED = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}
@@ -33,6 +34,11 @@ _CODE = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q"
 _STRING, _ARRAY = 8, 9
 _MAX_DIMS = 4  # GGML_MAX_DIMS
 _DEFAULT_ALIGNMENT = 32  # gguf.md: general.alignment defaults to 32
+MAX_TENSORS = 65536
+"""Tensors in one file: released models have at most a few thousand (one per weight, experts
+stacked); each becomes a description entry, so this bounds the work a tiny file can cause."""
+MAX_ALIGNMENT = 2**16
+"""``general.alignment``, bytes: files use 32 (the default) or a page (4 KiB to 64 KiB)."""
 _VT = gguf.GGUFValueType
 
 
@@ -249,14 +255,19 @@ class _Walker:
         return s
 
     def text(self, what: str) -> str:
-        """A string that must be UTF-8 (keys and tensor names: gguf cannot read others)."""
+        """A string that must be UTF-8 without control characters (keys and tensor names: gguf
+        cannot read others, and a name is printed in messages)."""
         start = self.pos
         raw = self.string(what)
         try:
-            return raw.decode("utf-8")
+            text = raw.decode("utf-8")
         except UnicodeDecodeError:
             self.pos = start
             raise self.fail(f"{what} is not valid UTF-8 text") from None
+        if not text.isprintable():
+            self.pos = start
+            raise self.fail(f"{what} {shown(text)} holds control characters")
+        return text
 
     def strings(self, count: int, what: str) -> list[bytes]:
         """``count`` length-prefixed strings, each bounded by the bytes left."""
@@ -323,8 +334,13 @@ def _walk_header(path: Path, size: int) -> _Header:
     try:
         if buf[:4] != b"GGUF":
             raise GGUFError(f"{path}: not a GGUF file (no GGUF magic at the start)")
-        endian = "<" if struct.unpack_from("<I", buf, 4)[0] < 65536 else ">"
-        w = _Walker(buf, size, path, endian)
+        if struct.unpack_from("<I", buf, 4)[0] >= 65536:
+            # The version is 2 or 3: read little-endian, a big-endian file's is 2^25 or more.
+            raise GGUFError(
+                f"{path}: big-endian GGUF files are not supported; convert the model again "
+                "without --bigendian (llama.cpp's convert_hf_to_gguf.py writes little-endian)"
+            )
+        w = _Walker(buf, size, path, "<")
         w.pos = 4
         version = w.unpack("I", "version")
         if version not in (2, 3):
@@ -338,70 +354,121 @@ def _walk_header(path: Path, size: int) -> _Header:
         }
         # Each key-value pair takes >= 12 bytes and each tensor info >= 24: bound counts first.
         w.need(n_kv * 12 + n_tensors * 24, "metadata and tensor table")
+        if n_tensors > MAX_TENSORS:
+            raise w.fail(f"{n_tensors} tensors (at most {MAX_TENSORS} in a model file)")
         alignment = _DEFAULT_ALIGNMENT
         for i in range(n_kv):
             start = w.pos
             key = w.text(f"key of metadata entry {i}")
             if key in meta:
                 w.pos = start
-                raise w.fail(f"metadata key {key[:64]!r} appears twice")
-            vtype = w.unpack("I", f"type of {key[:64]!r}")
-            m = meta[key] = w.value(vtype, f"value of {key[:64]!r}")
+                raise w.fail(f"metadata key {shown(key, 64)} appears twice")
+            vtype = w.unpack("I", f"type of {shown(key, 64)}")
+            m = meta[key] = w.value(vtype, f"value of {shown(key, 64)}")
             if key == "general.alignment":
                 v = m.raw
                 if m.types != (_VT.UINT32,):
-                    raise w.fail(f"general.alignment is a {m.types[0].name}, not a UINT32")
-                if not v or v & (v - 1):
-                    raise w.fail(f"general.alignment {v} is not a power of two")
+                    raise w.fail(
+                        f"general.alignment is a {'/'.join(t.name for t in m.types)}, not a "
+                        "UINT32 (the type the format requires)"
+                    )
+                if not v or v & (v - 1) or v > MAX_ALIGNMENT:
+                    raise w.fail(
+                        f"general.alignment {v} is not a power of two from 1 to {MAX_ALIGNMENT}"
+                    )
                 alignment = v
         infos: dict[str, TensorInfo] = {}
         for i in range(n_tensors):
             name = w.text(f"name of tensor {i}")
+            shown_name = shown(name)
             if name in infos:
-                raise w.fail(f"tensor {name} appears twice in the tensor table")
-            n_dims = w.unpack("I", f"dimension count of {name}")
+                raise w.fail(f"tensor {shown_name} appears twice in the tensor table")
+            n_dims = w.unpack("I", f"dimension count of {shown_name}")
             if not 1 <= n_dims <= _MAX_DIMS:
-                raise w.fail(f"tensor {name} has {n_dims} dimensions (1 to {_MAX_DIMS} allowed)")
-            shape = [w.unpack("Q", f"shape of {name}") for _ in range(n_dims)]
-            ttype = w.unpack("I", f"type of {name}")
-            offset = w.unpack("Q", f"offset of {name}")
+                raise w.fail(
+                    f"tensor {shown_name} has {n_dims} dimensions (1 to {_MAX_DIMS} allowed)"
+                )
+            shape = [w.unpack("Q", f"shape of {shown_name}") for _ in range(n_dims)]
+            ttype = w.unpack("I", f"type of {shown_name}")
+            offset = w.unpack("Q", f"offset of {shown_name}")
             try:
                 qtype = gguf.GGMLQuantizationType(ttype)
                 block, type_size = gguf.GGML_QUANT_SIZES[qtype]
             except (ValueError, KeyError):
-                raise w.fail(f"tensor {name} has unknown GGML type {ttype}") from None
+                raise w.fail(f"tensor {shown_name} has unknown GGML type {ttype}") from None
             n = 1
             for d in shape:
-                if d == 0 or n * d > 2**62:
-                    raise w.fail(f"tensor {name} has an invalid shape {shape}")
+                if d == 0:
+                    raise w.fail(f"tensor {shown_name} has an empty dimension in its shape {shape}")
+                if n * d > 2**62:
+                    raise w.fail(
+                        f"tensor {shown_name}: its shape {shape} overflows (more than 2^62 "
+                        "elements)"
+                    )
                 n *= d
             if shape[0] % block:
                 raise w.fail(
-                    f"tensor {name}: row length {shape[0]} is not a multiple of "
+                    f"tensor {shown_name}: row length {shape[0]} is not a multiple of "
                     f"{qtype.name}'s block of {block}"
                 )
             infos[name] = TensorInfo(name, qtype, tuple(shape), offset, n // block * type_size)
         data_offset = -(-w.pos // alignment) * alignment
-        tensors = []
-        for t in infos.values():
-            end = data_offset + t.data_offset + t.n_bytes
-            if end > size:
-                raise GGUFError(
-                    f"{path}: truncated GGUF: tensor {t.name} ends at byte {end} but the file "
-                    f"has {size} bytes; the file was cut short — download it again"
-                )
-            tensors.append(t._replace(data_offset=data_offset + t.data_offset))
-        return _Header(data_offset, meta, tensors)
+        return _Header(data_offset, meta, _place(path, size, data_offset, alignment, infos))
     finally:
         buf.close()
+
+
+def _place(
+    path: Path, size: int, data_offset: int, alignment: int, infos: dict[str, TensorInfo]
+) -> list[TensorInfo]:
+    """The tensor table with absolute offsets, each tensor's data checked: inside the file,
+    aligned to ``alignment`` and not overlapping another tensor's (gguf.md).
+
+    A tensor whose size or offset alone exceeds the file is malformed (an overflowing shape or
+    offset); one that starts inside the file and ends past it means the file was cut short.
+
+    Raises:
+        GGUFError: overflow, truncation, misalignment or overlap (names the tensor).
+    """
+    tensors = []
+    for t in infos.values():
+        name = shown(t.name)
+        if t.n_bytes > size or t.data_offset > size:
+            what = "size" if t.n_bytes > size else "offset"
+            value = t.n_bytes if t.n_bytes > size else t.data_offset
+            raise GGUFError(
+                f"{path}: malformed GGUF: tensor {name}: its {what} ({value} bytes) overflows "
+                f"the file ({size} bytes); the header is damaged — re-download or re-convert it"
+            )
+        if t.data_offset % alignment:
+            raise GGUFError(
+                f"{path}: malformed GGUF: tensor {name}: its offset {t.data_offset} is not a "
+                f"multiple of the alignment {alignment}; re-download or re-convert the file"
+            )
+        end = data_offset + t.data_offset + t.n_bytes
+        if end > size:
+            raise GGUFError(
+                f"{path}: truncated GGUF: tensor {name} ends at byte {end} but the file "
+                f"has {size} bytes; the file was cut short — download it again"
+            )
+        tensors.append(t._replace(data_offset=data_offset + t.data_offset))
+    by_start = sorted(tensors, key=lambda t: t.data_offset)
+    for a, b in zip(by_start, by_start[1:], strict=False):
+        if a.data_offset + a.n_bytes > b.data_offset:
+            raise GGUFError(
+                f"{path}: malformed GGUF: the data of tensors {shown(a.name)} and "
+                f"{shown(b.name)} overlap; re-download or re-convert the file"
+            )
+    return tensors
 
 
 def open_gguf(path: str | Path) -> GGUFFile:
     """Validate and open a GGUF file.
 
     Raises:
-        GGUFError: missing file, not a GGUF, unsupported version, malformed or truncated header or
-            tensor data (one line naming the problem and the fix).
+        GGUFError: missing file, not a GGUF, big-endian, unsupported version, malformed or
+            truncated header or tensor data, misaligned or overlapping tensor data (one line
+            naming the problem and the fix; names escaped).
     """
     p = Path(path)
     if not p.is_file():

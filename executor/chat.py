@@ -5,12 +5,28 @@ they are written for, and the one llama.cpp emulates): a sandboxed Jinja environ
 ``trim_blocks`` and ``lstrip_blocks``, the ``loopcontrols`` extension, a ``{% generation %}`` block,
 a ``tojson`` filter that keeps non-ASCII text, and the ``raise_exception`` and ``strftime_now``
 globals.
+
+Rendering budget. A chat template is a program, and the GGUF's is written by whoever made the
+file: Jinja's sandbox stops it reaching Python's internals but not looping for hours (nested
+``range(100000)`` loops), recursing, or building gigabytes (``'x' * 3e9``, ``tojson(indent=3e8)``,
+a string doubled in a loop). A loop cannot be interrupted inside the process that runs it, so
+templates are rendered in a worker process (``_RenderWorker``: one per process, started on first
+use, a few hundred ms once, then a pipe round trip per render) with a wall-time budget
+(``RENDER_TIMEOUT_S``: the worker is killed and restarted past it), an address-space cap
+(``RENDER_MEMORY_BYTES``) and an output-size cap (``MAX_RENDERED_CHARS``); every failure is a
+``ChatError`` naming the template. The server, ``run --messages`` and ``chat`` all render here.
 """
 
 from __future__ import annotations
 
 import functools
 import json
+import os
+import select
+import subprocess
+import sys
+import threading
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import datetime
@@ -137,13 +153,27 @@ def _environment() -> ImmutableSandboxedEnvironment:
 
 
 @functools.lru_cache(maxsize=8)
-def compile_template(template: str) -> jinja2.Template:
-    """The compiled chat template (the last 8 kept), so that a syntax error shows before any
-    model is opened: ``strata run --chat-template`` compiles its file first.
+def compile_template(template: str) -> None:
+    """Check that a chat template is valid Jinja, so that a syntax error shows before any model
+    is opened (``strata run --chat-template`` checks its file first). Only parses: compiling
+    folds constant expressions (``{{ 'x' * 3000000000 }}`` is built while compiling), which
+    happens in the render worker, under its limits. The last 8 templates checked are
+    remembered (a server checks its template on every chat).
 
     Raises:
         ChatError: the template is not valid Jinja (names the line and the problem).
     """
+    try:
+        _environment().parse(template)
+    except jinja2.TemplateSyntaxError as e:
+        raise ChatError(
+            f"the chat template is not valid Jinja (line {e.lineno}): {e.message}"
+        ) from e
+
+
+@functools.lru_cache(maxsize=8)
+def _compiled(template: str) -> jinja2.Template:
+    """The compiled template (the last 8 kept; in the render worker only)."""
     try:
         return _environment().from_string(template)
     except jinja2.TemplateSyntaxError as e:
@@ -168,45 +198,235 @@ def check_messages(messages: object) -> None:
                 raise ChatError(f"messages[{i}].{key} must be a string")
 
 
+RENDER_TIMEOUT_S = 2.0
+"""Wall-clock seconds a chat template may take to render. A real template renders a long chat
+in a few ms (gemma3's, 100 messages: under 10 ms); 2 s leaves room for a loaded machine while a
+template that loops for minutes costs a request 2 s, not the server."""
+
+MAX_RENDERED_CHARS = 32 * 2**20
+"""Most characters a rendered chat may have: twice the largest request body
+(``server.protocol.MAX_BODY_BYTES``, 16 MiB), since a render is the messages plus the template's
+own text; far more than any plan's context holds, so only a template gone wrong reaches it."""
+
+RENDER_MEMORY_BYTES = 1 << 30
+"""Address space the render worker may grow by beyond its size at start (Linux: ``RLIMIT_AS``;
+other systems only have the time and output caps). A render needs a few times its output, at
+most ``MAX_RENDERED_CHARS`` characters (up to 4 bytes each in Python); past this a template gets
+a ``MemoryError`` (a 400), never the server's memory."""
+
+
 def render_chat(
     template: str,
     messages: list[dict],
     bos_token: str,
     eos_token: str,
     add_generation_prompt: bool = True,
+    name: str = "the chat template",
 ) -> str:
-    """Render ``messages`` with a chat template into the prompt text.
+    """Render ``messages`` with a chat template into the prompt text, in the render worker
+    (see the module's "Rendering budget"): at most ``RENDER_TIMEOUT_S`` seconds and
+    ``MAX_RENDERED_CHARS`` characters.
 
     Args:
         template: the Jinja chat template (e.g. the GGUF's ``tokenizer.chat_template``).
-        messages: ``[{"role": str, "content": str, ...}, ...]``; extra keys are passed through.
+        messages: ``[{"role": str, "content": str, ...}, ...]`` (JSON values); extra keys are
+            passed through.
         bos_token, eos_token: the texts of the model's BOS/EOS tokens, for templates using them.
         add_generation_prompt: end with the header that opens the assistant's reply.
+        name: how errors name the template (``ChatTemplate.name``).
 
     Returns:
         The rendered text (special tokens appear as text, e.g. ``<|im_start|>``).
 
     Raises:
         ChatError: malformed messages, a template that is not valid Jinja, fails while rendering
-            (a Jinja or a Python error), or calls ``raise_exception``.
+            (a Jinja or a Python error), calls ``raise_exception``, or exceeds the time, memory
+            or size budget.
     """
     check_messages(messages)
-    compiled = compile_template(template)
+    compile_template(template)  # a syntax error, said here without a round trip
+    job = {
+        "template": template,
+        "messages": messages,
+        "bos_token": bos_token,
+        "eos_token": eos_token,
+        "add_generation_prompt": add_generation_prompt,
+    }
     try:
-        return compiled.render(
-            messages=messages,
+        line = json.dumps(job, ensure_ascii=False)
+    except (TypeError, ValueError) as e:
+        raise ChatError(f"the messages are not JSON values: {e}") from None
+    reply = _worker.render(line, name)
+    if "error" in reply:
+        raise ChatError(reply["error"].replace("the chat template", name, 1))
+    return reply["text"]
+
+
+def _render_here(job: dict) -> str:
+    """The render itself (in the worker). Raises ChatError as ``render_chat`` says."""
+    try:
+        text = _compiled(job["template"]).render(
+            messages=job["messages"],
             tools=None,
             documents=None,
-            add_generation_prompt=add_generation_prompt,
-            bos_token=bos_token,
-            eos_token=eos_token,
+            add_generation_prompt=job["add_generation_prompt"],
+            bos_token=job["bos_token"],
+            eos_token=job["eos_token"],
         )
     except ChatError:  # raise_exception: the template's own verdict on the messages
         raise
     except jinja2.TemplateError as e:
         raise ChatError(f"the chat template failed: {e}") from e
+    except MemoryError:
+        raise ChatError(
+            f"the chat template needed over {RENDER_MEMORY_BYTES >> 20} MiB to render; "
+            "fix the template or pass another with --chat-template"
+        ) from None
+    except RecursionError:
+        raise ChatError(
+            "the chat template recursed too deeply (a macro or loop that calls itself without "
+            "end?); fix the template or pass another with --chat-template"
+        ) from None
     except Exception as e:  # e.g. {{ 1 / 0 }} or {{ 'a' + 1 }}: Python errors of the template's
         raise ChatError(f"the chat template failed: {type(e).__name__}: {e}") from e
+    if len(text) > MAX_RENDERED_CHARS:
+        raise ChatError(_too_long(len(text)))
+    return text
+
+
+def _too_long(chars: int) -> str:
+    return (
+        f"the chat template rendered over {MAX_RENDERED_CHARS >> 20} Mi characters"
+        f"{f' ({chars})' if chars else ''}; fix the template or pass another with --chat-template"
+    )
+
+
+class _RenderWorker:
+    """The process templates are rendered in (``python -m strata.executor.chat``), one JSON
+    line per job on its stdin, one per reply on its stdout; started on first use, restarted
+    after it is killed (a render over ``RENDER_TIMEOUT_S``) or exits (after a ``MemoryError``).
+    Renders are serialized (a lock): each takes milliseconds. The worker exits when its stdin
+    closes or its parent goes away."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._proc: subprocess.Popen | None = None
+
+    def start(self) -> None:
+        """Start the worker now (``serve`` does, so the first chat pays no start-up)."""
+        with self._lock:
+            self._ensure()
+
+    def _ensure(self) -> subprocess.Popen:
+        if self._proc is None or self._proc.poll() is not None:
+            self._proc = subprocess.Popen(
+                [sys.executable, "-m", "strata.executor.chat", "--render-worker"],
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.DEVNULL,
+                close_fds=True,
+            )
+        return self._proc
+
+    def _kill(self) -> None:
+        if self._proc is not None:
+            self._proc.kill()
+            self._proc.wait()
+            for f in (self._proc.stdin, self._proc.stdout):
+                if f is not None:
+                    f.close()
+            self._proc = None
+
+    def render(self, line: str, name: str) -> dict:
+        """The worker's reply to one job: ``{"text": ...}`` or ``{"error": ...}``.
+
+        Raises:
+            ChatError: the render ran out of time or output room, or the worker died.
+        """
+        with self._lock:
+            proc = self._ensure()
+            deadline = time.monotonic() + RENDER_TIMEOUT_S
+            try:
+                assert proc.stdin is not None and proc.stdout is not None
+                proc.stdin.write(line.encode() + b"\n")
+                proc.stdin.flush()
+                out = bytearray()
+                fd = proc.stdout.fileno()
+                while not out.endswith(b"\n"):
+                    left = deadline - time.monotonic()
+                    if left <= 0 or not select.select([fd], [], [], left)[0]:
+                        self._kill()
+                        raise ChatError(
+                            f"{name} took over {RENDER_TIMEOUT_S:g} s to render (a loop without "
+                            "end?); fix the template or pass another with --chat-template"
+                        )
+                    chunk = os.read(fd, 1 << 20)
+                    if not chunk:
+                        raise BrokenPipeError("the render worker exited")
+                    out += chunk
+                    if len(out) > 4 * MAX_RENDERED_CHARS + 64:  # the worker caps it; be sure
+                        self._kill()
+                        raise ChatError(_too_long(0).replace("the chat template", name, 1))
+            except OSError:  # the worker died (a pipe closed under us)
+                self._kill()
+                raise ChatError(
+                    f"{name} crashed the render worker; fix the template or pass another "
+                    "with --chat-template"
+                ) from None
+            try:
+                reply = json.loads(out)
+            except ValueError:  # cannot happen short of a broken worker; never a traceback
+                self._kill()
+                raise ChatError(f"{name}: the render worker sent no valid reply") from None
+            if reply.get("restart"):  # the worker exits to give its memory back
+                self._kill()
+            return reply
+
+
+_worker = _RenderWorker()
+
+
+def start_render_worker() -> None:
+    """Start the render worker now rather than at the first chat (``serve`` does)."""
+    _worker.start()
+
+
+def _worker_main() -> None:
+    """The render worker's loop (see ``_RenderWorker``)."""
+    parent = os.getppid()
+
+    def watch_parent() -> None:  # an orphan mid-render would otherwise run on
+        while os.getppid() == parent:
+            time.sleep(0.5)
+        os._exit(0)
+
+    threading.Thread(target=watch_parent, daemon=True).start()
+    try:
+        import resource
+
+        with open("/proc/self/statm") as f:
+            size = int(f.read().split()[0]) * os.sysconf("SC_PAGE_SIZE")
+        cap = size + RENDER_MEMORY_BYTES
+        resource.setrlimit(resource.RLIMIT_AS, (cap, cap))
+    except (ImportError, OSError, ValueError):
+        pass  # no /proc (macOS) or no limit allowed: the time and size caps still hold
+    stdin, stdout = sys.stdin.buffer, sys.stdout.buffer
+    for raw in stdin:
+        exit_after = False
+        try:
+            reply = {"text": _render_here(json.loads(raw))}
+        except ChatError as e:
+            reply = {"error": str(e)}
+            exit_after = "MiB to render" in str(e)  # give the memory back: start afresh
+        except MemoryError:
+            reply = {"error": f"the chat template needed over {RENDER_MEMORY_BYTES >> 20} MiB"}
+            exit_after = True
+        if exit_after:
+            reply["restart"] = True
+        stdout.write(json.dumps(reply, ensure_ascii=False).encode() + b"\n")
+        stdout.flush()
+        if exit_after:
+            return
 
 
 def messages_to_ids(
@@ -214,25 +434,27 @@ def messages_to_ids(
     messages: list[dict],
     template: str | None = None,
     add_generation_prompt: bool = True,
+    name: str = "the chat template",
 ) -> list[int]:
     """Prompt token ids for a chat, as llama.cpp builds them.
 
-    Renders ``messages`` with ``template`` (default: the GGUF's), tokenizes the text with special
-    tokens recognised, and prepends BOS only when the GGUF asks for it and the rendered text does
-    not already start with it (templates that write ``{{ bos_token }}`` must not get two). No EOS
-    is appended, whatever ``add_eos_token`` says: the prompt ends with the reply's header.
+    Renders ``messages`` with ``template`` (default: the GGUF's; ``name``: how errors name it),
+    tokenizes the text with special tokens recognised, and prepends BOS only when the GGUF asks
+    for it and the rendered text does not already start with it (templates that write
+    ``{{ bos_token }}`` must not get two). No EOS is appended, whatever ``add_eos_token`` says:
+    the prompt ends with the reply's header.
 
     Raises:
         ChatError: no template (neither given nor in the GGUF), malformed messages, or a template
             failure (see ``render_chat``).
     """
-    template = tokenizer.chat_template if template is None else template
+    if template is None:
+        template, name = tokenizer.chat_template, "the GGUF's chat template"
     if template is None:
         raise ChatError(NO_TEMPLATE)
     bos = _token_text(tokenizer, tokenizer.bos_id)
-    text = render_chat(
-        template, messages, bos, _token_text(tokenizer, tokenizer.eos_id), add_generation_prompt
-    )
+    eos = _token_text(tokenizer, tokenizer.eos_id)
+    text = render_chat(template, messages, bos, eos, add_generation_prompt, name)
     ids = tokenizer.encode(text, add_bos=False, parse_special=True, add_eos=False)
     if tokenizer.add_bos and not (bos and text.startswith(bos)):
         ids.insert(0, tokenizer.bos_id)
@@ -241,3 +463,7 @@ def messages_to_ids(
 
 def _token_text(tokenizer: GGUFTokenizer, token_id: int | None) -> str:
     return "" if token_id is None else tokenizer.token_text(token_id)
+
+
+if __name__ == "__main__" and sys.argv[1:] == ["--render-worker"]:
+    _worker_main()

@@ -149,8 +149,26 @@ def cmd_serve(args: argparse.Namespace) -> None:
 
     if not 0 <= args.port <= 65535:
         raise StrataError(f"--port {args.port}: give a port in 0..65535 (0 = any free port)")
+    from strata.executor.server.app import DEFAULT_MAX_CONNECTIONS
+    from strata.executor.server.protocol import (
+        BODY_READ_TIMEOUT_S,
+        DEFAULT_MAX_WAITING,
+        ServerLimits,
+    )
+
     key = api_key(args)
     template = read_chat_template(args.chat_template) if args.chat_template else None
+    # None: the server's default (named in --help; server.protocol and server.app hold them)
+    args.max_waiting = DEFAULT_MAX_WAITING if args.max_waiting is None else args.max_waiting
+    if args.max_connections is None:
+        args.max_connections = DEFAULT_MAX_CONNECTIONS
+    args.read_timeout = BODY_READ_TIMEOUT_S if args.read_timeout is None else args.read_timeout
+    if args.max_waiting < 0:
+        raise StrataError(f"--max-waiting {args.max_waiting}: give 0 or more requests")
+    if args.max_connections < 1:
+        raise StrataError(f"--max-connections {args.max_connections}: give 1 or more")
+    if not 0 < args.read_timeout <= 3600:
+        raise StrataError(f"--read-timeout {args.read_timeout}: give seconds in (0, 3600]")
     serve(
         args.plan,
         args.host,
@@ -162,6 +180,8 @@ def cmd_serve(args: argparse.Namespace) -> None:
         check=lambda: check_plan(args),
         chat_template=template,
         access_log=not args.quiet,
+        limits=ServerLimits(args.max_waiting, args.read_timeout),
+        max_connections=args.max_connections,
     )
 
 
@@ -315,6 +335,25 @@ def add_commands(sub) -> None:
         metavar="FILE|NAME",
         help="Jinja chat template for /v1/chat/completions, or a built-in (chatml, gemma3); "
         "default: the GGUF's, else the built-in one for its architecture",
+    )
+    s.add_argument(
+        "--max-waiting",
+        type=int,
+        metavar="N",
+        help="requests that may wait for a place in the batch (256); more get 429 with Retry-After",
+    )
+    s.add_argument(
+        "--max-connections",
+        type=int,
+        metavar="N",
+        help="open connections past which requests get 503 (512)",
+    )
+    s.add_argument(
+        "--read-timeout",
+        type=float,
+        metavar="S",
+        help="seconds a client may take to send a request's head, and between pieces of its "
+        "body (30); past it: 408 and the connection closed",
     )
     s.add_argument(
         "--batch-invariant",

@@ -274,7 +274,6 @@ class ExpertCache:
         self.arena = SlotArena(
             store.path, slots, slot_bytes, io_threads, dtype, stage_direct_reads=stage_direct_reads
         )
-        self.direct, self.method = self.arena.direct, self.arena.method
         self._readers = ThreadPoolExecutor(max(2, slots), thread_name_prefix="strata-expert")
         self._lock = threading.Lock()
         self._frequency = frequency
@@ -297,6 +296,16 @@ class ExpertCache:
     def slots(self) -> int:
         """Cache slots."""
         return len(self.arena)
+
+    @property
+    def direct(self) -> bool:
+        """Whether reads bypass the page cache now (``SlotArena.direct``)."""
+        return self.arena.direct
+
+    @property
+    def method(self) -> str:
+        """How the packed store is read now (``SlotArena.method``)."""
+        return self.arena.method
 
     # ------------------------------------------------------------------ reads
 

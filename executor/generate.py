@@ -190,9 +190,10 @@ def generate(
         ``decode_tok_s``, ``prefill_steps`` and ``decode_steps`` (the engine's forward passes),
         ``peak_rss_bytes``, ``peak_mlx_bytes``, ``bytes_read`` and ``decode_bytes_read``
         ({tier: bytes}, each use of a unit counted once), ``io_wait_s``, ``decode_io_wait_s``,
-        ``host_copy_s``, ``decode_host_copy_s``; for a mixture-of-experts model ``experts`` and
-        ``decode_experts`` (the expert cache's counters); with speculative decoding
-        ``speculative`` (drafts proposed and accepted, verifications).
+        ``host_copy_s``, ``decode_host_copy_s``, ``read_method`` and ``read_method_detail``
+        (how streamed units are read: ``WeightStore.read_method``); for a mixture-of-experts
+        model ``experts`` and ``decode_experts`` (the expert cache's counters); with speculative
+        decoding ``speculative`` (drafts proposed and accepted, verifications).
 
     Raises:
         StrataError: a negative ``max_tokens``; a prompt the plan can never run (empty, ids
@@ -267,6 +268,7 @@ def generate(
     if finish == "length" and len(out) < max_tokens:
         finish = "context"  # the plan's context ended it, not max_tokens
     stats = _stats(start, first[0], end, len(prompt_ids), ev.cached_tokens, len(out), finish)
+    stats.update(serving.engine.store.read_method())  # direct or buffered (None: none streams)
     if serving.engine.loaded.desc.architecture.expert_count:
         stats["experts"] = expert_delta(start.experts, end.experts)
         stats["decode_experts"] = expert_delta(first[0].experts, end.experts)
@@ -297,6 +299,7 @@ def interrupted_stats(
     """
     now = _Mark.now(serving)
     stats = _stats(start, first or now, now, prompt, cached, output, "interrupted")
+    stats.update(serving.engine.store.read_method())
     decoded = stats["decode_tokens"]
     decode_s = last_t - first.t if first is not None and decoded else 0.0
     stats.update(
@@ -406,6 +409,7 @@ def started_engine(
 
     loaded = load_plan(plan_path, peeked=peeked)  # the bytes checked (hashed once per file)
     serving = serving_for(loaded, expert_cache_mode, tokenizer)
+    serving.log_failures = False  # generate() raises a failed request's error: said once
     try:
         load_s = time.perf_counter() - t0
         peak = int(mx.get_peak_memory())  # generate() resets MLX's peak: loading's own

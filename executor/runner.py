@@ -45,7 +45,7 @@ from strata.executor.models.llama import LlamaModel
 from strata.executor.ops import bucket_rows
 from strata.executor.paged_kv import ForwardBatch, PagedKVCache, SeqInput, SequenceCache, slot_table
 from strata.executor.sampling import Sampler, accept_greedy
-from strata.executor.scheduler import SchedulerStep
+from strata.executor.scheduler import ScheduledChunk, SchedulerStep
 
 INTERRUPTIBLE_MIN_ROWS = 8
 """A pass given an ``interrupt`` callable is evaluated in pieces from this many rows on where
@@ -298,6 +298,9 @@ class ModelRunner:
         others; a failed pass raises. A step that samples nothing skips the output head where
         the pass runs in pieces (no one reads its logits).
 
+        A request whose logits hold NaN or infinity fails (``StepOutput.failed``, naming the
+        step: :func:`non_finite_logits`) instead of sampling from them.
+
         Raises:
             PassInterrupted: ``interrupt`` stopped the pass; nothing was sampled.
         """
@@ -322,14 +325,27 @@ class ModelRunner:
         host: np.ndarray | None = None  # all logits on the host, when sampling needed them
         plain = (lives[i].sampler.params for i in want)
         if all(p.temperature == 0 and not p.adjusts_logits for p in plain):
-            targets = np.array(mx.argmax(logits, axis=-1)).tolist()  # one host transfer
+            # A row's sum is finite only when every logit is (a NaN or an infinity carries into
+            # it): such a row's id is -1, in the same transfer. NaN logits would otherwise pick
+            # token 0 forever. The sum costs about as much as the argmax's own reduction.
+            finite = mx.isfinite(mx.sum(logits, axis=-1))
+            ids = mx.where(finite, mx.argmax(logits, axis=-1).astype(mx.int32), -1)
+            targets = np.array(ids).tolist()  # one host transfer
             for i in want:
                 rows = targets[first[i] : first[i + 1]]
+                if min(rows) < 0:
+                    out.failed[rids[i]] = non_finite_logits(step.chunks[i])
+                    continue
                 out.sampled[rids[i]] = accept_greedy(rows, step.chunks[i].draft)
         else:
             host = np.array(logits)
         for i in want:
             rid, req = rids[i], lives[i]
+            if rid in out.failed:
+                continue
+            if host is not None and not np.isfinite(host[first[i] : first[i + 1]]).all():
+                out.failed[rid] = non_finite_logits(step.chunks[i])
+                continue
             try:  # one request's sampling failing ends that request, not the step's others
                 if host is not None:
                     rows = host[first[i] : first[i + 1]]
@@ -409,6 +425,18 @@ class ModelRunner:
     def graph_counters(self) -> tuple[int, int]:
         """``(traces, replays)`` of the compiled passes over the KV cache so far."""
         return pass_graph.counters(self.kv)
+
+
+def non_finite_logits(chunk: ScheduledChunk) -> str:
+    """The error of a request whose logits are NaN or infinite: which step (prefill, or the
+    decode step's number) and position, and what to check."""
+    done = len(chunk.seq.output_ids)
+    step = "the prompt's prefill" if done == 0 else f"decode step {done}"
+    return (
+        f"the model produced NaN or infinite logits at {step} (position "
+        f"{chunk.start + chunk.num_tokens - 1}); its weights or hyperparameters are broken "
+        "(a NaN weight, an extreme RoPE base or norm epsilon): re-download or re-convert the model"
+    )
 
 
 def warm_up_sizes(limit: int) -> list[int]:

@@ -246,6 +246,9 @@ class ServingEngine:
         batch_invariant: bool = False,
     ):
         self.engine = engine
+        # A failed request's error on stderr (the server's log); the commands that wait on their
+        # request themselves (run, chat, bench: ``generate``) say it once, and turn this off.
+        self.log_failures = True
         self.config = engine.config  # the runtime settings (executor.config), the engine's
         self.batch_invariant = batch_invariant
         self._draft_engine: Engine | None = None
@@ -662,7 +665,8 @@ class ServingEngine:
         self.spec_verifications += out.verifications
         sampled, logprobs = out.sampled, out.logprobs
         for rid, error in out.failed.items():  # before update, which then skips their chunks
-            print(f"error: request {rid}: {error}", file=sys.stderr)
+            if self.log_failures:
+                print(f"error: request {rid}: {error}", file=sys.stderr)
             self._finish(self._live[rid], "error", error)
         self.steps += 1
         self.batched_tokens += step.num_tokens

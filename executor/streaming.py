@@ -11,14 +11,17 @@ Slots are MLX uint8 arrays allocated once (reused, never reallocated); reads lan
 (``memoryview`` of an evaluated MLX array is writable on CPU and unified memory), aligned for
 O_DIRECT by an offset into a slightly larger array. On MLX's CUDA backend direct-I/O reads go
 through a host buffer instead (the runtime config's ``stage_direct_reads``: a DMA into the
-array's memory is not coherent with the GPU's reads there). A short or failed read raises a
-``StrataError`` in the compute thread, never silently wrong weights.
+array's memory is not coherent with the GPU's reads there). Reads finish
+(``executor.direct_io``): a short read is continued and an interrupted one retried; a direct read
+the filesystem refuses (``EINVAL``) switches the file to buffered reads for the rest of the run,
+with one warning line. A read that ends before the unit does (the file is shorter than the
+manifest says) or fails otherwise raises a ``StrataError`` in the compute thread, never silently
+wrong weights.
 """
 
 from __future__ import annotations
 
 import mmap
-import os
 import threading
 import time
 from collections import deque
@@ -27,7 +30,7 @@ from concurrent.futures import ThreadPoolExecutor
 import mlx.core as mx
 import numpy as np
 from strata.common.errors import StrataError
-from strata.executor.direct_io import ALIGN, open_uncached, pread_into
+from strata.executor.direct_io import ALIGN, UncachedFile, pread_into
 from strata.executor.ops import QuantLinear
 from strata.executor.pack import PackedUnit, PackStore
 
@@ -76,20 +79,44 @@ class SlotArena:
             base = (-addr) % ALIGN
             self._views.append(mv[base : base + slot_bytes])
             self._base.append(base)
-        self._fd, self.direct, self.method = open_uncached(path)
-        self._staged = self.direct and stage_direct_reads
+        self.file = UncachedFile(path)
+        self._staged = self.file.direct and stage_direct_reads
         self._stage = threading.local()  # per I/O thread: an aligned CHUNK-byte host buffer
         self.io = ThreadPoolExecutor(max(1, io_threads), thread_name_prefix="strata-io")
 
     def __len__(self) -> int:
         return len(self._slots)
 
+    @property
+    def direct(self) -> bool:
+        """Whether reads bypass the page cache now (False once the file fell back to buffered
+        reads, at open or later)."""
+        return self.file.direct
+
+    @property
+    def method(self) -> str:
+        """How the file is read now (``executor.direct_io.UncachedFile.method``)."""
+        return self.file.method
+
+    def _read_into(self, mv: memoryview, offset: int) -> int:
+        """``mv``'s bytes at file ``offset`` (``direct_io.pread_into``: short reads continued,
+        ``EINTR`` retried); ``EINVAL`` on a direct read switches the file to buffered reads and
+        reads again."""
+        while True:
+            fd = self.file.fd
+            try:
+                return pread_into(fd, mv, offset)
+            except OSError as e:
+                self.file.fall_back(fd, offset, e)  # re-raises anything else
+
     def read(self, slot: int, unit: PackedUnit) -> int:
         """Read ``unit``'s packed bytes into ``slot`` (chunks in parallel); the bytes the OS
         returned.
 
         Raises:
-            StrataError: a short read (the pack file is damaged).
+            StrataError: the file ends before the unit (the pack file is damaged).
+            OSError: the OS refused a read (``EINVAL`` on a direct read is not refused: the
+                file falls back to buffered reads).
         """
         view = self._views[slot]
         chunks = [(o, min(CHUNK, unit.nbytes - o)) for o in range(0, unit.nbytes, CHUNK)]
@@ -100,14 +127,15 @@ class SlotArena:
                 buf = getattr(self._stage, "buf", None)
                 if buf is None:
                     buf = self._stage.buf = memoryview(mmap.mmap(-1, CHUNK))  # page-aligned
-                got = pread_into(self._fd, buf[:n], unit.offset + off)
+                got = self._read_into(buf[:n], unit.offset + off)
                 view[off : off + got] = buf[:got]  # a CPU write: coherent with the GPU's reads
             else:
-                got = pread_into(self._fd, view[off : off + n], unit.offset + off)
+                got = self._read_into(view[off : off + n], unit.offset + off)
             if got != n:
                 raise StrataError(
-                    f"short read from {unit.name} in the packed store: {got} of {n} bytes at "
-                    f"offset {unit.offset + off}; the pack file is damaged — delete it to rebuild"
+                    f"short read from {unit.name} in the packed store {self.file.path}: the file "
+                    f"ended after {got} of {n} bytes at offset {unit.offset + off}; the pack file "
+                    "is damaged — delete it to rebuild"
                 )
             return got
 
@@ -132,7 +160,7 @@ class SlotArena:
     def close(self) -> None:
         """Wait for reads in flight and close the file."""
         self.io.shutdown(wait=True)
-        os.close(self._fd)
+        self.file.close()
 
 
 class StreamPool:
@@ -171,7 +199,6 @@ class StreamPool:
             dtype,
             stage_direct_reads=stage_direct_reads,
         )
-        self.direct, self.method = self.arena.direct, self.arena.method
         self._cv = threading.Condition()
         self._loaded: list[int | None] = [None] * slots  # read sequence number held by each slot
         self._got = [0] * slots  # bytes the OS returned for the unit each slot holds
@@ -185,6 +212,16 @@ class StreamPool:
         self.io_wait_s = 0.0
         self._reader = threading.Thread(target=self._read_loop, name="strata-prefetch", daemon=True)
         self._reader.start()
+
+    @property
+    def direct(self) -> bool:
+        """Whether reads bypass the page cache now (:attr:`SlotArena.direct`)."""
+        return self.arena.direct
+
+    @property
+    def method(self) -> str:
+        """How the packed store is read now (:attr:`SlotArena.method`)."""
+        return self.arena.method
 
     # ------------------------------------------------------------------ I/O thread
 

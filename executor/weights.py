@@ -26,6 +26,7 @@ from strata.common.errors import PlanError, StrataError
 from strata.common.gguf_file import GGUFFile
 from strata.common.quant import PackedWeight
 from strata.common.schemas import ModelDescription, RoutingProfile
+from strata.executor.direct_io import pread_into
 from strata.executor.experts import ExpertCache, RoutingTracker, expert_key, split_gate_up
 from strata.executor.ops import QuantLinear, embedding, to_mlx
 from strata.executor.pack import PackStore, unit_host_tensors
@@ -306,6 +307,19 @@ class WeightStore:
                 read["io_wait_s"] += streamer.io_wait_s
         return read
 
+    def read_method(self) -> dict[str, str | None]:
+        """How streamed units are read from the packed store now: ``read_method`` ``direct``
+        (``O_DIRECT``/``F_NOCACHE``) or ``buffered`` (the filesystem refused direct I/O, at open
+        or on a later read: ``executor.direct_io.UncachedFile``), and ``read_method_detail``, the
+        method in words with the reason; both None when no unit streams. Where the pool and the
+        expert cache read differently, the buffered one is reported. A streamed embedding's rows
+        are read buffered either way (single rows, far below the direct-I/O block)."""
+        files = [s.arena.file for s in (self.pool, self.experts_cache) if s is not None]
+        if not files:
+            return {"read_method": None, "read_method_detail": None}
+        f = min(files, key=lambda f: f.direct)  # a buffered one first
+        return {"read_method": f.read_method, "read_method_detail": f.method}
+
     def close(self) -> None:
         """Stop streaming threads and close files."""
         if self.pool is not None:
@@ -397,20 +411,29 @@ class WeightStore:
         return embedding(mx.arange(len(idx)), self._to_device(host), self.dtype)
 
     def _read_rows(self, name: str, unit: str, idx: np.ndarray) -> HostWeight:
-        """Rows of a streamed table read from the packed store (one pread per row and part)."""
+        """Rows of a streamed table read from the packed store (one read per row and part,
+        ``direct_io.pread_into``: short reads continued, ``EINTR`` retried).
+
+        Raises:
+            StrataError: the file ends inside a row (the pack file is damaged).
+        """
         packed = self._pack.units[unit]
         parts = {p.kind: p for p in packed.parts if p.tensor == name}
         arrays = {}
         for kind, p in parts.items():
             row_bytes = p.nbytes // p.shape[0]
-            buf = bytearray()
-            for r in idx:
+            buf = bytearray(row_bytes * len(idx))
+            mv = memoryview(buf)
+            for i, r in enumerate(idx):
                 off = packed.offset + p.offset + int(r) * row_bytes
-                data = os.pread(self._row_fd, row_bytes, off)
-                if len(data) != row_bytes:
-                    raise StrataError(f"short read of {name} row {r} from {self._pack.path}")
-                buf += data
-            arrays[kind] = np.frombuffer(bytes(buf), dtype=p.dtype).reshape(len(idx), *p.shape[1:])
+                got = pread_into(self._row_fd, mv[i * row_bytes : (i + 1) * row_bytes], off)
+                if got != row_bytes:
+                    raise StrataError(
+                        f"short read of {name} row {r} from the packed store {self._pack.path}: "
+                        f"the file ended after {got} of {row_bytes} bytes at offset {off}; the "
+                        "pack file is damaged — delete it to rebuild"
+                    )
+            arrays[kind] = np.frombuffer(buf, dtype=p.dtype).reshape(len(idx), *p.shape[1:])
         if "data" in arrays:
             return arrays["data"]
         bits, group = packed.bits[name]

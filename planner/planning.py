@@ -19,6 +19,7 @@ from strata.common.schemas import (
     RoutingRef,
 )
 from strata.common.sizes import format_size
+from strata.common.tensors import arch_rule
 from strata.common.yamlio import canonical_sha256, read_yaml
 from strata.planner.baseline import baseline_plan
 from strata.planner.costmodel import PinnedPlacement, tier_memory
@@ -68,7 +69,8 @@ def build_plan(
     same inputs give a byte-identical plan.
 
     Raises:
-        StrataError: bad model or profile, infeasible request (names the short tier), a solve
+        StrataError: bad model or profile, an architecture the executor cannot run (names the
+            supported ones), infeasible request (names the short tier), a solve
             that is not optimal; a draft model that does not fit or has another vocabulary,
             self-drafting with a streamed head (``planner.speculative``).
     """
@@ -78,6 +80,9 @@ def build_plan(
         if model is None:
             raise ValueError("build_plan needs a model spec or a description")
         desc, _ = describe(model)
+    # The executor runs only the architectures of strata.common.tensors: refuse others here,
+    # not after a plan (and a packed store) was made for them.
+    arch_rule(desc.architecture)
     if routing_profile is not None:
         desc = apply_routing_profile(desc, read_routing_profile(routing_profile))
     if request.context > desc.architecture.context_length:

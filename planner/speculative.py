@@ -64,6 +64,7 @@ from strata.common.schemas import (
     Speculative,
 )
 from strata.common.sizes import format_size
+from strata.common.tensors import arch_rule
 from strata.planner.costmodel import (
     PinnedPlacement,
     activation_bytes,
@@ -370,7 +371,18 @@ def _tokens(path: Path) -> list | None:
 @functools.lru_cache(maxsize=4)
 def _tokens_of(path: str, size: int, mtime_ns: int) -> list | None:
     # Opening a GGUF parses its whole tokenizer (seconds for a 49k-token BPE): once per file.
-    return open_gguf(path).field("tokenizer.ggml.tokens")
+    return _token_list(open_gguf(path))
+
+
+def _token_list(g) -> list | None:
+    """``tokenizer.ggml.tokens`` of an open GGUF when it is an array (None otherwise: no list
+    to compare, the sizes alone are checked).
+
+    Raises:
+        GGUFError: a token that is not UTF-8.
+    """
+    tokens = g.field("tokenizer.ggml.tokens")
+    return tokens if isinstance(tokens, list) else None
 
 
 def _check_vocabulary(
@@ -420,13 +432,15 @@ def load_draft_model(
         request: the target's request (its batch limits size the draft's KV cache).
 
     Raises:
-        StrataError: unknown model or malformed GGUF; a vocabulary other than the target's.
+        StrataError: unknown model or malformed GGUF; an architecture the executor cannot run; a
+            vocabulary other than the target's.
     """
     from strata.common.describe import describe
     from strata.planner.costmodel import batch_limits
 
     desc, g = describe(spec)
-    _check_vocabulary(spec, desc, g.field("tokenizer.ggml.tokens"), target)
+    arch_rule(desc.architecture)  # the draft model runs on the executor too
+    _check_vocabulary(spec, desc, _token_list(g), target)
     batch = batch_limits(request)
     return DraftModel(
         spec=spec,

@@ -52,7 +52,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import numpy as np
-from strata.common.errors import StrataError
+from strata.common.errors import GGUFError, StrataError
 
 if TYPE_CHECKING:
     from strata.common.gguf_file import GGUFFile
@@ -136,20 +136,29 @@ def file_successors(model: str | Path | GGUFFile) -> np.ndarray:
         int64 [layers - 1, n_expert], as :func:`successor_permutations`.
 
     Raises:
-        GGUFError: the file is missing or not a valid GGUF.
+        GGUFError: the file is missing or not a valid GGUF; a count or seed of the wrong type or
+            out of range.
         StrataError: not a GGUF with experts, or without the seed key (not written by synth.py).
     """
     from strata.common.gguf_file import GGUFFile, open_gguf
 
     g = model if isinstance(model, GGUFFile) else open_gguf(model)
-    path, get = g.path, g.field
-    arch = get("general.architecture")
-    n, layers, seed = get(f"{arch}.expert_count"), get(f"{arch}.block_count"), get(SEED_KEY)
+    from strata.common.gguf_values import MAX_BLOCKS, MAX_EXPERT_UNITS, MAX_EXPERTS, read_int
+
+    path, arch = g.path, g.architecture
+    n = read_int(g, f"{arch}.expert_count", 0, MAX_EXPERTS, 0)
+    layers = read_int(g, f"{arch}.block_count", 1, MAX_BLOCKS, None)
+    seed = read_int(g, SEED_KEY, 0, 2**64 - 1, None)
     if not n or layers is None:
         raise StrataError(f"{path}: not a mixture-of-experts model (no {arch}.expert_count)")
     if seed is None:
         raise StrataError(f"{path}: no {SEED_KEY}: not a synthetic model written by strata synth")
-    return successor_permutations(int(n), int(layers), int(seed))
+    if n * layers > MAX_EXPERT_UNITS:
+        raise GGUFError(
+            f"{path}: {n} experts x {layers} blocks is above the limit of {MAX_EXPERT_UNITS} "
+            "expert units; the file is damaged"
+        )
+    return successor_permutations(n, layers, seed)
 
 
 # --------------------------------------------------------------------------- statistics

@@ -121,12 +121,12 @@ def test_edited_request_refused(tmp_path):
 
 
 def test_unknown_architecture(tmp_path):
+    # Refused at plan time (issue 35: deepseek2 was planned as if the executor could run it).
+    from strata.common.errors import StrataError
+
     model = write_tiny_llama(tmp_path / "odd.gguf", arch="odd")
-    plan = make_plan_file(str(model), tmp_path / "p.yaml", context=256)  # planning works
-    assert_one_line_error(
-        cli("execute.py", "run", str(plan), "--prompt", "hi", ok=False),
-        "architecture 'odd' is not supported",
-    )
+    with pytest.raises(StrataError, match="architecture 'odd' is not supported by the executor"):
+        make_plan_file(str(model), tmp_path / "p.yaml", context=256)
 
 
 @pytest.mark.parametrize(

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import hmac
+import ipaddress
 import signal
 import socket
 import sys
@@ -33,7 +34,7 @@ from strata.common.errors import StrataError
 from strata.executor.server.access_log import AccessLog
 from strata.executor.server.generation import ServerState
 from strata.executor.server.metrics import ServerMetrics
-from strata.executor.server.protocol import APIError
+from strata.executor.server.protocol import APIError, ServerLimits
 from strata.executor.server.routes import (
     chat_completions,
     completions,
@@ -50,6 +51,22 @@ if TYPE_CHECKING:
 
 GRACEFUL_SHUTDOWN_S = 5
 """Seconds running requests get to finish after Ctrl-C / SIGTERM before they are aborted."""
+
+MAX_HEADER_BYTES = 64 * 2**10
+"""Largest request head (request line and headers) read, in bytes; a larger one gets 431 and
+the connection is closed. Real heads are well under 8 KiB (nginx refuses lines over 8 KiB,
+Node.js heads over 16 KiB); without a cap a client could send one header of gigabytes."""
+
+MAX_HEADERS = 100
+"""Most header fields in a request (Apache's LimitRequestFields default); more get 431."""
+
+KEEP_ALIVE_S = 5.0
+"""Seconds an idle keep-alive connection stays open after a response (uvicorn's default)."""
+
+DEFAULT_MAX_CONNECTIONS = 512
+"""Default of ``serve --max-connections``: open connections (and requests in progress) past which
+a new request gets 503 at once. Above the default batch plus ``DEFAULT_MAX_WAITING`` (256), and
+well under the usual limit of 1024 open files per process."""
 
 ENDPOINTS = (
     "/v1/chat/completions",
@@ -126,12 +143,15 @@ class _Gate:
             self.metrics.requests[(endpoint, status)] += 1
 
     def _authorized(self, scope: Scope) -> bool:
+        # Compared as bytes: the header's raw bytes against the key's UTF-8, so that a
+        # non-ASCII key sent as UTF-8 (as clients send it) matches; decoding the header as
+        # Latin-1 and encoding it again as UTF-8 never would.
         assert self.api_key is not None
         for key, value in scope["headers"]:
             if key == b"authorization":
-                scheme, _, token = value.decode("latin-1").partition(" ")
-                return scheme.lower() == "bearer" and hmac.compare_digest(
-                    token.strip().encode(), self.api_key.encode()
+                scheme, _, token = value.partition(b" ")
+                return scheme.lower() == b"bearer" and hmac.compare_digest(
+                    token.strip(b" \t"), self.api_key.encode()
                 )
         return False
 
@@ -142,6 +162,7 @@ def create_app(
     api_key: str | None = None,
     chat_template: ChatTemplate | None = None,
     access_log: bool = True,
+    limits: ServerLimits | None = None,
 ) -> Starlette:
     """The ASGI application over a started ``ServingEngine``.
 
@@ -154,6 +175,7 @@ def create_app(
             built-in for a GGUF without one).
         access_log: write one line per request on stderr (``server.access_log``); False:
             none (``serve --quiet``).
+        limits: the waiting-queue limit and body read timeout (default: ``ServerLimits()``).
     """
     server_metrics = ServerMetrics()
     app = Starlette(
@@ -177,7 +199,12 @@ def create_app(
         },
     )
     app.state.strata = ServerState(
-        engine, model_name, server_metrics, int(time.time()), chat_template=chat_template
+        engine,
+        model_name,
+        server_metrics,
+        int(time.time()),
+        chat_template=chat_template,
+        limits=limits or ServerLimits(),
     )
     return app
 
@@ -210,7 +237,118 @@ def bind_socket(host: str, port: int) -> socket.socket:
     return sock
 
 
-def _uvicorn_server(app: Starlette, ready: Callable[[], None]):
+def _refusal(status: int, reason: str, message: str) -> bytes:
+    """A whole HTTP response that closes the connection, with an OpenAI error object."""
+    body = APIError(status, message).response().body
+    return (
+        f"HTTP/1.1 {status} {reason}\r\ncontent-type: application/json\r\n"
+        f"content-length: {len(body)}\r\nconnection: close\r\n\r\n"
+    ).encode() + body
+
+
+def _guarded_protocol(read_timeout_s: float) -> type:
+    """uvicorn's httptools protocol with the limits uvicorn lacks: a request head (request line
+    and headers) of at most ``MAX_HEADER_BYTES`` and ``MAX_HEADERS`` fields (else 431), sent
+    within ``read_timeout_s`` seconds of the connection opening or of the last response
+    (else 408; a connection that sent nothing is just closed). Each check closes the connection.
+    Bytes are counted as they arrive, so at most one read (256 KiB) past the cap is buffered."""
+    from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+
+    class GuardedHttpTools(HttpToolsProtocol):
+        def connection_made(self, transport) -> None:  # type: ignore[override]
+            super().connection_made(transport)
+            self._await_head()
+
+        def _await_head(self) -> None:
+            self._in_head, self._head_bytes, self._head_fields = True, 0, 0
+            self._refused = False
+            self._head_timer = self.loop.call_later(read_timeout_s, self._head_timeout)
+
+        def _refuse(self, status: int, reason: str, message: str) -> None:
+            self._in_head, self._refused = False, True
+            self._head_timer.cancel()
+            if not self.transport.is_closing():
+                self.transport.write(_refusal(status, reason, message))
+                self.transport.close()
+
+        def _head_timeout(self) -> None:
+            if not self._in_head or self.transport.is_closing():
+                return
+            if self.cycle is not None and not self.cycle.response_complete:
+                return  # a pipelined request is being answered: not waiting on the client
+            if self._head_bytes == 0:
+                self.transport.close()  # idle: nothing to answer
+                return
+            self._refuse(
+                408,
+                "Request Timeout",
+                f"the request head did not arrive within {read_timeout_s:g} s; send it whole",
+            )
+
+        def data_received(self, data: bytes) -> None:
+            if self._refused:
+                return
+            if self._in_head:
+                self._head_bytes += len(data)
+            super().data_received(data)
+            if not self._in_head or self.transport.is_closing():
+                return
+            if self._head_bytes > MAX_HEADER_BYTES:
+                self._refuse(
+                    431,
+                    "Request Header Fields Too Large",
+                    f"the request head is over {MAX_HEADER_BYTES >> 10} KiB; send shorter headers",
+                )
+
+        def on_header(self, name: bytes, value: bytes) -> None:
+            self._head_fields += 1
+            if self._head_fields > MAX_HEADERS and not self._refused:
+                self._refuse(
+                    431,
+                    "Request Header Fields Too Large",
+                    f"the request has over {MAX_HEADERS} header fields; send fewer",
+                )
+            if not self._refused:
+                super().on_header(name, value)
+
+        def on_headers_complete(self) -> None:
+            self._in_head = False
+            self._head_timer.cancel()
+            if not self._refused:  # else the rest of what was read is parsed and dropped
+                super().on_headers_complete()
+
+        def on_body(self, body: bytes) -> None:
+            if not self._refused:
+                super().on_body(body)
+
+        def on_message_complete(self) -> None:
+            if not self._refused:
+                super().on_message_complete()
+
+        def on_response_complete(self) -> None:
+            super().on_response_complete()
+            if not self.transport.is_closing():
+                self._await_head()
+
+        def connection_lost(self, exc: Exception | None) -> None:
+            self._head_timer.cancel()
+            super().connection_lost(exc)
+
+    return GuardedHttpTools
+
+
+def _loopback(sock: socket.socket) -> bool:
+    """Whether ``sock`` is bound to a loopback address (127.0.0.0/8, ::1)."""
+    address = sock.getsockname()[0]
+    try:
+        return ipaddress.ip_address(address.split("%")[0]).is_loopback
+    except ValueError:
+        return False
+
+
+def _uvicorn_server(
+    app: Starlette, ready: Callable[[], None], max_connections: int = DEFAULT_MAX_CONNECTIONS
+):
     from types import FrameType
 
     import uvicorn
@@ -259,12 +397,20 @@ def _uvicorn_server(app: Starlette, ready: Callable[[], None]):
                 for sig, handler in original.items():
                     signal.signal(sig, handler)
 
+    try:
+        http: object = _guarded_protocol(state.limits.read_timeout_s)
+    except ImportError:  # no httptools: h11 caps the head's size, it has no head timeout
+        http = "h11"
     config = uvicorn.Config(
         app,
         log_level="warning",
         access_log=False,  # ours, with tokens and times: server.access_log
         lifespan="off",
         timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
+        http=http,  # type: ignore[arg-type]
+        h11_max_incomplete_event_size=MAX_HEADER_BYTES,
+        timeout_keep_alive=KEEP_ALIVE_S,  # type: ignore[arg-type]
+        limit_concurrency=max_connections,
     )
     return Server(config)
 
@@ -287,6 +433,8 @@ def serve(
     check: Callable[[], str | Path] | None = None,
     chat_template: ChatTemplate | None = None,
     access_log: bool = True,
+    limits: ServerLimits | None = None,
+    max_connections: int = DEFAULT_MAX_CONNECTIONS,
 ) -> None:
     """Load a plan and serve it until Ctrl-C or SIGTERM (``strata serve``).
 
@@ -297,17 +445,28 @@ def serve(
     plan is planned, ``strata check``'s question asked): the plan file to load;
     ``chat_template``: the chat completions' template in place of the GGUF's (``--chat-template``;
     None: the GGUF's, else the built-in one for its architecture, said on stderr);
-    ``access_log``: one line per request on stderr (False: ``--quiet``).
+    ``access_log``: one line per request on stderr (False: ``--quiet``); ``limits``: the
+    waiting-queue limit and read timeout (``--max-waiting``, ``--read-timeout``);
+    ``max_connections``: open connections past which requests get 503 (``--max-connections``).
+    Warns on stderr when the address is not a loopback one and no API key is set.
 
     Raises:
         StrataError: the address cannot be used, or the plan cannot be loaded.
     """
-    from strata.executor.chat import chat_template_for
+    from strata.executor.chat import chat_template_for, start_render_worker
     from strata.executor.engine import Engine
     from strata.executor.plan_loader import load_plan
     from strata.executor.serving import ServingEngine
 
     sock = bind_socket(host, port)  # before loading: a busy port fails in a second, not after
+    if api_key is None and not _loopback(sock):
+        print(
+            f"warning: serving on {host} without an API key: anyone who can reach this address "
+            "can use the model; set --api-key-file FILE (or $STRATA_API_KEY), or serve on "
+            "127.0.0.1",
+            file=sys.stderr,
+            flush=True,
+        )
     try:
         if check is not None:
             plan_path = check()
@@ -330,12 +489,13 @@ def serve(
                     chat_template = template
                 bound = sock.getsockname()[1]
                 shown = f"[{host}]" if ":" in host else host
-                app = create_app(serving, name, api_key, chat_template, access_log)
+                app = create_app(serving, name, api_key, chat_template, access_log, limits)
+                start_render_worker()  # the first chat pays no start-up
 
                 def ready() -> None:
                     print(f"serving {name} on http://{shown}:{bound}", file=sys.stderr, flush=True)
 
-                _uvicorn_server(app, ready).run(sockets=[sock])
+                _uvicorn_server(app, ready, max_connections).run(sockets=[sock])
             finally:
                 serving.close()
                 print("stopped", file=sys.stderr, flush=True)

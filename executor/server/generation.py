@@ -12,7 +12,10 @@ Back-pressure. The engine thread never blocks on HTTP: a slow reader only makes 
 grow, and that queue is bounded by the request's ``max_tokens``. When several events are queued
 the response drains them all and writes one chunk, so a slow client gets fewer, larger chunks
 instead of holding up the batch; the socket writes themselves wait on uvicorn's flow control.
-Requests beyond the batch limits wait in the scheduler (first come, first served).
+Requests beyond the batch limits wait in the scheduler (first come, first served), at most
+``ServerLimits.max_waiting`` of them (``serve --max-waiting``): past that a request gets 429 with
+``Retry-After`` at once rather than an unbounded wait; a waiting stream gets SSE comments
+(``streaming.QUEUED_COMMENT``) until its first token, so that clients and proxies see it alive.
 
 Disconnects. Each generating request has a watcher task on the ASGI ``receive`` channel; when
 the client goes away (``http.disconnect``) it wakes the request's queue, which then aborts the
@@ -39,7 +42,7 @@ from starlette.types import Receive
 from strata.common.errors import StrataError
 from strata.executor.sampling import SamplingParams
 from strata.executor.server.metrics import ServerMetrics
-from strata.executor.server.protocol import APIError, engine_error
+from strata.executor.server.protocol import APIError, ServerLimits, engine_error
 from strata.executor.server.stop import StopMatcher
 from strata.executor.serving import GenerationRequest, TokenEvent, TokenLogprob
 
@@ -127,6 +130,7 @@ class Generation:
         if self.state.closing:
             self.finished = True
             raise APIError(503, "the server is shutting down; retry elsewhere", "server_error")
+        self.state.check_queue()
         mailbox = self.state.mailbox(asyncio.get_running_loop())
         put = self._queue.put_nowait
 
@@ -289,6 +293,10 @@ class _Mailbox:
             put(item)
 
 
+RETRY_AFTER_S = 1
+"""``Retry-After`` of a 429 (seconds): requests finish in seconds, so a place opens soon."""
+
+
 @dataclass
 class ServerState:
     """What the handlers share.
@@ -300,6 +308,7 @@ class ServerState:
         created: when the server started (Unix seconds), for ``/v1/models``.
         live: the generations submitted and not closed yet.
         closing: the server is shutting down (new generations get 503).
+        limits: what one client may take (``serve``'s options).
         chat_template: the template of chat completions (``serve --chat-template``, or a
             built-in for a GGUF without one); None: the GGUF's.
     """
@@ -311,7 +320,30 @@ class ServerState:
     live: set[Generation] = field(default_factory=set)
     chat_template: ChatTemplate | None = None
     closing: bool = False
+    limits: ServerLimits = field(default_factory=ServerLimits)
     _mailbox: _Mailbox | None = None
+
+    def check_queue(self) -> None:
+        """Refuse a new generation when ``limits.max_waiting`` already wait beyond the plan's
+        ``max_num_seqs`` running ones (every live generation is running or waiting).
+
+        Raises:
+            APIError: 429 with ``Retry-After``.
+        """
+        batch = getattr(self.engine, "batch", None)  # a stand-in engine in tests may have none
+        if batch is None:
+            return
+        waiting = len(self.live) - batch.max_num_seqs
+        if waiting >= self.limits.max_waiting:
+            raise APIError(
+                429,
+                f"the server is busy: {batch.max_num_seqs} requests running and "
+                f"{max(waiting, 0)} waiting (serve --max-waiting {self.limits.max_waiting}); "
+                f"retry after {RETRY_AFTER_S} s",
+                "server_error",
+                code="too_many_requests",
+                headers={"Retry-After": str(RETRY_AFTER_S)},
+            )
 
     def mailbox(self, loop: asyncio.AbstractEventLoop) -> _Mailbox:
         """The hand-off of engine events to ``loop`` (made on first use, one per server)."""

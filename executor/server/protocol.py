@@ -8,7 +8,9 @@ The shapes are OpenAI's, so the official clients work unchanged; ``top_k``, ``ig
 
 from __future__ import annotations
 
+import asyncio
 import secrets
+from dataclasses import dataclass
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
@@ -22,6 +24,19 @@ COMPLETION_DEFAULT_MAX_TOKENS = 16
 
 MAX_BODY_BYTES = 16 * 2**20
 """Largest request body read (a prompt the size of any plan's context is far smaller)."""
+
+BODY_READ_TIMEOUT_S = 30.0
+"""Default seconds a client may take to send its request head, and between two pieces of its
+body (``serve --read-timeout``): past it the request gets 408 and the connection is closed. Any
+client on a working network sends a piece far sooner; a client that announces a body and
+trickles it, or stops, would otherwise hold its connection (and its memory) for ever."""
+
+DEFAULT_MAX_WAITING = 256
+"""Default of ``serve --max-waiting``: requests that may wait for a place in the batch (beyond
+the plan's ``max_num_seqs`` running ones) before new ones get 429. vLLM and llama.cpp's server
+queue without a limit; TGI refuses past 128 concurrent requests. 256 keeps a burst of a few
+hundred clients served (each waiting request holds only a connection and its prompt's ids)
+while a flood cannot grow the queue, and the time to a first token, without bound."""
 
 MAX_STOP_STRINGS = 4
 """Most stop strings a request may give (OpenAI's API reference: "Up to 4 sequences")."""
@@ -45,6 +60,7 @@ class APIError(Exception):
         type: str = "invalid_request_error",
         param: str | None = None,
         code: str | None = None,
+        headers: dict[str, str] | None = None,
     ):
         super().__init__(message)
         self.status, self.message, self.type, self.param, self.code = (
@@ -54,6 +70,7 @@ class APIError(Exception):
             param,
             code,
         )
+        self.headers = headers
 
     def body(self) -> dict:
         """The ``{"error": {...}}`` object."""
@@ -67,8 +84,25 @@ class APIError(Exception):
         }
 
     def response(self, headers: dict[str, str] | None = None) -> JSONResponse:
-        """The error as a JSON response."""
-        return JSONResponse(self.body(), status_code=self.status, headers=headers)
+        """The error as a JSON response (with the error's own headers, e.g. ``Retry-After``,
+        and ``headers``)."""
+        merged = {**(self.headers or {}), **(headers or {})}
+        return JSONResponse(self.body(), status_code=self.status, headers=merged or None)
+
+
+@dataclass(frozen=True)
+class ServerLimits:
+    """What one client may take of the server (``serve``'s options; docs/serving.md, "Limits").
+
+    Attributes:
+        max_waiting: requests that may wait for a place in the batch beyond the plan's
+            ``max_num_seqs`` running ones; more get 429 with ``Retry-After``.
+        read_timeout_s: seconds a client may take to send its request head, and between two
+            pieces of its body (408, connection closed).
+    """
+
+    max_waiting: int = DEFAULT_MAX_WAITING
+    read_timeout_s: float = BODY_READ_TIMEOUT_S
 
 
 def engine_error(message: str) -> APIError:
@@ -95,6 +129,9 @@ class _Sampling(_Body):
 
     model: str | None = Field(default=None, description="left out: the served model (as vLLM)")
     max_tokens: int | None = Field(default=None, ge=1)
+    max_completion_tokens: int | None = Field(
+        default=None, ge=1, description="OpenAI's newer name of max_tokens; wins when both given"
+    )
     temperature: float | None = Field(default=None, ge=0, allow_inf_nan=False)
     top_p: float | None = Field(default=None, gt=0, le=1, allow_inf_nan=False)
     top_k: int | None = Field(default=None, ge=-1, description="extension; 0 or -1 = all tokens")
@@ -174,6 +211,14 @@ class _Sampling(_Body):
         """The stop strings as a list (none empty: the validator refuses those)."""
         return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
 
+    def max_new_tokens(self) -> tuple[int | None, str]:
+        """The token limit asked for and the field that gave it: ``max_completion_tokens``
+        when given (OpenAI's newer name; it wins over ``max_tokens``, as in OpenAI's API and
+        vLLM), else ``max_tokens``; None: the endpoint's default."""
+        if self.max_completion_tokens is not None:
+            return self.max_completion_tokens, "max_completion_tokens"
+        return self.max_tokens, "max_tokens"
+
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
 
@@ -228,7 +273,6 @@ class ChatCompletionRequest(_Sampling):
     """``POST /v1/chat/completions``."""
 
     messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: int | None = Field(default=None, ge=1)
     logprobs: bool | None = None
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
     tools: list[Any] | None = None
@@ -255,11 +299,6 @@ class ChatCompletionRequest(_Sampling):
 
     def logprobs_count(self) -> int | None:
         return (self.top_logprobs or 0) if self.logprobs else None
-
-    def max_new_tokens(self) -> int | None:
-        if self.max_completion_tokens is not None:
-            return self.max_completion_tokens
-        return self.max_tokens
 
 
 class CompletionRequest(_Sampling):
@@ -357,22 +396,43 @@ def _is_type_name(part: object) -> bool:
     )
 
 
-async def parse_body(request: Request, schema: type[_Body]) -> Any:
-    """The request's body read (at most ``MAX_BODY_BYTES``) and validated as ``schema``.
+def _too_large() -> APIError:
+    return APIError(
+        413,
+        f"the request body is over {MAX_BODY_BYTES // 2**20} MiB; send a shorter one",
+        headers={"Connection": "close"},  # the rest of the body is not read
+    )
+
+
+async def parse_body(request: Request, schema: type[_Body], timeout: float) -> Any:
+    """The request's body read (at most ``MAX_BODY_BYTES``, each piece within ``timeout``
+    seconds of the last) and validated as ``schema``.
 
     Raises:
         APIError: 400 naming the field at fault (or the JSON error), 413 for a body over the
-            limit, 499 when the client left before its body was read.
+            limit (at once when ``Content-Length`` announces it), 408 when the client stops
+            sending its body for ``timeout`` seconds, 499 when the client left before its body
+            was read. 413 and 408 close the connection.
     """
+    announced = request.headers.get("content-length", "")
+    if announced.isdigit() and int(announced) > MAX_BODY_BYTES:
+        raise _too_large()
     body = bytearray()
+    loop = asyncio.get_running_loop()
     try:
-        async for chunk in request.stream():
-            body += chunk
-            if len(body) > MAX_BODY_BYTES:
-                raise APIError(
-                    413,
-                    f"the request body is over {MAX_BODY_BYTES // 2**20} MiB; send a shorter one",
-                )
+        async with asyncio.timeout(timeout) as deadline:
+            async for chunk in request.stream():
+                body += chunk
+                if len(body) > MAX_BODY_BYTES:
+                    raise _too_large()
+                deadline.reschedule(loop.time() + timeout)
+    except TimeoutError:
+        raise APIError(
+            408,
+            f"the request body stopped arriving for {timeout:g} s "
+            f"({len(body)} bytes read); send it whole",
+            headers={"Connection": "close"},
+        ) from None
     except ClientDisconnect:
         # Gone before its body was read (uvicorn also reports this once a client hangs up
         # before the handler reads a body it had received): 499, as in streaming.collect, not a 500

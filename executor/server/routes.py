@@ -89,12 +89,10 @@ async def _start(
     state: ServerState,
     body: ChatCompletionRequest | CompletionRequest,
     prompt_ids: list[int],
-    asked: int | None,
     default: int | None,
     prompt_param: str,
 ) -> Generation:
-    completion = getattr(body, "max_completion_tokens", None) is not None
-    asked_param = "max_completion_tokens" if completion else "max_tokens"
+    asked, asked_param = body.max_new_tokens()
     max_tokens = _max_tokens(state, len(prompt_ids), asked, default, prompt_param, asked_param)
     prefix = "chatcmpl" if isinstance(body, ChatCompletionRequest) else "cmpl"
     gen = Generation(
@@ -114,7 +112,9 @@ async def _start(
 async def chat_completions(request: Request) -> Response:
     """``POST /v1/chat/completions``."""
     state = _state(request)
-    body: ChatCompletionRequest = await parse_body(request, ChatCompletionRequest)
+    body: ChatCompletionRequest = await parse_body(
+        request, ChatCompletionRequest, state.limits.read_timeout_s
+    )
     body.check_unsupported()
     _check_model(state, body.model)
     tok = state.engine.tokenizer
@@ -126,15 +126,18 @@ async def chat_completions(request: Request) -> Response:
             "use /v1/completions with a prompt instead",
             param="messages",
         )
-    template = None if state.chat_template is None else state.chat_template.text
+    given = state.chat_template
+    template = None if given is None else given.text
+    name = "the GGUF's chat template" if given is None else given.name
     messages = [m.for_template() for m in body.messages]
-    # the template's text per message counts too: many tiny messages are a long render
-    chars = sum(len(str(m.get("content") or "")) + 64 for m in messages)
+    state.check_queue()  # before the render: a refused request costs nothing
     try:
-        ids = await _tokenize(chars, messages_to_ids, tok, messages, template)
+        # Always in a worker thread: the render waits on the render worker process (up to
+        # chat.RENDER_TIMEOUT_S for a template that loops), which the loop must not.
+        ids = await run_in_threadpool(messages_to_ids, tok, messages, template, True, name)
     except StrataError as e:  # ChatError, or a TokenizerError
         raise APIError(400, str(e), param="messages") from None
-    gen = await _start(state, body, ids, body.max_new_tokens(), None, "messages")
+    gen = await _start(state, body, ids, None, "messages")
     created = int(time.time())
     head = {
         "id": gen.request_id,
@@ -186,11 +189,11 @@ async def _chat_chunks(
 
 
 INLINE_TOKENIZE_CHARS = 16_384
-"""Prompts (or chats' message contents) of at most this many characters are tokenized on the
-event loop; longer ones in a worker thread, so that the loop keeps serving the other streams. A
-worker-thread round trip costs a prefix-cache hit's TTFT about what encoding 500 tokens does; 16 K
-characters, about 4,000 tokens, keep the loop's pause to a few ms (measured: docs/kernels.md,
-"Host costs around the pass")."""
+"""Completion prompts of at most this many characters are tokenized on the event loop (chats
+always go to a worker thread: their render waits on the render worker); longer ones in a worker
+thread, so that the loop keeps serving the other streams. A worker-thread round trip costs a
+prefix-cache hit's TTFT about what encoding 500 tokens does; 16 K characters, about 4,000 tokens,
+keep the loop's pause to a few ms (measured: docs/kernels.md, "Host costs around the pass")."""
 
 
 async def _tokenize(chars: int, fn: Callable[..., list[int]], *args: Any) -> list[int]:
@@ -204,7 +207,9 @@ async def _tokenize(chars: int, fn: Callable[..., list[int]], *args: Any) -> lis
 async def completions(request: Request) -> Response:
     """``POST /v1/completions``."""
     state = _state(request)
-    body: CompletionRequest = await parse_body(request, CompletionRequest)
+    body: CompletionRequest = await parse_body(
+        request, CompletionRequest, state.limits.read_timeout_s
+    )
     body.check_unsupported()
     _check_model(state, body.model)
     prompt = body.single_prompt()
@@ -226,7 +231,7 @@ async def completions(request: Request) -> Response:
                 param="prompt",
             )
         ids = list(prompt)
-    gen = await _start(state, body, ids, body.max_tokens, COMPLETION_DEFAULT_MAX_TOKENS, "prompt")
+    gen = await _start(state, body, ids, COMPLETION_DEFAULT_MAX_TOKENS, "prompt")
     head = {
         "id": gen.request_id,
         "object": "text_completion",

@@ -5,6 +5,7 @@ generation in the engine when the client goes away or the response ends any othe
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 from collections.abc import AsyncIterator
 
@@ -15,6 +16,14 @@ from strata.executor.server import access_log
 from strata.executor.server.generation import Disconnected, Generation
 from strata.executor.server.protocol import APIError
 from strata.executor.serving import TokenLogprob
+
+QUEUED_COMMENT = b": queued\n\n"
+"""An SSE comment (clients ignore it) sent to a stream waiting for its first token."""
+
+QUEUED_COMMENT_S = 3.0
+"""Seconds between ``QUEUED_COMMENT``s while a stream waits for its first token: clients and
+proxies commonly drop a connection silent for 30-60 s; a few seconds also tells a watching user
+the request is queued, not lost."""
 
 
 class EventStream(Response):
@@ -40,7 +49,7 @@ class EventStream(Response):
         try:
             await send({"type": "http.response.start", "status": 200, "headers": self.raw_headers})
             try:
-                async for chunk in self.chunks:
+                async for chunk in self._with_comments(send):
                     await send(
                         {"type": "http.response.body", "body": _sse(chunk), "more_body": True}
                     )
@@ -61,6 +70,30 @@ class EventStream(Response):
             aclose = getattr(self.chunks, "aclose", None)
             if aclose is not None:
                 await aclose()
+
+    async def _with_comments(self, send: Send) -> AsyncIterator[dict]:
+        """``self.chunks``, sending ``QUEUED_COMMENT`` every ``QUEUED_COMMENT_S`` seconds that
+        none comes while the generation has no token yet."""
+        chunks = aiter(self.chunks)
+        while self.generation.first_token_at is None:  # a task per chunk only until then
+            step = asyncio.ensure_future(anext(chunks))
+            try:
+                while not (await asyncio.wait({step}, timeout=QUEUED_COMMENT_S))[0]:
+                    if self.generation.first_token_at is None:
+                        comment = {"type": "http.response.body", "body": QUEUED_COMMENT}
+                        await send({**comment, "more_body": True})
+            finally:
+                if not step.done():
+                    step.cancel()
+                    with contextlib.suppress(BaseException):
+                        await step
+            try:
+                chunk = step.result()
+            except StopAsyncIteration:
+                return
+            yield chunk
+        async for chunk in chunks:
+            yield chunk
 
 
 def _sse(obj: dict) -> bytes:

@@ -183,17 +183,23 @@ def test_short_file_is_a_clear_error(tmp_path: Path):
         prof.read_sequential(f, 4 * 65536, block_bytes=65536, queue_depth=1)
 
 
-def test_short_preadv_is_a_clear_error(tmp_path: Path, monkeypatch):
+def test_a_short_preadv_is_continued(tmp_path: Path, monkeypatch):
+    """Direct I/O may legally return fewer bytes than asked: the disk test reads on from there
+    (``direct_io.pread_into``) and counts every byte once."""
     f = _write(tmp_path / "f.bin", 1 << 20)
     real = os.preadv
+    cut = []
 
     def short(fd, bufs, offset):
         n = real(fd, bufs, offset)
-        return n - 4096 if offset == 512 << 10 else n
+        if offset == 512 << 10 and not cut:
+            cut.append(offset)
+            return n - 4096
+        return n
 
     monkeypatch.setattr(os, "preadv", short)
-    with pytest.raises(StrataError, match=r"short read of .*f\.bin at byte 524288"):
-        prof.read_sequential(f, 1 << 20, block_bytes=256 << 10, queue_depth=2)
+    got = prof.read_sequential(f, 1 << 20, block_bytes=256 << 10, queue_depth=2)
+    assert cut and got.bytes_read == 1 << 20
 
 
 def test_bad_block_size_is_refused(tmp_path: Path):

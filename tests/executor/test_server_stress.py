@@ -143,7 +143,7 @@ async def _stream(
             out.how = "closed"
             return
         async for line in r.aiter_lines():
-            if not line:
+            if not line or line.startswith(":"):  # blank, or a queued stream's keep-alive
                 continue
             assert line.startswith("data: "), line
             data = line[6:]
