@@ -86,8 +86,14 @@ abandoned: no write of Strata's takes a day."""
 
 
 def owner_tag() -> str:
-    """``HOST~PID``: who writes a temporary file or folder (``sweep`` reads it back)."""
-    host = socket.gethostname().split(".")[0].replace("~", "-").replace(".", "-") or "host"
+    """``HOST~PID``: who writes a temporary file or folder (``sweep`` reads it back). HOST is
+    the full host name with its PID namespace where the system has one (containers that share a
+    host name have namespaces of their own), so that a PID is only ever read where it means
+    the same process."""
+    host = socket.gethostname() or "host"
+    with contextlib.suppress(OSError):
+        host += f"-ns{os.stat('/proc/self/ns/pid').st_ino}"
+    host = "".join(c if c.isalnum() or c == "-" else "-" for c in host)
     return f"{host}~{os.getpid()}"
 
 
@@ -102,8 +108,8 @@ def _alive(pid: int) -> bool:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
-    except PermissionError:  # another user's process: alive
-        return True
+    except (PermissionError, OverflowError, ValueError):  # another user's, or no such number:
+        return True  # never taken for a dead writer
     return True
 
 
@@ -122,7 +128,10 @@ def sweep(folder: Path) -> list[Path]:
         name = p.name
         if not (name.startswith(".") and name.endswith(PARTIAL)):
             continue
-        owner = next((part for part in name.split(".") if "~" in part), None)
+        # The owner is the part before the random one and the suffix (the target's own name
+        # may hold anything): ".NAME.OWNER.RANDOM.partial".
+        parts = name.split(".")
+        owner = parts[-3] if len(parts) >= 5 and "~" in parts[-3] else None
         if owner is not None:
             who, _, pid = owner.rpartition("~")
             if who != host or not pid.isdigit() or _alive(int(pid)):

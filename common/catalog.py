@@ -14,10 +14,12 @@ import ctypes
 import functools
 import hashlib
 import json
+import os
 import signal
 import subprocess
 import sys
 import zipfile
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -155,11 +157,26 @@ def file_sha256(path: Path, *, progress: bool = False) -> str:
     return known[key]
 
 
-def _die_with_parent() -> None:
-    """In a child, before it runs (Linux): SIGTERM when its parent dies, so that a fetch killed
-    outright leaves no pip behind (``prctl(PR_SET_PDEATHSIG)``)."""
-    with contextlib.suppress(OSError, AttributeError):
-        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG = 1
+def _libc_prctl():
+    """libc's ``prctl``, looked up in the parent (a child between fork and exec must not load
+    libraries); None where there is none."""
+    try:
+        return ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):
+        return None
+
+
+def _die_with(parent: int, prctl) -> Callable[[], None]:
+    """What a child runs between fork and exec (Linux): SIGTERM when its parent dies
+    (``prctl(PR_SET_PDEATHSIG)``), and an exit at once if the parent died before that, so that
+    a fetch killed outright leaves no pip behind."""
+
+    def child() -> None:
+        prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG = 1
+        if os.getppid() != parent:
+            os._exit(1)
+
+    return child
 
 
 def _pip_download(requirement: str, dest: Path) -> Path:
@@ -176,12 +193,13 @@ def _pip_download(requirement: str, dest: Path) -> Path:
         str(dest),
         requirement,
     ]
+    prctl = _libc_prctl() if sys.platform == "linux" else None
     done = subprocess.run(
         cmd,
         stdout=subprocess.DEVNULL,
         stderr=subprocess.PIPE,
         text=True,
-        preexec_fn=_die_with_parent if sys.platform == "linux" else None,
+        preexec_fn=None if prctl is None else _die_with(os.getpid(), prctl),
     )
     if done.returncode != 0:
         last = (done.stderr.strip().splitlines() or ["(no output)"])[-1]

@@ -165,9 +165,10 @@ def parse_doc(data: object, model: type[M], origin: str) -> M:
         raise SchemaError(f"{origin}: {msg}{more}") from None
 
 
-MAX_DOCUMENT_BYTES = 256 << 20
+MAX_DOCUMENT_BYTES = 32 << 20
 """Largest YAML document read: a plan of a model with tens of thousands of placement units and
-its embedded profile and costs is a few MiB; more is not a Strata document."""
+its embedded profile and costs is a few MiB; the pure-Python loader reads about 0.4 MB/s, so
+this also bounds the work (about a minute)."""
 
 MAX_DEPTH = 32
 """Deepest nesting of a YAML document read: Strata's schemas nest a handful of levels; without a

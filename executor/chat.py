@@ -19,10 +19,11 @@ use, a few hundred ms once, then a pipe round trip per render) with a wall-time 
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import os
-import select
+import selectors
 import subprocess
 import sys
 import threading
@@ -169,6 +170,11 @@ def compile_template(template: str) -> None:
         raise ChatError(
             f"the chat template is not valid Jinja (line {e.lineno}): {e.message}"
         ) from e
+    except (RecursionError, MemoryError):  # nested thousands deep: untrusted text all the same
+        raise ChatError(
+            "the chat template is nested too deeply to parse; fix the template or pass another "
+            "with --chat-template"
+        ) from None
 
 
 @functools.lru_cache(maxsize=8)
@@ -215,6 +221,18 @@ most ``MAX_RENDERED_CHARS`` characters (up to 4 bytes each in Python); past this
 a ``MemoryError`` (a 400), never the server's memory."""
 
 
+WORKER_START_S = 30.0
+"""Seconds the render worker may take to start (a Python process importing Jinja: about 0.1 s
+idle; far longer while a 2-core machine loads a model), apart from each render's budget."""
+
+MAX_REPLY_BYTES = 12 * MAX_RENDERED_CHARS + 1024
+"""Longest reply line read from the worker: the text as ASCII JSON, at most 6 bytes a
+character (``\\uXXXX``), with room for the rest of the object."""
+
+MAX_ERROR_CHARS = 300
+"""Longest error message of a render (a template's ``raise_exception`` text included)."""
+
+
 def render_chat(
     template: str,
     messages: list[dict],
@@ -253,13 +271,22 @@ def render_chat(
         "add_generation_prompt": add_generation_prompt,
     }
     try:
-        line = json.dumps(job, ensure_ascii=False)
+        json.dumps(job, ensure_ascii=False)
     except (TypeError, ValueError) as e:
         raise ChatError(f"the messages are not JSON values: {e}") from None
-    reply = _worker.render(line, name)
+    reply = _worker.render(job, name)
     if "error" in reply:
-        raise ChatError(reply["error"].replace("the chat template", name, 1))
+        raise ChatError(_one_line(reply["error"].replace("the chat template", name, 1)))
     return reply["text"]
+
+
+def _one_line(message: str) -> str:
+    """An error message on one line of at most ``MAX_ERROR_CHARS`` characters (a template's own
+    ``raise_exception`` text, or Python's, may hold anything)."""
+    text = " ".join(message.split())
+    if len(text) > MAX_ERROR_CHARS:
+        text = text[: MAX_ERROR_CHARS - 1] + "…"
+    return text.encode("ascii", "backslashreplace").decode() if not text.isprintable() else text
 
 
 def _render_here(job: dict) -> str:
@@ -278,7 +305,7 @@ def _render_here(job: dict) -> str:
     except jinja2.TemplateError as e:
         raise ChatError(f"the chat template failed: {e}") from e
     except MemoryError:
-        raise ChatError(
+        raise _OutOfMemory(
             f"the chat template needed over {RENDER_MEMORY_BYTES >> 20} MiB to render; "
             "fix the template or pass another with --chat-template"
         ) from None
@@ -294,6 +321,10 @@ def _render_here(job: dict) -> str:
     return text
 
 
+class _OutOfMemory(ChatError):
+    """A render ran out of its memory: the worker gives its memory back by starting afresh."""
+
+
 def _too_long(chars: int) -> str:
     return (
         f"the chat template rendered over {MAX_RENDERED_CHARS >> 20} Mi characters"
@@ -302,15 +333,19 @@ def _too_long(chars: int) -> str:
 
 
 class _RenderWorker:
-    """The process templates are rendered in (``python -m strata.executor.chat``), one JSON
-    line per job on its stdin, one per reply on its stdout; started on first use, restarted
-    after it is killed (a render over ``RENDER_TIMEOUT_S``) or exits (after a ``MemoryError``).
-    Renders are serialized (a lock): each takes milliseconds. The worker exits when its stdin
-    closes or its parent goes away."""
+    """The process templates are rendered in (``python -P -m strata.executor.chat``: the
+    current folder is not on its path), one JSON line per job on its stdin, one per reply on its
+    stdout, each reply carrying its job's number; started on first use (it says ``ready`` once
+    its imports are done, within ``WORKER_START_S``), restarted after it is killed (a render
+    over ``RENDER_TIMEOUT_S``, or any failure between a job and its reply: a late reply is never
+    read as the next job's) or exits (after a ``MemoryError``). Renders are serialized (a lock):
+    each takes milliseconds. The worker runs in a session of its own (a terminal's Ctrl-C is
+    the parent's to handle) and exits when its stdin closes or its parent goes away."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._proc: subprocess.Popen | None = None
+        self._jobs = 0
 
     def start(self) -> None:
         """Start the worker now (``serve`` does, so the first chat pays no start-up)."""
@@ -318,26 +353,69 @@ class _RenderWorker:
             self._ensure()
 
     def _ensure(self) -> subprocess.Popen:
+        """The running worker, started (and waited for) where there is none.
+
+        Raises:
+            ChatError: it did not start (said as such, not as the template's fault).
+        """
         if self._proc is None or self._proc.poll() is not None:
             self._proc = subprocess.Popen(
-                [sys.executable, "-m", "strata.executor.chat", "--render-worker"],
+                [sys.executable, "-P", "-m", "strata.executor.chat", "--render-worker"],
                 stdin=subprocess.PIPE,
                 stdout=subprocess.PIPE,
                 stderr=subprocess.DEVNULL,
                 close_fds=True,
+                start_new_session=True,
             )
+            try:
+                ready = self._read_line(time.monotonic() + WORKER_START_S)
+            except (OSError, TimeoutError):
+                ready = b""
+            if ready != b'"ready"\n':
+                self._kill()
+                raise ChatError(
+                    f"the chat template worker did not start within {WORKER_START_S:g} s "
+                    "(python -m strata.executor.chat); try again"
+                )
         return self._proc
 
     def _kill(self) -> None:
         if self._proc is not None:
-            self._proc.kill()
+            with contextlib.suppress(OSError):
+                self._proc.kill()
             self._proc.wait()
             for f in (self._proc.stdin, self._proc.stdout):
                 if f is not None:
-                    f.close()
+                    with contextlib.suppress(OSError):
+                        f.close()
             self._proc = None
 
-    def render(self, line: str, name: str) -> dict:
+    def _read_line(self, deadline: float) -> bytes:
+        """One line of the worker's stdout, by ``deadline`` (``time.monotonic``).
+
+        Raises:
+            TimeoutError: not by the deadline.
+            OSError: the worker closed its stdout (it exited).
+            ValueError: a line longer than any reply may be.
+        """
+        assert self._proc is not None and self._proc.stdout is not None
+        fd = self._proc.stdout.fileno()
+        out = bytearray()
+        with selectors.DefaultSelector() as sel:  # not select(): descriptors past 1024
+            sel.register(fd, selectors.EVENT_READ)
+            while not out.endswith(b"\n"):
+                left = deadline - time.monotonic()
+                if left <= 0 or not sel.select(left):
+                    raise TimeoutError
+                chunk = os.read(fd, 1 << 20)
+                if not chunk:
+                    raise BrokenPipeError("the render worker exited")
+                out += chunk
+                if len(out) > MAX_REPLY_BYTES:
+                    raise ValueError("reply too long")
+        return bytes(out)
+
+    def render(self, job: dict, name: str) -> dict:
         """The worker's reply to one job: ``{"text": ...}`` or ``{"error": ...}``.
 
         Raises:
@@ -345,39 +423,35 @@ class _RenderWorker:
         """
         with self._lock:
             proc = self._ensure()
-            deadline = time.monotonic() + RENDER_TIMEOUT_S
+            self._jobs += 1
+            number = self._jobs
             try:
-                assert proc.stdin is not None and proc.stdout is not None
+                line = json.dumps({**job, "job": number}, ensure_ascii=False)
+                assert proc.stdin is not None
                 proc.stdin.write(line.encode() + b"\n")
                 proc.stdin.flush()
-                out = bytearray()
-                fd = proc.stdout.fileno()
-                while not out.endswith(b"\n"):
-                    left = deadline - time.monotonic()
-                    if left <= 0 or not select.select([fd], [], [], left)[0]:
-                        self._kill()
-                        raise ChatError(
-                            f"{name} took over {RENDER_TIMEOUT_S:g} s to render (a loop without "
-                            "end?); fix the template or pass another with --chat-template"
-                        )
-                    chunk = os.read(fd, 1 << 20)
-                    if not chunk:
-                        raise BrokenPipeError("the render worker exited")
-                    out += chunk
-                    if len(out) > 4 * MAX_RENDERED_CHARS + 64:  # the worker caps it; be sure
-                        self._kill()
-                        raise ChatError(_too_long(0).replace("the chat template", name, 1))
+                out = self._read_line(time.monotonic() + RENDER_TIMEOUT_S)
+                reply = json.loads(out)
+                if not isinstance(reply, dict) or reply.get("job") != number:
+                    raise ValueError("a reply to another job")
+            except TimeoutError:
+                self._kill()
+                raise ChatError(
+                    f"{name} took over {RENDER_TIMEOUT_S:g} s to render (a loop without end?); "
+                    "fix the template or pass another with --chat-template"
+                ) from None
+            except ValueError:
+                self._kill()
+                raise ChatError(_too_long(0).replace("the chat template", name, 1)) from None
             except OSError:  # the worker died (a pipe closed under us)
                 self._kill()
                 raise ChatError(
                     f"{name} crashed the render worker; fix the template or pass another "
                     "with --chat-template"
                 ) from None
-            try:
-                reply = json.loads(out)
-            except ValueError:  # cannot happen short of a broken worker; never a traceback
+            except BaseException:  # Ctrl-C, MemoryError ...: its reply must not be the next's
                 self._kill()
-                raise ChatError(f"{name}: the render worker sent no valid reply") from None
+                raise
             if reply.get("restart"):  # the worker exits to give its memory back
                 self._kill()
             return reply
@@ -411,19 +485,25 @@ def _worker_main() -> None:
     except (ImportError, OSError, ValueError):
         pass  # no /proc (macOS) or no limit allowed: the time and size caps still hold
     stdin, stdout = sys.stdin.buffer, sys.stdout.buffer
+    stdout.write(b'"ready"\n')  # imports done: the parent's render budget starts now
+    stdout.flush()
     for raw in stdin:
         exit_after = False
+        job: dict = {}
         try:
-            reply = {"text": _render_here(json.loads(raw))}
+            job = json.loads(raw)
+            reply: dict = {"text": _render_here(job)}
+        except _OutOfMemory as e:
+            reply, exit_after = {"error": str(e)}, True  # give the memory back: start afresh
         except ChatError as e:
             reply = {"error": str(e)}
-            exit_after = "MiB to render" in str(e)  # give the memory back: start afresh
         except MemoryError:
             reply = {"error": f"the chat template needed over {RENDER_MEMORY_BYTES >> 20} MiB"}
             exit_after = True
+        reply["job"] = job.get("job") if isinstance(job, dict) else None
         if exit_after:
             reply["restart"] = True
-        stdout.write(json.dumps(reply, ensure_ascii=False).encode() + b"\n")
+        stdout.write(json.dumps(reply, ensure_ascii=True).encode() + b"\n")
         stdout.flush()
         if exit_after:
             return

@@ -137,7 +137,11 @@ class PackStore:
                 and meta.get("model_sha256") == sha256
                 and pack.stat().st_size == meta["size"]
             ):
-                return cls(pack, _units_from_json(meta["units"]))
+                units = _units_from_json(meta["units"])
+                _check_layout(units, meta["size"])
+                if set(units) != {u.name for u in desc.units}:
+                    raise ValueError("the manifest's units are not the model's")
+                return cls(pack, units)
         except (OSError, ValueError, KeyError, TypeError):
             pass
         return cls._build(g, desc, sha256, pack, manifest)
@@ -211,6 +215,27 @@ def _units_to_json(units: dict[str, PackedUnit]) -> list:
         }
         for u in units.values()
     ]
+
+
+def _check_layout(units: dict[str, PackedUnit], size: int) -> None:
+    """Refuse a manifest whose units do not tile the pack as ``_build`` lays them out: each at
+    an ``ALIGN``-aligned offset, a whole number of ``ALIGN`` blocks long, one after another
+    from byte 0 to the end, each part inside its unit. A moved or damaged entry would read
+    another unit's bytes (and an unaligned one is refused by direct I/O, whose fallback would
+    read them without a word).
+
+    Raises:
+        ValueError: the layout does not hold (the caller rebuilds the pack).
+    """
+    pos = 0
+    for u in sorted(units.values(), key=lambda u: u.offset):
+        if u.offset != pos or u.offset % ALIGN or u.nbytes % ALIGN or u.nbytes < 0:
+            raise ValueError(f"unit {u.name} is not where the pack's layout puts it")
+        if any(p.offset < 0 or p.offset + p.nbytes > u.nbytes for p in u.parts):
+            raise ValueError(f"a part of unit {u.name} lies outside it")
+        pos += u.nbytes
+    if pos != size:
+        raise ValueError("the units do not fill the pack")
 
 
 def _units_from_json(data: list) -> dict[str, PackedUnit]:

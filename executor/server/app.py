@@ -260,8 +260,11 @@ def _guarded_protocol(read_timeout_s: float) -> type:
             self._await_head()
 
         def _await_head(self) -> None:
+            old = getattr(self, "_head_timer", None)
+            if old is not None:
+                old.cancel()
             self._in_head, self._head_bytes, self._head_fields = True, 0, 0
-            self._refused = False
+            self._refused, self._body_pending = False, False
             self._head_timer = self.loop.call_later(read_timeout_s, self._head_timeout)
 
         def _refuse(self, status: int, reason: str, message: str) -> None:
@@ -311,8 +314,12 @@ def _guarded_protocol(read_timeout_s: float) -> type:
             if not self._refused:
                 super().on_header(name, value)
 
+        def on_message_begin(self) -> None:
+            self._head_fields = 0  # each pipelined request's fields are its own
+            super().on_message_begin()
+
         def on_headers_complete(self) -> None:
-            self._in_head = False
+            self._in_head, self._body_pending = False, True
             self._head_timer.cancel()
             if not self._refused:  # else the rest of what was read is parsed and dropped
                 super().on_headers_complete()
@@ -322,13 +329,18 @@ def _guarded_protocol(read_timeout_s: float) -> type:
                 super().on_body(body)
 
         def on_message_complete(self) -> None:
+            self._body_pending = False
             if not self._refused:
                 super().on_message_complete()
 
         def on_response_complete(self) -> None:
             super().on_response_complete()
-            if not self.transport.is_closing():
-                self._await_head()
+            if self.transport.is_closing():
+                return
+            if self._body_pending:  # answered before its body came (a 401, 404, 503): the
+                self.transport.close()  # rest of the body is not the next request's head
+                return
+            self._await_head()
 
         def connection_lost(self, exc: Exception | None) -> None:
             self._head_timer.cancel()

@@ -195,33 +195,50 @@ def test_rendering_budget_stops_hostile_templates() -> None:
     assert resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before < 100 * 1024  # KiB
 
 
-def test_rendering_in_the_worker_costs_about_a_millisecond() -> None:
-    """The worker's pipe round trip adds little to a real template's render (Gemma's, on a
-    100-message chat): the median render stays within 5 ms of rendering in-process."""
-    import statistics
-    import time
+def test_the_worker_renders_as_in_process_and_never_hands_a_reply_to_the_next_job(
+    monkeypatch,
+) -> None:
+    """The worker's text is the in-process render's; a render interrupted between its job and
+    its reply (Ctrl-C, an error) kills the worker, so the next render gets its own text, never
+    the interrupted one's (replies carry their job's number)."""
+    from strata.executor import chat
 
-    from strata.executor.chat import _render_here
-
-    chat = [MESSAGES[1], MESSAGES[2]] * 50
     job = {
         "template": GEMMA_TEMPLATE,
-        "messages": chat,
+        "messages": MESSAGES[1:],
         "bos_token": "<bos>",
         "eos_token": "<eos>",
         "add_generation_prompt": True,
     }
+    first = render_chat(GEMMA_TEMPLATE, MESSAGES[1:], "<bos>", "<eos>")
+    assert first == chat._render_here(job)
+    real = chat._RenderWorker._read_line
+    calls = []
 
-    def median(fn) -> float:
-        times = []
-        for _ in range(20):
-            t0 = time.perf_counter()
-            fn()
-            times.append(time.perf_counter() - t0)
-        return statistics.median(times)
+    def interrupted(self, deadline):
+        calls.append(1)
+        if len(calls) == 1:
+            raise KeyboardInterrupt  # after the job was written, before its reply was read
+        return real(self, deadline)
 
-    text = render_chat(GEMMA_TEMPLATE, chat, "<bos>", "<eos>")  # starts the worker
-    assert text == _render_here(job)
-    here = median(lambda: _render_here(job))
-    worker = median(lambda: render_chat(GEMMA_TEMPLATE, chat, "<bos>", "<eos>"))
-    assert worker < here + 0.005, (here, worker)
+    monkeypatch.setattr(chat._RenderWorker, "_read_line", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        render_chat(GEMMA_TEMPLATE, MESSAGES[1:], "<bos>", "<eos>")
+    other = [{"role": "user", "content": "Something else entirely"}]
+    assert render_chat(GEMMA_TEMPLATE, other, "<bos>", "<eos>") == chat._render_here(
+        {**job, "messages": other}
+    )
+
+
+def test_deep_nesting_and_huge_error_texts_are_one_short_line() -> None:
+    """A template nested thousands deep is refused when parsed (not a RecursionError), and a
+    template's own error text, however long or many-lined, is one line of bounded length."""
+    from strata.executor.chat import MAX_ERROR_CHARS
+
+    deep = "{% if 1 %}" * 3000 + "x" + "{% endif %}" * 3000
+    with pytest.raises(ChatError, match="nested too deeply"):
+        render_chat(deep, MESSAGES, "<bos>", "<eos>")
+    loud = "{{ raise_exception('x\\ny' * 300000) }}"
+    with pytest.raises(ChatError) as e:
+        render_chat(loud, MESSAGES, "<bos>", "<eos>")
+    assert "\n" not in str(e.value) and len(str(e.value)) <= MAX_ERROR_CHARS

@@ -274,6 +274,24 @@ def test_bodies_announced_and_not_sent(server):
     sock.close()
 
 
+def test_a_body_left_unread_after_an_early_answer_is_not_a_next_request(server):
+    """A request answered before its body came (a wrong key: 401) has its connection closed
+    after the answer: the 300 KiB of body that follow are never read as the next request's
+    head (which answered a second, stale 431 on the same connection)."""
+    sock = _connect(server)
+    body = b"{" + b"a" * (300 << 10)
+    sock.sendall(
+        b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        b"Authorization: Bearer wrong\r\nContent-Length: " + str(len(body)).encode() + b"\r\n\r\n"
+    )
+    with contextlib.suppress(OSError):  # the server may close while the body is sent
+        sock.sendall(body)
+    answer = _read_all(sock, 10)
+    sock.close()
+    assert answer.startswith(b"HTTP/1.1 401 "), answer[:200]
+    assert answer.count(b"HTTP/1.1 ") == 1, answer[:400]
+
+
 def test_connection_cap_answers_503_then_recovers(server):
     """Past --max-connections open connections a request gets 503 at once; once the idle ones
     are closed (the read timeout), requests are served again."""
