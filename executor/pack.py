@@ -8,14 +8,18 @@ tensors) contiguously, every part starting on a ``ALIGN``-byte boundary, units o
 One ``preadv`` then fills a slot with a whole unit, and each part is a view of the slot.
 
 Files: ``$STRATA_CACHE/packs/<model sha256[:16]>.v1.pack`` and a JSON manifest beside it, built on
-first use of a plan that streams. The manifest records the model sha256 and the pack format, and
-the pack's size is checked before use.
+first use of a plan that streams. The manifest records the model sha256, the pack format, each
+unit's CRC-32 and the pack file's size and modification time as built. Before use, the size and
+the layout are checked (``_check_layout``), and where the file's modification time is not the
+one recorded (it was written since: edited, copied, restored), every unit's CRC-32 is checked
+too, once, reading the pack through; a mismatch rebuilds it. An unchanged pack costs no reading.
 """
 
 from __future__ import annotations
 
 import json
 import sys
+import zlib
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -30,7 +34,7 @@ from strata.common.schemas import ModelDescription, UnitInfo
 from strata.executor.direct_io import ALIGN
 from tqdm import tqdm
 
-PACK_FORMAT = "strata-mlx-pack-v1"
+PACK_FORMAT = "strata-mlx-pack-v2"  # v2: units' CRC-32 and the file's size and mtime as built
 
 
 def _align(n: int) -> int:
@@ -141,6 +145,11 @@ class PackStore:
                 _check_layout(units, meta["size"])
                 if set(units) != {u.name for u in desc.units}:
                     raise ValueError("the manifest's units are not the model's")
+                if pack.stat().st_mtime_ns != meta["mtime_ns"]:
+                    _check_crcs(pack, units, meta["crc32"])  # written since it was built
+                    meta["mtime_ns"] = pack.stat().st_mtime_ns
+                    with replaced(manifest, "w") as f:  # checked: not again
+                        f.write(json.dumps(meta))
                 return cls(pack, units)
         except (OSError, ValueError, KeyError, TypeError):
             pass
@@ -152,6 +161,7 @@ class PackStore:
     ) -> PackStore:
         by_name = {t.name: t for t in g.tensor_infos}
         units: dict[str, PackedUnit] = {}
+        crcs: dict[str, int] = {}
         pos = 0
         try:
             # Written beside the pack under a name of its own and renamed into place: processes
@@ -168,7 +178,7 @@ class PackStore:
                 ) as bar,
             ):
                 for u in desc.units:
-                    parts, bits, start = [], {}, pos
+                    parts, bits, start, crc = [], {}, pos, 0
                     for name, host in unit_host_tensors(g, u, by_name):
                         if isinstance(host, PackedWeight):
                             bits[name] = (host.bits, host.group_size)
@@ -184,15 +194,20 @@ class PackStore:
                                     len(raw),
                                 )
                             )
+                            pad = b"\0" * (_align(len(raw)) - len(raw))
                             f.write(raw)
-                            f.write(b"\0" * (_align(len(raw)) - len(raw)))
+                            f.write(pad)
+                            crc = zlib.crc32(pad, zlib.crc32(raw, crc))
                             pos += _align(len(raw))
                             bar.update(len(raw))
                     units[u.name] = PackedUnit(u.name, start, pos - start, tuple(parts), bits)
+                    crcs[u.name] = crc
             meta = {
                 "format": PACK_FORMAT,
                 "model_sha256": sha256,
                 "size": pos,
+                "mtime_ns": pack.stat().st_mtime_ns,  # renamed into place: as built
+                "crc32": crcs,
                 "units": _units_to_json(units),
             }
             with replaced(manifest, "w") as f:
@@ -215,6 +230,34 @@ def _units_to_json(units: dict[str, PackedUnit]) -> list:
         }
         for u in units.values()
     ]
+
+
+CHECK_CHUNK = 16 << 20
+"""Bytes read at a time when a pack's CRCs are checked."""
+
+
+def _check_crcs(pack: Path, units: dict[str, PackedUnit], crcs: dict[str, int]) -> None:
+    """Check every unit's CRC-32 against the manifest's, reading the pack through (buffered:
+    once, when the file changed since it was built).
+
+    Raises:
+        ValueError: a unit's bytes are not the ones built (the caller rebuilds the pack).
+        OSError: the pack cannot be read.
+    """
+    print(
+        f"checking the packed store {pack.name} (changed since it was built) ...", file=sys.stderr
+    )
+    with open(pack, "rb") as f:
+        for u in sorted(units.values(), key=lambda u: u.offset):
+            f.seek(u.offset)
+            crc, left = 0, u.nbytes
+            while left:
+                chunk = f.read(min(left, CHECK_CHUNK))
+                if not chunk:
+                    raise ValueError(f"the pack ends inside unit {u.name}")
+                crc, left = zlib.crc32(chunk, crc), left - len(chunk)
+            if crc != crcs[u.name]:
+                raise ValueError(f"unit {u.name}'s bytes are not the ones built")
 
 
 def _check_layout(units: dict[str, PackedUnit], size: int) -> None:
