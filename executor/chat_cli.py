@@ -17,6 +17,7 @@ import time
 from typing import TYPE_CHECKING
 
 from strata.common.errors import StrataError
+from strata.executor.inputs import add_chat_template_argument, add_sampling_arguments
 
 if TYPE_CHECKING:
     from strata.executor.generate import Started
@@ -160,15 +161,6 @@ def add_chat_command(sub) -> argparse.ArgumentParser:
         + " (and, at the prompt, the chat).",
     )
     c.add_argument("--system", metavar="TEXT", help="a system message that opens the chat")
-    c.add_argument(
-        "--chat-template",
-        metavar="FILE|NAME",
-        help="Jinja chat template file, or a built-in (chatml, gemma3); default: the GGUF's, "
-        "else the built-in one for its architecture",
-    )
-    c.add_argument("--max-tokens", type=int, default=512, help="most tokens per reply (512)")
-    c.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
-    c.add_argument("--top-p", type=float, default=1.0)
-    c.add_argument("--top-k", type=int, default=0)
-    c.add_argument("--seed", type=int, default=0)
+    add_chat_template_argument(c, "for the conversation")
+    add_sampling_arguments(c, 512, "per reply")
     return c

@@ -19,6 +19,8 @@ from strata.common.cli_io import check_output, emit
 from strata.common.errors import StrataError
 from strata.common.sizes import format_size
 from strata.executor.inputs import (
+    add_chat_template_argument,
+    add_sampling_arguments,
     check_plan,
     prompt_ids,
     read_chat_template,
@@ -277,17 +279,8 @@ def add_commands(sub) -> None:
     src.add_argument("--prompt-file", metavar="FILE", help="raw text from a UTF-8 file")
     src.add_argument("--messages", help='JSON file: [{"role": ..., "content": ...}, ...]')
     src.add_argument("--prompt-ids", help="token ids as they are, e.g. 1,2,3")
-    r.add_argument(
-        "--chat-template",
-        metavar="FILE|NAME",
-        help="Jinja chat template file, or a built-in (chatml, gemma3); default: the GGUF's, else "
-        "the built-in one for its architecture",
-    )
-    r.add_argument("--max-tokens", type=int, default=256, help="most tokens to generate (256)")
-    r.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
-    r.add_argument("--top-p", type=float, default=1.0)
-    r.add_argument("--top-k", type=int, default=0)
-    r.add_argument("--seed", type=int, default=0)
+    add_chat_template_argument(r, "for --messages")
+    add_sampling_arguments(r, 256, "to generate")
     r.add_argument("--json", action="store_true", help="print one JSON object instead of text")
     r.add_argument(
         "--expert-cache",
@@ -330,12 +323,7 @@ def add_commands(sub) -> None:
         help="the model's name in requests and /v1/models (default: the catalog name, else the "
         "GGUF file's stem)",
     )
-    s.add_argument(
-        "--chat-template",
-        metavar="FILE|NAME",
-        help="Jinja chat template for /v1/chat/completions, or a built-in (chatml, gemma3); "
-        "default: the GGUF's, else the built-in one for its architecture",
-    )
+    add_chat_template_argument(s, "for /v1/chat/completions")
     s.add_argument(
         "--max-waiting",
         type=int,

@@ -235,3 +235,31 @@ def check_plan(args: argparse.Namespace) -> str:
     if hook is not None:
         hook(args)
     return args.plan
+
+
+BUILTIN_NAMES = "chatml, gemma3"
+"""``chat.BUILTIN_TEMPLATES``' names as the options' help says them (the help is built without
+importing Jinja; ``tests/executor/test_chat_template.py`` checks the two agree)."""
+
+
+def add_chat_template_argument(p: argparse.ArgumentParser, what: str) -> None:
+    """``--chat-template FILE|NAME`` (read by :func:`read_chat_template`); ``what``: what the
+    template renders, as the help says it."""
+    p.add_argument(
+        "--chat-template",
+        metavar="FILE|NAME",
+        help=f"Jinja chat template {what}: a file, or a built-in ({BUILTIN_NAMES}); default: the "
+        "GGUF's, else the built-in one for its architecture",
+    )
+
+
+def add_sampling_arguments(p: argparse.ArgumentParser, max_tokens: int, per: str) -> None:
+    """``--max-tokens`` (default ``max_tokens``, tokens per ``per``) and the sampling options
+    ``executor.sampling.SamplingParams`` takes, as ``run`` and ``chat`` declare them."""
+    p.add_argument(
+        "--max-tokens", type=int, default=max_tokens, help=f"most tokens {per} ({max_tokens})"
+    )
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0)

@@ -242,3 +242,10 @@ def test_deep_nesting_and_huge_error_texts_are_one_short_line() -> None:
     with pytest.raises(ChatError) as e:
         render_chat(loud, MESSAGES, "<bos>", "<eos>")
     assert "\n" not in str(e.value) and len(str(e.value)) <= MAX_ERROR_CHARS
+
+
+def test_the_help_names_the_built_in_templates() -> None:
+    from strata.executor.chat import BUILTIN_TEMPLATES
+    from strata.executor.inputs import BUILTIN_NAMES
+
+    assert BUILTIN_NAMES == ", ".join(BUILTIN_TEMPLATES)
