@@ -17,6 +17,10 @@ the plan's speculative decoding), after a warm-up request, measures on this mach
   plan and baseline alternated, the median of each: the measured ratio of the two;
 - peak RSS and MLX peak memory.
 
+A request that produces NaN or infinite logits fails the bench, naming the step and the first
+stage of the prompt's pass whose output is not finite with that stage's non-finite weights
+(``executor.diagnose``), in its one error line and in the JSON (``non_finite``).
+
 Every bench checks its text: the generated ids must equal those of the same model run with every
 unit resident (``--check resident``, the default; numerics do not depend on the tier), or a file
 of expected ids (``--check FILE.json``), so that a fast wrong answer never counts.
@@ -25,10 +29,12 @@ of expected ids (``--check FILE.json``), so that a fast wrong answer never count
 from __future__ import annotations
 
 import json
+import re
 import time
 from pathlib import Path
 
 from strata.common.errors import StrataError
+from strata.executor.diagnose import NON_FINITE_MARK, first_non_finite
 from strata.executor.generate import Generation, generate, serving_for
 from strata.executor.plan_loader import LoadedPlan, load_plan
 from strata.executor.profile import read_sequential
@@ -51,6 +57,7 @@ def _serving(loaded: LoadedPlan, expert_cache_mode: str | None = None) -> Servin
     """The engine ``serve`` runs for ``loaded`` (its warm-up, kernels, prefix cache, the plan's
     speculative decoding), started."""
     serving = serving_for(loaded, expert_cache_mode)
+    serving.log_failures = False  # generate() raises a failed request's error: said once
     try:
         serving.start()
     except BaseException:
@@ -217,6 +224,58 @@ def _versus_baseline(
     return out, texts
 
 
+class NonFiniteBench(StrataError):
+    """The bench's request produced NaN or infinite logits; the message names the step and the
+    first stage that produced them (``executor.diagnose``).
+
+    Attributes:
+        result: the bench's JSON-ready result: plan, model, prompt, ``check_passed`` False and
+            ``non_finite`` (``step``, ``first_stage``, ``block``, ``tensors``).
+    """
+
+    def __init__(self, message: str, result: dict):
+        super().__init__(message)
+        self.result = result
+
+
+def _non_finite(
+    loaded: LoadedPlan, plan_path: str, ids: list[int], check: str, error: StrataError
+) -> NonFiniteBench:
+    """The bench's failure for ``error`` (a request ended by non-finite logits), with the
+    first stage of the prompt's pass whose output is not finite and that stage's non-finite
+    weights (``executor.diagnose.first_non_finite``: the weights loaded once more)."""
+    m = re.search(r"logits at (.+?\(position \d+\))", str(error))
+    step = m.group(1) if m else str(error)
+    found = first_non_finite(loaded, ids)
+    info = {
+        "step": step,
+        "first_stage": found.stage if found else None,
+        "block": found.block if found else None,
+        "tensors": found.tensors if found else [],
+    }
+    if found is None:
+        where = "every stage of the prompt's pass is finite (a later step's tokens break it)"
+    else:
+        weights = ", ".join(found.tensors) or "none (an overflow in the computation)"
+        where = f"first produced by {found.stage}; non-finite weights: {weights}"
+    result = {
+        "plan": str(plan_path),
+        "model": loaded.plan.model.name or loaded.plan.model.path,
+        "prompt_tokens": len(ids),
+        "check": check,
+        "check_passed": False,
+        "non_finite": info,
+        "measured_at": time.strftime("%Y-%m-%dT%H:%M:%S"),
+    }
+    if m is None:  # worded otherwise: the request's own error, then the diagnosis
+        return NonFiniteBench(f"{error}; {where}", result)
+    return NonFiniteBench(
+        f"the model produced NaN or infinite logits at {step}, {where}; re-download or "
+        "re-convert the model",
+        result,
+    )
+
+
 def bench(
     plan_path: str,
     prompt: str,
@@ -237,6 +296,8 @@ def bench(
         model: the GGUF file, where it is not where the plan says (``--model``).
 
     Raises:
+        NonFiniteBench: the request produced NaN or infinite logits (the first stage that
+            did, and its non-finite weights, in the message and the result it carries).
         StrataError: a bad plan or prompt, or generated ids that fail the check.
     """
     loaded = load_plan(plan_path, model)
@@ -247,6 +308,7 @@ def bench(
         )
     serving = _serving(loaded)
     engine = serving.engine
+    failed: StrataError | None = None
     try:
         ids = engine.tokenizer.encode(prompt)
         gen = _timed_generate(serving, ids, max_tokens)
@@ -254,8 +316,14 @@ def bench(
         step_bytes = gen.stats["decode_bytes_read"]["nvme"] // max(1, gen.stats["decode_steps"])
         threads = loaded.plan.prefetch.io_threads
         raw = _raw_read(engine.store.pack_path, step_bytes, threads) if pool is not None else None
+    except StrataError as e:
+        if NON_FINITE_MARK not in str(e):
+            raise
+        failed = e  # diagnosed once this engine is closed: the diagnosis loads the weights anew
     finally:
         serving.close()
+    if failed is not None:
+        raise _non_finite(loaded, plan_path, ids, check, failed)
     resident_tok_s = None
     if check == "resident":
         want, resident_tok_s = _resident_run(loaded, ids, max_tokens)

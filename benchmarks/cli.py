@@ -18,7 +18,7 @@ from strata.executor.inputs import check_plan
 
 
 def cmd_bench(args: argparse.Namespace) -> None:
-    from strata.benchmarks.bench import bench, plot, write_result
+    from strata.benchmarks.bench import NonFiniteBench, bench, plot, write_result
     from strata.executor.experts import CACHE_MODES
 
     if args.baseline_rounds < 1:
@@ -51,15 +51,19 @@ def cmd_bench(args: argparse.Namespace) -> None:
             "none,cache,prefetch"
         )
     check_plan(args)  # the serving bench's server asks it itself
-    result = bench(
-        args.plan,
-        args.prompt,
-        args.max_tokens,
-        args.check,
-        modes,
-        baseline=args.baseline_rounds if args.baseline else 0,
-        model=args.model,
-    )
+    try:
+        result = bench(
+            args.plan,
+            args.prompt,
+            args.max_tokens,
+            args.check,
+            modes,
+            baseline=args.baseline_rounds if args.baseline else 0,
+            model=args.model,
+        )
+    except NonFiniteBench as e:  # its JSON (where it went wrong), then its one error line
+        write_result(e.result, args.output, None, plot)
+        raise
     write_result(result, args.output, args.plot, plot)
 
 

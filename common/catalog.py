@@ -10,21 +10,19 @@ verified sha256 is remembered in the cache keyed by (path, size, mtime, ctime).
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import functools
 import hashlib
 import json
-import os
 import signal
 import subprocess
 import sys
 import zipfile
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 from strata.common import envs
 from strata.common.atomic import replaced, sweep, temporary_folder
+from strata.common.children import tied_to_parent
 from strata.common.errors import GGUFError, StrataError
 from tqdm import tqdm
 
@@ -157,28 +155,6 @@ def file_sha256(path: Path, *, progress: bool = False) -> str:
     return known[key]
 
 
-def _libc_prctl():
-    """libc's ``prctl``, looked up in the parent (a child between fork and exec must not load
-    libraries); None where there is none."""
-    try:
-        return ctypes.CDLL(None, use_errno=True).prctl
-    except (OSError, AttributeError):
-        return None
-
-
-def _die_with(parent: int, prctl) -> Callable[[], None]:
-    """What a child runs between fork and exec (Linux): SIGTERM when its parent dies
-    (``prctl(PR_SET_PDEATHSIG)``), and an exit at once if the parent died before that, so that
-    a fetch killed outright leaves no pip behind."""
-
-    def child() -> None:
-        prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG = 1
-        if os.getppid() != parent:
-            os._exit(1)
-
-    return child
-
-
 def _pip_download(requirement: str, dest: Path) -> Path:
     """Download one wheel with pip's ordinary client; returns the wheel's path."""
     cmd = [
@@ -193,13 +169,13 @@ def _pip_download(requirement: str, dest: Path) -> Path:
         str(dest),
         requirement,
     ]
-    prctl = _libc_prctl() if sys.platform == "linux" else None
+    # pip dies with this process (Linux: SIGTERM), so a fetch killed outright leaves none behind.
     done = subprocess.run(
         cmd,
         stdout=subprocess.DEVNULL,
         stderr=subprocess.PIPE,
         text=True,
-        preexec_fn=None if prctl is None else _die_with(os.getpid(), prctl),
+        preexec_fn=tied_to_parent(signal.SIGTERM),
     )
     if done.returncode != 0:
         last = (done.stderr.strip().splitlines() or ["(no output)"])[-1]

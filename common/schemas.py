@@ -10,9 +10,11 @@ field changed) and accepts any minor version of its own major (fields were only 
 
 from __future__ import annotations
 
-from typing import Literal
+import math
+from typing import Annotated, Literal
 
 from pydantic import (
+    AfterValidator,
     BaseModel,
     ConfigDict,
     Field,
@@ -241,20 +243,92 @@ class RoutingSummary(Strict):
 
 Source = Literal["measured", "spec", "derived", "assumed"]
 
+# Plausibility bounds of a hardware profile's figures (issue 35, as MAX_TOKENS and MAX_COUNT bound
+# a plan's): far above any machine Strata can run on, so that only a typo, a unit slip (GB/s for
+# B/s) or a hostile file is refused, when it is read, before the cost model or the executor sizes
+# anything from it. Each refusal is one line naming the field, the value and the fix.
+
+PROFILE_FIX = "re-run `strata profile` on the machine or edit the value"
+"""The fix a refused profile figure names."""
+
+MAX_MEMORY_BYTES = 1 << 50
+"""Bound on a memory size (working set, RAM, OS reserve): 1 PiB, over a thousand times the largest
+single machine's memory (a few TiB); a larger figure is a unit or digit slip."""
+
+MAX_BANDWIDTH_BYTES_S = 10**14
+"""Bound on a bandwidth (device memory, host-to-device copy, disk read): 100 TB/s, over ten times
+the fastest HBM (about 8 TB/s); a larger figure is most likely bits or a unit slip."""
+
+MAX_FLOPS_S = 10**18
+"""Bound on a compute throughput: 1 EFLOP/s, fifty times one accelerator's 4-bit peak (about
+20 PFLOP/s); a profile describes one device, not a cluster."""
+
+MAX_OP_SECONDS = 1.0
+"""Bound on the cost of one graph operation: a second is 10^5 times any launch cost measured
+(microseconds); a larger figure is milliseconds or microseconds written as seconds."""
+
+MAX_ROWS = 1 << 24
+"""Bound on a kernel crossover, in rows (tokens of one forward pass): no pass has more tokens than
+a plan's MAX_TOKENS, which is the same number."""
+
+MAX_SAMPLES = 1 << 16
+"""Bound on the measurements behind one figure: ``strata profile`` takes a handful."""
+
+MAX_BLOCK_BYTES = 1 << 30
+"""Bound on the read size of the disk test: 1 GiB, 256 times the 4 MiB ``strata profile`` uses."""
+
+MAX_QUEUE_DEPTH = 1024
+"""Bound on the disk test's reads in flight: a plan's ``prefetch.io_threads`` is this figure and
+is bounded at 1024 (a thread each)."""
+
+
+def _refuse(value: object, problem: str) -> ValueError:
+    return ValueError(f"{value} {problem}; {PROFILE_FIX}")
+
+
+def _within(
+    upper: float, bound: str, unit: str, *, positive: bool = False, whole: bool = False
+) -> AfterValidator:
+    """A check of a :class:`Figure`'s value against a plausibility bound.
+
+    Args:
+        upper: the largest plausible value, in ``unit``.
+        bound: the bound's name as the error message shows it (its constant's).
+        unit: the unit of the value, for the message.
+        positive: refuse 0 (a rate the cost model divides by).
+        whole: refuse a fraction (a count of rows).
+    """
+
+    def check(figure: Figure) -> Figure:
+        v = figure.value
+        if positive and v <= 0:
+            raise _refuse(f"{v:g} {unit}", "must be above 0 (the cost model divides by it)")
+        if whole and not float(v).is_integer():
+            raise _refuse(f"{v:g} {unit}", "is not a whole number")
+        if v > upper:
+            raise _refuse(f"{v:g} {unit}", f"is over the plausible bound {bound} = {upper:g}")
+        return figure
+
+    return AfterValidator(check)
+
 
 class Figure(Strict):
-    """A number with how it was obtained."""
+    """A number with how it was obtained.
+
+    Raises (on validation):
+        ValueError: the value is not finite or is negative, or the sample count is over
+            ``MAX_SAMPLES``; the message names the value and the fix (``PROFILE_FIX``).
+    """
 
     value: float = Field(
-        ge=0,
         strict=True,
-        allow_inf_nan=False,
-        description="the number, in the unit its field name states (plain bytes, bytes/s, FLOP/s)",
+        description="the number, finite and >= 0, in the unit its field name states (plain "
+        "bytes, bytes/s, FLOP/s, seconds, rows); each field bounds it further (MAX_* above)",
     )
     source: Source = Field(description="measured here, from a spec sheet, derived, or assumed")
     how: str = Field(min_length=1, description="method and date, or the spec's source")
     samples: int | None = Field(
-        default=None, ge=1, description="measurements taken (the value is their median)"
+        default=None, description="measurements taken (the value is their median), 1 or more"
     )
     spread: float | None = Field(
         default=None,
@@ -262,6 +336,27 @@ class Figure(Strict):
         allow_inf_nan=False,
         description="(max - min) / median of those measurements: how steady the figure is",
     )
+
+    @field_validator("value", mode="before")
+    @classmethod
+    def _finite(cls, v: object) -> object:
+        # before the float check, so that an integer too large for a float is named too
+        if isinstance(v, bool) or not isinstance(v, int | float):
+            return v  # the strict float check refuses it
+        if isinstance(v, int) and v.bit_length() > 1023:  # at the edge of the float range
+            raise _refuse(f"a {v.bit_length()}-bit integer", "is too large")
+        if not math.isfinite(v):
+            raise _refuse(v, "is not a finite number")
+        if v < 0:
+            raise _refuse(f"{v:g}", "is negative")
+        return v
+
+    @field_validator("samples")
+    @classmethod
+    def _samples(cls, v: int | None) -> int | None:
+        if v is not None and not 1 <= v <= MAX_SAMPLES:
+            raise _refuse(v, f"samples is outside 1..{MAX_SAMPLES} (MAX_SAMPLES)")
+        return v
 
     @model_serializer(mode="wrap")
     def _without_unmeasured(self, handler):  # stated figures carry no samples: not written
@@ -272,39 +367,60 @@ class Figure(Strict):
         return data
 
 
-class GPUTier(Strict):
-    """The device working set: where weights must be to be computed on at full speed."""
+BytesFigure = Annotated[Figure, _within(MAX_MEMORY_BYTES, "MAX_MEMORY_BYTES", "bytes")]
+"""A memory size: 0 to ``MAX_MEMORY_BYTES`` bytes."""
+RateFigure = Annotated[
+    Figure, _within(MAX_BANDWIDTH_BYTES_S, "MAX_BANDWIDTH_BYTES_S", "bytes/s", positive=True)
+]
+"""A bandwidth: above 0, at most ``MAX_BANDWIDTH_BYTES_S``."""
+FlopsFigure = Annotated[Figure, _within(MAX_FLOPS_S, "MAX_FLOPS_S", "FLOP/s", positive=True)]
+"""A compute throughput: above 0, at most ``MAX_FLOPS_S``."""
+SecondsFigure = Annotated[Figure, _within(MAX_OP_SECONDS, "MAX_OP_SECONDS", "s")]
+"""A per-operation time: 0 to ``MAX_OP_SECONDS``."""
+RowsFigure = Annotated[Figure, _within(MAX_ROWS, "MAX_ROWS", "rows", whole=True)]
+"""A row count: a whole number, 0 to ``MAX_ROWS``."""
 
-    working_set_bytes: Figure = Field(description="bytes the device may keep resident")
-    memory_bandwidth_bytes_s: Figure = Field(description="device memory read bandwidth, bytes/s")
-    compute_flops_s: Figure = Field(
+
+class GPUTier(Strict):
+    """The device working set: where weights must be to be computed on at full speed.
+
+    Raises (on validation):
+        ValueError: a figure outside its bound (``BytesFigure``, ``RateFigure``...), one line
+            naming the value and the fix.
+    """
+
+    working_set_bytes: BytesFigure = Field(description="bytes the device may keep resident")
+    memory_bandwidth_bytes_s: RateFigure = Field(
+        description="device memory read bandwidth, bytes/s"
+    )
+    compute_flops_s: FlopsFigure = Field(
         description="sustained matrix-matrix throughput (prefill, batched decode), FLOP/s"
     )
-    decode_matvec_flops_s: Figure = Field(
+    decode_matvec_flops_s: FlopsFigure = Field(
         description="quantized matrix-vector throughput (one decoded token), FLOP/s"
     )
-    decode_batch_flops_s: Figure | None = Field(
+    decode_batch_flops_s: FlopsFigure | None = Field(
         default=None,
         description="quantized matrix product throughput for a batch of 16 decoded tokens, "
         "FLOP/s; None where not measured (the cost model then charges batched decode at "
         "compute_flops_s)",
     )
-    op_overhead_s: Figure = Field(
+    op_overhead_s: SecondsFigure = Field(
         description="seconds per operation of a lazily built MLX graph (build + dispatch + launch)"
     )
-    dequant_matmul_min_rows: Figure | None = Field(
+    dequant_matmul_min_rows: RowsFigure | None = Field(
         default=None,
         description="rows (tokens of one forward pass) from which dequantize + matmul beats MLX's "
         "quantized matmul (0: never); None where not measured (the CPU, where the quantized "
         "kernel keeps results batch-invariant)",
     )
-    mma_matmul_min_rows: Figure | None = Field(
+    mma_matmul_min_rows: RowsFigure | None = Field(
         default=None,
         description="smallest row count of the range where Strata's tensor-core 4-bit matmul "
         "(executor.cuda_mma) beats MLX's quantized matmul (0: nowhere); None where not measured "
         "(backends other than CUDA)",
     )
-    mma_matmul_max_rows: Figure | None = Field(
+    mma_matmul_max_rows: RowsFigure | None = Field(
         default=None,
         description="largest row count of that range (0: nowhere); None where not measured",
     )
@@ -313,8 +429,8 @@ class GPUTier(Strict):
 class RAMTier(Strict):
     """Host RAM outside the device working set."""
 
-    capacity_bytes: Figure = Field(description="total host RAM, bytes")
-    host_to_device_bytes_s: Figure = Field(
+    capacity_bytes: BytesFigure = Field(description="total host RAM, bytes")
+    host_to_device_bytes_s: RateFigure = Field(
         description="copy bandwidth from a host buffer into a device (MLX) array, bytes/s"
     )
 
@@ -322,9 +438,27 @@ class RAMTier(Strict):
 class NVMeTier(Strict):
     """The disk that holds the model files, read with direct I/O."""
 
-    read_bytes_s: Figure = Field(description="direct-I/O sequential read bandwidth, bytes/s")
-    block_bytes: int = Field(ge=512, description="read size of the bandwidth test, bytes")
-    queue_depth: int = Field(ge=1, description="reads in flight during the bandwidth test")
+    read_bytes_s: RateFigure = Field(description="direct-I/O sequential read bandwidth, bytes/s")
+    block_bytes: int = Field(
+        description="read size of the bandwidth test, bytes: 512 to MAX_BLOCK_BYTES"
+    )
+    queue_depth: int = Field(
+        description="reads in flight during the bandwidth test: 1 to MAX_QUEUE_DEPTH"
+    )
+
+    @field_validator("block_bytes")
+    @classmethod
+    def _block(cls, v: int) -> int:
+        if not 512 <= v <= MAX_BLOCK_BYTES:
+            raise _refuse(f"{v} bytes", f"is outside 512..{MAX_BLOCK_BYTES} (MAX_BLOCK_BYTES)")
+        return v
+
+    @field_validator("queue_depth")
+    @classmethod
+    def _depth(cls, v: int) -> int:
+        if not 1 <= v <= MAX_QUEUE_DEPTH:
+            raise _refuse(v, f"is outside 1..{MAX_QUEUE_DEPTH} (MAX_QUEUE_DEPTH)")
+        return v
 
 
 class HardwareProfile(Strict):
@@ -338,7 +472,7 @@ class HardwareProfile(Strict):
     compute_dtype: Literal["float32", "float16", "bfloat16"] = Field(
         description="activation and KV-cache dtype (float32 on CPU: MLX's CPU float16 is slow)"
     )
-    os_reserve_bytes: Figure = Field(description="memory left to the OS and other programs")
+    os_reserve_bytes: BytesFigure = Field(description="memory left to the OS and other programs")
     gpu: GPUTier
     ram: RAMTier
     nvme: NVMeTier

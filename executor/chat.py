@@ -10,24 +10,34 @@ Rendering budget. A chat template is a program, and the GGUF's is written by who
 file: Jinja's sandbox stops it reaching Python's internals but not looping for hours (nested
 ``range(100000)`` loops), recursing, or building gigabytes (``'x' * 3e9``, ``tojson(indent=3e8)``,
 a string doubled in a loop). A loop cannot be interrupted inside the process that runs it, so
-templates are rendered in a worker process (``_RenderWorker``: one per process, started on first
-use, a few hundred ms once, then a pipe round trip per render) with a wall-time budget
+templates are rendered in a worker process (``_RenderWorker``: started on first use, a few
+hundred ms once, then a pipe round trip per render) with a wall-time budget
 (``RENDER_TIMEOUT_S``: the worker is killed and restarted past it), an address-space cap
 (``RENDER_MEMORY_BYTES``) and an output-size cap (``MAX_RENDERED_CHARS``); every failure is a
 ``ChatError`` naming the template. The server, ``run --messages`` and ``chat`` all render here.
+
+Workers. ``run --messages`` and ``chat`` render one conversation at a time: one worker (the
+module's pool of one). A server has its own ``RenderPool`` of ``serve --render-workers`` workers
+(``DEFAULT_RENDER_WORKERS``), one render each at a time, so that a request whose template loops
+holds one worker for its budget, not every chat; a chat that gets no worker within
+``RENDER_WAIT_S`` is refused (``RenderBusy``: a 503 with ``Retry-After``), never queued without
+bound. The server stops its workers when it stops.
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import functools
 import json
+import math
 import os
 import selectors
 import subprocess
 import sys
 import threading
 import time
+from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import datetime
@@ -46,6 +56,11 @@ if TYPE_CHECKING:
 
 class ChatError(StrataError, ValueError):
     """The messages are malformed, or the chat template is missing or fails on them."""
+
+
+class RenderBusy(ChatError):
+    """No render worker came free within the wait (``RENDER_WAIT_S``), or the workers are
+    stopped (the server is shutting down): the server's 503, not the request's fault."""
 
 
 BUILTIN_TEMPLATES = {"chatml": "chatml.jinja", "gemma3": "gemma3.jinja"}
@@ -232,6 +247,27 @@ character (``\\uXXXX``), with room for the rest of the object."""
 MAX_ERROR_CHARS = 300
 """Longest error message of a render (a template's ``raise_exception`` text included)."""
 
+DEFAULT_RENDER_WORKERS = 2
+"""Render workers of a server (``serve --render-workers``). A template that loops holds one
+worker for its whole ``RENDER_TIMEOUT_S``; with two, one such request leaves the other chats a
+worker, while each idle worker costs a Python process with Jinja loaded (about 30 MB)."""
+
+MAX_RENDER_WORKERS = 16
+"""Most render workers a server may have (``serve --render-workers``): each is a process, and a
+real render takes milliseconds, so more only multiply what hostile templates can take."""
+
+RENDER_WAIT_S = 5.0
+"""Seconds a server's chat waits for a free render worker before a 503: two rounds of renders
+cut at ``RENDER_TIMEOUT_S`` (and a worker restart each) end within it, while a client sees a
+refusal within seconds, well under the usual HTTP client timeouts, however many hostile
+requests queue up."""
+
+RENDER_RETRY_AFTER_S = math.ceil(RENDER_TIMEOUT_S)
+"""``Retry-After`` (seconds) of that 503: a busy worker is free again within one render's
+budget."""
+
+_STOPPED = "the chat template workers are stopped: the server is shutting down; retry elsewhere"
+
 
 def render_chat(
     template: str,
@@ -240,8 +276,9 @@ def render_chat(
     eos_token: str,
     add_generation_prompt: bool = True,
     name: str = "the chat template",
+    lease: RenderLease | None = None,
 ) -> str:
-    """Render ``messages`` with a chat template into the prompt text, in the render worker
+    """Render ``messages`` with a chat template into the prompt text, in a render worker
     (see the module's "Rendering budget"): at most ``RENDER_TIMEOUT_S`` seconds and
     ``MAX_RENDERED_CHARS`` characters.
 
@@ -252,6 +289,8 @@ def render_chat(
         bos_token, eos_token: the texts of the model's BOS/EOS tokens, for templates using them.
         add_generation_prompt: end with the header that opens the assistant's reply.
         name: how errors name the template (``ChatTemplate.name``).
+        lease: the worker to render in (a server's ``RenderPool.lease_async``), released as soon
+            as the render ends; None: the module's single worker, waited for.
 
     Returns:
         The rendered text (special tokens appear as text, e.g. ``<|im_start|>``).
@@ -274,7 +313,7 @@ def render_chat(
         json.dumps(job, ensure_ascii=False)
     except (TypeError, ValueError) as e:
         raise ChatError(f"the messages are not JSON values: {e}") from None
-    reply = _worker.render(job, name)
+    reply = (lease or _pool.lease(None)).render(job, name)
     if "error" in reply:
         raise ChatError(_one_line(reply["error"].replace("the chat template", name, 1)))
     return reply["text"]
@@ -338,14 +377,34 @@ class _RenderWorker:
     stdout, each reply carrying its job's number; started on first use (it says ``ready`` once
     its imports are done, within ``WORKER_START_S``), restarted after it is killed (a render
     over ``RENDER_TIMEOUT_S``, or any failure between a job and its reply: a late reply is never
-    read as the next job's) or exits (after a ``MemoryError``). Renders are serialized (a lock):
-    each takes milliseconds. The worker runs in a session of its own (a terminal's Ctrl-C is
-    the parent's to handle) and exits when its stdin closes or its parent goes away."""
+    read as the next job's) or exits (after a ``MemoryError``). Its renders are serialized (a
+    lock); a ``RenderPool`` hands each worker to one render at a time. The worker runs in a
+    session of its own (a terminal's Ctrl-C is the parent's to handle) and exits when its stdin
+    closes or its parent goes away, or is killed by ``close``."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._proc: subprocess.Popen | None = None
         self._jobs = 0
+        self._closed = False
+
+    @property
+    def running(self) -> bool:
+        """Whether its process is up (a hint, read without the lock: a free running worker is
+        handed out before one that would have to start)."""
+        proc = self._proc
+        return proc is not None and proc.poll() is None
+
+    def close(self) -> None:
+        """Kill the process for good, even mid-render (that render ends in a ``ChatError``), and
+        wait for it: no process outlives this call, and none is started after it."""
+        self._closed = True
+        proc = self._proc
+        if proc is not None:  # a render in progress holds the lock: end it first
+            with contextlib.suppress(OSError):
+                proc.kill()
+        with self._lock:
+            self._kill()
 
     def start(self) -> None:
         """Start the worker now (``serve`` does, so the first chat pays no start-up)."""
@@ -358,6 +417,8 @@ class _RenderWorker:
         Raises:
             ChatError: it did not start (said as such, not as the template's fault).
         """
+        if self._closed:
+            raise RenderBusy(_STOPPED)
         if self._proc is None or self._proc.poll() is not None:
             self._proc = subprocess.Popen(
                 [sys.executable, "-P", "-m", "strata.executor.chat", "--render-worker"],
@@ -445,6 +506,8 @@ class _RenderWorker:
                 raise ChatError(_too_long(0).replace("the chat template", name, 1)) from None
             except OSError:  # the worker died (a pipe closed under us)
                 self._kill()
+                if self._closed:  # killed by close(): not the template's doing
+                    raise RenderBusy(_STOPPED) from None
                 raise ChatError(
                     f"{name} crashed the render worker; fix the template or pass another "
                     "with --chat-template"
@@ -457,12 +520,173 @@ class _RenderWorker:
             return reply
 
 
-_worker = _RenderWorker()
+class RenderLease:
+    """One worker of a ``RenderPool``, taken for one render and given back by ``release`` (which
+    ``render`` calls when the render ends; releasing twice is harmless)."""
+
+    def __init__(self, pool: RenderPool, worker: _RenderWorker) -> None:
+        self._pool = pool
+        self._worker: _RenderWorker | None = worker
+        self._lock = threading.Lock()
+
+    def render(self, job: dict, name: str) -> dict:
+        """``_RenderWorker.render`` in the leased worker, which is then given back.
+
+        Raises:
+            ChatError: as ``_RenderWorker.render``; the lease was released already.
+        """
+        worker = self._worker
+        if worker is None:
+            raise ChatError("a render worker lease was used after its release")
+        try:
+            return worker.render(job, name)
+        finally:
+            self.release()
+
+    def release(self) -> None:
+        """Give the worker back to the pool (once)."""
+        with self._lock:
+            worker, self._worker = self._worker, None
+        if worker is not None:
+            self._pool.give(worker)
 
 
-def start_render_worker() -> None:
-    """Start the render worker now rather than at the first chat (``serve`` does)."""
-    _worker.start()
+class RenderPool:
+    """``size`` render workers (``_RenderWorker``, each started on first use and restarted after
+    a kill, in the thread that renders), each lent to one render at a time. A render waits for a
+    free worker at most its wait (``lease``'s or ``lease_async``'s ``wait_s``), then gets
+    ``RenderBusy``; a server waits on its event loop (``lease_async``), holding no thread.
+    A free worker whose process runs is lent before one that would have to start.
+
+    Attributes:
+        size: the number of workers (1..``MAX_RENDER_WORKERS``).
+        wait_s: the default wait of ``lease_async``, seconds (``RENDER_WAIT_S``).
+    """
+
+    def __init__(self, size: int = 1, wait_s: float = RENDER_WAIT_S) -> None:
+        """No process starts here (see ``start``).
+
+        Raises:
+            ChatError: ``size`` outside 1..``MAX_RENDER_WORKERS``.
+        """
+        if not 1 <= size <= MAX_RENDER_WORKERS:
+            raise ChatError(
+                f"render workers: {size}; give 1..{MAX_RENDER_WORKERS} (--render-workers)"
+            )
+        self.size = size
+        self.wait_s = wait_s
+        self._workers = [_RenderWorker() for _ in range(size)]
+        self._free = list(self._workers)
+        self._cond = threading.Condition()
+        self._waiters: deque[tuple[asyncio.AbstractEventLoop, asyncio.Future]] = deque()
+        self._closed = False
+
+    def start(self) -> None:
+        """Start one worker now (``serve`` does, so that the first chat pays no start-up; the
+        others start when renders overlap)."""
+        lease = self.lease(None)
+        try:
+            assert lease._worker is not None
+            lease._worker.start()
+        finally:
+            lease.release()
+
+    def _take(self) -> _RenderWorker | None:
+        """A free worker, a running one first, or None (under ``_cond``).
+
+        Raises:
+            RenderBusy: the pool is closed.
+        """
+        if self._closed:
+            raise RenderBusy(_STOPPED)
+        for i, worker in enumerate(self._free):
+            if worker.running:
+                return self._free.pop(i)
+        return self._free.pop() if self._free else None
+
+    def _busy(self, wait_s: float) -> RenderBusy:
+        return RenderBusy(
+            f"chat template renders are all busy: none of the {self.size} render workers "
+            f"(serve --render-workers) came free within {wait_s:g} s; retry after "
+            f"{RENDER_RETRY_AFTER_S} s"
+        )
+
+    def lease(self, wait_s: float | None) -> RenderLease:
+        """A worker, waited for in this thread at most ``wait_s`` seconds (None: without bound,
+        for a pool that only one conversation uses).
+
+        Raises:
+            RenderBusy: none came free in time, or the pool is closed.
+        """
+        deadline = None if wait_s is None else time.monotonic() + wait_s
+        with self._cond:
+            while (worker := self._take()) is None:
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    assert wait_s is not None
+                    raise self._busy(wait_s)
+                self._cond.wait(left)
+        return RenderLease(self, worker)
+
+    async def lease_async(self, wait_s: float | None = None) -> RenderLease:
+        """A worker, waited for on the running event loop at most ``wait_s`` seconds (None: the
+        pool's ``wait_s``); workers given back go to waiting tasks first come, first served.
+
+        Raises:
+            RenderBusy: none came free in time, or the pool is closed.
+        """
+        wait = self.wait_s if wait_s is None else wait_s
+        loop = asyncio.get_running_loop()
+        with self._cond:
+            worker = self._take()
+            if worker is not None:
+                return RenderLease(self, worker)
+            waiter = (loop, loop.create_future())
+            self._waiters.append(waiter)
+        try:
+            return RenderLease(self, await asyncio.wait_for(waiter[1], wait))
+        except TimeoutError:
+            raise self._busy(wait) from None
+        finally:
+            with self._cond, contextlib.suppress(ValueError):
+                self._waiters.remove(waiter)
+
+    def give(self, worker: _RenderWorker) -> None:
+        """Take a worker back (from any thread): handed to the first waiting task, else to a
+        waiting thread, else kept free."""
+        with self._cond:
+            if self._closed:
+                worker.close()  # killed already; a render that ended after close returns it
+                return
+            while self._waiters:
+                loop, future = self._waiters.popleft()
+                try:
+                    loop.call_soon_threadsafe(self._hand, future, worker)
+                    return
+                except RuntimeError:  # that loop is closed: its task is gone
+                    continue
+            self._free.append(worker)
+            self._cond.notify()
+
+    def _hand(self, future: asyncio.Future, worker: _RenderWorker) -> None:
+        """On the waiting task's loop: the worker is its, unless it stopped waiting meanwhile."""
+        if future.done():
+            self.give(worker)
+        else:
+            future.set_result(worker)
+
+    def close(self) -> None:
+        """Kill every worker, those rendering included, and wait for them: no worker process
+        outlives this call; later leases get ``RenderBusy``."""
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
+        for worker in self._workers:
+            worker.close()
+
+
+_pool = RenderPool(1)
+"""The worker of ``run --messages`` and ``chat``: one conversation renders at a time."""
 
 
 def _worker_main() -> None:
@@ -515,6 +739,7 @@ def messages_to_ids(
     template: str | None = None,
     add_generation_prompt: bool = True,
     name: str = "the chat template",
+    lease: RenderLease | None = None,
 ) -> list[int]:
     """Prompt token ids for a chat, as llama.cpp builds them.
 
@@ -522,7 +747,8 @@ def messages_to_ids(
     tokenizes the text with special tokens recognised, and prepends BOS only when the GGUF asks
     for it and the rendered text does not already start with it (templates that write
     ``{{ bos_token }}`` must not get two). No EOS is appended, whatever ``add_eos_token`` says:
-    the prompt ends with the reply's header.
+    the prompt ends with the reply's header. ``lease``: the worker to render in (see
+    ``render_chat``), given back before the text is tokenized.
 
     Raises:
         ChatError: no template (neither given nor in the GGUF), malformed messages, or a template
@@ -534,7 +760,7 @@ def messages_to_ids(
         raise ChatError(NO_TEMPLATE)
     bos = _token_text(tokenizer, tokenizer.bos_id)
     eos = _token_text(tokenizer, tokenizer.eos_id)
-    text = render_chat(template, messages, bos, eos, add_generation_prompt, name)
+    text = render_chat(template, messages, bos, eos, add_generation_prompt, name, lease)
     ids = tokenizer.encode(text, add_bos=False, parse_special=True, add_eos=False)
     if tokenizer.add_bos and not (bos and text.startswith(bos)):
         ids.insert(0, tokenizer.bos_id)

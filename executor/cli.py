@@ -171,6 +171,14 @@ def cmd_serve(args: argparse.Namespace) -> None:
         raise StrataError(f"--max-connections {args.max_connections}: give 1 or more")
     if not 0 < args.read_timeout <= 3600:
         raise StrataError(f"--read-timeout {args.read_timeout}: give seconds in (0, 3600]")
+    from strata.executor.chat import DEFAULT_RENDER_WORKERS, MAX_RENDER_WORKERS
+
+    if args.render_workers is None:
+        args.render_workers = DEFAULT_RENDER_WORKERS
+    if not 1 <= args.render_workers <= MAX_RENDER_WORKERS:
+        raise StrataError(
+            f"--render-workers {args.render_workers}: give 1..{MAX_RENDER_WORKERS} workers"
+        )
     serve(
         args.plan,
         args.host,
@@ -184,6 +192,7 @@ def cmd_serve(args: argparse.Namespace) -> None:
         access_log=not args.quiet,
         limits=ServerLimits(args.max_waiting, args.read_timeout),
         max_connections=args.max_connections,
+        render_workers=args.render_workers,
     )
 
 
@@ -342,6 +351,13 @@ def add_commands(sub) -> None:
         metavar="S",
         help="seconds a client may take to send a request's head, and between pieces of its "
         "body (30); past it: 408 and the connection closed",
+    )
+    s.add_argument(
+        "--render-workers",
+        type=int,
+        metavar="N",
+        help="processes chat templates render in, one chat each at a time, 1..16 (2); a chat "
+        "that gets none within 5 s gets 503 with Retry-After",
     )
     s.add_argument(
         "--batch-invariant",

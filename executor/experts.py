@@ -272,7 +272,7 @@ class ExpertCache:
         self.prefetch = min(prefetch, max(0, slots - 1)) if mode == "prefetch" else 0
         slot_bytes = max(store.units[u].nbytes for u in units)
         self.arena = SlotArena(
-            store.path, slots, slot_bytes, io_threads, dtype, stage_direct_reads=stage_direct_reads
+            store, slots, slot_bytes, io_threads, dtype, stage_direct_reads=stage_direct_reads
         )
         self._readers = ThreadPoolExecutor(max(2, slots), thread_name_prefix="strata-expert")
         self._lock = threading.Lock()

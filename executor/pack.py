@@ -13,12 +13,22 @@ unit's CRC-32 and the pack file's size and modification time as built. Before us
 the layout are checked (``_check_layout``), and where the file's modification time is not the
 one recorded (it was written since: edited, copied, restored), every unit's CRC-32 is checked
 too, once, reading the pack through; a mismatch rebuilds it. An unchanged pack costs no reading.
+
+Bytes are checked again whenever they are used: every streamed read of a whole unit is checked
+against the unit's CRC-32 in the thread that read it, before the compute thread takes the slot
+(``PackStore.check_read``; the I/O threads checksum their chunks and ``crc32_combine`` joins
+them), and a streamed table read by rows (the embedding) is checked whole on its first use
+(``PackStore.check_unit``). A mismatch (bit rot that left the file's modification time alone, a
+bad read) stops the run with a ``PackCorruptError`` naming the pack and the unit, and marks the
+manifest stale, so the next start checks the whole pack and rebuilds it where it is damaged.
+The cost is in docs/hostile-inputs.md.
 """
 
 from __future__ import annotations
 
 import json
 import sys
+import threading
 import zlib
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -35,6 +45,14 @@ from strata.executor.direct_io import ALIGN
 from tqdm import tqdm
 
 PACK_FORMAT = "strata-mlx-pack-v2"  # v2: units' CRC-32 and the file's size and mtime as built
+
+_CHECK_READS = True
+"""Whether reads are checked against their unit's CRC-32 (``PackStore.check_read``); on. Not an
+option: only the cost measurement (scripts/measure_pack_crc.py) turns it off."""
+
+
+class PackCorruptError(StrataError):
+    """A unit's bytes read from the packed store are not the ones built (its CRC-32 differs)."""
 
 
 def _align(n: int) -> int:
@@ -116,8 +134,68 @@ class PackStore:
         units: unit name -> its layout.
     """
 
-    def __init__(self, path: Path, units: dict[str, PackedUnit]):
-        self.path, self.units = path, units
+    def __init__(
+        self,
+        path: Path,
+        units: dict[str, PackedUnit],
+        crcs: dict[str, int],
+        manifest: Path,
+    ):
+        self.path, self.units, self.crcs, self.manifest = path, units, crcs, manifest
+        self._stale_lock = threading.Lock()
+        self._marked_stale = False
+
+    def check_read(self, unit: PackedUnit, crc: int) -> None:
+        """Check ``crc``, the CRC-32 of ``unit``'s whole bytes as just read, against the one
+        recorded when the pack was built.
+
+        Raises:
+            PackCorruptError: they differ: the manifest is marked stale first
+                (:meth:`mark_stale`), so the next start checks the pack and rebuilds it.
+        """
+        want = self.crcs[unit.name]
+        if crc != want and _CHECK_READS:
+            self.mark_stale()
+            raise PackCorruptError(
+                f"the packed store {self.path}: unit {unit.name}'s bytes as read are not the "
+                f"ones built (CRC-32 {crc:08x}, built {want:08x}): the pack is damaged or the "
+                "read was; run again: the next start checks the pack and rebuilds it"
+            )
+
+    def check_unit(self, unit: PackedUnit) -> None:
+        """Read ``unit`` through (buffered, ``CHECK_CHUNK`` bytes at a time) and check its
+        CRC-32: for a unit that is then read in pieces (a streamed embedding's rows), whose
+        reads cannot be checked one by one against the unit's CRC-32.
+
+        Raises:
+            PackCorruptError: as :meth:`check_read`; also when the file ends inside the unit.
+            OSError: the pack cannot be read.
+        """
+        with open(self.path, "rb") as f:
+            crc = _unit_crc(f, unit)
+        if crc is None:
+            self.mark_stale()
+            raise PackCorruptError(
+                f"the packed store {self.path} ends inside unit {unit.name}: the pack is "
+                "damaged; run again: the next start checks the pack and rebuilds it"
+            )
+        self.check_read(unit, crc)
+
+    def mark_stale(self) -> None:
+        """Make the next start check every unit of the pack (and rebuild it on a mismatch): the
+        manifest's recorded modification time is cleared, or, where the manifest cannot be
+        rewritten, the manifest is removed (the pack is then rebuilt). Once per store."""
+        with self._stale_lock:
+            if self._marked_stale:
+                return
+            self._marked_stale = True
+            try:
+                meta = json.loads(self.manifest.read_text())
+                meta["mtime_ns"] = None
+                with replaced(self.manifest, "w") as f:
+                    f.write(json.dumps(meta))
+            except (OSError, ValueError, TypeError):
+                self.manifest.unlink(missing_ok=True)
 
     @staticmethod
     def paths(sha256: str) -> tuple[Path, Path]:
@@ -145,12 +223,14 @@ class PackStore:
                 _check_layout(units, meta["size"])
                 if set(units) != {u.name for u in desc.units}:
                     raise ValueError("the manifest's units are not the model's")
+                crcs = {name: int(meta["crc32"][name]) for name in units}
                 if pack.stat().st_mtime_ns != meta["mtime_ns"]:
-                    _check_crcs(pack, units, meta["crc32"])  # written since it was built
+                    # Written since it was built, or a read found it damaged (``mark_stale``).
+                    _check_crcs(pack, units, crcs)
                     meta["mtime_ns"] = pack.stat().st_mtime_ns
                     with replaced(manifest, "w") as f:  # checked: not again
                         f.write(json.dumps(meta))
-                return cls(pack, units)
+                return cls(pack, units, crcs, manifest)
         except (OSError, ValueError, KeyError, TypeError):
             pass
         return cls._build(g, desc, sha256, pack, manifest)
@@ -214,7 +294,7 @@ class PackStore:
                 f.write(json.dumps(meta))
         except OSError as e:
             raise StrataError(f"cannot write the packed store {pack}: {e.strerror or e}") from None
-        return cls(pack, units)
+        return cls(pack, units, crcs, manifest)
 
 
 def _units_to_json(units: dict[str, PackedUnit]) -> list:
@@ -249,15 +329,67 @@ def _check_crcs(pack: Path, units: dict[str, PackedUnit], crcs: dict[str, int]) 
     )
     with open(pack, "rb") as f:
         for u in sorted(units.values(), key=lambda u: u.offset):
-            f.seek(u.offset)
-            crc, left = 0, u.nbytes
-            while left:
-                chunk = f.read(min(left, CHECK_CHUNK))
-                if not chunk:
-                    raise ValueError(f"the pack ends inside unit {u.name}")
-                crc, left = zlib.crc32(chunk, crc), left - len(chunk)
+            crc = _unit_crc(f, u)
+            if crc is None:
+                raise ValueError(f"the pack ends inside unit {u.name}")
             if crc != crcs[u.name]:
                 raise ValueError(f"unit {u.name}'s bytes are not the ones built")
+
+
+def _unit_crc(f, u: PackedUnit) -> int | None:
+    """CRC-32 of unit ``u``'s bytes in the open pack ``f`` (None: the file ends inside it)."""
+    f.seek(u.offset)
+    crc, left = 0, u.nbytes
+    while left:
+        chunk = f.read(min(left, CHECK_CHUNK))
+        if not chunk:
+            return None
+        crc, left = zlib.crc32(chunk, crc), left - len(chunk)
+    return crc
+
+
+_CRC_POLY = 0xEDB88320  # CRC-32's polynomial, reflected (zlib's)
+
+
+def _multmodp(a: int, b: int) -> int:
+    """a(x) * b(x) modulo the CRC-32 polynomial (bit-reflected, zlib's ``multmodp``)."""
+    m, p = 1 << 31, 0
+    while True:
+        if a & m:
+            p ^= b
+            if not a & (m - 1):
+                return p
+        m >>= 1
+        b = (b >> 1) ^ _CRC_POLY if b & 1 else b >> 1
+
+
+_X2N = [1 << 30]  # x^(2^k) modulo the polynomial, k = 0..31 (zlib's x2n_table)
+for _ in range(31):
+    _X2N.append(_multmodp(_X2N[-1], _X2N[-1]))
+
+_SHIFT_CACHE: dict[int, int] = {}
+
+
+def _x8nmodp(n: int) -> int:
+    """x^(8n) modulo the polynomial: what appending ``n`` bytes does to a preceding CRC."""
+    p = _SHIFT_CACHE.get(n)
+    if p is None:
+        p, k, left = 1 << 31, 3, n
+        while left:
+            if left & 1:
+                p = _multmodp(_X2N[k & 31], p)
+            left >>= 1
+            k += 1
+        if len(_SHIFT_CACHE) < 64:  # a few lengths recur (the read chunk size)
+            _SHIFT_CACHE[n] = p
+    return p
+
+
+def crc32_combine(crc1: int, crc2: int, len2: int) -> int:
+    """The CRC-32 of ``A + B`` from ``crc1`` = CRC-32 of ``A``, ``crc2`` = CRC-32 of ``B`` and
+    ``len2`` = ``len(B)`` in bytes (zlib's ``crc32_combine``, which Python's zlib does not
+    expose): so chunks checksummed by parallel threads check against one CRC-32 per unit."""
+    return _multmodp(_x8nmodp(len2), crc1) ^ crc2
 
 
 def _check_layout(units: dict[str, PackedUnit], size: int) -> None:

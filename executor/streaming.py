@@ -16,7 +16,8 @@ array's memory is not coherent with the GPU's reads there). Reads finish
 the filesystem refuses (``EINVAL``) switches the file to buffered reads for the rest of the run,
 with one warning line. A read that ends before the unit does (the file is shorter than the
 manifest says) or fails otherwise raises a ``StrataError`` in the compute thread, never silently
-wrong weights.
+wrong weights. Every unit read is checked against its CRC-32 (``PackStore.check_read``) by the
+threads that read it, before the slot is handed over: a mismatch raises ``PackCorruptError``.
 """
 
 from __future__ import annotations
@@ -24,15 +25,17 @@ from __future__ import annotations
 import mmap
 import threading
 import time
+import zlib
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 
 import mlx.core as mx
 import numpy as np
 from strata.common.errors import StrataError
+from strata.executor import pack as _pack
 from strata.executor.direct_io import ALIGN, UncachedFile, pread_into
 from strata.executor.ops import QuantLinear
-from strata.executor.pack import PackedUnit, PackStore
+from strata.executor.pack import PackedUnit, PackStore, crc32_combine
 
 CHUNK = 4 << 20
 """Read size per preadv call, bytes: 4 MiB, the profile's direct-I/O test block."""
@@ -49,7 +52,7 @@ class SlotArena:
     (``executor.experts``).
 
     Args:
-        path: the packed store file.
+        store: the packed store (its file is read; its CRC-32s check every read).
         slots: number of slots.
         slot_bytes: bytes per slot (the largest unit it will hold).
         io_threads: threads issuing one unit's chunk reads in parallel.
@@ -60,7 +63,7 @@ class SlotArena:
 
     def __init__(
         self,
-        path,
+        store: PackStore,
         slots: int,
         slot_bytes: int,
         io_threads: int,
@@ -79,7 +82,8 @@ class SlotArena:
             base = (-addr) % ALIGN
             self._views.append(mv[base : base + slot_bytes])
             self._base.append(base)
-        self.file = UncachedFile(path)
+        self.store = store
+        self.file = UncachedFile(store.path)
         self._staged = self.file.direct and stage_direct_reads
         self._stage = threading.local()  # per I/O thread: an aligned CHUNK-byte host buffer
         self.io = ThreadPoolExecutor(max(1, io_threads), thread_name_prefix="strata-io")
@@ -110,18 +114,21 @@ class SlotArena:
                 self.file.fall_back(fd, offset, e)  # re-raises anything else
 
     def read(self, slot: int, unit: PackedUnit) -> int:
-        """Read ``unit``'s packed bytes into ``slot`` (chunks in parallel); the bytes the OS
-        returned.
+        """Read ``unit``'s packed bytes into ``slot`` (chunks in parallel) and check them
+        against the unit's CRC-32 (each chunk's CRC-32 computed in the thread that read it, over
+        the slot's bytes; zlib releases the GIL); the bytes the OS returned.
 
         Raises:
             StrataError: the file ends before the unit (the pack file is damaged).
+            PackCorruptError: the bytes read are not the ones built (``PackStore.check_read``).
             OSError: the OS refused a read (``EINVAL`` on a direct read is not refused: the
                 file falls back to buffered reads).
         """
         view = self._views[slot]
         chunks = [(o, min(CHUNK, unit.nbytes - o)) for o in range(0, unit.nbytes, CHUNK)]
+        check = _pack._CHECK_READS
 
-        def one(chunk: tuple[int, int]) -> int:
+        def one(chunk: tuple[int, int]) -> tuple[int, int]:
             off, n = chunk
             if self._staged:
                 buf = getattr(self._stage, "buf", None)
@@ -137,9 +144,15 @@ class SlotArena:
                     f"ended after {got} of {n} bytes at offset {unit.offset + off}; the pack file "
                     "is damaged — delete it to rebuild"
                 )
-            return got
+            return got, zlib.crc32(view[off : off + got]) if check else 0
 
-        return sum(self.io.map(one, chunks))
+        done = list(self.io.map(one, chunks))
+        if check:
+            crc = 0
+            for (_, n), (_, part_crc) in zip(chunks, done, strict=True):
+                crc = crc32_combine(crc, part_crc, n)
+            self.store.check_read(unit, crc)
+        return sum(got for got, _ in done)
 
     def arrays(self, slot: int, unit: PackedUnit) -> dict[str, QuantLinear | mx.array]:
         """The unit's tensors as views of ``slot`` (by the pack's tensor names)."""
@@ -192,7 +205,7 @@ class StreamPool:
             raise StrataError(f"the plan's pool has {slots} slots; streaming needs at least 1")
         self.units: list[PackedUnit] = [store.units[u] for u in schedule]
         self.arena = SlotArena(
-            store.path,
+            store,
             slots,
             max(u.nbytes for u in self.units),
             io_threads,

@@ -87,6 +87,7 @@ class WeightStore:
                 raise PlanError("a plan without the model's sha256 cannot stream it from NVMe")
             self._pack = PackStore.open_or_build(g, desc, desc.model.sha256)
             self._row_fd = os.open(self._pack.path, os.O_RDONLY)
+            self._rows_checked: set[str] = set()  # streamed tables checked whole (``rows``)
         self._expert_units = {u.name: u for u in desc.units if u.expert is not None}
         for u in desc.units:
             if u.expert is None:
@@ -414,10 +415,22 @@ class WeightStore:
         """Rows of a streamed table read from the packed store (one read per row and part,
         ``direct_io.pread_into``: short reads continued, ``EINTR`` retried).
 
+        Single rows cannot be checked against the unit's CRC-32, so the unit is read through
+        and checked whole on its first use (``PackStore.check_unit``).
+
         Raises:
             StrataError: the file ends inside a row (the pack file is damaged).
+            PackCorruptError: the unit's bytes are not the ones built.
         """
         packed = self._pack.units[unit]
+        if unit not in self._rows_checked:
+            try:
+                self._pack.check_unit(packed)
+            except OSError as e:
+                raise StrataError(
+                    f"cannot read {unit} from the packed store {self._pack.path}: {e.strerror or e}"
+                ) from None
+            self._rows_checked.add(unit)
         parts = {p.kind: p for p in packed.parts if p.tensor == name}
         arrays = {}
         for kind, p in parts.items():

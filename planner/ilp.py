@@ -80,7 +80,9 @@ from __future__ import annotations
 
 import functools
 import math
+import os
 import re
+import signal
 import subprocess
 import tempfile
 import time
@@ -89,6 +91,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import pulp
+from strata.common.children import tied_to_parent
 from strata.common.errors import PlanError
 from strata.common.schemas import (
     TIERS,
@@ -229,6 +232,82 @@ def cbc_version() -> str:
         if line.strip().startswith("Version:"):
             return line.split(":", 1)[1].strip()
     return "unknown"
+
+
+class _TiedCBC(pulp.PULP_CBC_CMD):
+    """PuLP's bundled CBC, run as a child that dies with the planner.
+
+    PuLP's ``solve_CBC`` starts CBC with a bare ``subprocess.Popen``: a planner killed outright
+    (SIGKILL, the OOM killer, a caller's timeout) left CBC searching, a CPU busy until its time
+    limit with nobody to read the answer. This runs the command line PuLP builds on its MPS path
+    (:meth:`command`) under :func:`strata.common.children.tied_to_parent` (SIGKILL when the
+    planner dies, Linux) and reads the solution with PuLP's own reader, so a solve is otherwise
+    PuLP's. Only what ``_cbc`` passes is supported: LP files, ``presolve`` and ``cuts`` are not.
+    """
+
+    def command(self, lp: pulp.LpProblem, mps: str, sol: str, mst: str | None) -> list[str]:
+        """CBC's arguments, as PuLP's ``COIN_CMD.solve_CBC`` builds them from the model file
+        ``mps``, the warm start ``mst`` (None: none), the time limit and the options."""
+        args = [self.path, mps]
+        if lp.sense == pulp.LpMaximize:
+            args.append("-max")
+        if mst is not None:
+            args += ["-mips", mst]
+        if self.timeLimit is not None:
+            args += ["-sec", str(self.timeLimit)]
+        for option in self.options + self.getOptions():
+            args += f"-{option}".split()
+        args += ["-solve" if self.mip else "-initialSolve", "-printingOptions", "all"]
+        return [*args, "-solution", sol]
+
+    def solve_CBC(self, lp: pulp.LpProblem, use_mps: bool = True) -> int:
+        """Solve ``lp`` with CBC and assign its values and status to ``lp`` (PuLP's contract).
+
+        Raises:
+            PlanError: CBC exited with an error or wrote no solution (its log's last line).
+        """
+        if (
+            not use_mps
+            or self.optionsDict.get("presolve") is not None
+            or self.optionsDict.get("cuts") is not None
+        ):
+            raise PlanError("the planner's CBC runner takes MPS files without presolve or cuts")
+        mps, sol, mst = self.create_tmp_files(lp.name, "mps", "sol", "mst")
+        try:
+            vs, variables, constraints, _ = lp.writeMPS(mps, rename=1)
+            warm = bool(self.optionsDict.get("warmStart", False))
+            if warm:
+                self.writesol(mst, lp, vs, variables, constraints)
+            log_path = self.optionsDict.get("logPath") or os.devnull
+            with open(log_path, "w") as log:
+                done = subprocess.run(
+                    self.command(lp, mps, sol, mst if warm else None),
+                    stdin=subprocess.DEVNULL,
+                    stdout=log,
+                    stderr=log,
+                    preexec_fn=tied_to_parent(signal.SIGKILL),
+                    check=False,
+                )
+            if done.returncode != 0 or not os.path.exists(sol):
+                tail = ""
+                if log_path != os.devnull:
+                    lines = Path(log_path).read_text(errors="replace").strip().splitlines()
+                    tail = f": {lines[-1].strip()}" if lines else ""
+                raise PlanError(
+                    f"CBC ({self.path}) exited with status {done.returncode} and no solution"
+                    f"{tail}; re-run, or reinstall PuLP (bash scripts/setup.sh)"
+                )
+            status, values, reduced, prices, slacks, sol_status = self.readsol_MPS(
+                sol, lp, vs, variables, constraints
+            )
+        finally:
+            self.delete_tmp_files(mps, sol, mst)
+        lp.assignVarsVals(values)
+        lp.assignVarsDj(reduced)
+        lp.assignConsPi(prices)
+        lp.assignConsSlack(slacks, activity=True)
+        lp.assignStatus(status, sol_status)
+        return status
 
 
 def solver_description(time_limit_s: float = 30) -> str:
@@ -738,7 +817,7 @@ def _cbc(
             # No ``threads`` option: CBC's default (0) searches on the calling thread. With
             # ``-threads 1`` CBC 2.10.3 starts one worker thread that, when the search ends at
             # the root, sometimes waits 10 s to start ("waiting to start 10.000" in its log).
-            cmd = pulp.PULP_CBC_CMD(
+            cmd = _TiedCBC(
                 msg=False,
                 timeLimit=max(1.0, deadline - time.perf_counter()),
                 options=options,

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import hmac
+import importlib
 import ipaddress
 import signal
 import socket
@@ -31,6 +32,7 @@ from starlette.responses import Response
 from starlette.routing import Route
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from strata.common.errors import StrataError
+from strata.executor.chat import DEFAULT_RENDER_WORKERS, RenderPool
 from strata.executor.server.access_log import AccessLog
 from strata.executor.server.generation import ServerState
 from strata.executor.server.metrics import ServerMetrics
@@ -163,6 +165,7 @@ def create_app(
     chat_template: ChatTemplate | None = None,
     access_log: bool = True,
     limits: ServerLimits | None = None,
+    render_workers: int = DEFAULT_RENDER_WORKERS,
 ) -> Starlette:
     """The ASGI application over a started ``ServingEngine``.
 
@@ -176,6 +179,11 @@ def create_app(
         access_log: write one line per request on stderr (``server.access_log``); False:
             none (``serve --quiet``).
         limits: the waiting-queue limit and body read timeout (default: ``ServerLimits()``).
+        render_workers: chat template render workers (``chat.RenderPool``, started as chats
+            need them; ``app.state.strata.renders.close()`` stops them).
+
+    Raises:
+        ChatError: ``render_workers`` outside 1..``chat.MAX_RENDER_WORKERS``.
     """
     server_metrics = ServerMetrics()
     app = Starlette(
@@ -205,6 +213,7 @@ def create_app(
         int(time.time()),
         chat_template=chat_template,
         limits=limits or ServerLimits(),
+        renders=RenderPool(render_workers),
     )
     return app
 
@@ -246,12 +255,38 @@ def _refusal(status: int, reason: str, message: str) -> bytes:
     ).encode() + body
 
 
+HTTPTOOLS_MISSING = "httptools is missing: reinstall with `bash scripts/setup.sh`"
+"""The error of a server started without httptools (a pinned dependency, pyproject.toml)."""
+
+
+def require_httptools() -> None:
+    """Refuse to serve without httptools: uvicorn would fall back to h11, which caps a request
+    head's size but has no head timeout (a client sending one byte a minute holds a connection
+    for ever), so the server never runs without the checks of :func:`_guarded_protocol`.
+
+    Raises:
+        StrataError: httptools (or uvicorn's protocol over it) cannot be imported;
+            ``HTTPTOOLS_MISSING``.
+    """
+    try:
+        importlib.import_module("uvicorn.protocols.http.httptools_impl")
+    except ImportError:
+        raise StrataError(HTTPTOOLS_MISSING) from None
+
+
 def _guarded_protocol(read_timeout_s: float) -> type:
     """uvicorn's httptools protocol with the limits uvicorn lacks: a request head (request line
     and headers) of at most ``MAX_HEADER_BYTES`` and ``MAX_HEADERS`` fields (else 431), sent
     within ``read_timeout_s`` seconds of the connection opening or of the last response
     (else 408; a connection that sent nothing is just closed). Each check closes the connection.
-    Bytes are counted as they arrive, so at most one read (256 KiB) past the cap is buffered."""
+    Bytes are counted as they arrive, so at most one read (256 KiB) past the cap is buffered.
+    There is no fallback: uvicorn's h11 protocol has no head timeout, so without httptools the
+    server does not start (``serve`` checks first, :func:`require_httptools`).
+
+    Raises:
+        StrataError: httptools is missing (``HTTPTOOLS_MISSING``).
+    """
+    require_httptools()
     from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
     class GuardedHttpTools(HttpToolsProtocol):
@@ -409,10 +444,7 @@ def _uvicorn_server(
                 for sig, handler in original.items():
                     signal.signal(sig, handler)
 
-    try:
-        http: object = _guarded_protocol(state.limits.read_timeout_s)
-    except ImportError:  # no httptools: h11 caps the head's size, it has no head timeout
-        http = "h11"
+    http = _guarded_protocol(state.limits.read_timeout_s)  # no h11 fallback: it has no head timeout
     config = uvicorn.Config(
         app,
         log_level="warning",
@@ -420,7 +452,6 @@ def _uvicorn_server(
         lifespan="off",
         timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
         http=http,  # type: ignore[arg-type]
-        h11_max_incomplete_event_size=MAX_HEADER_BYTES,
         timeout_keep_alive=KEEP_ALIVE_S,  # type: ignore[arg-type]
         limit_concurrency=max_connections,
     )
@@ -447,6 +478,7 @@ def serve(
     access_log: bool = True,
     limits: ServerLimits | None = None,
     max_connections: int = DEFAULT_MAX_CONNECTIONS,
+    render_workers: int = DEFAULT_RENDER_WORKERS,
 ) -> None:
     """Load a plan and serve it until Ctrl-C or SIGTERM (``strata serve``).
 
@@ -459,17 +491,21 @@ def serve(
     None: the GGUF's, else the built-in one for its architecture, said on stderr);
     ``access_log``: one line per request on stderr (False: ``--quiet``); ``limits``: the
     waiting-queue limit and read timeout (``--max-waiting``, ``--read-timeout``);
-    ``max_connections``: open connections past which requests get 503 (``--max-connections``).
+    ``max_connections``: open connections past which requests get 503 (``--max-connections``);
+    ``render_workers``: chat template render workers (``--render-workers``; one started before
+    requests are taken, the rest as chats overlap, all killed when the server stops).
     Warns on stderr when the address is not a loopback one and no API key is set.
 
     Raises:
-        StrataError: the address cannot be used, or the plan cannot be loaded.
+        StrataError: httptools is missing (``HTTPTOOLS_MISSING``), the address cannot be used,
+            or the plan cannot be loaded.
     """
-    from strata.executor.chat import chat_template_for, start_render_worker
+    from strata.executor.chat import chat_template_for
     from strata.executor.engine import Engine
     from strata.executor.plan_loader import load_plan
     from strata.executor.serving import ServingEngine
 
+    require_httptools()  # before binding and loading: the server never runs without its checks
     sock = bind_socket(host, port)  # before loading: a busy port fails in a second, not after
     if api_key is None and not _loopback(sock):
         print(
@@ -501,13 +537,21 @@ def serve(
                     chat_template = template
                 bound = sock.getsockname()[1]
                 shown = f"[{host}]" if ":" in host else host
-                app = create_app(serving, name, api_key, chat_template, access_log, limits)
-                start_render_worker()  # the first chat pays no start-up
+                app = create_app(
+                    serving, name, api_key, chat_template, access_log, limits, render_workers
+                )
+                renders: RenderPool = app.state.strata.renders
+                try:
+                    renders.start()  # the first chat pays no start-up
 
-                def ready() -> None:
-                    print(f"serving {name} on http://{shown}:{bound}", file=sys.stderr, flush=True)
+                    def ready() -> None:
+                        print(
+                            f"serving {name} on http://{shown}:{bound}", file=sys.stderr, flush=True
+                        )
 
-                _uvicorn_server(app, ready, max_connections).run(sockets=[sock])
+                    _uvicorn_server(app, ready, max_connections).run(sockets=[sock])
+                finally:
+                    renders.close()  # no worker outlives the server, even one mid-render
             finally:
                 serving.close()
                 print("stopped", file=sys.stderr, flush=True)

@@ -16,6 +16,8 @@ Requests beyond the batch limits wait in the scheduler (first come, first served
 ``ServerLimits.max_waiting`` of them (``serve --max-waiting``): past that a request gets 429 with
 ``Retry-After`` at once rather than an unbounded wait; a waiting stream gets SSE comments
 (``streaming.QUEUED_COMMENT``) until its first token, so that clients and proxies see it alive.
+A chat waits for one of the server's chat template render workers (``ServerState.renders``) at
+most ``chat.RENDER_WAIT_S``, then gets 503 with ``Retry-After``.
 
 Disconnects. Each generating request has a watcher task on the ASGI ``receive`` channel; when
 the client goes away (``http.disconnect``) it wakes the request's queue, which then aborts the
@@ -40,6 +42,7 @@ from typing import TYPE_CHECKING, Any
 
 from starlette.types import Receive
 from strata.common.errors import StrataError
+from strata.executor.chat import RenderPool
 from strata.executor.sampling import SamplingParams
 from strata.executor.server.metrics import ServerMetrics
 from strata.executor.server.protocol import APIError, ServerLimits, engine_error
@@ -311,6 +314,8 @@ class ServerState:
         limits: what one client may take (``serve``'s options).
         chat_template: the template of chat completions (``serve --chat-template``, or a
             built-in for a GGUF without one); None: the GGUF's.
+        renders: the server's chat template render workers (``serve --render-workers``; made
+            with one worker, started on the first chat, where not given).
     """
 
     engine: ServingEngine
@@ -321,6 +326,7 @@ class ServerState:
     chat_template: ChatTemplate | None = None
     closing: bool = False
     limits: ServerLimits = field(default_factory=ServerLimits)
+    renders: RenderPool = field(default_factory=RenderPool)
     _mailbox: _Mailbox | None = None
 
     def check_queue(self) -> None:

@@ -14,7 +14,12 @@ from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response
 from strata.common.errors import StrataError
-from strata.executor.chat import BUILTIN_TEMPLATES, messages_to_ids
+from strata.executor.chat import (
+    BUILTIN_TEMPLATES,
+    RENDER_RETRY_AFTER_S,
+    RenderBusy,
+    messages_to_ids,
+)
 from strata.executor.server.generation import Generation, ServerState
 from strata.executor.server.logprobs import TextOffsets, chat_logprobs, completion_logprobs
 from strata.executor.server.protocol import (
@@ -132,9 +137,24 @@ async def chat_completions(request: Request) -> Response:
     messages = [m.for_template() for m in body.messages]
     state.check_queue()  # before the render: a refused request costs nothing
     try:
-        # Always in a worker thread: the render waits on the render worker process (up to
-        # chat.RENDER_TIMEOUT_S for a template that loops), which the loop must not.
-        ids = await run_in_threadpool(messages_to_ids, tok, messages, template, True, name)
+        # A render worker is waited for on the loop (at most renders.wait_s, holding no
+        # thread); the render itself always runs in a worker thread: it waits on the worker
+        # process (up to chat.RENDER_TIMEOUT_S for a template that loops, and a kill and
+        # restart past it), which the loop must not.
+        lease = await state.renders.lease_async()
+        try:
+            render = functools.partial(messages_to_ids, lease=lease)
+            ids = await run_in_threadpool(render, tok, messages, template, True, name)
+        finally:
+            lease.release()  # at once if the render never began (e.g. malformed messages)
+    except RenderBusy as e:  # no worker came free in time, or the server is stopping
+        raise APIError(
+            503,
+            str(e),
+            "server_error",
+            code="render_busy",
+            headers={"Retry-After": str(RENDER_RETRY_AFTER_S)},
+        ) from None
     except StrataError as e:  # ChatError, or a TokenizerError
         raise APIError(400, str(e), param="messages") from None
     gen = await _start(state, body, ids, None, "messages")

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import re
 from pathlib import Path
 from types import SimpleNamespace
@@ -228,6 +229,114 @@ def test_the_worker_renders_as_in_process_and_never_hands_a_reply_to_the_next_jo
     assert render_chat(GEMMA_TEMPLATE, other, "<bos>", "<eos>") == chat._render_here(
         {**job, "messages": other}
     )
+
+
+LOOP = "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}"
+"""A template that would loop for hours: each render of it holds its worker for the budget."""
+
+
+def test_a_render_pool_lends_each_worker_to_one_render_and_bounds_the_wait() -> None:
+    """Two looping renders at once, in a pool of three, leave the third worker to a normal
+    render, which takes its own time (a worker start and a round trip), not their 2 s; with
+    every worker busy a lease waits at most its bound, then gets ``RenderBusy`` naming the
+    cause; a worker given back goes to the first waiting task."""
+    import asyncio
+    import threading
+    import time
+
+    from strata.executor.chat import RENDER_TIMEOUT_S, RenderBusy, RenderPool
+
+    pool = RenderPool(3)
+    try:
+        pool.start()
+        hostile: list[str] = []
+
+        def loop_render() -> None:
+            with pytest.raises(ChatError, match="took over 2 s") as e:
+                render_chat(LOOP, MESSAGES[:1], "", "", lease=pool.lease(1))
+            hostile.append(str(e.value))
+
+        threads = [threading.Thread(target=loop_render) for _ in range(2)]
+        t0 = time.monotonic()
+        for t in threads:
+            t.start()
+        time.sleep(0.3)  # both loops hold a worker
+        normal = render_chat("{{ messages[0].content }}", MESSAGES, "", "", lease=pool.lease(0))
+        took = time.monotonic() - t0 - 0.3
+        assert normal == "You are terse."
+        assert took < RENDER_TIMEOUT_S / 2, took  # not behind the loops
+        for t in threads:
+            t.join()
+        assert len(hostile) == 2
+
+        async def all_busy() -> None:
+            leases = [await pool.lease_async(0) for _ in range(3)]
+            t1 = time.monotonic()
+            with pytest.raises(RenderBusy, match="all busy: none of the 3 render workers") as e:
+                await pool.lease_async(0.3)
+            assert 0.3 <= time.monotonic() - t1 < 1.0
+            assert "within 0.3 s; retry after 2 s" in str(e.value)
+            with pytest.raises(RenderBusy, match="all busy"):
+                pool.lease(0.1)  # a thread's wait is bounded too
+            asyncio.get_running_loop().call_later(0.2, leases[0].release)
+            t1 = time.monotonic()
+            got = await pool.lease_async(2)  # handed the released worker
+            assert time.monotonic() - t1 < 1.0
+            for lease in (got, *leases):
+                lease.release()  # twice for leases[0]: harmless
+
+        asyncio.run(all_busy())
+        assert len(pool._free) == 3  # every worker came back, none twice
+    finally:
+        pool.close()
+
+
+def test_closing_a_render_pool_kills_every_worker_even_mid_render() -> None:
+    """``close`` (the server's shutdown) kills and reaps every worker, one in the middle of a
+    looping render included, within a second; that render ends in ``RenderBusy`` (a 503, not
+    the template's 400) and later leases are refused."""
+    import threading
+    import time
+
+    from strata.executor.chat import RenderBusy, RenderPool
+
+    pool = RenderPool(2)
+    pool.start()
+    lease = pool.lease(0)
+    ended: list[BaseException] = []
+
+    def loop_render() -> None:
+        try:
+            render_chat(LOOP, MESSAGES[:1], "", "", lease=lease)
+        except ChatError as e:
+            ended.append(e)
+
+    pool.lease(0).render(  # the second worker starts too
+        {
+            "template": "x",
+            "messages": MESSAGES,
+            "bos_token": "",
+            "eos_token": "",
+            "add_generation_prompt": True,
+        },
+        "t",
+    )
+    thread = threading.Thread(target=loop_render)
+    thread.start()
+    time.sleep(0.3)
+    pids = [w._proc.pid for w in pool._workers if w._proc is not None]
+    assert len(pids) == 2
+    t0 = time.monotonic()
+    pool.close()
+    thread.join()
+    assert time.monotonic() - t0 < 1.0
+    assert len(ended) == 1 and isinstance(ended[0], RenderBusy), ended
+    assert "shutting down" in str(ended[0])
+    for pid in pids:
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)  # gone and reaped: no orphan, no zombie
+    with pytest.raises(RenderBusy, match="shutting down"):
+        pool.lease(0)
 
 
 def test_deep_nesting_and_huge_error_texts_are_one_short_line() -> None:

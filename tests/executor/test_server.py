@@ -981,6 +981,65 @@ def test_engine_errors_and_missing_template(tokenizer):
         assert r.status_code == 500 and "out of memory" in r.text  # it reached the engine
 
 
+def test_chats_that_get_no_render_worker_in_time_get_503_with_retry_after(tokenizer):
+    """With every render worker held by a template that loops, a chat waits for one at most the
+    pool's wait, then gets 503 ``render_busy`` with ``Retry-After``, naming the cause; a worker
+    freed by the kill serves the next chat; once the workers are stopped (the server's
+    shutdown) a chat gets 503 too, never a 400 blaming the messages."""
+    import asyncio
+
+    from strata.executor.chat import RENDER_RETRY_AFTER_S, RENDER_TIMEOUT_S, ChatTemplate
+    from strata.executor.server import create_app
+
+    template = ChatTemplate(
+        "{% if messages[-1].content == 'loop' %}{% for i in range(100000) %}"
+        "{% for j in range(100000) %}{% endfor %}{% endfor %}{% endif %}"
+        "{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}<assistant>",
+        "--chat-template loop.jinja",
+    )
+    app = create_app(FailingEngine(tokenizer), "m", chat_template=template, render_workers=1)
+    renders = app.state.strata.renders
+    renders.wait_s = 0.5
+
+    def body(content: str) -> dict:
+        return {"model": "m", "messages": [{"role": "user", "content": content}], "max_tokens": 2}
+
+    async def run() -> None:
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://t") as client:
+            url = "/v1/chat/completions"
+            loop = asyncio.create_task(client.post(url, json=body("loop")))
+            await asyncio.sleep(0.3)  # the loop holds the only worker
+            t0 = time.monotonic()
+            r = await client.post(url, json=body("Hi"))
+            assert 0.5 <= time.monotonic() - t0 < RENDER_TIMEOUT_S - 0.5
+            err = error_of(r, 503, "chat template renders are all busy", "--render-workers")
+            assert err["code"] == "render_busy" and err["type"] == "server_error"
+            assert r.headers["retry-after"] == str(RENDER_RETRY_AFTER_S)
+            error_of(await loop, 400, "--chat-template loop.jinja took over 2 s")
+            r = await client.post(url, json=body("Hi"))  # rendered: it reached the engine
+            assert r.status_code == 500 and "out of memory" in r.text, r.text
+            renders.close()
+            error_of(await client.post(url, json=body("Hi")), 503, "shutting down")
+
+    try:
+        asyncio.run(run())
+    finally:
+        renders.close()
+
+
+@pytest.mark.parametrize("workers", ["0", "17", "-1"])
+def test_render_workers_outside_1_to_16_is_a_one_line_error(workers, tmp_path, capsys):
+    """``serve --render-workers`` takes 1..16: anything else is a one-line error (exit status 2)
+    naming the option and the range, before anything is bound or loaded."""
+    from strata.cli import main
+
+    plan = str(tmp_path / "missing.yaml")  # never reached: the option is checked first
+    assert main(["serve", plan, "--port", "0", "--render-workers", workers]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and f"--render-workers {workers}: give 1..16" in err, err
+
+
 def test_short_prompts_are_tokenized_on_the_event_loop(monkeypatch):
     """Up to ``INLINE_TOKENIZE_CHARS`` characters the prompt is encoded in the calling task
     (a worker-thread round trip costs a prefix-cache hit's TTFT); longer ones in a worker

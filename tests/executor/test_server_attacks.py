@@ -5,8 +5,8 @@ exits on SIGTERM, and its memory has not grown by the gigabytes a template could
 
 One server serves the module: SmolLM2 planned for one running sequence (``max_num_seqs`` 1)
 with ``--max-waiting 1``, ``--read-timeout 2`` (so that slow clients are cut within seconds),
-``--max-connections 150``, a non-ASCII API key and a chat template that misbehaves as the last
-message asks.
+``--max-connections 150``, ``--render-workers 3``, a non-ASCII API key and a chat template that
+misbehaves as the last message asks. When it stops, no render worker outlives it.
 """
 
 from __future__ import annotations
@@ -36,6 +36,7 @@ KEY = "clé-ключ-🔑"
 AUTH = {"Authorization": b"Bearer " + KEY.encode()}
 READ_TIMEOUT = 2
 MAX_CONNECTIONS = 150
+RENDER_WORKERS = 3
 
 # The template's misbehaviour is picked by the last message's content; sizes come from the
 # messages so that Jinja cannot fold them while compiling.
@@ -110,6 +111,7 @@ def server(smollm2_plan, tmp_path_factory) -> Iterator[Server]:
         *("--chat-template", str(template)),
         *("--max-waiting", "1", "--read-timeout", str(READ_TIMEOUT)),
         *("--max-connections", str(MAX_CONNECTIONS)),
+        *("--render-workers", str(RENDER_WORKERS)),
     ]
     with open(log, "w") as err:
         proc = subprocess.Popen(
@@ -134,17 +136,46 @@ def server(smollm2_plan, tmp_path_factory) -> Iterator[Server]:
     finally:
         stop.set()
         watcher.join()
+        workers = _render_workers(proc.pid)
         proc.send_signal(signal.SIGTERM)
         try:
             code = proc.wait(timeout=30)
         finally:
             if proc.poll() is None:
                 proc.kill()
+    alive = [pid for pid in workers if _alive(pid)]  # at once: the server killed and reaped them
+    assert workers and not alive, (workers, alive)
     text = log.read_text()
     assert code == 0, text
     assert "Traceback" not in text, text
     assert "without an API key" not in text  # a key is set
     assert srv.health == [], srv.health
+
+
+def _render_workers(parent: int) -> list[int]:
+    """The pids of ``parent``'s render worker processes (``... --render-worker``)."""
+    pids = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+            cmdline = (entry / "cmdline").read_bytes()
+        except OSError:
+            continue
+        ppid = int(stat.rsplit(")", 1)[1].split()[1])
+        if ppid == parent and b"--render-worker" in cmdline:
+            pids.append(int(entry.name))
+    return pids
+
+
+def _alive(pid: int) -> bool:
+    """Whether ``pid`` runs (a zombie, dead but not reaped, counts as gone)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] != "Z"
 
 
 def _error(r: httpx.Response, status: int, *words: str) -> str:
@@ -180,6 +211,35 @@ def test_hostile_templates_get_400s_and_leave_no_memory_behind(server):
     r = server.post("/v1/chat/completions", hi)
     assert r.status_code == 200, r.text  # the worker was restarted after each kill
     assert server.rss_mib() - rss < 200
+
+
+def test_looping_templates_hold_one_render_worker_each_not_every_chat(server):
+    """Two chats whose template loops, at once, hold two of the three render workers for their
+    2 s; a third, normal chat meanwhile renders in the free one and is answered in about its own
+    time (a worker start and a render: its ``max_tokens`` over the context gets the 400 that
+    follows tokenizing, so no generation is timed), not after theirs."""
+    results: list[httpx.Response] = []
+
+    def hostile() -> None:
+        body = {"messages": [{"role": "user", "content": "loop"}], "max_tokens": 1}
+        results.append(server.post("/v1/chat/completions", body))
+
+    normal = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 10**6}
+    threads = [threading.Thread(target=hostile) for _ in range(2)]
+    for t in threads:
+        t.start()
+    time.sleep(0.3)  # both loops are rendering
+    t0 = time.monotonic()
+    r = server.post("/v1/chat/completions", normal)
+    took = time.monotonic() - t0
+    for t in threads:
+        t.join()
+    _error(r, 400, "plus max_tokens")  # rendered and tokenized
+    assert took < 1.0, took  # the loops end 1.7 s later
+    assert len(_render_workers(server.proc.pid)) <= RENDER_WORKERS
+    assert len(results) == 2
+    for r in results:
+        _error(r, 400, server.template, "took over 2 s")
 
 
 def _connect(server: Server) -> socket.socket:
@@ -403,6 +463,7 @@ def test_loopback_addresses():
 
 def test_serve_option_defaults_match_help():
     """``serve --help`` states the defaults the server module holds."""
+    from strata.executor.chat import DEFAULT_RENDER_WORKERS, MAX_RENDER_WORKERS
     from strata.executor.server.app import DEFAULT_MAX_CONNECTIONS
     from strata.executor.server.protocol import BODY_READ_TIMEOUT_S, DEFAULT_MAX_WAITING
 
@@ -417,4 +478,5 @@ def test_serve_option_defaults_match_help():
     assert f"batch ({DEFAULT_MAX_WAITING})" in text
     assert f"get 503 ({DEFAULT_MAX_CONNECTIONS})" in text
     assert f"body ({BODY_READ_TIMEOUT_S:g})" in text
+    assert f"1..{MAX_RENDER_WORKERS} ({DEFAULT_RENDER_WORKERS})" in text
     json.dumps(text)  # the help is plain text
