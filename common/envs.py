@@ -21,6 +21,11 @@ Variable                   Type    Default             Meaning
                                                        ``false``, ``off`` or ``no`` runs every
                                                        pass eagerly (``1``, ``true``, ``on``,
                                                        ``yes``: on). Empty: the default.
+``STRATA_PIPELINED_STEPS`` boolean on                  Build each greedy serving step while the
+                                                       device computes the one before
+                                                       (``executor.serving``); ``0`` waits for
+                                                       every step's tokens first. Empty: the
+                                                       default.
 ========================== ======= =================== ===========================================
 """
 
@@ -95,6 +100,13 @@ VARIABLES: dict[str, EnvVar] = {
             lambda: True,
             "replay compiled graphs for small resident passes (executor.pass_graph); "
             "0/false/off/no: every pass eager",
+        ),
+        EnvVar(
+            "STRATA_PIPELINED_STEPS",
+            _flag,
+            lambda: True,
+            "build each greedy serving step while the device computes the one before "
+            "(executor.serving); 0/false/off/no: wait for every step's tokens first",
         ),
     )
 }

@@ -153,6 +153,15 @@ class RuntimeConfig:
     event loop's wake-up and one send on the dev CPU (0.2-0.4 ms, ``executor.server``'s path
     from a token event to its first byte on the socket)."""
 
+    pipelined_steps: bool
+    """Build and launch each serving step while the device computes the one before it, where
+    every request of the engine samples greedily without log-probabilities and nothing needs
+    the step's tokens on the host first (no drafter, no unit streamed from NVMe, the embedding
+    table on the device tier): the next step's inputs take the sampled ids as device arrays and
+    the host reads them one step later (``executor.serving``, "Pipelined steps"). MLX's
+    ``generate_step`` does the same with ``mx.async_eval``. Default: ``STRATA_PIPELINED_STEPS``
+    (on unless set off)."""
+
     lend_partial_blocks: bool
     """Lend a cached child block that agrees with at least half a block of a prompt's next
     tokens (``executor.scheduler``: partial-block prefix hits); batch-invariant scheduling keeps
@@ -225,6 +234,7 @@ class RuntimeConfig:
             warm_up_row_buckets=cuda,
             stage_inputs=True,
             lent_copy_yield_s=0.0003,
+            pipelined_steps=envs.get("STRATA_PIPELINED_STEPS"),
             lend_partial_blocks=True,
             stage_direct_reads=cuda,
         )

@@ -356,6 +356,23 @@ class ForwardBatch:
             self._ids = self.to_device(np.asarray(self.ids, dtype=np.int32))
         return self._ids
 
+    def take_ids(self, rows: np.ndarray, tokens: mx.array) -> None:
+        """Rows ``rows`` (int [R]) of the pass take their token ids from ``tokens`` (int32 [R]
+        on the device: a previous step's sampled ids the host has not read, pipelined steps)
+        in place of ``ids``, whose values there are placeholders; the other rows keep theirs.
+        Call it before the pass is built (it sets ``id_array``). A negative token (a previous
+        row whose logits were not finite: its request fails) is read as 0, never as an index
+        before the table."""
+        n = self.num_tokens
+        host = np.asarray(self.ids, dtype=np.int32).copy()
+        host[rows] = 0
+        src = np.zeros(n, dtype=np.int32)
+        src[rows] = np.arange(len(rows), dtype=np.int32)
+        taken = np.zeros(n, dtype=np.int32)
+        taken[rows] = 1
+        fed = mx.maximum(tokens, 0)[self.to_device(src)]
+        self._ids = mx.where(self.to_device(taken) > 0, fed, self.to_device(host))
+
     @property
     def decode_table(self) -> mx.array:
         """``decode_slots`` on the device, int32 [B, L]: made on first use, then kept."""

@@ -38,6 +38,7 @@ from typing import Protocol
 
 import mlx.core as mx
 import numpy as np
+from strata.common.errors import StrataError
 from strata.executor import cuda_attention, pass_graph
 from strata.executor.config import RuntimeConfig
 from strata.executor.host_inputs import InputStaging
@@ -45,7 +46,7 @@ from strata.executor.models.llama import LlamaModel
 from strata.executor.ops import bucket_rows
 from strata.executor.paged_kv import ForwardBatch, PagedKVCache, SeqInput, SequenceCache, slot_table
 from strata.executor.sampling import Sampler, accept_greedy
-from strata.executor.scheduler import ScheduledChunk, SchedulerStep
+from strata.executor.scheduler import PENDING, ScheduledChunk, SchedulerStep
 
 INTERRUPTIBLE_MIN_ROWS = 8
 """A pass given an ``interrupt`` callable is evaluated in pieces from this many rows on where
@@ -229,6 +230,42 @@ class StepOutput:
     draft_accepted: int = 0
     verifications: int = 0
 
+    def count_draft(self, draft: list[int], tokens: list[int]) -> None:
+        """Count a verified chunk: ``tokens`` (the accepted drafts and one more) for ``draft``
+        (an empty draft is a plain decode, not a verification)."""
+        if draft:
+            self.draft_proposed += len(draft)
+            self.draft_accepted += len(tokens) - 1
+            self.verifications += 1
+
+
+def greedy(req: SampledRequest) -> bool:
+    """Whether ``req``'s tokens are its logits' argmax, chosen on the device: temperature 0 and
+    no logit adjustments."""
+    p = req.sampler.params
+    return p.temperature == 0 and not p.adjusts_logits
+
+
+@dataclass
+class LaunchedStep:
+    """A step whose pass and greedy choices are queued on the device, not read yet
+    (:meth:`ModelRunner.launch`).
+
+    Attributes:
+        step: the scheduler step.
+        ids: int32 [S] on the device: each logit row's argmax, -1 where the row's logits are
+            not finite; unevaluated until collected. A step that samples nothing: its logits.
+        logits: the pass's float32 logits [S, vocab] (log-probabilities are read from them).
+        rows: request id -> the ``[lo, hi)`` rows of ``ids`` of its sampling chunk.
+        requests: request id -> the live request (its sampler observes the tokens).
+    """
+
+    step: SchedulerStep
+    ids: mx.array
+    logits: mx.array
+    rows: dict[str, tuple[int, int]]
+    requests: dict[str, SampledRequest]
+
 
 class ModelRunner:
     """The forward passes of one serving engine, on its engine thread.
@@ -267,16 +304,28 @@ class ModelRunner:
         inputs: list[SeqInput],
         interrupt: Callable[[], bool] | None = None,
         head: bool = True,
+        feed: tuple[list[int], mx.array] | None = None,
     ) -> tuple[ForwardBatch, mx.array]:
         """One batched forward pass of ``inputs`` over the KV cache: its layout and its logits
         (unevaluated), its integer inputs staged where the config's ``stage_inputs`` says.
-        ``interrupt`` and ``head``: as :func:`forward`'s.
+        ``interrupt`` and ``head``: as :func:`forward`'s. ``feed``: per input, the index in a
+        device array of ids (the second item) of the token that replaces its last ``PENDING``
+        one, or -1 (:meth:`launch`).
 
         Raises:
             PassInterrupted: ``interrupt`` stopped the pass (its staged buffer is given up).
         """
         staged = self.staging.begin() if self.config.stage_inputs else None
         batch = ForwardBatch.build(inputs, tile=self.tile, staged=staged)
+        if feed is not None:
+            src, tokens = feed
+            # Input i's last row: each input's rows are contiguous and end at its last token.
+            pending = np.flatnonzero(np.array(src) >= 0)
+            if pending.size:
+                last = np.zeros(len(inputs), dtype=np.int64)
+                last[batch.row_inputs] = np.arange(batch.num_tokens)  # the last row wins
+                index = batch.to_device(np.array(src, dtype=np.int32)[pending])
+                batch.take_ids(last[pending], tokens[index])
         logits = forward(self.model, batch, self.kv, interrupt=interrupt, head=head)
         if staged is not None:
             staged.fence(logits)  # the buffer is rewritten once these are computed
@@ -292,11 +341,12 @@ class ModelRunner:
         (:class:`StepOutput`). ``live``: the step's requests by id; ``interrupt``: asked between
         the pass's blocks (:func:`forward`).
 
-        Greedy requests without logit adjustments take one argmax on the device and one host
-        transfer; otherwise the logits come to the host and each request's sampler chooses (or
-        verifies its draft). One request's sampling failing ends that request, not the step's
-        others; a failed pass raises. A step that samples nothing skips the output head where
-        the pass runs in pieces (no one reads its logits).
+        Greedy requests without logit adjustments or log-probabilities take one argmax on the
+        device and one host transfer (:meth:`launch`, then :meth:`collect`); otherwise the
+        logits come to the host and each request's sampler chooses (or verifies its draft).
+        One request's sampling failing ends that request, not the step's others; a failed pass
+        raises. A step that samples nothing skips the output head where the pass runs in pieces
+        (no one reads its logits).
 
         A request whose logits hold NaN or infinity fails (``StepOutput.failed``, naming the
         step: :func:`non_finite_logits`) instead of sampling from them.
@@ -304,6 +354,106 @@ class ModelRunner:
         Raises:
             PassInterrupted: ``interrupt`` stopped the pass; nothing was sampled.
         """
+        want = [i for i, c in enumerate(step.chunks) if c.sample]
+        if all(greedy(live[step.chunks[i].seq.request_id]) for i in want):
+            return self.collect(self.launch(step, live, interrupt=interrupt))
+        batch, logits = self.run(self._inputs(step), interrupt, head=bool(want))
+        out = StepOutput()
+        first = np.cumsum([0, *batch.logit_counts])  # chunk i's rows: first[i]:first[i + 1]
+        host = np.array(logits)  # all logits on the host: the samplers need them
+        for i in want:
+            c = step.chunks[i]
+            rid = c.seq.request_id
+            req = live[rid]
+            rows = host[first[i] : first[i + 1]]
+            if not np.isfinite(rows).all():
+                out.failed[rid] = non_finite_logits(c)
+                continue
+            try:  # one request's sampling failing ends that request, not the step's others
+                toks = out.sampled[rid] = req.sampler.verify(rows, c.draft)
+                req.sampler.observe(toks)  # the penalties count what was generated
+                if req.logprobs is not None:  # token j was chosen from row j of the chunk's rows
+                    out.logprobs[rid] = token_logprobs(rows[: len(toks)], toks, req.logprobs)
+            except Exception as e:
+                out.sampled.pop(rid, None)
+                out.logprobs.pop(rid, None)
+                out.failed[rid] = f"sampling failed: {type(e).__name__}: {e}"
+                continue
+            out.count_draft(c.draft, toks)
+        return out
+
+    def launch(
+        self,
+        step: SchedulerStep,
+        live: Mapping[str, SampledRequest],
+        after: LaunchedStep | None = None,
+        interrupt: Callable[[], bool] | None = None,
+    ) -> LaunchedStep:
+        """Build the step's pass and its greedy choices and queue them on the device
+        (``mx.async_eval``) without waiting: the tokens are read by :meth:`collect`. Every
+        sampling chunk's request must sample greedily without logit adjustments
+        (:func:`greedy`). ``after``: the step launched before this one and not collected yet
+        (pipelined steps): a chunk whose last token is ``PENDING`` takes it from that step's
+        device ids.
+
+        A row's sum is finite only when every logit is (a NaN or an infinity carries into it):
+        such a row's id is -1, in the same transfer. NaN logits would otherwise pick token 0
+        forever. The sum costs about as much as the argmax's own reduction.
+
+        Raises:
+            PassInterrupted: ``interrupt`` stopped the pass; nothing was launched.
+            StrataError: a chunk's ``PENDING`` token is not one ``after`` sampled (a bug).
+        """
+        inputs = self._inputs(step)
+        want = [i for i, c in enumerate(step.chunks) if c.sample]
+        feed = None
+        if after is not None:
+            feed = self._pending_rows(step, after)
+        batch, logits = self.run(inputs, interrupt, head=bool(want), feed=feed)
+        first = np.cumsum([0, *batch.logit_counts])
+        rows = {step.chunks[i].seq.request_id: (int(first[i]), int(first[i + 1])) for i in want}
+        if want:
+            finite = mx.isfinite(mx.sum(logits, axis=-1))
+            ids = mx.where(finite, mx.argmax(logits, axis=-1).astype(mx.int32), -1)
+        else:
+            ids = logits  # evaluated for its KV writes; nothing is read
+        mx.async_eval(ids)
+        return LaunchedStep(step, ids, logits, rows, {r: live[r] for r in rows})
+
+    def collect(self, launched: LaunchedStep) -> StepOutput:
+        """The tokens of a launched step (:meth:`launch`): one host transfer, which waits for
+        its pass (not for a step launched after it).
+
+        Raises:
+            whatever evaluating the pass raises (the step failed).
+        """
+        out = StepOutput()
+        if not launched.rows:
+            mx.eval(launched.ids)
+            return out
+        targets = np.array(launched.ids).tolist()  # one host transfer
+        chunks = {c.seq.request_id: c for c in launched.step.chunks if c.sample}
+        for rid, (lo, hi) in launched.rows.items():
+            c, req = chunks[rid], launched.requests[rid]
+            if min(targets[lo:hi]) < 0:
+                out.failed[rid] = non_finite_logits(c)
+                continue
+            toks = out.sampled[rid] = accept_greedy(targets[lo:hi], c.draft)
+            try:  # one request's failing ends that request, not the step's others
+                req.sampler.observe(toks)
+                if req.logprobs is not None:  # token j was chosen from row j of the chunk's
+                    rows = np.array(launched.logits[lo : lo + len(toks)])
+                    out.logprobs[rid] = token_logprobs(rows, toks, req.logprobs)
+            except Exception as e:
+                out.sampled.pop(rid, None)
+                out.logprobs.pop(rid, None)
+                out.failed[rid] = f"sampling failed: {type(e).__name__}: {e}"
+                continue
+            out.count_draft(c.draft, toks)
+        return out
+
+    def _inputs(self, step: SchedulerStep) -> list[SeqInput]:
+        """The step's chunks as forward-pass inputs over their sequences' KV slots."""
         bs = self.kv.block_size
         inputs = []
         for c in step.chunks:
@@ -313,64 +463,30 @@ class ModelRunner:
             # something to evaluate); only sampling chunks use them; verification needs all.
             wanted = "all" if c.draft else "last"
             inputs.append(SeqInput(c.ids, c.start, slots, wanted, one_per_piece=bool(c.draft)))
-        want = [i for i, c in enumerate(step.chunks) if c.sample]
-        batch, logits = self.run(inputs, interrupt, head=bool(want))
-        out = StepOutput()
-        if not want:
-            mx.eval(logits)
-            return out
-        first = np.cumsum([0, *batch.logit_counts])  # chunk i's rows: first[i]:first[i + 1]
-        rids = {i: step.chunks[i].seq.request_id for i in want}
-        lives = {i: live[rids[i]] for i in want}
-        host: np.ndarray | None = None  # all logits on the host, when sampling needed them
-        plain = (lives[i].sampler.params for i in want)
-        if all(p.temperature == 0 and not p.adjusts_logits for p in plain):
-            # A row's sum is finite only when every logit is (a NaN or an infinity carries into
-            # it): such a row's id is -1, in the same transfer. NaN logits would otherwise pick
-            # token 0 forever. The sum costs about as much as the argmax's own reduction.
-            finite = mx.isfinite(mx.sum(logits, axis=-1))
-            ids = mx.where(finite, mx.argmax(logits, axis=-1).astype(mx.int32), -1)
-            targets = np.array(ids).tolist()  # one host transfer
-            for i in want:
-                rows = targets[first[i] : first[i + 1]]
-                if min(rows) < 0:
-                    out.failed[rids[i]] = non_finite_logits(step.chunks[i])
-                    continue
-                out.sampled[rids[i]] = accept_greedy(rows, step.chunks[i].draft)
-        else:
-            host = np.array(logits)
-        for i in want:
-            rid, req = rids[i], lives[i]
-            if rid in out.failed:
+        return inputs
+
+    @staticmethod
+    def _pending_rows(step: SchedulerStep, after: LaunchedStep) -> tuple[list[int], mx.array]:
+        """For each input of ``step`` whose last token is ``PENDING``: its index in ``after``'s
+        device ids (-1 for the others), and those ids.
+
+        Raises:
+            StrataError: a ``PENDING`` token that ``after`` did not sample (a bug).
+        """
+        src = []
+        for c in step.chunks:
+            ids = c.ids
+            if PENDING not in ids:
+                src.append(-1)
                 continue
-            if host is not None and not np.isfinite(host[first[i] : first[i + 1]]).all():
-                out.failed[rid] = non_finite_logits(step.chunks[i])
-                continue
-            try:  # one request's sampling failing ends that request, not the step's others
-                if host is not None:
-                    rows = host[first[i] : first[i + 1]]
-                    out.sampled[rid] = req.sampler.verify(rows, step.chunks[i].draft)
-                toks = out.sampled[rid]  # token j was chosen from row j of the chunk's rows
-                req.sampler.observe(toks)  # the penalties count what was generated
-                if req.logprobs is not None:
-                    lo = int(first[i])
-                    chosen_from = (
-                        host[lo : lo + len(toks)]
-                        if host is not None
-                        else np.array(logits[lo : lo + len(toks)])
-                    )
-                    out.logprobs[rid] = token_logprobs(chosen_from, toks, req.logprobs)
-            except Exception as e:
-                out.sampled.pop(rid, None)
-                out.logprobs.pop(rid, None)
-                out.failed[rid] = f"sampling failed: {type(e).__name__}: {e}"
-                continue
-            draft = step.chunks[i].draft
-            if draft:  # an empty draft is a plain decode, not a verification
-                out.draft_proposed += len(draft)
-                out.draft_accepted += len(toks) - 1
-                out.verifications += 1
-        return out
+            rid = c.seq.request_id
+            if ids.index(PENDING) != len(ids) - 1 or rid not in after.rows:
+                raise StrataError(
+                    f"request {rid}: a token not yet read from the device is not its last, or "
+                    "not the previous step's; this is a bug in pipelined scheduling"
+                )
+            src.append(after.rows[rid][1] - 1)
+        return src, after.ids
 
     def warm_up(
         self, max_tokens: int, max_seqs: int, context: int, stop: threading.Event | None = None
@@ -430,7 +546,8 @@ class ModelRunner:
 def non_finite_logits(chunk: ScheduledChunk) -> str:
     """The error of a request whose logits are NaN or infinite: which step (prefill, or the
     decode step's number) and position, and what to check."""
-    done = len(chunk.seq.output_ids)
+    # Outputs known when the chunk was scheduled (its sequence may have advanced since).
+    done = chunk.start + chunk.num_tokens - len(chunk.draft) - len(chunk.seq.prompt_ids)
     step = "the prompt's prefill" if done == 0 else f"decode step {done}"
     return (
         f"the model produced NaN or infinite logits at {step} (position "

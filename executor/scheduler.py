@@ -70,6 +70,13 @@ from dataclasses import dataclass, field
 from strata.common.errors import StrataError
 from strata.executor.block_pool import BlockPool
 
+PENDING = -1
+"""The id of a token sampled on the device whose value the host has not read yet (pipelined
+steps, ``executor.serving``): ``update`` appends it in place of the token, the next step's pass
+takes the value from the device, and the engine writes the value over it once read. It is
+always a sequence's last token, never part of a committed block (``commit`` hashes only
+computed tokens, and this one is not computed yet)."""
+
 
 class SeqStatus(enum.Enum):
     """Where a sequence is: waiting for admission, running (holds KV blocks), finished."""
@@ -450,6 +457,13 @@ class Scheduler:
         step.preempted.append(seq)
         return seq
 
+    def _at_end(self, seq: Sequence) -> bool:
+        """Whether ``seq`` holds ``max_tokens`` outputs or fills the context: its last token
+        (sampled, perhaps still ``PENDING``) is its last, and nothing more is computed for it.
+        The engine finishes such a sequence before scheduling, except where a pipelined step's
+        token is still on the device."""
+        return len(seq.output_ids) >= seq.max_tokens or seq.num_tokens >= self.max_model_len
+
     def _draft_room(self, seq: Sequence, budget: int) -> int:
         """Draft tokens a decode of ``seq`` may verify this step: ``num_draft_tokens``, capped by
         the step's budget, the outputs ``max_tokens`` still allows after the pending token and
@@ -489,6 +503,9 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
+            if self._at_end(seq):  # its last token ends it: the engine finishes it once read
+                i += 1
+                continue
             n = min(seq.num_tokens - seq.num_computed_tokens, chunk_cap, budget)
             n = self._aligned(seq, seq.num_computed_tokens, n)
             if n <= 0:  # nothing to compute (no token sampled yet), or no aligned end in budget

@@ -83,9 +83,22 @@ from strata.executor.engine import Engine, check_prompt_ids
 from strata.executor.ops import set_row_tile
 from strata.executor.paged_kv import PagedKVCache, slot_table
 from strata.executor.plan_loader import load_draft
-from strata.executor.runner import ModelRunner, PassInterrupted, TokenLogprob
+from strata.executor.runner import (
+    LaunchedStep,
+    ModelRunner,
+    PassInterrupted,
+    StepOutput,
+    TokenLogprob,
+    greedy,
+)
 from strata.executor.sampling import Sampler, SamplingParams
-from strata.executor.scheduler import Scheduler, SchedulerStep, Sequence, check_kv_fits
+from strata.executor.scheduler import (
+    PENDING,
+    Scheduler,
+    SchedulerStep,
+    Sequence,
+    check_kv_fits,
+)
 from strata.executor.self_drafter import SelfDrafter, streamed_units
 
 THREAD_CHECK_S = 1.0
@@ -306,6 +319,17 @@ class ServingEngine:
         self._streams = engine.store.pool is not None  # units stream from NVMe
         self._warm_s, self._start_error = 0.0, None  # the engine thread's start, for start()
         self.steps = self.batched_tokens = 0
+        self.pipelined_steps = 0  # steps launched while the step before was still computing
+        # Pipelined steps (module docstring): the step launched and not yet read, and whether
+        # this engine may pipeline at all (its requests decide step by step).
+        self._inflight: LaunchedStep | None = None
+        embed_tier = engine.store.tier(engine.model.unit_order()[0])
+        self._may_pipeline = (
+            self.config.pipelined_steps
+            and drafter is None
+            and not self._streams
+            and embed_tier == "gpu"
+        )
         # Speculative decoding: draft tokens verified and accepted, verification chunks.
         self.spec_proposed = self.spec_accepted = self.spec_verifications = 0
 
@@ -460,6 +484,7 @@ class ServingEngine:
             "waiting": len(self.scheduler.waiting),
             "preemptions": self.scheduler.num_preemptions,
             "steps": self.steps,
+            "pipelined_steps": self.pipelined_steps,
             "batched_tokens": self.batched_tokens,
             "spec_proposed_tokens": self.spec_proposed,
             "spec_accepted_tokens": self.spec_accepted,
@@ -527,7 +552,7 @@ class ServingEngine:
             return
         stalled = False  # the last step could schedule nothing
         while True:
-            idle = not self.scheduler.has_work()
+            idle = not self.scheduler.has_work() and self._inflight is None
             msgs = []
             try:
                 # Sleep when there is no work; after a step that could schedule nothing (waiting
@@ -556,7 +581,7 @@ class ServingEngine:
                             self.drafter.release(arg)
                 elif kind == "reset":
                     cb.set_result(self._reset_if_idle())
-            if self.scheduler.has_work():
+            if self.scheduler.has_work() or self._inflight is not None:
                 stalled = not self.step()
 
     def _reset_if_idle(self) -> bool:
@@ -582,15 +607,83 @@ class ServingEngine:
         """One scheduler step: drafts, a batched forward pass, sampling (or verification),
         events, then the copies of the KV slots lent by partial prefix-cache hits
         (``Scheduler.take_copies``: after the events, so a request's first token does not wait
-        for them; before the next step, which may read or register those blocks). Returns False
-        when the scheduler had nothing to run."""
+        for them; before the next step, which may read or register those blocks). Where every
+        live request samples greedily the step is pipelined (module docstring): launched, then
+        the step before it read. Returns False when the scheduler had nothing to run."""
+        if self._inflight is not None and not self._pipelining():
+            self._land()  # a request needs this step's tokens on the host before the next
         step = self.scheduler.schedule()
         if not step.chunks:
-            return False
+            if self._inflight is None:
+                return False
+            self._land()
+            return True
         try:
+            if self._pipelining():
+                return self._launch_step(step)
             return self._run_step(step)
         finally:
             self._copy_lent_slots()
+
+    def _pipelining(self) -> bool:
+        """Whether the next step may be launched before the last is read: the engine allows it
+        (``_may_pipeline``) and every live request samples greedily on the device."""
+        return self._may_pipeline and all(greedy(live) for live in self._live.values())
+
+    def _launch_step(self, step: SchedulerStep) -> bool:
+        """Launch ``step`` after the step in flight, then read that one (whose pass ran while
+        this one was built) and record this one with ``PENDING`` tokens."""
+        before = self._inflight
+        try:
+            launched = self.runner.launch(step, self._live, before, self._interrupter(step))
+        except PassInterrupted:
+            if before is not None:
+                self._land()
+            return True  # as in _run_step: nothing of this step counts
+        except Exception as e:
+            if before is not None:
+                self._land()
+            self._fail_step(step, e)
+            return True
+        self._inflight = launched
+        if before is not None:
+            self.pipelined_steps += 1
+            self._land(before)
+        # Its sequences advance now, each sampled token PENDING until read (skipped: those
+        # that the step before ended, or that failed).
+        self.scheduler.update(step, {rid: PENDING for rid in launched.rows})
+        return True
+
+    def _land(self, launched: LaunchedStep | None = None) -> None:
+        """Read the tokens of a launched step (the one in flight unless given) and apply them:
+        each ``PENDING`` token takes its value, then events and finishes as ``_run_step``'s. A
+        step whose pass failed ends its sequences."""
+        if launched is None:
+            launched, self._inflight = self._inflight, None
+        assert launched is not None
+        try:
+            out = self.runner.collect(launched)
+        except Exception as e:
+            self._fail_step(launched.step, e)
+            return
+        for rid, toks in out.sampled.items():
+            live = self._live.get(rid)
+            if live is None or live.seq.output_ids[-1] != PENDING:
+                continue  # finished, aborted or failed meanwhile: its tokens are moot
+            out_ids = live.seq.output_ids
+            del out_ids[-1]
+            out_ids.extend(toks)  # in place of PENDING (greedy: exactly one, no draft)
+        self._apply(launched.step, out, updated=True)
+
+    def _fail_step(self, step: SchedulerStep, e: Exception) -> None:
+        """End every live sequence of a step whose forward pass failed (never the thread); said
+        on stderr where failures are logged (the server; ``run`` says its request's error)."""
+        if self.log_failures:
+            print(f"error: serving step failed: {e}", file=sys.stderr)
+        for c in step.chunks:
+            live = self._live.get(c.seq.request_id)
+            if live is not None:
+                self._finish(live, "error", f"the forward pass failed: {e}")
 
     @property
     def kv(self) -> PagedKVCache | None:
@@ -653,25 +746,36 @@ class ServingEngine:
             # Nothing was sampled and the scheduler was not advanced past the pass.
             return True
         except Exception as e:  # a failed step ends its sequences, never the thread
-            print(f"error: serving step failed: {e}", file=sys.stderr)
-            for c in step.chunks:
-                live = self._live.get(c.seq.request_id)
-                if live is not None:
-                    self._finish(live, "error", f"the forward pass failed: {e}")
+            self._fail_step(step, e)
             return True
+        self._apply(step, out)
+        return True
+
+    def _apply(self, step: SchedulerStep, out: StepOutput, updated: bool = False) -> None:
+        """A computed step's results: counters, failures, the scheduler advanced (unless
+        ``updated``: a pipelined step advanced at launch, its tokens now written over their
+        ``PENDING``), each sequence's new tokens cut at what ends it, events and finishes."""
         # Counted once verified: a failed step or request verifies nothing.
         self.spec_proposed += out.draft_proposed
         self.spec_accepted += out.draft_accepted
         self.spec_verifications += out.verifications
         sampled, logprobs = out.sampled, out.logprobs
         for rid, error in out.failed.items():  # before update, which then skips their chunks
+            live = self._live.get(rid)
+            if live is None:
+                continue  # ended meanwhile (a pipelined step's)
             if self.log_failures:
                 print(f"error: request {rid}: {error}", file=sys.stderr)
-            self._finish(self._live[rid], "error", error)
+            self._finish(live, "error", error)
         self.steps += 1
         self.batched_tokens += step.num_tokens
-        finished = {rid: self._cut(self._live[rid], toks) for rid, toks in sampled.items()}
-        self.scheduler.update(step, sampled)
+        sampled = {rid: toks for rid, toks in sampled.items() if rid in self._live}
+        finished = {
+            rid: self._cut(self._live[rid], toks, len(toks) if updated else 0)
+            for rid, toks in sampled.items()
+        }
+        if not updated:
+            self.scheduler.update(step, sampled)
         for rid, toks in sampled.items():
             live = self._live[rid]
             if self.drafter is not None:
@@ -683,19 +787,20 @@ class ServingEngine:
                 self._emit(live, toks, None, logprobs=lps)
             else:
                 self._finish(live, finished[rid], tokens=toks, logprobs=lps)
-        return True
 
-    def _cut(self, live: _Live, toks: list[int]) -> str | None:
+    def _cut(self, live: _Live, toks: list[int], appended: int = 0) -> str | None:
         """Cut ``toks`` (new tokens of one sequence, in place) at the first that ends it: an
         end-of-generation token (kept), ``max_tokens``, the context; the finish reason or
-        None."""
+        None. ``appended``: how many of them the sequence holds already (a pipelined step's
+        one token, written over its ``PENDING``: never cut, as nothing follows it)."""
         seq, req = live.seq, live.req
-        have = len(seq.output_ids)
+        have = len(seq.output_ids) - appended
+        tokens = len(seq.prompt_ids) + have
         for i, tok in enumerate(toks):
             if tok in self._eog and not req.ignore_eos:
                 del toks[i + 1 :]
                 return "stop"
-            if have + i + 1 >= req.max_tokens or seq.num_tokens + i + 1 >= self.context:
+            if have + i + 1 >= req.max_tokens or tokens + i + 1 >= self.context:
                 del toks[i + 1 :]
                 return "length"
         return None

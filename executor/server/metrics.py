@@ -94,6 +94,9 @@ class ServerMetrics:
             ("preemptions_total", "counter",
              "Sequences preempted (recomputed) for lack of KV blocks.", [("", e["preemptions"])]),
             ("engine_steps_total", "counter", "Engine steps run.", [("", e["steps"])]),
+            ("pipelined_steps_total", "counter",
+             "Engine steps launched while the step before was still computing (their tokens "
+             "read one step later).", [("", e["pipelined_steps"])]),
             ("batched_tokens_total", "counter",
              "Tokens run through the model (prefill chunks and decodes).",
              [("", e["batched_tokens"])]),
