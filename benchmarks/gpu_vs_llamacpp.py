@@ -8,14 +8,15 @@ sequence) and ``llama-batched-bench -npp P -ntg G -npl 1,N`` (``S_TG``, the aggr
 tok/s of N sequences), both with ``-ngl`` as given (99: every layer on the GPU) and flash
 attention on.
 
-Strata, in this process, on a plan of the same GGUF (``--plan``): one engine (weights loaded
-once), then for each variant (``pipelined``: as shipped, each greedy step launched while the one
-before computes; ``sync``: ``pipelined_steps`` off, every step's tokens read before the next is
-built) a serving engine with its warm-up, a short warm round, then for each concurrency c:
-c requests of P random prompt tokens (seeded) and G greedy tokens each, submitted at once. Its
-``decode_tok_s`` is llama-batched-bench's ``S_TG`` measured the same way: the tokens the
-requests emit after the last of them has its first token, over the time from then to the last
-token. Also the TPOT (median over requests of (last - first token time) / (tokens - 1)).
+Strata, in this process, on a plan of the same GGUF (``--plan``): one engine (weights loaded once),
+then for each variant (``pipelined``: as shipped, each greedy step launched while the one before
+computes; ``sync``: ``pipelined_steps`` off, every step's tokens read before the next is built;
+``lone-kernel``: pipelined, and a lone decode attends with the paged kernel, so that its pass is
+compiled) a serving engine with its warm-up, a short warm round, then for each concurrency c: c
+requests of P random prompt tokens (seeded) and G greedy tokens each, submitted at once. Its
+``decode_tok_s`` is llama-batched-bench's ``S_TG`` measured the same way: the tokens the requests
+emit after the last of them has its first token, over the time from then to the last token. Also the
+TPOT (median over requests of (last - first token time) / (tokens - 1)).
 
 Checks: each variant's greedy ids equal the first variant's at the same concurrency (the same
 kernels on the same shapes: pipelining changes when the host reads tokens, not what the device
@@ -50,8 +51,14 @@ from strata.executor.sampling import SamplingParams
 from strata.executor.serving import GenerationRequest, ServingEngine, TokenEvent
 from strata.planner.rescore import judge
 
-VARIANTS = {"pipelined": {"pipelined_steps": True}, "sync": {"pipelined_steps": False}}
-"""Runtime-config overrides of each Strata variant (``executor.config.RuntimeConfig``)."""
+VARIANTS = {
+    "pipelined": {"pipelined_steps": True},
+    "sync": {"pipelined_steps": False},
+    "lone-kernel": {"pipelined_steps": True, "lone_decode_kernel": True},
+}
+"""Runtime-config overrides of each Strata variant (``executor.config.RuntimeConfig``); each
+variant's serving engine (its KV cache, its compiled passes) is made afresh over the one loaded
+model."""
 
 
 def llama_bench(bin_dir: Path, model: Path, ngl: int, gen: int) -> dict:
@@ -134,7 +141,8 @@ def strata_levels(
     out: dict = {}
     try:
         for name in variants:
-            engine.config = base.replace(**VARIANTS[name])  # the serving engine reads it
+            # The serving engine reads the engine's config, the forward pass the model's.
+            engine.config = engine.model.config = base.replace(**VARIANTS[name])
             se = ServingEngine(engine)
             load[f"{name}_warm_up_s"] = round(se.start(), 2)
             try:

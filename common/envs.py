@@ -5,28 +5,32 @@ the attribute, ``envs.STRATA_CACHE``). Each read looks at the environment at tha
 test's ``monkeypatch.setenv`` takes effect at once; the executor reads its settings once, when it
 builds its runtime config (``strata.executor.config.RuntimeConfig.build``).
 
-========================== ======= =================== ===========================================
-Variable                   Type    Default             Meaning
-========================== ======= =================== ===========================================
-``STRATA_API_KEY``         text    none                The API key ``strata serve`` requires
-                                                       (``Authorization: Bearer KEY``) when neither
-                                                       ``--api-key`` nor ``--api-key-file`` is
-                                                       given; surrounding spaces are dropped.
-                                                       Empty: no key.
-``STRATA_CACHE``           path    ``~/.cache/strata`` Where catalog models, their verified sha256s
-                                                       and packed stores (``executor.pack``) are
-                                                       kept. Empty: the default.
-``STRATA_COMPILED_PASSES`` boolean on                  Replay compiled graphs for small resident
-                                                       passes (``executor.pass_graph``); ``0``,
-                                                       ``false``, ``off`` or ``no`` runs every
-                                                       pass eagerly (``1``, ``true``, ``on``,
-                                                       ``yes``: on). Empty: the default.
-``STRATA_PIPELINED_STEPS`` boolean on                  Build each greedy serving step while the
-                                                       device computes the one before
-                                                       (``executor.serving``); ``0`` waits for
-                                                       every step's tokens first. Empty: the
-                                                       default.
-========================== ======= =================== ===========================================
+============================== ======= =================== ===========================================
+Variable                       Type    Default             Meaning
+============================== ======= =================== ===========================================
+``STRATA_API_KEY``             text    none                The API key ``strata serve`` requires
+                                                           (``Authorization: Bearer KEY``) when neither
+                                                           ``--api-key`` nor ``--api-key-file`` is
+                                                           given; surrounding spaces are dropped.
+                                                           Empty: no key.
+``STRATA_CACHE``               path    ``~/.cache/strata`` Where catalog models, their verified sha256s
+                                                           and packed stores (``executor.pack``) are
+                                                           kept. Empty: the default.
+``STRATA_COMPILED_PASSES``     boolean on                  Replay compiled graphs for small resident
+                                                           passes (``executor.pass_graph``); ``0``,
+                                                           ``false``, ``off`` or ``no`` runs every
+                                                           pass eagerly (``1``, ``true``, ``on``,
+                                                           ``yes``: on). Empty: the default.
+``STRATA_LONE_DECODE_KERNEL``  boolean off                 A lone decode attends with Strata's paged
+                                                           kernel (compiled passes then take it) on
+                                                           MLX's CUDA backend; ``1`` turns it on.
+                                                           Empty: the default.
+``STRATA_PIPELINED_STEPS``     boolean on                  Build each greedy serving step while the
+                                                           device computes the one before
+                                                           (``executor.serving``); ``0`` waits for
+                                                           every step's tokens first. Empty: the
+                                                           default.
+============================== ======= =================== ===========================================
 """
 
 from __future__ import annotations
@@ -100,6 +104,13 @@ VARIABLES: dict[str, EnvVar] = {
             lambda: True,
             "replay compiled graphs for small resident passes (executor.pass_graph); "
             "0/false/off/no: every pass eager",
+        ),
+        EnvVar(
+            "STRATA_LONE_DECODE_KERNEL",
+            _flag,
+            lambda: False,
+            "a lone decode attends with Strata's paged kernel on MLX's CUDA backend (compiled "
+            "passes then take it); 1/true/on/yes: on",
         ),
         EnvVar(
             "STRATA_PIPELINED_STEPS",

@@ -57,7 +57,7 @@ def attend(
     """
     rows, heads, d = q.shape[0], q.shape[1], q.shape[-1]
     n = batch.num_tokens
-    if whole_pass(batch, kv, layer, heads, q.dtype, window):
+    if whole_pass(batch, kv, layer, heads, q.dtype, window, config.lone_decode_kernel):
         tables, meta = kernel_layout(batch, rows)
         return cuda_attention.attention(
             q,
@@ -95,6 +95,7 @@ def whole_pass(
     heads: int,
     dtype: mx.Dtype,
     window: int,
+    lone_decode: bool = False,
 ) -> bool:
     """:func:`kernel_attention`, asked once per pass, pool shape and dtype, and window (every
     block's pool has one shape and dtype, and each ask cost a few us of host time per block):
@@ -103,7 +104,8 @@ def whole_pass(
     key = ("whole", pool.dtype, tuple(pool.shape), heads, dtype, window)
     ok = batch.backend.get(key)
     if ok is None:
-        ok = batch.backend[key] = kernel_attention(batch, kv, layer, heads, dtype, window)
+        ok = kernel_attention(batch, kv, layer, heads, dtype, window, lone_decode)
+        batch.backend[key] = ok
     return ok
 
 
@@ -114,6 +116,7 @@ def kernel_attention(
     heads: int,
     dtype: mx.Dtype,
     window: int = 0,
+    lone_decode: bool = False,
 ) -> bool:
     """Whether one call of Strata's paged kernel (``executor.cuda_attention``) attends the whole
     pass in block ``layer`` (sliding ``window``, 0: none): on MLX's CUDA backend, for a pool of
@@ -125,8 +128,10 @@ def kernel_attention(
     too few to fill a GPU, and not against the split design since). Longer prefill chunks keep
     cuDNN (``chunk_attention``). One call for the whole pass saved a few ms a pass over one per
     chunk (a pass's decodes otherwise take a padded gather, a boolean mask and MLX's unfused
-    fallback): docs/kernels.md#the-paged-attention-kernel."""
-    if not batch.chunks and batch.decode_rows < 2 and batch.decode_mask(window) is None:
+    fallback): docs/kernels.md#the-paged-attention-kernel. ``lone_decode``: the kernel takes the
+    lone decode too (``RuntimeConfig.lone_decode_kernel``), so that its pass can be compiled."""
+    lone = not batch.chunks and batch.decode_rows < 2 and batch.decode_mask(window) is None
+    if lone and not lone_decode:
         return False
     pool = kv.keys[layer]
     return (

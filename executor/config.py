@@ -111,6 +111,15 @@ class RuntimeConfig:
     counts the target model's traces and replays (``strata_compiled_pass_traces_total``,
     ``strata_compiled_pass_replays_total``)."""
 
+    lone_decode_kernel: bool
+    """A lone decode (one sequence, one token) attends with Strata's paged kernel
+    (``executor.cuda_attention``), as every other pass on MLX's CUDA backend does, rather than
+    MLX's SDPA over a gather of its keys and values; its pass is then one the compiled passes
+    take (``executor.pass_graph``), replayed from C++ instead of built op by op in Python.
+    Default: off (``STRATA_LONE_DECODE_KERNEL``), until measured on a GPU: the SDPA path was
+    chosen against the kernel's first design, not its split one
+    (docs/kernels.md#the-paged-attention-kernel)."""
+
     max_sequences: int
     """Passes of at most this many sequences are compiled (0: any number). With one: a prompt's
     chunk of up to ``pass_graph.MAX_ROWS`` rows (after a prefix-cache hit, or a short prompt), a
@@ -229,6 +238,7 @@ class RuntimeConfig:
             fused_rope=True,
             explicit_attention_max_queries=32 if cuda else 0,
             compiled_passes=envs.get("STRATA_COMPILED_PASSES"),
+            lone_decode_kernel=envs.get("STRATA_LONE_DECODE_KERNEL"),
             max_sequences=1,
             segment_blocks=4,
             warm_up_row_buckets=cuda,

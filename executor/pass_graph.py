@@ -138,7 +138,10 @@ class PassGraphs:
             return False
         a = m.arch
         windows = {la.window for la in m.layers}
-        return all(kernel_attention(batch, self.kv, 0, a.head_count, m.dtype, w) for w in windows)
+        lone = m.config.lone_decode_kernel
+        return all(
+            kernel_attention(batch, self.kv, 0, a.head_count, m.dtype, w, lone) for w in windows
+        )
 
     def run(self, batch: ForwardBatch, x: mx.array, rows: int) -> mx.array | None:
         """The pass's logits from a compiled graph, or None where the pass runs eagerly

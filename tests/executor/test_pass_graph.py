@@ -257,3 +257,30 @@ def test_a_pass_that_cannot_be_traced_runs_eagerly(segment, models, tmp_path, mo
     assert graphs.disabled and "cannot be traced" in graphs.disabled
     assert graphs.traces == graphs.replays == 0
     assert capsys.readouterr().err.count("compiled passes are off") == 1
+
+
+@pytest.mark.parametrize("name", ["llama3", "gemma3"])
+def test_lone_decodes_compile_with_the_lone_decode_kernel(name, models, tmp_path, monkeypatch):
+    """``lone_decode_kernel``: a lone sequence's decode steps are attended by the paged kernel,
+    so that the compiled passes take them (traced once, then replayed step after step), with the
+    greedy ids of the eager decodes that MLX's SDPA attends (gemma3: its sliding window too)."""
+    from strata.executor.generate import generate
+    from strata.executor.sampling import SamplingParams
+    from strata.executor.serving import ServingEngine
+
+    _force_kernel_path(monkeypatch)
+    plan = make_plan_file(str(models[name]), tmp_path / "p.yaml", context=256, concurrency=1)
+    prompt = np.random.default_rng(3).integers(0, 200, 5).tolist()
+    got = {}
+    for lone in (False, True):
+        se = ServingEngine(_engine(plan, True, max_sequences=1, lone_decode_kernel=lone))
+        try:
+            se.start(warm_up=False)
+            out = generate(se, prompt, SamplingParams(), 24, stop_at_eog=False)
+            got[lone] = (out.output_ids, pass_graph.counters(se.kv))
+        finally:
+            se.close()
+    assert got[True][0] == got[False][0]
+    assert got[False][1] == (0, 0)  # every decode eager (SDPA)
+    traces, replays = got[True][1]
+    assert traces >= 1 and replays >= 20  # one layout for the lone decodes' table width
