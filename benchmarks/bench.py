@@ -28,11 +28,13 @@ of expected ids (``--check FILE.json``), so that a fast wrong answer never count
 
 from __future__ import annotations
 
+import gc
 import json
 import re
 import time
 from pathlib import Path
 
+import mlx.core as mx
 from strata.common.errors import StrataError
 from strata.executor.diagnose import NON_FINITE_MARK, first_non_finite
 from strata.executor.generate import Generation, generate, serving_for
@@ -246,7 +248,18 @@ def _non_finite(
     weights (``executor.diagnose.first_non_finite``: the weights loaded once more)."""
     m = re.search(r"logits at (.+?\(position \d+\))", str(error))
     step = m.group(1) if m else str(error)
-    found = first_non_finite(loaded, ids)
+    try:
+        found = first_non_finite(loaded, ids)
+    except Exception as e:  # the diagnosis is extra: its failure must not hide the error
+        return NonFiniteBench(
+            f"{error} (diagnosing the first layer failed: {e})",
+            {
+                "plan": str(plan_path),
+                "check": check,
+                "check_passed": False,
+                "non_finite": {"step": step, "first_stage": None, "diagnosis_error": str(e)},
+            },
+        )
     info = {
         "step": step,
         "first_stage": found.stage if found else None,
@@ -323,6 +336,11 @@ def bench(
     finally:
         serving.close()
     if failed is not None:
+        # Closing stops the engine's threads; its weights and KV pool go only with the last
+        # reference, before the diagnosis loads the weights anew.
+        del serving, engine
+        gc.collect()
+        mx.clear_cache()
         raise _non_finite(loaded, plan_path, ids, check, failed)
     resident_tok_s = None
     if check == "resident":

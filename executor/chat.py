@@ -643,10 +643,17 @@ class RenderPool:
                 return RenderLease(self, worker)
             waiter = (loop, loop.create_future())
             self._waiters.append(waiter)
+        future = waiter[1]
         try:
-            return RenderLease(self, await asyncio.wait_for(waiter[1], wait))
-        except TimeoutError:
-            raise self._busy(wait) from None
+            return RenderLease(self, await asyncio.wait_for(future, wait))
+        except BaseException as e:
+            # A worker handed over in the loop turn where the wait ended (timed out, or the task
+            # cancelled: Python 3.12's wait_for then raises with the result set) goes back.
+            if future.done() and not future.cancelled() and future.exception() is None:
+                self.give(future.result())
+            if isinstance(e, TimeoutError):
+                raise self._busy(wait) from None
+            raise
         finally:
             with self._cond, contextlib.suppress(ValueError):
                 self._waiters.remove(waiter)

@@ -178,6 +178,12 @@ class RuntimeConfig:
 
     # ----------------------------------------------------------------- weight streaming
 
+    pinned_ram_tier: bool
+    """RAM-tier units are page-locked and mapped for the device once at load, and each use is
+    copied by a kernel reading them over PCIe (``executor.pinned``), rather than made into a
+    managed-memory array per use, which the GPU faults over page by page. Default: on MLX's CUDA
+    backend (the only one where it applies)."""
+
     stage_direct_reads: bool
     """Direct-I/O reads of streamed units land in a host buffer and are copied into the slot
     (``executor.streaming.SlotArena``), rather than being read straight into it. A DMA from the
@@ -246,6 +252,7 @@ class RuntimeConfig:
             lent_copy_yield_s=0.0003,
             pipelined_steps=envs.get("STRATA_PIPELINED_STEPS"),
             lend_partial_blocks=True,
+            pinned_ram_tier=cuda,
             stage_direct_reads=cuda,
         )
         return config.replace(**overrides) if overrides else config

@@ -51,8 +51,9 @@ def first_non_finite(loaded: LoadedPlan, ids: list[int]) -> NonFiniteStage | Non
     """The first stage of ``ids``'s forward pass (the prompt, in the plan's prefill chunks)
     whose output is not finite, or None where every stage's is.
 
-    Loads the plan's weights on a new engine, closed before returning: call it once the engine
-    that failed is closed, or both hold the weights.
+    Loads the plan's weights on a new engine, closed before returning: call it once nothing
+    references the engine that failed (closing an engine stops its threads; its arrays go with
+    its last reference), or both hold the weights.
 
     Raises:
         StrataError: the plan cannot be loaded, or ``ids`` does not fit its context.

@@ -118,7 +118,9 @@ class Engine:
         self.tokenizer = (
             tokenizer if tokenizer is not None else GGUFTokenizer.from_gguf(loaded.gguf)
         )
-        self.store = WeightStore(loaded.gguf, loaded.desc, plan.tier_of(), self.dtype)
+        self.store = WeightStore(
+            loaded.gguf, loaded.desc, plan.tier_of(), self.dtype, self.config.pinned_ram_tier
+        )
         self.model = model_cls(arch, self.store, self.dtype, self.config)
         self.store.start_streaming(
             self.model.unit_order(),

@@ -16,17 +16,19 @@ too, once, reading the pack through; a mismatch rebuilds it. An unchanged pack c
 
 Bytes are checked again whenever they are used: every streamed read of a whole unit is checked
 against the unit's CRC-32 in the thread that read it, before the compute thread takes the slot
-(``PackStore.check_read``; the I/O threads checksum their chunks and ``crc32_combine`` joins
-them), and a streamed table read by rows (the embedding) is checked whole on its first use
-(``PackStore.check_unit``). A mismatch (bit rot that left the file's modification time alone, a
-bad read) stops the run with a ``PackCorruptError`` naming the pack and the unit, and marks the
-manifest stale, so the next start checks the whole pack and rebuilds it where it is damaged.
+(``PackStore.check_read``; the I/O threads checksum their chunks and ``crc32_combine`` joins them),
+and a streamed table read by rows (the embedding) is checked whole on its first use
+(``PackStore.check_unit``: its rows read later are not checked again). A mismatch (bit rot that left
+the file's modification time alone, a bad read) stops the run with a ``PackCorruptError`` naming the
+pack and the unit, and marks the manifest stale, so the next start checks the whole pack and
+rebuilds it where it is damaged.
 The cost is in docs/hostile-inputs.md.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import sys
 import threading
 import zlib
@@ -162,23 +164,26 @@ class PackStore:
                 "read was; run again: the next start checks the pack and rebuilds it"
             )
 
-    def check_unit(self, unit: PackedUnit) -> None:
-        """Read ``unit`` through (buffered, ``CHECK_CHUNK`` bytes at a time) and check its
-        CRC-32: for a unit that is then read in pieces (a streamed embedding's rows), whose
-        reads cannot be checked one by one against the unit's CRC-32.
+    def check_unit(self, unit: PackedUnit, fd: int) -> None:
+        """Read ``unit`` through from ``fd`` (the open pack the caller then reads rows from,
+        ``CHECK_CHUNK`` bytes at a time, through the page cache) and check its CRC-32: for a unit
+        read in pieces (a streamed embedding's rows), whose reads cannot each be checked against
+        the unit's CRC-32. Rows read after this check are not checked again.
 
         Raises:
             PackCorruptError: as :meth:`check_read`; also when the file ends inside the unit.
             OSError: the pack cannot be read.
         """
-        with open(self.path, "rb") as f:
-            crc = _unit_crc(f, unit)
-        if crc is None:
-            self.mark_stale()
-            raise PackCorruptError(
-                f"the packed store {self.path} ends inside unit {unit.name}: the pack is "
-                "damaged; run again: the next start checks the pack and rebuilds it"
-            )
+        crc, pos, end = 0, unit.offset, unit.offset + unit.nbytes
+        while pos < end:
+            chunk = os.pread(fd, min(end - pos, CHECK_CHUNK), pos)
+            if not chunk:
+                self.mark_stale()
+                raise PackCorruptError(
+                    f"the packed store {self.path} ends inside unit {unit.name}: the pack is "
+                    "damaged; run again: the next start checks the pack and rebuilds it"
+                )
+            crc, pos = zlib.crc32(chunk, crc), pos + len(chunk)
         self.check_read(unit, crc)
 
     def mark_stale(self) -> None:

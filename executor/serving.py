@@ -323,7 +323,8 @@ class ServingEngine:
         # Pipelined steps (module docstring): the step launched and not yet read, and whether
         # this engine may pipeline at all (its requests decide step by step).
         self._inflight: LaunchedStep | None = None
-        embed_tier = engine.store.tier(engine.model.unit_order()[0])
+        # The embedding looks up device ids only where its table is on the device tier.
+        embed_tier = engine.store.tier("token_embd")
         self._may_pipeline = (
             self.config.pipelined_steps
             and drafter is None
@@ -714,6 +715,8 @@ class ServingEngine:
             self.runner.copy_slots(src, dst)
         except Exception as e:  # the blocks would hold wrong KV: no one may read them
             print(f"error: copying lent KV slots failed: {e}", file=sys.stderr)
+            if self._inflight is not None:
+                self._land()  # its tokens read the lent slots, not the copies: they stand
             self.pool.reset_prefix_cache()
             ruined = {c.dst for c in copies}
             for live in list(self._live.values()):
@@ -860,6 +863,9 @@ class ServingEngine:
         logprobs: list[TokenLogprob] | None = None,
     ) -> None:
         self._live.pop(live.req.request_id, None)
+        out = live.seq.output_ids
+        if out and out[-1] == PENDING:  # a pipelined step's token, never read: not generated
+            out.pop()
         if self.drafter is not None:
             self.drafter.release(live.req.request_id)
         if reason in ("abort", "error"):

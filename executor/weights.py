@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import os
 import time
+from collections import deque
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 
@@ -30,10 +31,17 @@ from strata.executor.direct_io import pread_into
 from strata.executor.experts import ExpertCache, RoutingTracker, expert_key, split_gate_up
 from strata.executor.ops import QuantLinear, embedding, to_mlx
 from strata.executor.pack import PackStore, unit_host_tensors
+from strata.executor.pinned import pinned_for
 from strata.executor.streaming import StreamPool
 
 Weight = QuantLinear | mx.array
 HostWeight = PackedWeight | np.ndarray
+
+RAM_UNITS_AHEAD = 2
+"""RAM-tier units whose device copies may be scheduled and not yet computed
+(``WeightStore.release``): the copy of the next unit overlaps the compute of the ones before,
+and the device never holds more than this many units' copies (a lazy pass would otherwise hold
+every RAM unit's copy at once: the whole RAM tier on the device)."""
 
 
 def _host_nbytes(w: HostWeight) -> int:
@@ -62,14 +70,25 @@ class WeightStore:
         desc: its description (tensor -> unit).
         tiers: unit name -> tier ("gpu", "ram", "nvme").
         dtype: compute dtype for float tensors (float32 on CPU).
+        pinned: read the RAM tier from page-locked host memory on MLX's CUDA backend
+            (``executor.pinned``; ``RuntimeConfig.pinned_ram_tier``); ignored elsewhere.
 
     Raises:
         PlanError: a plan streams a model it has no sha256 for.
         StrataError: a tensor has a GGML type the executor cannot load (names tensor and type).
     """
 
-    def __init__(self, g: GGUFFile, desc: ModelDescription, tiers: dict[str, str], dtype: mx.Dtype):
+    def __init__(
+        self,
+        g: GGUFFile,
+        desc: ModelDescription,
+        tiers: dict[str, str],
+        dtype: mx.Dtype,
+        pinned: bool = False,
+    ):
         self.dtype = dtype
+        self._pinned = pinned_for(pinned and "ram" in tiers.values())
+        self._ram_ahead: deque[mx.array] = deque()  # RAM units' results scheduled, not waited
         self.pool: StreamPool | None = None
         self._pack: PackStore | None = None
         self.bytes_read = {"gpu": 0, "ram": 0, "nvme": 0}
@@ -97,12 +116,13 @@ class WeightStore:
             for name, host in unit_host_tensors(g, u, by_name):
                 if u.expert is not None:
                     key = expert_key(name)
-                    held = self._to_device(host) if tiers[u.name] == "gpu" else host
+                    held = self._to_device(host) if tiers[u.name] == "gpu" else self._pin(host)
                     self._experts.setdefault(u.name, {})[key] = held
                 elif tiers[u.name] == "gpu":
                     self._gpu[name] = self._to_device(host)
                 else:
-                    self._ram[name] = host  # the RAM tier is this host copy, not the mapped file
+                    # The RAM tier is this host copy, not the mapped file.
+                    self._ram[name] = self._pin(host)
         for t in g.tensor_infos:
             g.drop_pages(t)
         resident = list(self._gpu.values()) + [
@@ -261,7 +281,7 @@ class WeightStore:
                 out[e] = dict(held)  # type: ignore[arg-type]
                 self.bytes_read["gpu"] += sum(_weight_nbytes(w) for w in held.values())
             else:
-                out[e] = {k: self._to_device(w) for k, w in held.items()}  # type: ignore[arg-type]
+                out[e] = {k: self._ram_to_device(w) for k, w in held.items()}  # type: ignore[arg-type]
                 self.bytes_read["ram"] += sum(_host_nbytes(w) for w in held.values())
                 copied = True
         if copied:
@@ -332,6 +352,44 @@ class WeightStore:
         if self._pack is not None:
             os.close(self._row_fd)
             self._pack = None
+        if self._pinned is not None:
+            mx.synchronize()  # no copy kernel reads the registered arrays any more
+            self._pinned.close()
+            self._pinned = None
+
+    @property
+    def pinned_bytes(self) -> int:
+        """RAM-tier bytes read by the GPU from page-locked host memory (``executor.pinned``)."""
+        return 0 if self._pinned is None else self._pinned.registered_bytes
+
+    def _pin(self, host: HostWeight) -> HostWeight:
+        """Register a RAM-tier host weight's arrays for the device's reads, where pinned
+        copies are on (an array the runtime refuses is copied the ordinary way)."""
+        if self._pinned is not None:
+            parts = (
+                [host.weight, host.scales, host.biases]
+                if isinstance(host, PackedWeight)
+                else [host]
+            )
+            for a in parts:
+                self._pinned.register(a)
+        return host
+
+    def _ram_to_device(self, host: HostWeight) -> Weight:
+        """A RAM-tier weight on the device for one use: copied by the pinned-copy kernel where
+        its arrays are registered, else as :meth:`_to_device` copies."""
+        p = self._pinned
+        if p is not None:
+            if isinstance(host, PackedWeight):
+                parts = [p.to_device(a) for a in (host.weight, host.scales, host.biases)]
+                if all(x is not None for x in parts):
+                    w, sc, b = parts
+                    return QuantLinear(w, sc, b, bits=host.bits, group_size=host.group_size)
+            else:
+                a = p.to_device(host)
+                if a is not None:
+                    return a if a.dtype == self.dtype else a.astype(self.dtype)
+        return self._to_device(host)
 
     def _to_device(self, host: HostWeight) -> Weight:
         w = to_mlx(host)
@@ -366,7 +424,7 @@ class WeightStore:
         else:
             t0 = time.perf_counter()
             for name in self._unit_tensors[unit]:
-                out[name] = self._to_device(self._ram[name])
+                out[name] = self._ram_to_device(self._ram[name])
                 self.bytes_read["ram"] += _host_nbytes(self._ram[name])
             self.copy_seconds += time.perf_counter() - t0
         return out
@@ -382,7 +440,12 @@ class WeightStore:
         if tier == "nvme" and self.pool is not None:
             self.pool.release(result)
         elif tier == "ram":
-            mx.eval(result)
+            # At most RAM_UNITS_AHEAD units' device copies are alive: the unit's result is
+            # scheduled now, and the one that many units back waited for.
+            self._ram_ahead.append(result)
+            mx.async_eval(result)
+            while len(self._ram_ahead) > RAM_UNITS_AHEAD:
+                mx.eval(self._ram_ahead.popleft())
         return result
 
     def rows(
@@ -396,6 +459,11 @@ class WeightStore:
         is made. Returns shape [len(ids), d].
         """
         idx = np.asarray(ids, dtype=np.int64)
+        if self._tier_of_unit[unit] != "gpu" and idx.size and idx.min() < 0:
+            raise StrataError(
+                f"a token id not yet read from the device reached {name}'s lookup on the "
+                f"{self._tier_of_unit[unit]} tier; this is a bug in pipelined scheduling"
+            )
         if self._tier_of_unit[unit] == "gpu":
             w = self._gpu[name]
             table_rows = w.shape[0] if isinstance(w, mx.array) else w.weight.shape[0]
@@ -416,7 +484,8 @@ class WeightStore:
         ``direct_io.pread_into``: short reads continued, ``EINTR`` retried).
 
         Single rows cannot be checked against the unit's CRC-32, so the unit is read through
-        and checked whole on its first use (``PackStore.check_unit``).
+        and checked whole on its first use (``PackStore.check_unit``, a read of the whole table
+        through the page cache on the first request); rows read later are not checked again.
 
         Raises:
             StrataError: the file ends inside a row (the pack file is damaged).
@@ -425,7 +494,7 @@ class WeightStore:
         packed = self._pack.units[unit]
         if unit not in self._rows_checked:
             try:
-                self._pack.check_unit(packed)
+                self._pack.check_unit(packed, self._row_fd)
             except OSError as e:
                 raise StrataError(
                     f"cannot read {unit} from the packed store {self._pack.path}: {e.strerror or e}"

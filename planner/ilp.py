@@ -280,14 +280,20 @@ class _TiedCBC(pulp.PULP_CBC_CMD):
                 self.writesol(mst, lp, vs, variables, constraints)
             log_path = self.optionsDict.get("logPath") or os.devnull
             with open(log_path, "w") as log:
-                done = subprocess.run(
-                    self.command(lp, mps, sol, mst if warm else None),
-                    stdin=subprocess.DEVNULL,
-                    stdout=log,
-                    stderr=log,
-                    preexec_fn=tied_to_parent(signal.SIGKILL),
-                    check=False,
-                )
+                try:
+                    done = subprocess.run(
+                        self.command(lp, mps, sol, mst if warm else None),
+                        stdin=subprocess.DEVNULL,
+                        stdout=log,
+                        stderr=log,
+                        preexec_fn=tied_to_parent(signal.SIGKILL),
+                        check=False,
+                    )
+                except OSError as e:  # missing, or not executable
+                    raise PlanError(
+                        f"CBC ({self.path}) could not be started: {e.strerror or e}; reinstall "
+                        "PuLP (bash scripts/setup.sh)"
+                    ) from None
             if done.returncode != 0 or not os.path.exists(sol):
                 tail = ""
                 if log_path != os.devnull:

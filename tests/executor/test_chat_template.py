@@ -358,3 +358,44 @@ def test_the_help_names_the_built_in_templates() -> None:
     from strata.executor.inputs import BUILTIN_NAMES
 
     assert BUILTIN_NAMES == ", ".join(BUILTIN_TEMPLATES)
+
+
+@pytest.mark.parametrize("how", ["timeout", "cancel"])
+def test_a_worker_handed_over_as_the_wait_ends_goes_back(how, monkeypatch):
+    """A worker handed to a waiting chat in the loop turn where its wait ends (timed out, or
+    the task cancelled) returns to the pool: with Python 3.12's ``wait_for`` (``asyncio.timeout``,
+    used here on any version) the waiter then raises with the future's result set, and the
+    worker was lost for good, the pool shrinking with every such turn."""
+    import asyncio
+
+    from strata.executor.chat import RenderBusy, RenderPool
+
+    scopes = {}
+
+    async def wait_for_312(fut, timeout):
+        async with asyncio.timeout(timeout) as cm:
+            scopes["cm"] = cm
+            return await fut
+
+    monkeypatch.setattr(asyncio, "wait_for", wait_for_312)
+
+    async def main() -> int:
+        pool = RenderPool(1, wait_s=5)
+        try:
+            held = await pool.lease_async()
+            waiting = asyncio.ensure_future(pool.lease_async())
+            await asyncio.sleep(0.01)
+            held.release()  # handed to the waiting task on the loop's next turn
+            if how == "timeout":
+                scopes["cm"].reschedule(asyncio.get_running_loop().time() - 1)
+            else:
+                waiting.cancel()
+            with pytest.raises((RenderBusy, asyncio.CancelledError)):
+                (await waiting).release()
+            lease = await pool.lease_async(0.5)  # the one worker is free again
+            lease.release()
+            return len(pool._free)
+        finally:
+            pool.close()
+
+    assert asyncio.run(main()) == 1

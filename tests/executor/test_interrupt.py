@@ -154,10 +154,14 @@ def test_abort_stops_a_prefill_and_keeps_the_cache_right(smollm2_serving):
 
     events = []
     req = request_for(ids, greedy, 4)
-    steps = serving.metrics()["steps"]
     serving.submit(req, events.append)
     deadline = time.monotonic() + 120
-    while serving.metrics()["steps"] == steps:  # the first chunk done: the second is running
+
+    def first_chunk_done() -> bool:  # its pass computed (on the CPU, block by block)
+        running = list(serving.scheduler.running)
+        return bool(running) and running[0].num_computed_tokens >= 64
+
+    while not first_chunk_done():  # then the second is running
         assert time.monotonic() < deadline
         time.sleep(0.01)
     time.sleep(0.3)
