@@ -950,11 +950,11 @@ def measure_op_overhead(
 def measure_host_to_device(
     nbytes: int, samples: int = 7, *, touch_on_device: bool = False, warmups: int = 2
 ) -> Figure:
-    """Host-to-device copy bandwidth, bytes/s: ``mx.array(numpy_array)`` + ``mx.eval``.
-
-    That is how the executor turns RAM-tier weights into MLX arrays. With ``touch_on_device``
-    (CUDA, whose MLX arrays behave like managed memory), the first device read of the new array
-    (an ``mx.sum``) is included, since that is when the bytes actually cross to the GPU.
+    """Host-to-device copy bandwidth, bytes/s, on the path the executor's RAM tier takes: a
+    page-locked host array copied by ``executor.pinned``'s kernel where that applies (MLX's CUDA
+    backend, ``touch_on_device``), else ``mx.array(numpy_array)`` + ``mx.eval``; there, with
+    ``touch_on_device`` (CUDA, whose MLX arrays behave like managed memory), the first device
+    read of the new array (an ``mx.sum``) is included, since that is when the bytes cross.
 
     Each copy makes a new MLX array and drops it, as the executor does step after step, so MLX's
     allocator state is part of the figure: the source buffer is written before timing (its pages
@@ -965,20 +965,36 @@ def measure_host_to_device(
     larger than the caches (256 MiB: about 0.1 s at 2.5 GB/s).
     """
     import mlx.core as mx
+    from strata.executor.pinned import pinned_for
 
     host = np.arange(nbytes // 4, dtype=np.float32)  # written, so its pages exist before timing
+    # Where the executor reads the RAM tier from page-locked memory (MLX's CUDA backend,
+    # ``executor.pinned``), that is the path measured.
+    pinned = pinned_for(touch_on_device)
+    if pinned is not None and not pinned.register(host):
+        pinned = None
 
     def copy() -> None:
+        if pinned is not None:
+            mx.eval(pinned.to_device(host))
+            return
         x = mx.array(host)
         mx.eval(x)
         if touch_on_device:
             mx.eval(mx.sum(x))
 
-    secs, _ = _time_calls(copy, samples, 0.0, warmups=warmups)
+    try:
+        secs, _ = _time_calls(copy, samples, 0.0, warmups=warmups)
+    finally:
+        if pinned is not None:
+            pinned.close()
     rate = Rate.of(host.nbytes / s if s > 0 else 0.0 for s in secs)
     _say(f"host->device copy: {_gbs(rate.median)} (spread {rate.spread:.0%})")
-    what = "mx.array(numpy float32) + mx.eval"
-    if touch_on_device:
+    if pinned is not None:
+        what = "a page-locked host array copied by a kernel (executor.pinned) + mx.eval"
+    else:
+        what = "mx.array(numpy float32) + mx.eval"
+    if touch_on_device and pinned is None:
         what += " + first device read (mx.sum)"
     return rate.figure(
         f"{what} of {format_size(host.nbytes)} on {mx.default_device()} after {warmups + 1} "
