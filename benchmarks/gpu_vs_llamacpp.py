@@ -12,16 +12,19 @@ Strata, in this process, on a plan of the same GGUF (``--plan``): one engine (we
 then for each variant (``pipelined``: as shipped, each greedy step launched while the one before
 computes; ``sync``: ``pipelined_steps`` off, every step's tokens read before the next is built;
 ``lone-kernel``: pipelined, and a lone decode attends with the paged kernel, so that its pass is
-compiled) a serving engine with its warm-up, a short warm round, then for each concurrency c: c
-requests of P random prompt tokens (seeded) and G greedy tokens each, submitted at once. Its
-``decode_tok_s`` is llama-batched-bench's ``S_TG`` measured the same way: the tokens the requests
-emit after the last of them has its first token, over the time from then to the last token. Also the
-TPOT (median over requests of (last - first token time) / (tokens - 1)).
+compiled; ``compiled-all``: that, and passes of any number of sequences compiled) a serving engine
+with its warm-up, a short warm round, then for each concurrency c: c requests of P random prompt
+tokens (seeded) and G greedy tokens each, submitted at once. Its ``decode_tok_s`` is llama-batched-
+bench's ``S_TG`` measured the same way: the tokens the requests emit after the last of them has its
+first token, over the time from then to the last token. Also the TPOT (median over requests of
+(last - first token time) / (tokens - 1)).
 
-Checks: each variant's greedy ids equal the first variant's at the same concurrency (the same
-kernels on the same shapes: pipelining changes when the host reads tokens, not what the device
-computes); the result says which differ (``check_passed``). Predicted tok/s: the cost model's,
-from the plan's own decisions and machine figures at each concurrency (``planner.rescore``).
+Checks: each variant's greedy ids equal the first variant's at the same concurrency (pipelining
+changes when the host reads tokens, not what the device computes; a compiled pass replays the eager
+pass's operations; the paged kernel and SDPA may round differently, so the kernel variants' ids may
+part at a near-tie); the result says which differ (``check_passed``). Predicted tok/s: the cost
+model's, from the plan's own decisions and machine figures at each concurrency
+(``planner.rescore``).
 
 usage: python -m strata.benchmarks.gpu_vs_llamacpp MODEL.gguf --plan PLAN
        [--llama-bin DIR] [--ngl 99] [--concurrency 1,16] [--prompt-tokens 128]
@@ -55,6 +58,7 @@ VARIANTS = {
     "pipelined": {"pipelined_steps": True},
     "sync": {"pipelined_steps": False},
     "lone-kernel": {"pipelined_steps": True, "lone_decode_kernel": True},
+    "compiled-all": {"pipelined_steps": True, "lone_decode_kernel": True, "max_sequences": 0},
 }
 """Runtime-config overrides of each Strata variant (``executor.config.RuntimeConfig``); each
 variant's serving engine (its KV cache, its compiled passes) is made afresh over the one loaded
