@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import mmap
 import sys
 from pathlib import Path
 
@@ -72,17 +73,23 @@ def _kernel():
 
 @functools.cache
 def _cudart() -> ctypes.CDLL | None:
-    """The CUDA runtime library MLX loaded (None where it is not loaded: not MLX's CUDA
-    backend). The same library, so the same primary context as MLX's arrays."""
+    """The CUDA runtime library (None where there is none, or not MLX's CUDA backend): the one
+    MLX loaded where it is in ``/proc/self/maps``, else the system's or a pip package's (MLX may
+    link the runtime statically). Any of them works on the device's primary context, which MLX
+    uses too, so the pointers they give are valid in MLX's kernels."""
     if not mx.cuda.is_available():
         return None
     mx.eval(mx.zeros(1))  # MLX has initialised CUDA in this process
+    candidates: list[str] = []
     try:
         maps = Path("/proc/self/maps").read_text()
+        candidates += sorted({ln.split()[-1] for ln in maps.splitlines() if "libcudart.so" in ln})
     except OSError:
-        return None
-    paths = {ln.split()[-1] for ln in maps.splitlines() if "libcudart.so" in ln}
-    for path in sorted(paths):
+        pass
+    candidates += ["libcudart.so.13", "libcudart.so.12", "libcudart.so"]
+    for base in sys.path:
+        candidates += sorted(str(p) for p in Path(base or ".").glob("nvidia/*/lib/libcudart.so*"))
+    for path in candidates:
         try:
             return ctypes.CDLL(path)
         except OSError:
@@ -107,6 +114,7 @@ class Pinned:
             ctypes.c_uint,
         ]
         self._by_address: dict[int, tuple[np.ndarray, mx.array, mx.array]] = {}
+        self._areas: list[mmap.mmap] = []  # the page-aligned copies' memory (adopt)
         self.registered_bytes = 0
 
     def register(self, host: np.ndarray) -> bool:
@@ -134,11 +142,27 @@ class Pinned:
         self.registered_bytes += host.nbytes
         return True
 
+    def adopt(self, host: np.ndarray) -> np.ndarray:
+        """``host`` copied into page-aligned memory of its own (an anonymous mapping) and
+        registered: small arrays from the heap share pages with others, and a page can be
+        registered once only. Returns the copy, or ``host`` itself where registration failed
+        (it is then copied the ordinary way)."""
+        if host.nbytes == 0:
+            return host
+        size = -(-host.nbytes // mmap.PAGESIZE) * mmap.PAGESIZE
+        area = mmap.mmap(-1, size)
+        copy = np.frombuffer(area, dtype=host.dtype, count=host.size).reshape(host.shape)
+        copy[...] = host
+        if not self.register(copy):
+            return host
+        self._areas.append(area)
+        return copy
+
     def to_device(self, host: np.ndarray) -> mx.array | None:
         """A new device array holding ``host``'s bytes, its dtype and shape (lazy: copied when
         evaluated), or None where ``host`` is not registered."""
         held = self._by_address.get(host.ctypes.data)
-        if held is None or held[0] is not host and held[0].nbytes != host.nbytes:
+        if held is None or held[0].nbytes != host.nbytes:
             return None
         _, src, size = held
         n = host.nbytes
@@ -158,6 +182,7 @@ class Pinned:
             self._rt.cudaHostUnregister(ctypes.c_void_p(addr))
         self._by_address.clear()
         self.registered_bytes = 0
+        self._areas.clear()  # each mapping goes with the last array viewing it
 
 
 def _mx_dtype(dtype: np.dtype) -> mx.Dtype:

@@ -15,6 +15,7 @@ took from that tier (for ``ram``, exactly the bytes copied).
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import time
 from collections import deque
@@ -363,17 +364,20 @@ class WeightStore:
         return 0 if self._pinned is None else self._pinned.registered_bytes
 
     def _pin(self, host: HostWeight) -> HostWeight:
-        """Register a RAM-tier host weight's arrays for the device's reads, where pinned
-        copies are on (an array the runtime refuses is copied the ordinary way)."""
-        if self._pinned is not None:
-            parts = (
-                [host.weight, host.scales, host.biases]
-                if isinstance(host, PackedWeight)
-                else [host]
+        """A RAM-tier host weight whose arrays are page-locked copies registered for the device's
+        reads, where pinned copies are on (``Pinned.adopt``: an array the runtime refuses stays
+        as it was, copied the ordinary way)."""
+        p = self._pinned
+        if p is None:
+            return host
+        if isinstance(host, PackedWeight):
+            return dataclasses.replace(
+                host,
+                weight=p.adopt(host.weight),
+                scales=p.adopt(host.scales),
+                biases=p.adopt(host.biases),
             )
-            for a in parts:
-                self._pinned.register(a)
-        return host
+        return p.adopt(host)
 
     def _ram_to_device(self, host: HostWeight) -> Weight:
         """A RAM-tier weight on the device for one use: copied by the pinned-copy kernel where
