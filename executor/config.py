@@ -164,12 +164,12 @@ class RuntimeConfig:
 
     pipelined_steps: bool
     """Build and launch each serving step while the device computes the one before it, where
-    every request of the engine samples greedily without log-probabilities and nothing needs
-    the step's tokens on the host first (no drafter, no unit streamed from NVMe, the embedding
-    table on the device tier): the next step's inputs take the sampled ids as device arrays and
-    the host reads them one step later (``executor.serving``, "Pipelined steps"). MLX's
-    ``generate_step`` does the same with ``mx.async_eval``. Default: ``STRATA_PIPELINED_STEPS``
-    (on unless set off)."""
+    every request of the engine samples greedily (log-probabilities are read from the kept
+    logits one step later) and nothing needs the step's tokens on the host first (no drafter, no
+    unit streamed from NVMe, the embedding table on the device tier): the next step's inputs
+    take the sampled ids as device arrays and the host reads them one step later
+    (``executor.serving``, "Pipelined steps"). MLX's ``generate_step`` does the same with
+    ``mx.async_eval``. Default: ``STRATA_PIPELINED_STEPS`` (on unless set off)."""
 
     lend_partial_blocks: bool
     """Lend a cached child block that agrees with at least half a block of a prompt's next

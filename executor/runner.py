@@ -322,8 +322,8 @@ class ModelRunner:
             # Input i's last row: each input's rows are contiguous and end at its last token.
             pending = np.flatnonzero(np.array(src) >= 0)
             if pending.size:
-                last = np.zeros(len(inputs), dtype=np.int64)
-                last[batch.row_inputs] = np.arange(batch.num_tokens)  # the last row wins
+                last = np.zeros(len(inputs), dtype=np.int64)  # each input's last row
+                np.maximum.at(last, batch.row_inputs, np.arange(batch.num_tokens))
                 index = batch.to_device(np.array(src, dtype=np.int32)[pending])
                 batch.take_ids(last[pending], tokens[index])
         logits = forward(self.model, batch, self.kv, interrupt=interrupt, head=head)
@@ -536,7 +536,9 @@ class ModelRunner:
         """
         kv = self.kv
         kv.copy_slots(mx.array(src.astype(np.int32)), mx.array(dst.astype(np.int32)))
-        mx.async_eval(kv.keys + kv.values)  # the GPU is idle: the step's tokens were read
+        # Queued after the step's pass on the same stream (with a pipelined step in flight,
+        # after it too): every KV array is one chain of updates.
+        mx.async_eval(kv.keys + kv.values)
 
     def graph_counters(self) -> tuple[int, int]:
         """``(traces, replays)`` of the compiled passes over the KV cache so far."""

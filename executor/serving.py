@@ -587,6 +587,8 @@ class ServingEngine:
                 pass
             for kind, arg, cb in msgs:
                 if kind == "stop":
+                    if self._inflight is not None:
+                        self._land()  # its tokens are computed: emitted, as unpipelined
                     for rid in list(self._live):
                         self._finish(self._live[rid], "abort")
                     return
@@ -605,6 +607,8 @@ class ServingEngine:
                 stalled = not self.step()
 
     def _reset_if_idle(self) -> bool:
+        if self._inflight is not None:
+            self._land()  # its blocks were offered to the cache: the reset must come after
         if self.scheduler.has_work():
             return False
         self.pool.reset_prefix_cache()
@@ -684,16 +688,29 @@ class ServingEngine:
         try:
             out = self.runner.collect(launched)
         except Exception as e:
+            # Its blocks were offered to the prefix cache at launch: none may be served now.
+            self.pool.reset_prefix_cache()
             self._fail_step(launched.step, e)
             return
+        if out.failed:
+            self.pool.reset_prefix_cache()  # as above, for the failed requests' blocks
+        # Only the sequences this step ran: a request finished, aborted or failed meanwhile
+        # (its id perhaps reused by a new request since) has no use for its tokens.
+        ran = {c.seq.request_id: c.seq for c in launched.step.chunks}
+        for part in (out.sampled, out.failed, out.logprobs):
+            for rid in [r for r in part if self._owner(r) is not ran.get(r)]:
+                del part[rid]
         for rid, toks in out.sampled.items():
-            live = self._live.get(rid)
-            if live is None or live.seq.output_ids[-1] != PENDING:
-                continue  # finished, aborted or failed meanwhile: its tokens are moot
-            out_ids = live.seq.output_ids
+            out_ids = self._live[rid].seq.output_ids
+            assert out_ids and out_ids[-1] == PENDING  # written at launch, read only here
             del out_ids[-1]
             out_ids.extend(toks)  # in place of PENDING (greedy: exactly one, no draft)
         self._apply(launched.step, out, updated=True)
+
+    def _owner(self, rid: str) -> Sequence | None:
+        """The sequence of live request ``rid`` (None: none is live)."""
+        live = self._live.get(rid)
+        return None if live is None else live.seq
 
     def _fail_step(self, step: SchedulerStep, e: Exception) -> None:
         """End every live sequence of a step whose forward pass failed (never the thread); said
@@ -702,7 +719,7 @@ class ServingEngine:
             print(f"error: serving step failed: {e}", file=sys.stderr)
         for c in step.chunks:
             live = self._live.get(c.seq.request_id)
-            if live is not None:
+            if live is not None and live.seq is c.seq:  # not a new request of a reused id
                 self._finish(live, "error", f"the forward pass failed: {e}")
 
     @property

@@ -146,3 +146,63 @@ def test_abort_while_a_step_is_in_flight(models, tmp_path):
         ids = [t for ev in events[r.request_id] for t in ev.token_ids]
         assert ids == want[r.request_id][0]
     assert len([t for ev in events["long"] for t in ev.token_ids]) < 40
+
+
+def test_a_reused_request_id_gets_none_of_the_old_requests_tokens(models, tmp_path):
+    """A request aborted and submitted again under the same id while its step is in flight:
+    the step's token belongs to the old request and is dropped; the new one runs to its end
+    (the engine thread once died here on the new request's empty outputs)."""
+    import threading
+
+    plan = make_plan_file(
+        str(models["llama3"]), tmp_path / "p.yaml", context=CONTEXT, concurrency=4
+    )
+    se = _engine(plan, True, set())
+    events: list = []
+    done, state = threading.Event(), {"resubmitted": False}
+
+    def on_event(ev):
+        events.append(ev)
+        if ev.request_id == "x" and not state["resubmitted"] and ev.token_ids:
+            state["resubmitted"] = True
+            se.abort("x")
+            se.submit(GenerationRequest("x", [7, 8, 9, 10], 5, SamplingParams()), on_event)
+        elif ev.finish_reason is not None and state["resubmitted"]:
+            done.set()
+
+    try:
+        se.submit(GenerationRequest("x", [1, 2, 3, 4, 5, 6], 30, SamplingParams()), on_event)
+        assert done.wait(60) and se._thread.is_alive()
+        m = se.metrics()
+    finally:
+        se.close()
+    last = events[-1]
+    assert last.finish_reason == "length" and last.completion_tokens == 5
+    assert m["kv_blocks_in_use"] == 0
+
+
+def test_a_step_that_fails_when_read_leaves_nothing_in_the_prefix_cache(models, tmp_path):
+    """A pipelined step offers its blocks to the prefix cache at launch; when reading it fails,
+    the cache is forgotten: the same prompt afterwards is computed, not served from blocks of a
+    failed pass."""
+    plan = make_plan_file(
+        str(models["llama3"]), tmp_path / "p.yaml", context=CONTEXT, concurrency=4
+    )
+    se = _engine(plan, True, set())
+    collect, failed = se.runner.collect, []
+
+    def failing(launched):
+        if not failed and any(c.seq.request_id == "a" for c in launched.step.chunks):
+            failed.append(True)
+            raise RuntimeError("simulated device failure")
+        return collect(launched)
+
+    se.runner.collect = failing
+    prompt = list(range(1, 40))
+    try:
+        a = run_all(se, [GenerationRequest("a", prompt, 3, SamplingParams())])["a"]
+        b = run_all(se, [GenerationRequest("b", prompt, 3, SamplingParams())])["b"]
+    finally:
+        se.close()
+    assert a.finish_reason == "error" and "simulated" in (a.error or "")
+    assert b.finish_reason == "length" and b.cached_tokens == 0
