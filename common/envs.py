@@ -5,17 +5,18 @@ the attribute, ``envs.STRATA_CACHE``). Each read looks at the environment at tha
 test's ``monkeypatch.setenv`` takes effect at once; the executor reads its settings once, when it
 builds its runtime config (``strata.executor.config.RuntimeConfig.build``).
 
-============================== ======= =================== ===========================================
+============================== ======= =================== =========================================
 Variable                       Type    Default             Meaning
-============================== ======= =================== ===========================================
+============================== ======= =================== =========================================
 ``STRATA_API_KEY``             text    none                The API key ``strata serve`` requires
-                                                           (``Authorization: Bearer KEY``) when neither
-                                                           ``--api-key`` nor ``--api-key-file`` is
-                                                           given; surrounding spaces are dropped.
-                                                           Empty: no key.
-``STRATA_CACHE``               path    ``~/.cache/strata`` Where catalog models, their verified sha256s
-                                                           and packed stores (``executor.pack``) are
-                                                           kept. Empty: the default.
+                                                           (``Authorization: Bearer KEY``) when
+                                                           neither ``--api-key`` nor
+                                                           ``--api-key-file`` is given; surrounding
+                                                           spaces are dropped. Empty: no key.
+``STRATA_CACHE``               path    ``~/.cache/strata`` Where catalog models, their verified
+                                                           sha256s and packed stores
+                                                           (``executor.pack``) are kept. Empty: the
+                                                           default.
 ``STRATA_COMPILED_PASSES``     boolean on                  Replay compiled graphs for small resident
                                                            passes (``executor.pass_graph``); ``0``,
                                                            ``false``, ``off`` or ``no`` runs every
@@ -30,7 +31,7 @@ Variable                       Type    Default             Meaning
                                                            (``executor.serving``); ``0`` waits for
                                                            every step's tokens first. Empty: the
                                                            default.
-============================== ======= =================== ===========================================
+============================== ======= =================== =========================================
 """
 
 from __future__ import annotations

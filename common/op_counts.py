@@ -21,3 +21,11 @@ residual add; FFN 8 = RMSNorm, gate/up/down projections, sigmoid, two products, 
 embedding 6 = the row gather of the quantized table's weight, scales and biases,
 dequantization, the cast and the batch axis; output 4 = the last-token slice, the final RMSNorm,
 the head projection and the float32 cast."""
+
+OVERLAPPED_BACKENDS = ("cuda",)
+"""Backends on which the executor overlaps a decode step's host work with the device's: it
+schedules the blocks with ``mx.async_eval`` as they are built (every
+``RuntimeConfig.async_eval_blocks`` blocks) and launches each greedy step before reading the one
+before (pipelined steps). The cost model then takes a step's compute as the larger of its host
+and device terms (``planner.costmodel.step_compute_s``), and the profile measures the host's
+per-op cost with steps pipelined (``executor.profile.OpOverheadProbe``)."""

@@ -47,7 +47,7 @@ from pathlib import Path
 import numpy as np
 import psutil
 from strata.common.errors import StrataError
-from strata.common.op_counts import OPS_PER_UNIT
+from strata.common.op_counts import OPS_PER_UNIT, OVERLAPPED_BACKENDS
 from strata.common.schemas import Figure, GPUTier, HardwareProfile, NVMeTier, RAMTier
 from strata.common.sizes import format_size
 from strata.executor.direct_io import (
@@ -732,12 +732,27 @@ def measure_dequant_crossover(
     )
 
 
-def _mma_figures(backend: str, shape, dtype_name: str, repeats: int) -> dict:
-    """The profile's tensor-core kernel range: measured on CUDA, absent elsewhere."""
+def _mma_figures(backend: str, shape, dtype_name: str, repeats: int, batch: Figure) -> dict:
+    """The profile's tensor-core kernel range, measured on CUDA (absent elsewhere), and the
+    decode-batch rate of the kernel path the executor takes for ``DECODE_BATCH_ROWS`` rows:
+    the tensor-core kernel's where the range holds them and it is faster than ``batch``
+    (``mx.quantized_matmul``'s rate), else ``batch``."""
     if backend != "cuda":
-        return {}
-    lo, hi, _ = measure_mma_rows(shape, dtype_name, repeats)
-    return {"mma_matmul_min_rows": lo, "mma_matmul_max_rows": hi}
+        return {"decode_batch_flops_s": batch}
+    lo, hi, times = measure_mma_rows(shape, dtype_name, repeats)
+    out = {"mma_matmul_min_rows": lo, "mma_matmul_max_rows": hi, "decode_batch_flops_s": batch}
+    t = times.get(DECODE_BATCH_ROWS, (0.0, 0.0))[1]
+    if lo.value <= DECODE_BATCH_ROWS <= hi.value and t > 0:
+        n, k = shape
+        rate = 2.0 * DECODE_BATCH_ROWS * n * k / t
+        if rate > batch.value:
+            how = (
+                f"Strata's tensor-core kernel (executor.cuda_mma), which the executor takes for "
+                f"{DECODE_BATCH_ROWS} rows: 2 x {DECODE_BATCH_ROWS} x {n} x {k} / {t * 1e6:.0f} us "
+                f"(measure_mma_rows' median); mx.quantized_matmul gave {batch.value:.3g} FLOP/s"
+            )
+            out["decode_batch_flops_s"] = Figure(value=rate, source="measured", how=how)
+    return out
 
 
 MMA_ROWS = (2, 4, 8, 16, 24, 32, 64)
@@ -829,13 +844,24 @@ class OpOverheadProbe:
     RoPE, KV-cache writes and reads, SDPA, SiLU, residual adds: ``OP_BLOCK_OPS`` per block — each
     step evaluated and copied to the host as the executor does with its logits, at a position
     that advances every step (so the KV reads change shape as in decode). ``max_steps`` bounds
-    the steps of all rounds together (the KV cache's length).
+    the steps of all rounds together (the KV cache's length). ``pipelined``: each step is queued
+    (``mx.async_eval``) and the one before it read, as the serving engine's pipelined steps run
+    (``executor.serving``), so a step's building overlaps the device's work on the last; where
+    the executor schedules blocks as they are built (MLX's CUDA backend) that is the per-op
+    cost the cost model's overlapped form takes (``planner.costmodel.step_compute_s``).
     """
 
-    def __init__(self, blocks: int, max_steps: int) -> None:
+    def __init__(self, blocks: int, max_steps: int, pipelined: bool = False) -> None:
         import mlx.core as mx
 
         self.blocks = blocks
+        self.pipelined = pipelined
+        self._pending = None  # a pipelined step's output, read after the next is queued
+        self._how = (
+            "pipelined (each queued, the one before read)"
+            if pipelined
+            else "each evaluated and copied to the host"
+        )
         self.ops = blocks * OP_BLOCK_OPS
         self.per_op: list[float] = []
         self._pos = 0
@@ -879,8 +905,15 @@ class OpOverheadProbe:
                 n = mx.fast.rms_norm(h, norm, 1e-5)
                 g, u = qmm(n, wg), qmm(n, wu)
                 h = h + qmm(g * mx.sigmoid(g) * u, wd)
-            mx.eval(h)
-            np.array(h)  # the executor samples on the host
+            if not pipelined:
+                mx.eval(h)
+                np.array(h)  # the executor samples on the host
+                return
+            # As pipelined serving steps: this step queued, then the one before read.
+            mx.async_eval(h)
+            if self._pending is not None:
+                np.array(self._pending)
+            self._pending = h
 
         self._step = step
 
@@ -897,11 +930,19 @@ class OpOverheadProbe:
         pause), then ``samples`` timed samples of ``steps`` steps each, kept in ``per_op``."""
         for _ in range(warmup_steps):
             self._next()
+        self._drain()
         for _ in range(samples):
             t0 = time.perf_counter()
             for _ in range(steps):
                 self._next()
+            self._drain()  # every step of the sample computed and read
             self.per_op.append((time.perf_counter() - t0) / (steps * self.ops))
+
+    def _drain(self) -> None:
+        """Read the pipelined step still queued (none when steps are not pipelined)."""
+        if self._pending is not None:
+            np.array(self._pending)
+            self._pending = None
 
     def figure(self, rounds: int, steps: int) -> Figure:
         """The median seconds per op of every sample taken, as a measured :class:`Figure`."""
@@ -911,7 +952,7 @@ class OpOverheadProbe:
         _say(f"per-op overhead: {rate.median * 1e6:.2f} us (spread {rate.spread:.0%})")
         return rate.figure(
             f"decode steps of {self.blocks} tiny llama blocks (width 64, 4-bit weights) built "
-            f"from the executor's MLX ops, each evaluated and copied to the host, on "
+            f"from the executor's MLX ops, {self._how}, on "
             f"{mx.default_device()}, in {rounds} round(s) each after warm-up steps: samples of "
             f"{steps} steps / ({steps} x {self.ops} ops), "
             f"{_stats(rate, lambda v: f'{v * 1e6:.2f} us')} per operation, {_today()}"
@@ -925,7 +966,12 @@ copy and disk tests."""
 
 
 def measure_op_overhead(
-    blocks: int = 32, samples: int = 12, steps: int = 8, warmup_steps: int = 4, rounds: int = 1
+    blocks: int = 32,
+    samples: int = 12,
+    steps: int = 8,
+    warmup_steps: int = 4,
+    rounds: int = 1,
+    pipelined: bool = False,
 ) -> Figure:
     """Seconds per operation of a lazily built MLX decode graph: build, dispatch and launch.
 
@@ -938,10 +984,11 @@ def measure_op_overhead(
     machine or not (docs/benchmarks.md#profile-steadiness), and a median of samples all taken in
     one such episode is that episode's figure. The work per op is nil at these sizes, so this
     is the fixed cost each operation of a decode step pays however small it is, which bounds
-    small models on fast GPUs.
+    small models on fast GPUs. ``pipelined``: steps queued and read one step later
+    (:class:`OpOverheadProbe`).
     """
     per_round = max(1, math.ceil(samples / rounds))
-    probe = OpOverheadProbe(blocks, rounds * (warmup_steps + per_round * steps))
+    probe = OpOverheadProbe(blocks, rounds * (warmup_steps + per_round * steps), pipelined)
     for _ in range(rounds):
         probe.round(per_round, steps, warmup_steps)
     return probe.figure(rounds, steps)
@@ -1111,8 +1158,11 @@ def measure_profile(
     # the slow episodes come most often in a process's first seconds.
     per_round = math.ceil((sz.samples + 4) / OP_ROUNDS)
     first_warmup = 1 if quick else 4
+    # Pipelined where the cost model overlaps a step's host work with its device work.
     probe = OpOverheadProbe(
-        sz.op_blocks, first_warmup + (OP_ROUNDS - 1) + OP_ROUNDS * per_round * sz.op_steps
+        sz.op_blocks,
+        first_warmup + (OP_ROUNDS - 1) + OP_ROUNDS * per_round * sz.op_steps,
+        pipelined=backend in OVERLAPPED_BACKENDS,
     )
     memory_bw = measure_memory_bandwidth(sz.mem_bytes, sz.samples, sz.min_sample_s)
     probe.round(per_round, sz.op_steps, first_warmup)
@@ -1130,7 +1180,7 @@ def measure_profile(
         if backend == "cpu"
         else measure_dequant_crossover(sz.matvec, compute_dtype, sz.samples)[0]
     )
-    mma = _mma_figures(backend, sz.matvec, compute_dtype, sz.samples)
+    mma = _mma_figures(backend, sz.matvec, compute_dtype, sz.samples, batch)
     copy = measure_host_to_device(
         sz.copy_bytes, sz.samples, touch_on_device=backend == "cuda", warmups=1 if quick else 2
     )
@@ -1144,7 +1194,6 @@ def measure_profile(
         memory_bandwidth_bytes_s=memory_bw,
         compute_flops_s=compute,
         decode_matvec_flops_s=matvec,
-        decode_batch_flops_s=batch,
         op_overhead_s=probe.figure(OP_ROUNDS, sz.op_steps),
         dequant_matmul_min_rows=dequant,
         **mma,

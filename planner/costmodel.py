@@ -165,7 +165,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 from strata.common.errors import PlanError
-from strata.common.op_counts import OPS_PER_UNIT
+from strata.common.op_counts import OPS_PER_UNIT, OVERLAPPED_BACKENDS
 from strata.common.schemas import (
     TIERS,
     BatchLimits,
@@ -314,12 +314,6 @@ class UnitCost:
     def disk_s(self, tier: str) -> float:
         """Disk seconds this unit adds on ``tier`` (nvme only)."""
         return self.read_s if tier == "nvme" else 0.0
-
-
-OVERLAPPED_BACKENDS = ("cuda",)
-"""Backends on which the executor schedules the blocks with ``mx.async_eval`` as they are built
-(every ``RuntimeConfig.async_eval_blocks`` blocks), so that the host's operations overlap
-the device's work (``step_compute_s``)."""
 
 
 def host_overlaps(desc: ModelDescription, profile: HardwareProfile) -> bool:
