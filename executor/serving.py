@@ -50,24 +50,23 @@ A finished or aborted sequence's KV blocks go back to the pool at once; its full
 the prefix cache until evicted, or until ``reset_prefix_cache`` (refused while any request runs
 or waits, as in vLLM) forgets them all.
 
-Pipelined steps (``RuntimeConfig.pipelined_steps``, on by default). Where every live request
-samples greedily on the device (temperature 0, no logit adjustments: ``runner.greedy``), no
-drafter runs, no unit streams from NVMe and the embedding table is on the device tier, a step is
-launched (``ModelRunner.launch``: its pass and argmax built and handed to ``mx.async_eval``)
-before the step before it is read, as mlx-lm's ``generate_step`` overlaps with ``mx.async_eval``
-and vLLM schedules asynchronously: the host builds step N+1 while the device computes step N.
-A launched step advances its sequences at once (``Scheduler.update``) with a ``PENDING`` token
-for each sampled one; the next step's chunk for that sequence takes the token from the device
-(``ForwardBatch.take_ids``), and the host reads it when that next step has been launched
-(``_land``), writes it over the ``PENDING``, and then cuts at an end-of-generation token, emits
-and finishes as an unpipelined step does. A sequence that turns out to have stopped was computed
-once more in the step launched meanwhile; its blocks are freed when its stop is read, and that
-step's result for it is dropped (stream order puts its KV writes before any later use of the
-blocks). A sequence at ``max_tokens`` or the context is never scheduled again, so nothing is
-computed past what the request may hold. Greedy outputs are those of unpipelined steps
-(``tests/executor/test_pipelined_steps.py``); a request that needs its tokens on the host first
-(sampling, a drafter) turns pipelining off while it runs, the step in flight read first.
-``STRATA_PIPELINED_STEPS=0`` turns it off; ``/metrics`` counts pipelined steps.
+Pipelined steps (``RuntimeConfig.pipelined_steps``, on by default). Where every live request samples
+greedily on the device (temperature 0, no logit adjustments: ``runner.greedy``), no drafter runs, no
+unit or expert streams from NVMe and the embedding table is on the device tier, a step is launched
+(``ModelRunner.launch``: its pass and argmax built and handed to ``mx.async_eval``) before the step
+before it is read, as mlx-lm's ``generate_step`` overlaps with ``mx.async_eval`` and vLLM schedules
+asynchronously: the host builds step N+1 while the device computes step N. A launched step advances
+its sequences at once (``Scheduler.update``) with a ``PENDING`` token for each sampled one; the next
+step's chunk for that sequence takes the token from the device (``ForwardBatch.take_ids``), and the
+host reads it when that next step has been launched (``_land``), writes it over the ``PENDING``, and
+then cuts at an end-of-generation token, emits and finishes as an unpipelined step does. A sequence
+that turns out to have stopped was computed once more in the step launched meanwhile; its blocks are
+freed when its stop is read, and that step's result for it is dropped (stream order puts its KV
+writes before any later use of the blocks). A sequence at ``max_tokens`` or the context is never
+scheduled again, so nothing is computed past what the request may hold. Greedy outputs are those of
+unpipelined steps (``tests/executor/test_pipelined_steps.py``); a request that needs its tokens on
+the host first (sampling, a drafter) turns pipelining off while it runs, the step in flight read
+first. ``STRATA_PIPELINED_STEPS=0`` turns it off; ``/metrics`` counts pipelined steps.
 
 Stopping promptly (Ctrl-C). MLX cannot interrupt an evaluation, so the engine bounds the work
 between two points where it can stop: on the CPU a prefill chunk is at most
@@ -344,10 +343,13 @@ class ServingEngine:
         self._inflight: LaunchedStep | None = None
         # The embedding looks up device ids only where its table is on the device tier.
         embed_tier = engine.store.tier("token_embd")
+        # Not where units stream from NVMe (the pool's or the expert cache's reads, issued per
+        # pass in order and counted per request, would run for a step that may be discarded).
         self._may_pipeline = (
             self.config.pipelined_steps
             and drafter is None
             and not self._streams
+            and engine.store.experts_cache is None
             and embed_tier == "gpu"
         )
         # Speculative decoding: draft tokens verified and accepted, verification chunks.

@@ -31,6 +31,9 @@ class Terminal:
             stdin=slave,
             stdout=slave,
             stderr=self.err,
+            # Ctrl-C as a terminal gives it, whatever this process inherited (a shell's
+            # background job starts with SIGINT ignored, and a child keeps that).
+            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
         )
         os.close(slave)
         self.screen = ""

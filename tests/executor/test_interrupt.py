@@ -68,12 +68,15 @@ def wait_for_cpu(proc: subprocess.Popen, seconds: float, timeout: float = 300) -
 
 
 def strata(*args: str, **kwargs) -> subprocess.Popen:
+    """``strata ARGS`` with Ctrl-C handled as in a terminal, whatever this process inherited (a
+    shell's background job starts with SIGINT ignored, and its children keep that)."""
     return subprocess.Popen(
         [sys.executable, "-m", "strata", *args],
         cwd=ROOT,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
         **kwargs,
     )
 
@@ -198,12 +201,15 @@ def test_ctrl_c_in_generate_gives_the_partial_result(smollm2_serving):
         signal.pthread_kill(main, signal.SIGINT)
 
     timer = threading.Timer(1.5, ctrl_c)  # the prefill of 100 tokens takes several seconds
+    # Python's own handler, as at an interactive start (a background job inherits SIGINT ignored).
+    before = signal.signal(signal.SIGINT, signal.default_int_handler)
     timer.start()
     try:
         with pytest.raises(GenerationInterrupted) as info:
             generate(serving, ids, SamplingParams(), 4)
     finally:
         timer.cancel()
+        signal.signal(signal.SIGINT, before)
     assert time.monotonic() - sent[0] < EXIT_WITHIN_S
     gen = info.value.generation
     assert gen.output_ids == [] and gen.prompt_ids == ids
@@ -351,6 +357,7 @@ def serving_a_prefill(plan: Path, tmp_path: Path) -> Iterator[Serving]:
             cwd=ROOT,
             stdout=subprocess.DEVNULL,
             stderr=err,
+            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),  # as strata()
         )
     try:
         deadline = time.monotonic() + 120
