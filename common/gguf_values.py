@@ -8,9 +8,13 @@ range limits below are far above every released model (each says why), small eno
 built from them (per-block lists, per-expert units, RoPE tables) can take unbounded time or
 memory.
 
-Per-layer arrays (a value per block, as some converters write ``head_count_kv``): an array whose
-values are all equal reads as that value; differing values are refused (Strata has one value per
-model for these keys).
+Per-layer arrays (a value per block, as some converters write ``head_count_kv``): read as
+llama.cpp's loader reads them (``get_key_or_arr``), an array must hold one value per block
+(``{arch}.block_count`` of them); one whose values are all equal reads as that value. Differing
+values are refused, naming the key and each block's value: for the architectures Strata runs,
+llama.cpp sizes every block's tensors and graph from block 0's ``head_count``,
+``head_count_kv`` and ``feed_forward_length`` (``n_embd_k_gqa()``, ``n_ff()`` without a layer),
+so it refuses such a file too, at its first block of another width.
 """
 
 from __future__ import annotations
@@ -107,7 +111,8 @@ def _scalar(g: Any, key: str, allowed: frozenset, kind: str, per_layer: bool) ->
     values all equal (``per_layer``); None when absent.
 
     Raises:
-        GGUFError: another type, an array of differing values or longer than ``MAX_BLOCKS``.
+        GGUFError: another type, an array longer than ``MAX_BLOCKS``, of another length than
+            ``{arch}.block_count`` or of differing values (names each block's value).
     """
     types = g.field_types(key)
     if types is None:
@@ -121,15 +126,26 @@ def _scalar(g: Any, key: str, allowed: frozenset, kind: str, per_layer: bool) ->
             raise _fail(
                 g, key, f"is an array of {n} values (at most {MAX_BLOCKS}, one per block)", fix
             )
+        blocks_key = f"{g.architecture}.block_count"
+        blocks = g.field(blocks_key)
+        if isinstance(blocks, int) and not isinstance(blocks, bool) and n != blocks:
+            raise _fail(
+                g,
+                key,
+                f"is an array of {n} values but the model has {blocks} blocks ({blocks_key}); "
+                "llama.cpp refuses it too",
+                fix,
+            )
         values = g.field(key)
         if all(v == values[0] for v in values):
             return values[0]
+        shown_values = ", ".join(f"block {i}: {v}" for i, v in enumerate(values[:8]))
         raise _fail(
             g,
             key,
-            f"has different values per block ({', '.join(map(str, values[:6]))}"
-            f"{', ...' if n > 6 else ''})",
-            "Strata supports one value for all blocks of this key; this model is not supported",
+            f"has different values per block ({shown_values}{', ...' if n > 8 else ''})",
+            "Strata, like llama.cpp for the architectures Strata runs, takes one value of this "
+            "key for all blocks; this model is not supported",
         )
     raise _fail(g, key, f"is {_describe_value(g, key)}, not {kind}", fix)
 

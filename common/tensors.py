@@ -26,11 +26,18 @@ Shapes are in GGUF order (ne0, the row length, first); ``d`` is the width, ``hd`
 
 Tensors are listed in file order, the one ``synth.py`` writes: the embedding (and
 ``rope_freqs``), the blocks (attention, then FFN), the output norm and head.
+
+A file's shape may differ from the inventory's by trailing one-element dimensions (a
+``[d, 1]`` shared-expert gate where ``[d]`` is expected: the converters write qwen2moe's
+``ffn_gate_inp_shexp`` so): llama.cpp's loader (``llama_model_loader::check_tensor_dims``)
+compares the four ``ne`` of a ggml tensor, unused ones being 1, so it takes such a tensor, and so
+does Strata (:func:`same_up_to_trailing_ones`); the description records the inventory's shape
+(:func:`loader_shapes`), the one the forward pass uses (the bytes are the same).
 """
 
 from __future__ import annotations
 
-from collections.abc import Collection, Iterator
+from collections.abc import Collection, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
@@ -298,3 +305,34 @@ def file_tensors(arch: Architecture, optional: Collection[str] = ()) -> list[Arc
     if not arch.tied_embeddings:
         wanted.add(TENSOR_NAMES[M.OUTPUT] + ".weight")
     return [t for t in tensors if not t.optional or t.key in wanted]
+
+
+def same_up_to_trailing_ones(have: Sequence[int], want: Sequence[int]) -> bool:
+    """Whether a tensor of GGUF shape ``have`` is one of shape ``want`` as llama.cpp's loader
+    sees it: equal once both are padded with one-element dimensions to the same rank
+    (``check_tensor_dims`` compares all four ``ne`` of the ggml tensor, the unused ones 1), e.g.
+    ``[64, 1]`` is ``[64]``, ``[64, 2]`` is not ``[64]``."""
+    n = max(len(have), len(want))
+    return [*have, *[1] * (n - len(have))] == [*want, *[1] * (n - len(want))]
+
+
+def loader_shapes(arch: Architecture) -> dict[str, tuple[int, ...]]:
+    """Tensor name -> the GGUF shape the inventory gives it (optional tensors included), for
+    reading a file's shapes as llama.cpp does (:func:`conformed_shape`); empty for an
+    architecture the inventory does not have or refuses (the executor refuses those itself, with
+    :func:`arch_rule`'s and :func:`has_experts`' messages; a description still lists the file's
+    shapes)."""
+    try:
+        return {t.name: t.shape for t in inventory(arch)}
+    except StrataError:
+        return {}
+
+
+def conformed_shape(shape: list[int], want: Sequence[int] | None) -> list[int]:
+    """``shape`` (GGUF order) as the forward pass takes it: ``want`` where the two are equal up
+    to trailing one-element dimensions (:func:`same_up_to_trailing_ones`: the same bytes, e.g. a
+    ``[d, 1]`` gate read as ``[d]``), else ``shape`` itself (a real mismatch, refused by
+    ``executor.engine.check_tensors``)."""
+    if want is None or list(want) == shape or not same_up_to_trailing_ones(shape, want):
+        return shape
+    return list(want)

@@ -12,6 +12,7 @@ import mlx.core as mx
 import numpy as np
 from strata.common.errors import StrataError
 from strata.common.schemas import ModelDescription
+from strata.common.tensors import same_up_to_trailing_ones
 from strata.executor.config import RuntimeConfig
 from strata.executor.models import model_class
 from strata.executor.plan_loader import LoadedPlan
@@ -26,7 +27,9 @@ def check_tensors(desc: ModelDescription, expected: dict[str, list[int] | None])
     """Refuse a model whose tensors do not match its architecture's hyperparameters.
 
     ``expected``: name -> GGUF shape, None for an optional tensor (the model class's
-    ``expected_shapes``, from the inventory ``strata.common.tensors``).
+    ``expected_shapes``, from the inventory ``strata.common.tensors``). A shape equal up to
+    trailing one-element dimensions (``[d, 1]`` for ``[d]``) is the same shape, as llama.cpp's
+    loader takes it (``same_up_to_trailing_ones``; the description reads it as ``expected``'s).
 
     Raises:
         StrataError: a needed tensor is missing or has another shape (names tensor and shapes).
@@ -36,7 +39,7 @@ def check_tensors(desc: ModelDescription, expected: dict[str, list[int] | None])
         if name not in have:
             if shape is not None:
                 raise StrataError(f"the model has no tensor {name}; the GGUF is incomplete")
-        elif shape is not None and have[name] != shape:
+        elif shape is not None and not same_up_to_trailing_ones(have[name], shape):
             raise StrataError(
                 f"tensor {name} has shape {have[name]} but {desc.architecture.name}'s "
                 f"hyperparameters need {shape}; the GGUF is inconsistent"

@@ -18,13 +18,13 @@ from pathlib import Path
 
 from strata.common.catalog import (
     ResolvedModel,
-    file_sha256,
     locate_model,
+    model_sha256,
     routing_cache_path,
 )
 from strata.common.describe import describe_gguf, source_for
 from strata.common.errors import PlanError
-from strata.common.gguf_file import GGUFFile, open_gguf
+from strata.common.gguf_file import GGUFFile, open_gguf, split_paths
 from strata.common.schemas import (
     DraftModelRef,
     ModelDescription,
@@ -59,18 +59,21 @@ class LoadedPlan:
 def _checked_file(
     path: Path, found: Path, how: str, size: int | None, sha256: str | None, what: str, again: str
 ) -> str:
-    """``found``'s sha256, checked against the planned size and sha256.
+    """``found``'s sha256, checked against the planned size and sha256 (a split model's: all its
+    shards', ``catalog.model_sha256``).
 
     Raises:
         PlanError: the file is not the one the plan was made for (names how it was found).
+        GGUFError: a shard of a split model is missing.
     """
-    got = found.stat().st_size
+    paths = split_paths(found)
+    got = sum(p.stat().st_size for p in paths)
     if size is not None and got != size:
         raise PlanError(
             f"{path}: {what} {found} (found by {how}) is {got} bytes but the plan was made for "
             f"{size} bytes: not the planned file; {again}"
         )
-    digest = file_sha256(found)  # remembered in the cache: hashed once per file version
+    digest = model_sha256(paths)  # remembered in the cache: hashed once per file version
     if sha256 is not None and digest != sha256:
         raise PlanError(
             f"{path}: {what} {found} (found by {how}) has sha256 {digest[:12]}… but the plan was "
@@ -272,7 +275,7 @@ def load_plan(
         )
     draft_ref = plan.speculative.draft_model
     draft_path = _draft_model_path(path, draft_ref) if draft_ref is not None else None
-    resolved = ResolvedModel(model_path, None, model_path.stat().st_size, digest)
+    resolved = ResolvedModel(g.path, None, g.size_bytes, digest)
     desc = describe_gguf(g, source_for(resolved, g.header_sha256))
     seen: set[str] = set()
     for p in plan.placement:

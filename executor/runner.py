@@ -31,6 +31,7 @@ when the engine closes.
 
 from __future__ import annotations
 
+import functools
 import threading
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -239,6 +240,31 @@ class StepOutput:
             self.verifications += 1
 
 
+def _record(
+    out: StepOutput,
+    c: ScheduledChunk,
+    req: SampledRequest,
+    choose: Callable[[], list[int]],
+    rows_of: Callable[[int], np.ndarray],
+) -> None:
+    """Record chunk ``c``'s tokens in ``out``: ``choose()`` gives them, ``req``'s sampler
+    observes them (its penalties count what was generated) and, where asked, their
+    log-probabilities come from ``rows_of(n)``, the chunk's first n logit rows (token j was
+    chosen from row j). A failure ends that request only, never the step's others."""
+    rid = c.seq.request_id
+    try:
+        toks = out.sampled[rid] = choose()
+        req.sampler.observe(toks)
+        if req.logprobs is not None:
+            out.logprobs[rid] = token_logprobs(rows_of(len(toks)), toks, req.logprobs)
+    except Exception as e:
+        out.sampled.pop(rid, None)
+        out.logprobs.pop(rid, None)
+        out.failed[rid] = f"sampling failed: {type(e).__name__}: {e}"
+        return
+    out.count_draft(c.draft, toks)
+
+
 def greedy(req: SampledRequest) -> bool:
     """Whether ``req``'s tokens are its logits' argmax, chosen on the device: temperature 0 and
     no logit adjustments."""
@@ -369,17 +395,8 @@ class ModelRunner:
             if not np.isfinite(rows).all():
                 out.failed[rid] = non_finite_logits(c)
                 continue
-            try:  # one request's sampling failing ends that request, not the step's others
-                toks = out.sampled[rid] = req.sampler.verify(rows, c.draft)
-                req.sampler.observe(toks)  # the penalties count what was generated
-                if req.logprobs is not None:  # token j was chosen from row j of the chunk's rows
-                    out.logprobs[rid] = token_logprobs(rows[: len(toks)], toks, req.logprobs)
-            except Exception as e:
-                out.sampled.pop(rid, None)
-                out.logprobs.pop(rid, None)
-                out.failed[rid] = f"sampling failed: {type(e).__name__}: {e}"
-                continue
-            out.count_draft(c.draft, toks)
+            verify = functools.partial(req.sampler.verify, rows, c.draft)
+            _record(out, c, req, verify, lambda n, r=rows: r[:n])
         return out
 
     def launch(
@@ -438,18 +455,8 @@ class ModelRunner:
             if min(targets[lo:hi]) < 0:
                 out.failed[rid] = non_finite_logits(c)
                 continue
-            toks = out.sampled[rid] = accept_greedy(targets[lo:hi], c.draft)
-            try:  # one request's failing ends that request, not the step's others
-                req.sampler.observe(toks)
-                if req.logprobs is not None:  # token j was chosen from row j of the chunk's
-                    rows = np.array(launched.logits[lo : lo + len(toks)])
-                    out.logprobs[rid] = token_logprobs(rows, toks, req.logprobs)
-            except Exception as e:
-                out.sampled.pop(rid, None)
-                out.logprobs.pop(rid, None)
-                out.failed[rid] = f"sampling failed: {type(e).__name__}: {e}"
-                continue
-            out.count_draft(c.draft, toks)
+            choose = functools.partial(accept_greedy, targets[lo:hi], c.draft)
+            _record(out, c, req, choose, lambda n, lo=lo: np.array(launched.logits[lo : lo + n]))
         return out
 
     def _inputs(self, step: SchedulerStep) -> list[SeqInput]:
