@@ -26,7 +26,7 @@ from strata.common import envs
 from strata.common.atomic import replaced, sweep, temporary_folder
 from strata.common.children import tied_to_parent
 from strata.common.errors import GGUFError, StrataError
-from strata.common.gguf_file import split_paths
+from strata.common.gguf_file import SPLIT_NAME, split_paths
 from tqdm import tqdm
 
 
@@ -292,17 +292,30 @@ def cached_by_sha256(sha256: str) -> list[Path]:
         known = json.loads(_hash_cache_file().read_text())
     except (OSError, ValueError):
         return []
-    out = []
+    unchanged: dict[str, str] = {}  # path -> sha256, of the files unchanged since hashed
     for key, digest in known.items() if isinstance(known, dict) else ():
-        if digest != sha256:
-            continue
         path, *stamp = key.rsplit("|", 3)
         try:
             st = Path(path).stat()
         except OSError:
             continue
         if stamp == [str(st.st_size), str(st.st_mtime_ns), str(st.st_ctime_ns)]:
-            out.append(Path(path))
+            unchanged[path] = digest
+    out = [Path(p) for p, digest in unchanged.items() if digest == sha256]
+    # A split model's identity is its shards' (model_sha256): a set whose every shard is
+    # hashed and unchanged is found by its first shard.
+    for path in unchanged:
+        m = SPLIT_NAME.match(Path(path).name)
+        if m is None or int(m["no"]) != 1 or int(m["count"]) < 2:
+            continue
+        try:
+            shards = [str(s) for s in split_paths(path)]
+        except GGUFError:
+            continue
+        if all(s in unchanged for s in shards):
+            digests = "".join(unchanged[s] for s in shards)
+            if hashlib.sha256(digests.encode()).hexdigest() == sha256:
+                out.append(Path(path))
     return sorted(out)
 
 

@@ -504,7 +504,8 @@ def source_for(resolved: ResolvedModel, header_sha256: str) -> ModelSource:
     return ModelSource(
         name=resolved.name,
         # Absolute: a plan may be run from any folder.
-        path=None if resolved.name else str(Path(resolved.path).resolve()),
+        # (not following links: a split model's shards are found by their names).
+        path=None if resolved.name else str(Path(resolved.path).absolute()),
         size_bytes=resolved.size_bytes,
         sha256=resolved.sha256,
         header_sha256=header_sha256,

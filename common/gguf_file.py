@@ -526,7 +526,7 @@ def split_paths(path: str | Path) -> list[Path]:
     if m is None or int(m["count"]) == 1:
         return [p]
     no, count = int(m["no"]), int(m["count"])
-    if not 1 <= no <= count:
+    if not 1 <= no <= count or count > 65535:  # split.count is a u16
         raise GGUFError(
             f"{p}: named as shard {no} of {count}, which no split writes; give the shard its "
             "own name NAME-0000K-of-0000N.gguf (K from 1 to N) as gguf-split wrote it"

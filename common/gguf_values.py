@@ -128,6 +128,8 @@ def _scalar(g: Any, key: str, allowed: frozenset, kind: str, per_layer: bool) ->
             )
         blocks_key = f"{g.architecture}.block_count"
         blocks = g.field(blocks_key)
+        if isinstance(blocks, float) and blocks.is_integer():  # read_int takes integral floats
+            blocks = int(blocks)
         if isinstance(blocks, int) and not isinstance(blocks, bool) and n != blocks:
             raise _fail(
                 g,

@@ -99,7 +99,9 @@ def build_plan(
             shutil.copyfile(routing_profile, kept)
         routing = RoutingRef(sha256=desc.routing.sha256, path=str(routing_profile.resolve()))
     if desc.model.path is not None:  # the path as given: keep it absolute, a hint from anywhere
-        hint = str(Path(desc.model.path).resolve())
+        # Absolute without following links: a split model's shards are found by their names,
+        # which a link (the Hugging Face cache's snapshots) keeps and its target does not.
+        hint = str(Path(desc.model.path).absolute())
         desc = desc.model_copy(update={"model": desc.model.model_copy(update={"path": hint})})
     provenance = Provenance(
         planner_version=__version__,

@@ -87,7 +87,7 @@ def test_describe_from_any_shard(smollm2_gguf, shards):
         assert facts(desc) == facts(whole)
         m = desc.model
         assert (m.path, m.size_bytes, m.sha256) == (
-            str(shards[0].resolve()),
+            str(shards[0].absolute()),
             sum(p.stat().st_size for p in shards),
             sha,
         )
@@ -155,3 +155,27 @@ def test_shards_out_of_order_or_misnamed(shards, tmp_path):
         open_gguf(fake[1])
     with pytest.raises(GGUFError, match="named as shard 3 of 2, which no split writes"):
         split_paths(tmp_path / "m-00003-of-00002.gguf")
+
+
+def test_a_set_behind_symlinks_and_a_moved_set_are_found(shards, tmp_path, monkeypatch):
+    """Shards that are symbolic links to files of other names (the Hugging Face cache's
+    snapshots point into blobs): the description keeps the link's path, whose name is a shard's,
+    and the set opens from it; a set hashed at a new place is found by its sha256
+    (``cached_by_sha256``, what a moved plan's model is located by)."""
+    from strata.common.catalog import cached_by_sha256, model_sha256
+
+    monkeypatch.setenv("STRATA_CACHE", str(tmp_path / "cache"))
+    blobs, snap = tmp_path / "blobs", tmp_path / "snapshots"
+    blobs.mkdir()
+    snap.mkdir()
+    for i, s in enumerate(shards):
+        target = blobs / f"blob{i}"
+        os.link(s, target)
+        (snap / s.name).symlink_to(target)
+    desc, _ = describe(str(snap / shards[1].name))
+    assert desc.model.path == str(snap / shards[0].name)
+    assert len(open_gguf(desc.model.path).tensor_infos) == len(open_gguf(shards[0]).tensor_infos)
+    moved = _linked(shards, tmp_path / "moved")
+    sha = model_sha256(split_paths(moved[1]))
+    assert cached_by_sha256(sha) == [moved[0]]
+    assert cached_by_sha256(sha[::-1]) == []
