@@ -626,8 +626,8 @@ def open_gguf(path: str | Path) -> GGUFFile:
         no = read_int(g, _SPLIT_NO, 0, count - 1)
         raise GGUFError(
             f"{p}: shard {no + 1} of a {count}-file split model ({_SPLIT_COUNT}), but its name "
-            f"is not a shard's; name the shards as gguf-split does (NAME-{no + 1:05d}-of-"
-            f"{count:05d}.gguf) and open the set by its first shard"
+            f"is not a shard's; keep the names gguf-split gave the shards (NAME-{no + 1:05d}-of-"
+            f"{count:05d}.gguf), side by side, and open the set by any of them"
         )
     if len(paths) > 1:
         g = _open_split(paths, g)

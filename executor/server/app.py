@@ -32,6 +32,7 @@ from starlette.responses import Response
 from starlette.routing import Route
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from strata.common.errors import StrataError
+from strata.common.gguf_file import SPLIT_NAME
 from strata.executor.chat import DEFAULT_RENDER_WORKERS, RenderPool
 from strata.executor.server.access_log import AccessLog
 from strata.executor.server.generation import ServerState
@@ -459,9 +460,14 @@ def _uvicorn_server(
 
 
 def default_model_name(loaded) -> str:
-    """The plan's catalog model name, else the GGUF file's stem."""
+    """The plan's catalog model name, else the GGUF file's stem (a split model's without its
+    ``-0000K-of-0000N`` shard suffix: the set's name)."""
     src = loaded.plan.model
-    return src.name or Path(src.path or loaded.gguf.path).stem
+    if src.name:
+        return src.name
+    name = Path(src.path or loaded.gguf.path).name
+    m = SPLIT_NAME.match(name)
+    return m["prefix"] if m else Path(name).stem
 
 
 def serve(

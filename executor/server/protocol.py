@@ -110,6 +110,33 @@ def engine_error(message: str) -> APIError:
     return APIError(500, message, type="server_error", code="engine_error")
 
 
+UNSUPPORTED_EXTENSIONS: dict[str, tuple] = {
+    "repetition_penalty": (None, 1.0, 1),
+    "min_tokens": (None, 0),
+    "min_p": (None, 0.0, 0),
+    "typical_p": (None, 1.0, 1),
+    "length_penalty": (None, 1.0, 1),
+    "use_beam_search": (None, False),
+    "include_stop_str_in_output": (None, False),
+    "stop_token_ids": (None, []),
+    "bad_words": (None, []),
+    "allowed_token_ids": (None,),
+    "prompt_logprobs": (None,),
+    "truncate_prompt_tokens": (None,),
+    "skip_special_tokens": (None, True),
+    "spaces_between_special_tokens": (None, True),
+    "logits_processors": (None,),
+    "guided_json": (None,),
+    "guided_regex": (None,),
+    "guided_choice": (None,),
+    "guided_grammar": (None,),
+    "guided_decoding_backend": (None,),
+    "structured_outputs": (None,),
+}
+"""vLLM's sampling extensions this server does not implement, each with the values that change
+nothing (accepted: a client may send its defaults); any other value is a 400 naming the field."""
+
+
 class _Body(BaseModel):
     # strict: "5" is not a number and "true" not a boolean, as in OpenAI's API; unknown fields
     # are ignored because clients send many (user, metadata, ...), as vLLM ignores them. Fields
@@ -135,7 +162,7 @@ class _Sampling(_Body):
     temperature: float | None = Field(default=None, ge=0, allow_inf_nan=False)
     top_p: float | None = Field(default=None, gt=0, le=1, allow_inf_nan=False)
     top_k: int | None = Field(default=None, ge=-1, description="extension; 0 or -1 = all tokens")
-    seed: int | None = None
+    seed: int | None = Field(default=None, ge=-(2**63), le=2**63 - 1, description="int64, as vLLM")
     stop: str | list[str] | None = None
     stream: bool | None = False
     stream_options: StreamOptions | None = None
@@ -227,11 +254,35 @@ class _Sampling(_Body):
         logprobs)."""
         return None
 
+    @model_validator(mode="before")
+    @classmethod
+    def _no_unimplemented_extensions(cls, body: Any) -> Any:
+        # Unknown fields are ignored, but not vLLM's sampling extensions: a vLLM client sends them
+        # expecting an effect, so each is refused unless it holds its no-op value.
+        if isinstance(body, dict):
+            for name, noop in UNSUPPORTED_EXTENSIONS.items():
+                if name in body and not any(
+                    body[name] == v and type(body[name]) is type(v) for v in noop
+                ):
+                    raise APIError(
+                        400,
+                        f"{name} (a vLLM sampling extension) is not supported by this server; "
+                        "leave it out",
+                        param=name,
+                    )
+        return body
+
     def check_unsupported(self) -> None:
         """Raises APIError for options this server does not implement (the ones that would change
         the output if they were silently dropped)."""
         if self.n not in (None, 1):
             raise APIError(400, f"n={self.n} is not supported; only n=1 (one choice)", param="n")
+        if self.stream_options is not None and not self.stream:
+            raise APIError(
+                400,
+                "stream_options is only allowed with stream: true (as OpenAI); leave it out",
+                param="stream_options",
+            )
 
 
 class TextPart(_Body):

@@ -525,6 +525,24 @@ def test_bad_requests(server):
         assert err["param"] == field
     err = error_of(server.post("/v1/completions", {**ok, "prompt": "x", "suffix": "y"}), 400)
     assert err["param"] == "suffix"
+    # vLLM's sampling extensions: refused unless at their no-op value; stream_options needs a
+    # stream; a seed outside int64 (it would wrap onto another seed's samples).
+    for path, body in ((chat_path, ok), ("/v1/completions", {**ok, "prompt": "x"})):
+        for field, value in (
+            ("repetition_penalty", 1.3),
+            ("min_tokens", 4),
+            ("stop_token_ids", [30]),
+            ("include_stop_str_in_output", True),
+            ("guided_choice", ["a", "b"]),
+        ):
+            err = error_of(server.post(path, {**body, field: value}), 400, "not supported")
+            assert err["param"] == field
+        for noop in ({"repetition_penalty": 1.0}, {"min_tokens": 0}, {"skip_special_tokens": True}):
+            assert server.post(path, {**body, **noop, "max_tokens": 1}).status_code == 200
+        err = error_of(server.post(path, {**body, "stream_options": {"include_usage": True}}), 400)
+        assert err["param"] == "stream_options"
+        err = error_of(server.post(path, {**body, "seed": 2**64}), 400, "seed")
+        assert err["param"] == "seed"
     for field, value, what in (
         ("presence_penalty", 2.5, "presence_penalty"),
         ("logit_bias", {"x": 1}, "token ids"),
