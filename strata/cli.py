@@ -13,7 +13,7 @@ from __future__ import annotations
 import argparse
 from collections.abc import Callable
 
-from strata import autoplan, caches, check
+from strata import __version__, autoplan, caches, check
 from strata.benchmarks import cli as benchmarks_cli
 from strata.common.errors import run_command
 from strata.executor import cli as executor_cli
@@ -50,6 +50,7 @@ class _Only:
 
 def _parser(prog: str, description: str, keep: tuple[str, ...] | None) -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog=prog, description=description)
+    p.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     sub = _Only(p.add_subparsers(dest="command", required=True), keep)
     planner_cli.add_commands(sub)
     check.add_command(sub)

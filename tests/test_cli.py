@@ -342,3 +342,11 @@ def test_misplaced_and_ignored_inputs(smollm2_plan, tmp_path):
     blocked.write_text("")
     err = cli(*bench, "-o", str(blocked / "sub" / "r.json"), ok=False)
     assert_one_line_error(err, "cannot write")
+
+
+def test_version():
+    """``strata --version`` prints the package's version, as every CLI a user knows does."""
+    from strata import __version__
+
+    done = cli("-m", "strata", "--version")
+    assert done.stdout.strip() == f"strata {__version__}"
