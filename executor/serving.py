@@ -702,9 +702,12 @@ class ServingEngine:
         for part in (out.sampled, out.failed, out.logprobs):
             for rid in [r for r in part if self._owner(r) is not ran.get(r)]:
                 del part[rid]
-        for rid, toks in out.sampled.items():
+        for rid, toks in list(out.sampled.items()):
             out_ids = self._live[rid].seq.output_ids
-            assert out_ids and out_ids[-1] == PENDING  # written at launch, read only here
+            if not out_ids or out_ids[-1] != PENDING:  # written at launch, read only here
+                del out.sampled[rid]  # never expected: end the request, not the engine thread
+                out.failed[rid] = "a token read from the device had no place (a serving bug)"
+                continue
             del out_ids[-1]
             out_ids.extend(toks)  # in place of PENDING (greedy: exactly one, no draft)
         self._apply(launched.step, out, updated=True)
