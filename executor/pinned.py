@@ -147,7 +147,7 @@ class Pinned:
         registered: small arrays from the heap share pages with others, and a page can be
         registered once only. Returns the copy, or ``host`` itself where registration failed
         (it is then copied the ordinary way)."""
-        if host.nbytes == 0:
+        if host.nbytes == 0 or host.dtype not in _MX_DTYPES:
             return host
         size = -(-host.nbytes // mmap.PAGESIZE) * mmap.PAGESIZE
         area = mmap.mmap(-1, size)
@@ -162,7 +162,7 @@ class Pinned:
         """A new device array holding ``host``'s bytes, its dtype and shape (lazy: copied when
         evaluated), or None where ``host`` is not registered."""
         held = self._by_address.get(host.ctypes.data)
-        if held is None or held[0].nbytes != host.nbytes:
+        if held is None or held[0].nbytes != host.nbytes or host.dtype not in _MX_DTYPES:
             return None
         _, src, size = held
         n = host.nbytes
@@ -174,7 +174,7 @@ class Pinned:
             output_shapes=[(n,)],
             output_dtypes=[mx.uint8],
         )
-        return out.view(_mx_dtype(host.dtype)).reshape(host.shape)
+        return out.view(_MX_DTYPES[host.dtype]).reshape(host.shape)
 
     def close(self) -> None:
         """Unregister every array (call once nothing reads them: after ``mx.synchronize``)."""
@@ -185,15 +185,15 @@ class Pinned:
         self._areas.clear()  # each mapping goes with the last array viewing it
 
 
-def _mx_dtype(dtype: np.dtype) -> mx.Dtype:
-    """The MLX dtype of a numpy dtype the RAM tier holds."""
-    return {
-        np.dtype(np.uint32): mx.uint32,
-        np.dtype(np.uint8): mx.uint8,
-        np.dtype(np.float16): mx.float16,
-        np.dtype(np.float32): mx.float32,
-        np.dtype(np.int8): mx.int8,
-    }[np.dtype(dtype)]
+_MX_DTYPES = {
+    np.dtype(np.uint32): mx.uint32,
+    np.dtype(np.uint8): mx.uint8,
+    np.dtype(np.float16): mx.float16,
+    np.dtype(np.float32): mx.float32,
+    np.dtype(np.int8): mx.int8,
+}
+"""The MLX dtype of each numpy dtype the RAM tier holds; an array of another dtype is copied the
+ordinary way (``Pinned.adopt`` leaves it as it is)."""
 
 
 def pinned_for(enabled: bool = True) -> Pinned | None:

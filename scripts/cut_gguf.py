@@ -121,12 +121,17 @@ def cut_gguf(model: str | Path, blocks: int, out: str | Path) -> Path:
     if "general.name" not in reader.fields:
         w.add_name(f"{Path(src).stem} (first {blocks} blocks)")
 
-    for t in reader.tensors:
-        m = _BLOCK.match(t.name)
-        if m and int(m.group(1)) >= blocks:
-            continue
-        # The bytes as stored, rows of whole quant blocks: GGUFWriter turns this byte shape back
-        # into the element shape (quant_shape_from_byte_shape) and writes the bytes unchanged.
+    kept = [t for t in reader.tensors if not ((m := _BLOCK.match(t.name)) and int(m[1]) >= blocks)]
+    write_tensors(w, kept)
+    return out
+
+
+def write_tensors(w: gguf.GGUFWriter, tensors) -> None:
+    """Add ``tensors`` (a ``GGUFReader``'s) to ``w`` as stored, then write and close the file.
+
+    The bytes as stored, rows of whole quant blocks: GGUFWriter turns this byte shape back into
+    the element shape (quant_shape_from_byte_shape) and writes the bytes unchanged."""
+    for t in tensors:
         data = np.asarray(t.data)
         raw = data.view(np.uint8).reshape(*data.shape[:-1], -1) if data.ndim else data
         w.add_tensor(t.name, raw, raw_dtype=gguf.GGMLQuantizationType(t.tensor_type))
@@ -134,7 +139,6 @@ def cut_gguf(model: str | Path, blocks: int, out: str | Path) -> Path:
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
-    return out
 
 
 def main(argv: list[str] | None = None) -> int:
