@@ -12,9 +12,11 @@ file: Jinja's sandbox stops it reaching Python's internals but not looping for h
 a string doubled in a loop). A loop cannot be interrupted inside the process that runs it, so
 templates are rendered in a worker process (``_RenderWorker``: started on first use, a few
 hundred ms once, then a pipe round trip per render) with a wall-time budget
-(``RENDER_TIMEOUT_S``: the worker is killed and restarted past it), an address-space cap
-(``RENDER_MEMORY_BYTES``) and an output-size cap (``MAX_RENDERED_CHARS``); every failure is a
-``ChatError`` naming the template. The server, ``run --messages`` and ``chat`` all render here.
+(``RENDER_TIMEOUT_S``: the worker is killed and restarted past it), a memory cap
+(``RENDER_MEMORY_BYTES``: the worker's own address-space limit, and the parent watching its
+resident memory where the limit is not enforced) and an output-size cap
+(``MAX_RENDERED_CHARS``); every failure is a ``ChatError`` naming the template. The server,
+``run --messages`` and ``chat`` all render here.
 
 Workers. ``run --messages`` and ``chat`` render one conversation at a time: one worker (the
 module's pool of one). A server has its own ``RenderPool`` of ``serve --render-workers`` workers
@@ -233,7 +235,14 @@ RENDER_MEMORY_BYTES = 1 << 30
 """Address space the render worker may grow by beyond its size at start (Linux: ``RLIMIT_AS``;
 other systems only have the time and output caps). A render needs a few times its output, at
 most ``MAX_RENDERED_CHARS`` characters (up to 4 bytes each in Python); past this a template gets
-a ``MemoryError`` (a 400), never the server's memory."""
+a ``MemoryError`` (a 400), never the server's memory. Where the limit is not enforced (a sandbox
+may ignore ``RLIMIT_AS``), the parent kills a worker whose resident memory grew by more than this
+(checked every ``RSS_POLL_S`` while it renders; Python cannot watch itself: ``'x' * 3e9`` is one C
+call holding the GIL)."""
+
+RSS_POLL_S = 0.01
+"""Seconds between the parent's looks at a rendering worker's resident memory (Linux
+``/proc/PID/statm``): at a few GB/s of growth the worker passes its cap by tens of MB at most."""
 
 
 WORKER_START_S = 30.0
@@ -344,10 +353,7 @@ def _render_here(job: dict) -> str:
     except jinja2.TemplateError as e:
         raise ChatError(f"the chat template failed: {e}") from e
     except MemoryError:
-        raise _OutOfMemory(
-            f"the chat template needed over {RENDER_MEMORY_BYTES >> 20} MiB to render; "
-            "fix the template or pass another with --chat-template"
-        ) from None
+        raise _OutOfMemory(_out_of_memory()) from None
     except RecursionError:
         raise ChatError(
             "the chat template recursed too deeply (a macro or loop that calls itself without "
@@ -362,6 +368,23 @@ def _render_here(job: dict) -> str:
 
 class _OutOfMemory(ChatError):
     """A render ran out of its memory: the worker gives its memory back by starting afresh."""
+
+
+def _out_of_memory() -> str:
+    return (
+        f"the chat template needed over {RENDER_MEMORY_BYTES >> 20} MiB to render; "
+        "fix the template or pass another with --chat-template"
+    )
+
+
+def _resident_bytes(pid: int) -> int | None:
+    """Resident memory of process ``pid`` in bytes (Linux ``/proc/PID/statm``), or None where it
+    cannot be read (no /proc, or the process is gone)."""
+    try:
+        with open(f"/proc/{pid}/statm", "rb") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return None
 
 
 def _too_long(chars: int) -> str:
@@ -385,6 +408,7 @@ class _RenderWorker:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._proc: subprocess.Popen | None = None
+        self._rss_at_start: int | None = None  # bytes; None where /proc cannot tell
         self._jobs = 0
         self._closed = False
 
@@ -438,6 +462,7 @@ class _RenderWorker:
                     f"the chat template worker did not start within {WORKER_START_S:g} s "
                     "(python -m strata.executor.chat); try again"
                 )
+            self._rss_at_start = _resident_bytes(self._proc.pid)
         return self._proc
 
     def _kill(self) -> None:
@@ -451,23 +476,33 @@ class _RenderWorker:
                         f.close()
             self._proc = None
 
-    def _read_line(self, deadline: float) -> bytes:
-        """One line of the worker's stdout, by ``deadline`` (``time.monotonic``).
+    def _read_line(self, deadline: float, watch_memory: bool = False) -> bytes:
+        """One line of the worker's stdout, by ``deadline`` (``time.monotonic``);
+        ``watch_memory``: look at its resident memory every ``RSS_POLL_S`` meanwhile.
 
         Raises:
             TimeoutError: not by the deadline.
             OSError: the worker closed its stdout (it exited).
             ValueError: a line longer than any reply may be.
+            _OutOfMemory: its resident memory grew past ``RENDER_MEMORY_BYTES``.
         """
         assert self._proc is not None and self._proc.stdout is not None
         fd = self._proc.stdout.fileno()
+        limit = None
+        if watch_memory and self._rss_at_start is not None:
+            limit = self._rss_at_start + RENDER_MEMORY_BYTES
         out = bytearray()
         with selectors.DefaultSelector() as sel:  # not select(): descriptors past 1024
             sel.register(fd, selectors.EVENT_READ)
             while not out.endswith(b"\n"):
                 left = deadline - time.monotonic()
-                if left <= 0 or not sel.select(left):
+                if left <= 0:
                     raise TimeoutError
+                if not sel.select(left if limit is None else min(left, RSS_POLL_S)):
+                    rss = None if limit is None else _resident_bytes(self._proc.pid)
+                    if rss is not None and rss > limit:
+                        raise _OutOfMemory(_out_of_memory())
+                    continue
                 chunk = os.read(fd, 1 << 20)
                 if not chunk:
                     raise BrokenPipeError("the render worker exited")
@@ -491,10 +526,13 @@ class _RenderWorker:
                 assert proc.stdin is not None
                 proc.stdin.write(line.encode() + b"\n")
                 proc.stdin.flush()
-                out = self._read_line(time.monotonic() + RENDER_TIMEOUT_S)
+                out = self._read_line(time.monotonic() + RENDER_TIMEOUT_S, watch_memory=True)
                 reply = json.loads(out)
                 if not isinstance(reply, dict) or reply.get("job") != number:
                     raise ValueError("a reply to another job")
+            except _OutOfMemory as e:
+                self._kill()
+                raise ChatError(str(e).replace("the chat template", name, 1)) from None
             except TimeoutError:
                 self._kill()
                 raise ChatError(
@@ -729,8 +767,9 @@ def _worker_main() -> None:
         except ChatError as e:
             reply = {"error": str(e)}
         except MemoryError:
-            reply = {"error": f"the chat template needed over {RENDER_MEMORY_BYTES >> 20} MiB"}
-            exit_after = True
+            reply, exit_after = {"error": _out_of_memory()}, True
+        except ValueError as e:  # not a job's JSON line: said, not a traceback on stderr
+            reply = {"error": f"the render worker got a line that is not a job: {e}"}
         reply["job"] = job.get("job") if isinstance(job, dict) else None
         if exit_after:
             reply["restart"] = True

@@ -196,6 +196,34 @@ def test_rendering_budget_stops_hostile_templates() -> None:
     assert resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before < 100 * 1024  # KiB
 
 
+def test_the_parent_kills_a_worker_whose_memory_grows_past_the_cap(monkeypatch) -> None:
+    """Where the worker's own address-space limit is not enforced (some sandboxes ignore
+    RLIMIT_AS), the parent's look at its resident memory ends the render: here the parent's cap
+    is 64 MiB while the worker's own limit (1 GiB) lets a 300 MB string be built."""
+    import time
+
+    from strata.executor import chat
+
+    monkeypatch.setattr(chat, "RENDER_MEMORY_BYTES", 64 << 20)
+    pool = chat.RenderPool(1)
+    try:
+        t0 = time.monotonic()
+        with pytest.raises(ChatError, match=r"evil.jinja needed over 64 MiB to render"):
+            render_chat(
+                "{{ 'x' * 300000000 }}",
+                MESSAGES[:1],
+                "",
+                "",
+                name="evil.jinja",
+                lease=pool.lease(None),
+            )
+        assert time.monotonic() - t0 < chat.RENDER_TIMEOUT_S
+        text = render_chat("{{ messages[0].content }}", MESSAGES, "", "", lease=pool.lease(None))
+        assert text == "You are terse."  # a fresh worker
+    finally:
+        pool.close()
+
+
 def test_the_worker_renders_as_in_process_and_never_hands_a_reply_to_the_next_job(
     monkeypatch,
 ) -> None:
@@ -216,11 +244,11 @@ def test_the_worker_renders_as_in_process_and_never_hands_a_reply_to_the_next_jo
     real = chat._RenderWorker._read_line
     calls = []
 
-    def interrupted(self, deadline):
+    def interrupted(self, deadline, **kw):
         calls.append(1)
         if len(calls) == 1:
             raise KeyboardInterrupt  # after the job was written, before its reply was read
-        return real(self, deadline)
+        return real(self, deadline, **kw)
 
     monkeypatch.setattr(chat._RenderWorker, "_read_line", interrupted)
     with pytest.raises(KeyboardInterrupt):
