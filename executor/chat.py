@@ -286,6 +286,7 @@ def render_chat(
     add_generation_prompt: bool = True,
     name: str = "the chat template",
     lease: RenderLease | None = None,
+    tools: list[dict] | None = None,
 ) -> str:
     """Render ``messages`` with a chat template into the prompt text, in a render worker
     (see the module's "Rendering budget"): at most ``RENDER_TIMEOUT_S`` seconds and
@@ -300,6 +301,9 @@ def render_chat(
         name: how errors name the template (``ChatTemplate.name``).
         lease: the worker to render in (a server's ``RenderPool.lease_async``), released as soon
             as the render ends; None: the module's single worker, waited for.
+        tools: the functions the model may call, as HF's ``apply_chat_template(tools=...)``
+            takes them (``[{"type": "function", "function": {"name", "description",
+            "parameters"}}]``); None: no tools (the template's ``tools`` is none).
 
     Returns:
         The rendered text (special tokens appear as text, e.g. ``<|im_start|>``).
@@ -317,6 +321,7 @@ def render_chat(
         "bos_token": bos_token,
         "eos_token": eos_token,
         "add_generation_prompt": add_generation_prompt,
+        "tools": tools,
     }
     try:
         json.dumps(job, ensure_ascii=False)
@@ -342,7 +347,7 @@ def _render_here(job: dict) -> str:
     try:
         text = _compiled(job["template"]).render(
             messages=job["messages"],
-            tools=None,
+            tools=job.get("tools"),
             documents=None,
             add_generation_prompt=job["add_generation_prompt"],
             bos_token=job["bos_token"],
@@ -786,6 +791,7 @@ def messages_to_ids(
     add_generation_prompt: bool = True,
     name: str = "the chat template",
     lease: RenderLease | None = None,
+    tools: list[dict] | None = None,
 ) -> list[int]:
     """Prompt token ids for a chat, as llama.cpp builds them.
 
@@ -794,7 +800,8 @@ def messages_to_ids(
     for it and the rendered text does not already start with it (templates that write
     ``{{ bos_token }}`` must not get two). No EOS is appended, whatever ``add_eos_token`` says:
     the prompt ends with the reply's header. ``lease``: the worker to render in (see
-    ``render_chat``), given back before the text is tokenized.
+    ``render_chat``), given back before the text is tokenized; ``tools``: the functions the
+    template renders (see ``render_chat``).
 
     Raises:
         ChatError: no template (neither given nor in the GGUF), malformed messages, or a template
@@ -806,7 +813,7 @@ def messages_to_ids(
         raise ChatError(NO_TEMPLATE)
     bos = _token_text(tokenizer, tokenizer.bos_id)
     eos = _token_text(tokenizer, tokenizer.eos_id)
-    text = render_chat(template, messages, bos, eos, add_generation_prompt, name, lease)
+    text = render_chat(template, messages, bos, eos, add_generation_prompt, name, lease, tools)
     ids = tokenizer.encode(text, add_bos=False, parse_special=True, add_eos=False)
     if tokenizer.add_bos and not (bos and text.startswith(bos)):
         ids.insert(0, tokenizer.bos_id)

@@ -42,6 +42,7 @@ import numpy as np
 from strata.common.errors import StrataError
 from strata.executor import cuda_attention, pass_graph
 from strata.executor.config import RuntimeConfig
+from strata.executor.grammar import GRAMMAR_FAILED, GrammarError
 from strata.executor.host_inputs import InputStaging
 from strata.executor.models.llama import LlamaModel
 from strata.executor.ops import bucket_rows
@@ -260,16 +261,19 @@ def _record(
     except Exception as e:
         out.sampled.pop(rid, None)
         out.logprobs.pop(rid, None)
-        out.failed[rid] = f"sampling failed: {type(e).__name__}: {e}"
+        if isinstance(e, GrammarError):
+            out.failed[rid] = f"{GRAMMAR_FAILED}{e}"
+        else:
+            out.failed[rid] = f"sampling failed: {type(e).__name__}: {e}"
         return
     out.count_draft(c.draft, toks)
 
 
 def greedy(req: SampledRequest) -> bool:
-    """Whether ``req``'s tokens are its logits' argmax, chosen on the device: temperature 0 and
-    no logit adjustments."""
+    """Whether ``req``'s tokens are its logits' argmax, chosen on the device: temperature 0, no
+    logit adjustments and no grammar (whose mask is computed on the host)."""
     p = req.sampler.params
-    return p.temperature == 0 and not p.adjusts_logits
+    return p.temperature == 0 and not p.adjusts_logits and req.sampler.constraint is None
 
 
 @dataclass

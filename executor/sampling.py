@@ -4,16 +4,23 @@ frequency penalties), deterministic for a given seed.
 Sampling runs in numpy float64 on the host with a PCG64 generator seeded once per request, so the
 same logits and seed give the same token on every backend (CPU, Metal, CUDA). ``Sampler.verify``
 accepts or rejects the draft tokens of speculative decoding with the same distribution, so
-speculation changes how fast tokens come, never how they are distributed.
+speculation changes how fast tokens come, never how they are distributed. A request with a grammar
+(``executor.grammar.Constraint``: structured outputs, forced tool calls) has every row masked to the
+tokens its grammar allows before anything else picks from it, the draft's rows each with the mask
+of the state after the draft tokens before it.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 from strata.common.errors import StrataError
+
+if TYPE_CHECKING:
+    from strata.executor.grammar import Constraint
 
 GREEDY_BELOW = 1e-5
 """Temperatures below this are greedy (vLLM's ``_SAMPLING_EPS``, the same rule): the limit of
@@ -84,10 +91,13 @@ class Sampler:
 
     Args:
         params: the sampling parameters.
+        constraint: the request's grammar state, or None: every pick is then among the tokens
+            it allows, and the tokens observed advance it.
     """
 
-    def __init__(self, params: SamplingParams):
+    def __init__(self, params: SamplingParams, constraint: Constraint | None = None):
         self.params = params
+        self.constraint = constraint
         self._rng: np.random.Generator | None = None
         self.counts: dict[int, int] = {}  # generated token -> times (the penalties' counts)
 
@@ -102,7 +112,14 @@ class Sampler:
 
     def observe(self, tokens: list[int]) -> None:
         """Count ``tokens`` as generated (the penalties apply to them from the next pick; without
-        penalties nothing needs the counts and nothing is kept)."""
+        penalties nothing needs the counts and nothing is kept) and advance the grammar past
+        them.
+
+        Raises:
+            executor.grammar.GrammarError: a token the grammar refuses.
+        """
+        if self.constraint is not None:
+            self.constraint.consume(tokens)
         if not (self.params.presence_penalty or self.params.frequency_penalty):
             return
         for t in tokens:
@@ -154,6 +171,22 @@ class Sampler:
             order, probs = order[:keep], probs[:keep] / probs[:keep].sum()
         return order, probs
 
+    def _allowed(self, logits: np.ndarray, mask: np.ndarray | None) -> np.ndarray:
+        """``logits`` with every token outside ``mask`` (bool [>= vocab]) at -inf: a copy, or
+        ``logits`` itself without a mask."""
+        if mask is None:
+            return logits
+        z = np.array(logits, dtype=np.float64)
+        z[~mask[: z.shape[-1]]] = -np.inf
+        return z
+
+    def _row(self, logits: np.ndarray, mask: np.ndarray | None = None) -> np.ndarray:
+        """One row as it is picked from: adjusted (``adjusted``), then masked by ``mask``, or
+        by the grammar's current mask where the request has a grammar and none is given."""
+        if mask is None and self.constraint is not None:
+            mask = self.constraint.mask()
+        return self._allowed(self.adjusted(logits), mask)
+
     def probs(self, logits: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """The distribution ``__call__`` samples from for ``logits``.
 
@@ -165,7 +198,7 @@ class Sampler:
             picked, most likely first, after temperature, top-k and top-p; greedy (temperature 0):
             ([argmax], [1.0]).
         """
-        logits = self.adjusted(logits)
+        logits = self._row(logits)
         if self.params.temperature == 0:
             return np.array([np.argmax(logits)], np.int64), np.ones(1)
         order, probs = self._filtered(logits)
@@ -173,7 +206,7 @@ class Sampler:
 
     def __call__(self, logits: np.ndarray) -> int:
         """Next token id from ``logits`` ([vocab] float); not counted until :meth:`observe`."""
-        logits = self.adjusted(logits)
+        logits = self._row(logits)
         if self.params.temperature == 0:
             return int(np.argmax(logits))
         order, probs = self._filtered(logits)
@@ -210,7 +243,13 @@ class Sampler:
                 f"verify got logits of shape {logits.shape} for {len(draft)} draft tokens; "
                 f"pass one row per draft token plus one for the bonus ({len(draft) + 1} rows)"
             )
-        rows = [self.adjusted(logits[j], draft[:j]) for j in range(len(draft) + 1)]
+        if self.constraint is None:
+            rows = [self.adjusted(logits[j], draft[:j]) for j in range(len(draft) + 1)]
+        else:  # rows up to the first draft token the grammar refuses: none later is reached
+            masks = self.constraint.masks_along(draft)
+            rows = [
+                self._allowed(self.adjusted(logits[j], draft[:j]), m) for j, m in enumerate(masks)
+            ]
         if self.params.temperature == 0:
             return accept_greedy([int(np.argmax(row)) for row in rows], draft)
         out: list[int] = []

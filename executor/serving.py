@@ -98,6 +98,7 @@ from strata.common.schemas import Plan
 from strata.executor.block_pool import BlockPool
 from strata.executor.drafters import Drafter, DraftInput, DraftModelDrafter, PromptLookupDrafter
 from strata.executor.engine import Engine, check_prompt_ids
+from strata.executor.grammar import Constraint, vocabulary
 from strata.executor.ops import set_row_tile
 from strata.executor.paged_kv import PagedKVCache, slot_table
 from strata.executor.plan_loader import load_draft
@@ -166,6 +167,9 @@ class GenerationRequest:
         ignore_eos: keep generating past end-of-generation tokens (benchmarks).
         logprobs: None, or the log-probability of each generated token and of its ``logprobs``
             most likely alternatives (``0..MAX_LOGPROBS``) in the events.
+        grammar: None, or an llguidance grammar (``executor.grammar``: a JSON schema's, a forced
+            tool call's) that every generated token must fit; it ends in an end-of-generation
+            token once complete.
     """
 
     request_id: str
@@ -174,6 +178,7 @@ class GenerationRequest:
     params: SamplingParams
     ignore_eos: bool = False
     logprobs: int | None = None
+    grammar: str | None = None
 
 
 def check_request(req: GenerationRequest, plan: Plan, vocab_size: int) -> None:
@@ -414,6 +419,21 @@ class ServingEngine:
                 needs more KV blocks than the whole cache has.
         """
         check_request(req, self.engine.loaded.plan, self.vocab_size)
+        if req.grammar is not None:
+            if req.ignore_eos:
+                raise StrataError(
+                    "ignore_eos cannot go with a grammar (response_format, tool_choice): a "
+                    "complete answer ends in an end-of-generation token; leave ignore_eos out"
+                )
+            self._constraint(req.grammar)  # compiles (and keeps) it: its errors are the caller's
+
+    def _constraint(self, grammar: str) -> Constraint:
+        """A fresh grammar state for a request (``executor.grammar``).
+
+        Raises:
+            GrammarError: the grammar does not compile against this model's vocabulary.
+        """
+        return Constraint(vocabulary(self.tokenizer, self.vocab_size), grammar)
 
     def submit(self, req: GenerationRequest, on_event: Callable[[TokenEvent], None]) -> None:
         """Queue a request; ``on_event`` is called on the engine thread with its tokens.
@@ -618,7 +638,12 @@ class ServingEngine:
 
     def _admit(self, req: GenerationRequest, on_event: Callable[[TokenEvent], None]) -> None:
         seq = Sequence(req.request_id, list(req.prompt_ids), req.max_tokens)
-        live = _Live(req, seq, Sampler(req.params), on_event)
+        try:
+            constraint = None if req.grammar is None else self._constraint(req.grammar)
+        except StrataError as e:
+            self._emit(_Live(req, seq, Sampler(req.params), on_event), [], "error", str(e))
+            return
+        live = _Live(req, seq, Sampler(req.params, constraint), on_event)
         if req.request_id in self._live:
             self._emit(live, [], "error", f"request id {req.request_id} is already running")
             return

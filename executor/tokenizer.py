@@ -1222,6 +1222,11 @@ class GGUFTokenizer:
             return bytes([int(text[3:5], 16)])
         return b""  # UNUSED / undefined tokens write nothing
 
+    def is_control(self, token_id: int) -> bool:
+        """Whether ``token_id`` is a control or unknown token (BOS, ``<|im_end|>``, ...): text
+        never produces it and decoding drops it (``skip_special``)."""
+        return self._types[token_id] in _SPECIAL_TYPES
+
     def token_text(self, token_id: int) -> str:
         """The text of one token including special ones (e.g. ``"<|im_start|>"``), for templates.
 

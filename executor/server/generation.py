@@ -43,6 +43,7 @@ from typing import TYPE_CHECKING, Any
 from starlette.types import Receive
 from strata.common.errors import StrataError
 from strata.executor.chat import RenderPool
+from strata.executor.grammar import GRAMMAR_FAILED
 from strata.executor.sampling import SamplingParams
 from strata.executor.server.metrics import ServerMetrics
 from strata.executor.server.protocol import APIError, ServerLimits, engine_error
@@ -88,6 +89,10 @@ class Generation:
         stop: stop strings.
         ignore_eos: keep generating past end-of-generation tokens.
         logprobs: None, or the alternatives per token whose log-probabilities to report.
+        grammar: None, or the llguidance grammar every generated token must fit.
+        keep: control tokens written into the text as their own text rather than dropped (a
+            tool-call format's markers, ``server.tool_calls.control_markers``; end-of-generation
+            tokens are never text).
     """
 
     def __init__(
@@ -100,6 +105,8 @@ class Generation:
         stop: list[str],
         ignore_eos: bool,
         logprobs: int | None = None,
+        grammar: str | None = None,
+        keep: frozenset[int] = frozenset(),
     ):
         self.state = state
         self.request_id = request_id
@@ -110,6 +117,7 @@ class Generation:
             params=params,
             ignore_eos=ignore_eos,
             logprobs=logprobs,
+            grammar=grammar,
         )
         self.prompt_tokens = len(prompt_ids)
         self.completion_tokens = 0
@@ -118,6 +126,7 @@ class Generation:
         self._ignore_eos = ignore_eos
         self._queue: asyncio.Queue = asyncio.Queue()
         self._decoder = state.engine.tokenizer.stream_decoder()
+        self._keep = keep
         self._stop = StopMatcher(stop)
         self._t_submit = 0.0
         self._t_first: float | None = None
@@ -216,7 +225,7 @@ class Generation:
                     continue  # the end-of-generation token ends the reply, it is not in its text
                 if lps is not None and event.logprobs is not None:
                     lps.append((tok, event.logprobs[k]))
-                emit, hit = self._stop.push(self._decoder.push(tok))
+                emit, hit = self._stop.push(self._text_of(tok))
                 text.append(emit)
                 if hit:
                     self._finish()
@@ -224,6 +233,8 @@ class Generation:
                     return Piece("".join(text), "stop", lps)
             if event.finish_reason == "error":
                 self.finished = True
+                if (event.error or "").startswith(GRAMMAR_FAILED):  # the request's own grammar
+                    raise APIError(400, event.error or "")
                 raise engine_error(f"the engine failed on this request: {event.error}")
             if event.finish_reason == "abort":
                 self.finished = True
@@ -238,6 +249,13 @@ class Generation:
                 reason = "stop" if hit or event.finish_reason == "stop" else "length"
                 return Piece("".join(text), reason, lps)
         return Piece("".join(text), None, lps)
+
+    def _text_of(self, tok: int) -> str:
+        """The text a generated token completes (a kept control token: its own text, after any
+        incomplete character before it)."""
+        if tok in self._keep:
+            return self._decoder.flush() + self.state.engine.tokenizer.token_text(tok)
+        return self._decoder.push(tok)
 
     def _count_token(self, t: float) -> None:
         self.completion_tokens += 1

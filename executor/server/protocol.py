@@ -9,6 +9,8 @@ The shapes are OpenAI's, so the official clients work unchanged; ``top_k``, ``ig
 from __future__ import annotations
 
 import asyncio
+import json
+import re
 import secrets
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -16,6 +18,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse
+from strata.executor.grammar import GrammarError, json_schema_grammar
 from strata.executor.sampling import SamplingParams
 from strata.executor.serving import MAX_LOGPROBS
 
@@ -173,6 +176,11 @@ class _Sampling(_Body):
         default=None, description="token id (as a string) -> bias in [-100, 100]"
     )
     ignore_eos: bool = False
+    response_format: Any = Field(
+        default=None,
+        description='{"type": "text" | "json_object" | "json_schema"}: structured outputs, '
+        "enforced by constrained decoding (executor.grammar)",
+    )
     return_tokens_as_token_ids: bool = Field(
         default=False,
         description="extension (vLLM's): logprobs name tokens as 'token_id:N', not as text",
@@ -234,6 +242,64 @@ class _Sampling(_Body):
             frequency_penalty=self.frequency_penalty or 0.0,
         )
 
+    def response_grammar(self) -> str | None:
+        """The grammar of ``response_format`` (``executor.grammar``), or None for free text.
+
+        Shapes taken: ``{"type": "text"}``; ``{"type": "json_object"}`` (any JSON object: OpenAI's
+        JSON mode; with a ``schema`` beside it, as llama-server takes it, that schema);
+        ``{"type": "json_schema", "json_schema": {"name", "schema", "strict", "description"}}``
+        (OpenAI's structured outputs) and ``{"type": "json_schema", "schema": ...}`` (the
+        top-level shape some clients send).
+
+        Raises:
+            APIError: 400 naming the field for any other shape or key, or a schema that cannot
+                be enforced (``GrammarError``: the feature is named).
+        """
+        rf = self.response_format
+        if rf is None:
+            return None
+        if not isinstance(rf, dict):
+            raise _format_error('response_format must be an object such as {"type": "json_object"}')
+        kind = rf.get("type")
+        allowed = {"text": {"type"}, "json_object": {"type", "schema"}}
+        allowed["json_schema"] = {"type", "json_schema", "schema"}
+        if kind not in allowed:
+            raise _format_error(
+                f"response_format.type {kind!r} is not one of text, json_object, json_schema"
+            )
+        extra = sorted(set(rf) - allowed[kind])
+        if extra:
+            raise _format_error(f"response_format.{extra[0]} is not a field of a {kind} format")
+        if kind == "text":
+            return None
+        schema: Any = rf.get("schema", {"type": "object"})
+        if kind == "json_schema":
+            spec = rf.get("json_schema")
+            if spec is None and "schema" not in rf:
+                raise _format_error("response_format.json_schema is missing; give its schema")
+            if spec is not None:
+                if "schema" in rf:
+                    raise _format_error("give the schema once: in json_schema.schema")
+                if not isinstance(spec, dict):
+                    raise _format_error("response_format.json_schema must be an object")
+                unknown = sorted(set(spec) - {"name", "schema", "strict", "description"})
+                if unknown:
+                    raise _format_error(f"response_format.json_schema.{unknown[0]} is not known")
+                if "schema" not in spec:
+                    raise _format_error("response_format.json_schema.schema is missing")
+                for key, types, what in (
+                    ("name", str, "a string"),
+                    ("description", str, "a string"),
+                    ("strict", bool, "true or false"),
+                ):
+                    if spec.get(key) is not None and not isinstance(spec[key], types):
+                        raise _format_error(f"response_format.json_schema.{key} must be {what}")
+                schema = spec["schema"]
+        try:
+            return json_schema_grammar(schema)
+        except GrammarError as e:
+            raise _format_error(str(e)) from None
+
     def stop_strings(self) -> list[str]:
         """The stop strings as a list (none empty: the validator refuses those)."""
         return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
@@ -285,6 +351,10 @@ class _Sampling(_Body):
             )
 
 
+def _format_error(message: str) -> APIError:
+    return APIError(400, message, param="response_format")
+
+
 class TextPart(_Body):
     """One part of a message's content given as a list (text only)."""
 
@@ -292,12 +362,119 @@ class TextPart(_Body):
     text: str
 
 
+TOOL_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
+"""A function's name, as OpenAI's API takes it: letters, digits, ``_`` and ``-``, 1-64 of them
+(the tool-call formats write it bare: ``to=functions.NAME``, ``NAME[ARGS]``)."""
+
+
+class FunctionDefinition(_Body):
+    """``tools[i].function``: a function the model may call."""
+
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = Field(
+        default=None, description="a JSON schema of the arguments object; left out: no arguments"
+    )
+    strict: bool | None = None
+
+    @field_validator("name")
+    @classmethod
+    def _name_usable(cls, name: str) -> str:
+        if not TOOL_NAME.fullmatch(name):
+            raise ValueError(
+                f"{name!r} is not a function name: use 1-64 letters, digits, '_' or '-' (as OpenAI)"
+            )
+        return name
+
+    @field_validator("parameters")
+    @classmethod
+    def _parameters_an_object(cls, parameters: dict[str, Any] | None) -> dict[str, Any] | None:
+        # The arguments are a JSON object (OpenAI's rule): a schema typed otherwise could never
+        # be met by a call.
+        if parameters is not None and parameters.get("type", "object") != "object":
+            raise ValueError(
+                f'the parameters schema has "type": {json.dumps(parameters["type"])}; a '
+                'function\'s arguments are a JSON object: give {"type": "object", ...}'
+            )
+        # llguidance's own options: the server sets them for every call grammar (the
+        # separators, no free whitespace); a client's would apply in some formats only.
+        if parameters is not None and "x-guidance" in parameters:
+            raise ValueError(
+                "x-guidance (llguidance's options) is set by the server; leave it out of "
+                "the parameters schema"
+            )
+        return parameters
+
+
+class Tool(_Body):
+    """One entry of ``tools``."""
+
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class FunctionName(_Body):
+    name: str
+
+
+class NamedToolChoice(_Body):
+    """``tool_choice: {"type": "function", "function": {"name": ...}}``."""
+
+    type: Literal["function"]
+    function: FunctionName
+
+
+class ToolCallFunction(_Body):
+    """A called function: its name and its arguments as a JSON text (OpenAI's shape)."""
+
+    name: str
+    arguments: str
+
+    @field_validator("arguments")
+    @classmethod
+    def _arguments_json(cls, arguments: str) -> str:
+        try:
+            value = json.loads(arguments)
+        except ValueError as e:
+            raise ValueError(
+                f"arguments is not JSON ({e}); give the arguments object's JSON text"
+            ) from None
+        if not isinstance(value, dict):
+            raise ValueError("arguments must be the JSON text of an object, e.g. '{\"x\": 1}'")
+        return arguments
+
+
+class ToolCall(_Body):
+    """One entry of an assistant message's ``tool_calls``."""
+
+    id: str
+    type: Literal["function"]
+    function: ToolCallFunction
+
+
 class ChatMessage(_Body):
-    """One chat message; extra keys (name, tool_calls, ...) reach the chat template."""
+    """One chat message; extra keys (name, ...) reach the chat template."""
 
     model_config = ConfigDict(extra="allow", strict=True)
     role: str
     content: str | list[TextPart] | None = None
+    tool_calls: list[ToolCall] | None = None
+    tool_call_id: str | None = None
+
+    @field_validator("content", mode="before")
+    @classmethod
+    def _text_parts_only(cls, content: Any) -> Any:
+        # Named here, before the union's errors: an image or audio part is a capability this
+        # model lacks, not a malformed part.
+        if isinstance(content, list):
+            for j, part in enumerate(content):
+                kind = part.get("type") if isinstance(part, dict) else None
+                if isinstance(kind, str) and kind != "text":
+                    raise ValueError(
+                        f"part {j} is of type {kind!r}; this model takes text only: send "
+                        'text parts ({"type": "text", "text": ...}) or a string'
+                    )
+        return content
 
     @model_validator(mode="after")
     def _content_needed(self) -> ChatMessage:
@@ -308,15 +485,37 @@ class ChatMessage(_Body):
                 f"a {self.role!r} message needs its content (a string or a list of text parts); "
                 "only an assistant message may give null"
             )
+        if self.tool_calls is not None and self.role != "assistant":
+            raise ValueError(f"a {self.role!r} message cannot carry tool_calls; only an assistant")
+        if self.role == "tool" and self.tool_call_id is None:
+            raise ValueError(
+                "a 'tool' message needs tool_call_id: the id of the assistant's call it answers"
+            )
         return self
 
     def for_template(self) -> dict:
-        """The message as the chat template expects it: ``content`` as one string."""
+        """The message as chat templates expect it: ``content`` as one string (text parts
+        joined with nothing between them, so the render is byte-identical to the string form;
+        null is ``""``, never the text "None"), and each tool call's ``arguments`` as the
+        object its JSON text holds (HF templates write ``arguments | tojson``; vLLM and
+        llama.cpp's server hand them the object too)."""
         d = self.model_dump(exclude_none=True)
         content = self.content
         if isinstance(content, list):
             content = "".join(p.text for p in content)
         d["content"] = content or ""
+        if self.tool_calls is not None:
+            d["tool_calls"] = [
+                {
+                    "id": c.id,
+                    "type": c.type,
+                    "function": {
+                        "name": c.function.name,
+                        "arguments": json.loads(c.function.arguments),
+                    },
+                }
+                for c in self.tool_calls
+            ]
         return d
 
 
@@ -326,27 +525,99 @@ class ChatCompletionRequest(_Sampling):
     messages: list[ChatMessage] = Field(min_length=1)
     logprobs: bool | None = None
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
-    tools: list[Any] | None = None
-    tool_choice: Any = None
-    response_format: dict[str, Any] | None = None
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = Field(
+        default=None, description="false: at most one tool call (left out: any number)"
+    )
+    best_of: int | None = None
+    functions: Any = Field(default=None, description="OpenAI's legacy form of tools: refused")
+    function_call: Any = Field(default=None, description="legacy form of tool_choice: refused")
 
     def check_unsupported(self) -> None:
         super().check_unsupported()
         if self.top_logprobs is not None and not self.logprobs:
             raise APIError(400, "top_logprobs needs logprobs: true; set both", param="top_logprobs")
-        # Any tools list, an empty one too, is refused: accepted, it would read as honoured.
-        if self.tools is not None or self.tool_choice not in (None, "none", "auto"):
-            param = "tools" if self.tools is not None else "tool_choice"
-            raise APIError(
-                400, "tools (function calling) are not supported by this server", param=param
+        if self.best_of not in (None, 1):
+            raise APIError(400, "best_of is not supported; only 1", param="best_of")
+        for legacy, new in (("functions", "tools"), ("function_call", "tool_choice")):
+            if getattr(self, legacy) is not None:
+                raise APIError(
+                    400,
+                    f"{legacy} (OpenAI's deprecated form) is not supported; send {new}",
+                    param=legacy,
+                )
+        self._check_tools()
+
+    @field_validator("tool_choice", mode="before")
+    @classmethod
+    def _tool_choice_known(cls, choice: Any) -> Any:
+        if isinstance(choice, str) and choice not in ("none", "auto", "required"):
+            raise ValueError(
+                f'{json.dumps(choice)} is not a tool_choice: give "none", "auto", "required" or '
+                '{"type": "function", "function": {"name": ...}}'
             )
-        if self.response_format and self.response_format.get("type") != "text":
+        return choice
+
+    def _check_tools(self) -> None:
+        """Raises APIError (400) for an empty or ambiguous ``tools`` list, or a ``tool_choice``
+        that names no given function."""
+        names = [t.function.name for t in self.tools or []]
+        if self.tools is not None and not names:
+            raise APIError(
+                400, "tools is empty; give at least one function or leave tools out", param="tools"
+            )
+        twice = sorted({n for n in names if names.count(n) > 1})
+        if twice:
             raise APIError(
                 400,
-                'response_format other than {"type": "text"} (JSON mode, structured outputs) '
-                "is not supported by this server",
-                param="response_format",
+                f"tools: the function {twice[0]!r} is given twice; name each once",
+                param="tools",
             )
+        choice = self.tool_choice
+        if isinstance(choice, NamedToolChoice):
+            if choice.function.name not in names:
+                given = ", ".join(map(repr, names)) or "none"
+                raise APIError(
+                    400,
+                    f"tool_choice names the function {choice.function.name!r}, which is not "
+                    f"among tools (given: {given})",
+                    param="tool_choice",
+                )
+        elif choice == "required" and not names:
+            raise APIError(
+                400,
+                'tool_choice "required" needs tools; give them or leave tool_choice out',
+                param="tool_choice",
+            )
+        rf = self.response_format
+        if self.tool_mode() in ("required", "named") and isinstance(rf, dict):
+            if rf.get("type") != "text":
+                raise APIError(
+                    400,
+                    "response_format cannot go with a forced tool call (tool_choice "
+                    '"required" or a named function): the call\'s arguments follow its schema; '
+                    "leave one out",
+                    param="response_format",
+                )
+
+    def tool_mode(self) -> str:
+        """``"none"`` (no tools, or ``tool_choice: "none"``: free text, no calls parsed),
+        ``"auto"`` (the default with tools), ``"required"`` or ``"named"`` (a call forced by
+        the grammar of ``server.tool_calls.call_grammar``)."""
+        if not self.tools or self.tool_choice == "none":
+            return "none"
+        if isinstance(self.tool_choice, NamedToolChoice):
+            return "named"
+        return self.tool_choice or "auto"
+
+    def tool_definitions(self) -> list[dict] | None:
+        """``tools`` as chat templates take them (HF's ``tools`` argument:
+        ``[{"type": "function", "function": {"name", "description", "parameters"}}]``), or
+        None."""
+        if not self.tools:
+            return None
+        return [t.model_dump(exclude_none=True) for t in self.tools]
 
     def logprobs_count(self) -> int | None:
         return (self.top_logprobs or 0) if self.logprobs else None

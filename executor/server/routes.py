@@ -31,6 +31,7 @@ from strata.executor.server.protocol import (
     parse_body,
 )
 from strata.executor.server.streaming import EventStream, collect
+from strata.executor.server.tool_calls import ToolCallParser, tool_setup
 
 
 def _state(request: Request) -> ServerState:
@@ -96,7 +97,12 @@ async def _start(
     prompt_ids: list[int],
     default: int | None,
     prompt_param: str,
+    grammar: str | None = None,
+    keep: frozenset[int] = frozenset(),
 ) -> Generation:
+    """Submit a request's generation: its token limit, sampling parameters, stop strings,
+    logprobs and ``grammar`` (``executor.grammar``; None: free text); ``keep``: control tokens
+    kept in its text (a tool-call format's markers)."""
     asked, asked_param = body.max_new_tokens()
     max_tokens = _max_tokens(state, len(prompt_ids), asked, default, prompt_param, asked_param)
     prefix = "chatcmpl" if isinstance(body, ChatCompletionRequest) else "cmpl"
@@ -109,6 +115,8 @@ async def _start(
         body.stop_strings(),
         body.ignore_eos,
         body.logprobs_count(),
+        grammar,
+        keep,
     )
     gen.submit()
     return gen
@@ -122,6 +130,7 @@ async def chat_completions(request: Request) -> Response:
     )
     body.check_unsupported()
     _check_model(state, body.model)
+    grammar = body.response_grammar()  # before the render: a schema refused costs nothing
     tok = state.engine.tokenizer
     if state.chat_template is None and tok.chat_template is None:
         raise APIError(
@@ -135,6 +144,10 @@ async def chat_completions(request: Request) -> Response:
     template = None if given is None else given.text
     name = "the GGUF's chat template" if given is None else given.name
     messages = [m.for_template() for m in body.messages]
+    template_text = template if template is not None else tok.chat_template
+    tools = tool_setup(body, template_text or "", name, tok)  # None: no calls parsed
+    if tools is not None and tools.grammar is not None:
+        grammar = tools.grammar  # a forced call or strict tools (no response_format beside)
     state.check_queue()  # before the render: a refused request costs nothing
     try:
         # A render worker is waited for on the loop (at most renders.wait_s, holding no
@@ -143,7 +156,7 @@ async def chat_completions(request: Request) -> Response:
         # restart past it), which the loop must not.
         lease = await state.renders.lease_async()
         try:
-            render = functools.partial(messages_to_ids, lease=lease)
+            render = functools.partial(messages_to_ids, lease=lease, tools=body.tool_definitions())
             ids = await run_in_threadpool(render, tok, messages, template, True, name)
         finally:
             lease.release()  # at once if the render never began (e.g. malformed messages)
@@ -157,7 +170,8 @@ async def chat_completions(request: Request) -> Response:
         ) from None
     except StrataError as e:  # ChatError, or a TokenizerError
         raise APIError(400, str(e), param="messages") from None
-    gen = await _start(state, body, ids, None, "messages")
+    keep = frozenset() if tools is None else tools.keep
+    gen = await _start(state, body, ids, None, "messages", grammar, keep)
     created = int(time.time())
     head = {
         "id": gen.request_id,
@@ -167,9 +181,18 @@ async def chat_completions(request: Request) -> Response:
         "system_fingerprint": None,
     }
     if body.stream:
-        chunks = _chat_chunks(gen, head, body.include_usage(), tok, body.return_tokens_as_token_ids)
+        parser = None if tools is None else tools.parser()
+        chunks = _chat_chunks(
+            gen, head, body.include_usage(), tok, body.return_tokens_as_token_ids, parser
+        )
         return EventStream(gen, chunks)
     text, finish, lps = await collect(gen, request)
+    message: dict[str, Any] = {"role": "assistant", "content": text}
+    if tools is not None:
+        message["content"], calls = tools.parser().parse(text)
+        if calls:
+            message["tool_calls"] = calls
+            finish = "tool_calls"
     return JSONResponse(
         {
             **head,
@@ -177,7 +200,7 @@ async def chat_completions(request: Request) -> Response:
             "choices": [
                 {
                     "index": 0,
-                    "message": {"role": "assistant", "content": text},
+                    "message": message,
                     "logprobs": chat_logprobs(tok, lps, body.return_tokens_as_token_ids),
                     "finish_reason": finish,
                 }
@@ -188,8 +211,16 @@ async def chat_completions(request: Request) -> Response:
 
 
 async def _chat_chunks(
-    gen: Generation, head: dict, include_usage: bool, tok, as_ids: bool
+    gen: Generation,
+    head: dict,
+    include_usage: bool,
+    tok,
+    as_ids: bool,
+    parser: ToolCallParser | None = None,
 ) -> AsyncIterator[dict]:
+    """The chunks of a streamed chat; with ``parser`` (a tools request), the text goes through
+    it: ``delta.content`` and ``delta.tool_calls`` as OpenAI streams them, and ``finish_reason``
+    ``"tool_calls"`` when calls were made."""
     usage = {"usage": None} if include_usage else {}
 
     def chunk(delta: dict, finish: str | None = None, logprobs: dict | None = None) -> dict:
@@ -198,6 +229,14 @@ async def _chat_chunks(
 
     yield chunk({"role": "assistant", "content": ""})
     async for piece in gen.pieces():
+        if parser is not None:  # no logprobs beside tools (tool_setup refuses them)
+            for delta in parser.push(piece.text):
+                yield chunk(delta)
+            if piece.finish_reason:
+                for delta in parser.finish():
+                    yield chunk(delta)
+                yield chunk({}, "tool_calls" if parser.calls else piece.finish_reason)
+            continue
         if piece.text or piece.logprobs:
             yield chunk(
                 {"content": piece.text}, logprobs=chat_logprobs(tok, piece.logprobs, as_ids)
@@ -232,6 +271,7 @@ async def completions(request: Request) -> Response:
     )
     body.check_unsupported()
     _check_model(state, body.model)
+    grammar = body.response_grammar()  # vLLM takes response_format on completions too
     prompt = body.single_prompt()
     tok = state.engine.tokenizer
     if isinstance(prompt, str):
@@ -251,7 +291,7 @@ async def completions(request: Request) -> Response:
                 param="prompt",
             )
         ids = list(prompt)
-    gen = await _start(state, body, ids, COMPLETION_DEFAULT_MAX_TOKENS, "prompt")
+    gen = await _start(state, body, ids, COMPLETION_DEFAULT_MAX_TOKENS, "prompt", grammar)
     head = {
         "id": gen.request_id,
         "object": "text_completion",
