@@ -35,7 +35,23 @@ IQ4_XS  256 = 8 x 32: d*(sc-32)*kv[q]     8     32     float32  1.25 (.53)    ex
 Q3_K    256 = 16 x 16: d*(sc-32)*(q-4)    8     128    float16  1.031 (.43)   exact
 Q6_K    256 = 16 x 16: d*sc*(q-32)        8     32     float16  1.125 (.82)   4.9e-3 (0.23)
 Q2_K    256 = 16 x 16: d*sc*q - dmin*m    4     32     float16  0.625 (.33)   6.3e-2 (0.19)
+MXFP4   32: e8m0 scale x e2m1 value       4     32     uint8    0.531 (.53)   exact
 ======  ================================  ====  =====  =======  ============  ===============
+
+MXFP4 (gpt-oss's experts) is not affine: it maps onto MLX's ``mode="mxfp4"`` quantization
+(``mx.quantized_matmul``/``mx.dequantize`` with ``mode="mxfp4"``, group 32, no biases), whose
+format is the file's: a ggml block is one E8M0 byte ``e`` and 32 E2M1 codes, value
+``kvalues_mxfp4[q] * 2^(e - 128)`` with ``kvalues_mxfp4`` the E2M1 values doubled
+(``ggml-common.h``, ``GGML_E8M0_TO_FP32_HALF``), i.e. ``e2m1[q] * 2^(e - 127)``: exactly MLX's
+mxfp4 element (scale byte ``e``, value ``e2m1[q] * 2^(scale - 127)``, code ``q`` the same 4
+bits). Repacking only moves nibbles (ggml byte ``i`` holds element ``i`` in its low nibble and
+``i + 16`` in its high one; MLX packs element ``j`` at bits ``4 j`` of its row) and copies the
+scale bytes, so the bytes are the file's (17 per 32 weights) and ``mx.dequantize`` reproduces
+``gguf.quants.dequantize`` exactly (tests/executor/test_quant_mxfp4.py; code 8 is -0 in MLX and
++0 in ggml, the same number), subnormal scales 0 and 1 included (measured on MLX 0.32.4, CPU).
+Scale byte 255 is refused: E8M0's NaN in MLX, a scale
+of 2^128 in ggml (no real weight has it; ``UnsupportedQuantError``). A :class:`PackedWeight` of
+this type has ``biases`` None (its ``mode`` is ``"mxfp4"``).
 
 Exact mappings (scale, bias; MLX code ``q'``):
 
@@ -137,7 +153,8 @@ class UnsupportedQuantError(ValueError):
 
 @dataclass(frozen=True)
 class PackedWeight:
-    """A ``[rows, cols]`` matrix in MLX affine-quantized form, held in host memory.
+    """A ``[rows, cols]`` matrix in MLX affine-quantized form (or MLX's mxfp4 form: MXFP4,
+    ``biases`` None), held in host memory.
 
     Attributes:
         weight: uint32 ``[rows, cols * bits // 32]``, MLX packing (see module docstring).
@@ -151,15 +168,22 @@ class PackedWeight:
 
     weight: np.ndarray
     scales: np.ndarray
-    biases: np.ndarray
+    biases: np.ndarray | None
     bits: int
     group_size: int
     shape: tuple[int, int]
 
     @property
+    def mode(self) -> str:
+        """MLX's quantization mode: ``"affine"``, or ``"mxfp4"`` (no biases, uint8 E8M0
+        scales)."""
+        return "affine" if self.biases is not None else "mxfp4"
+
+    @property
     def nbytes(self) -> int:
         """Bytes of weight + scales + biases (what the tensor occupies in MLX)."""
-        return int(self.weight.nbytes + self.scales.nbytes + self.biases.nbytes)
+        biases = 0 if self.biases is None else self.biases.nbytes
+        return int(self.weight.nbytes + self.scales.nbytes + biases)
 
 
 #: ``decode(blocks)``: uint8 ``[n_blocks, type_size]`` GGUF blocks -> ``(q, scale, bias)``:
@@ -397,12 +421,14 @@ _REPACKINGS: dict[GGMLQuantizationType, _Repacking] = {
 }
 
 #: Every GGML type :func:`repack` handles; anything else raises UnsupportedQuantError.
-SUPPORTED_TYPES: frozenset[GGMLQuantizationType] = frozenset(_REPACKINGS) | frozenset(_FLOAT_DTYPES)
+SUPPORTED_TYPES: frozenset[GGMLQuantizationType] = (
+    frozenset(_REPACKINGS) | frozenset(_FLOAT_DTYPES) | {_T.MXFP4}
+)
 
 #: GGML types whose repacking is exact (the others are requantized, see the module docstring).
-EXACT_TYPES: frozenset[GGMLQuantizationType] = frozenset(
-    t for t, r in _REPACKINGS.items() if r.exact
-) | frozenset(_FLOAT_DTYPES)
+EXACT_TYPES: frozenset[GGMLQuantizationType] = (
+    frozenset(t for t, r in _REPACKINGS.items() if r.exact) | frozenset(_FLOAT_DTYPES) | {_T.MXFP4}
+)
 
 
 # --- shapes and sizes ----------------------------------------------------------------------
@@ -475,6 +501,8 @@ def mlx_nbytes(
     if ggml_type in _FLOAT_DTYPES:
         return prod(shape) * _FLOAT_DTYPES[ggml_type].itemsize
     rows, cols = _check_quant_shape(ggml_type, shape)
+    if ggml_type == _T.MXFP4:  # 4-bit codes and one scale byte per 32: the file's bytes
+        return rows * cols // 2 + rows * cols // 32
     r = _REPACKINGS[ggml_type]
     itemsize = np.dtype(scale_dtype or r.scale_dtype).itemsize
     return rows * cols * r.bits // 8 + 2 * rows * (cols // r.group_size) * itemsize
@@ -573,7 +601,7 @@ def repack(
     _check_supported(ggml_type)
     shape = tuple(int(s) for s in shape)
     name = _type_name(ggml_type)
-    if ggml_type in _REPACKINGS:
+    if ggml_type in _REPACKINGS or ggml_type == _T.MXFP4:
         rows, cols = _check_quant_shape(ggml_type, shape)
     data = _as_bytes(raw)
     expected = gguf_nbytes(ggml_type, shape)
@@ -593,4 +621,35 @@ def repack(
     if sys.byteorder != "little":  # the byte shuffles build little-endian uint32 words
         raise NotImplementedError("repack needs a little-endian host")
     type_size = GGML_QUANT_SIZES[ggml_type][1]
+    if ggml_type == _T.MXFP4:
+        return _repack_mxfp4(data.reshape(-1, type_size), rows, cols)
     return _repack_blocks(_REPACKINGS[ggml_type], data.reshape(-1, type_size), rows, cols)
+
+
+def _repack_mxfp4(blocks: np.ndarray, rows: int, cols: int) -> PackedWeight:
+    """MXFP4 blocks (uint8 ``[n_blocks, 17]``: the E8M0 byte, then 16 bytes of codes, element
+    ``i`` in byte ``i``'s low nibble and ``i + 16`` in its high one) as MLX's mxfp4 form of a
+    ``[rows, cols]`` matrix (module docstring): uint32 codes ``[rows, cols / 8]``, element
+    ``j`` at bits ``4 j``; uint8 scales ``[rows, cols / 32]``, the blocks' own bytes.
+
+    Raises:
+        UnsupportedQuantError: a block scale of 255 (MLX's E8M0 NaN, ggml's 2^128; no real
+            weight has it): a ValueError that ``executor.pack`` reports as one line naming the
+            tensor.
+    """
+    scales = blocks[:, 0]
+    if (scales == 255).any():
+        raise UnsupportedQuantError(
+            "an MXFP4 block has scale byte 255 (2^128 in ggml), which MLX's mxfp4 reads as NaN; "
+            "the tensor's weights are not a model's: re-quantize it"
+        )
+    codes = _fields(blocks[:, 1:], 4)  # [n_blocks, 32] in element order
+    weight = _pack_bits(codes.reshape(-1), 4)
+    return PackedWeight(
+        weight=weight.view("<u4").astype(np.uint32, copy=False).reshape(rows, -1),
+        scales=np.ascontiguousarray(scales).reshape(rows, cols // 32),
+        biases=None,
+        bits=4,
+        group_size=32,
+        shape=(rows, cols),
+    )

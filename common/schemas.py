@@ -29,9 +29,9 @@ TIERS: tuple[str, ...] = ("gpu", "ram", "nvme")
 Tier = Literal["gpu", "ram", "nvme"]
 Role = Literal["embedding", "attention", "norm", "ffn", "expert", "router", "output", "other"]
 
-DESCRIPTION_VERSION = "1.1"
+DESCRIPTION_VERSION = "1.2"
 PROFILE_VERSION = "1.1"
-PLAN_VERSION = "2.0"
+PLAN_VERSION = "2.1"
 ROUTING_VERSION = "1.0"
 
 
@@ -136,6 +136,36 @@ class Architecture(Strict):
     expert_weights_scale: float = Field(
         default=0.0, ge=0, description="factor on the chosen experts' weights (0: none)"
     )
+    expert_shared_count: int = Field(
+        default=0,
+        ge=0,
+        description="shared experts of an MoE block, run by every token (glm4moe, deepseek2: "
+        "ffn_*_shexp is expert_shared_count expert widths wide, ungated; 0: none or the "
+        "architecture's own rule)",
+    )
+    expert_group_count: int = Field(
+        default=0,
+        ge=0,
+        description="expert groups of the grouped top-k (DeepSeek-V3): the router first keeps "
+        "the expert_group_used_count groups of largest top-2 sum, then picks top-k in them "
+        "(0 or 1: no grouping)",
+    )
+    expert_group_used_count: int = Field(
+        default=0, ge=0, description="groups kept by the grouped top-k (0: no grouping)"
+    )
+    leading_dense_block_count: int = Field(
+        default=0,
+        ge=0,
+        description="the first blocks whose FFN is dense (ffn_{gate,up,down}); the others are "
+        "MoE (glm4moe, deepseek2)",
+    )
+    nextn_predict_layers: int = Field(
+        default=0,
+        ge=0,
+        description="multi-token-prediction blocks the GGUF keeps after the block_count blocks "
+        "the forward pass runs (GGUF {arch}.block_count = block_count + this); llama.cpp "
+        "skips them, and their tensors are left out of the description",
+    )
     sliding_window: int = Field(
         default=0, ge=0, description="attention window of the windowed blocks, tokens (0: none)"
     )
@@ -153,8 +183,98 @@ class Architecture(Strict):
     rope_freq_scale: float = Field(
         default=1.0, gt=0, description="RoPE position scale, 1 / rope.scaling.factor"
     )
+    rope_scaling_original_context: int = Field(
+        default=0,
+        ge=0,
+        description="YaRN: rope.scaling.original_context_length, tokens (0: context_length, "
+        "llama.cpp's fallback)",
+    )
+    rope_attn_factor: float = Field(
+        default=1.0,
+        gt=0,
+        description="rope.scaling.attn_factor: factor on the RoPE'd dims (llama.cpp reads it "
+        "for every architecture; 1: none)",
+    )
+    rope_yarn_ext_factor: float | None = Field(
+        default=None,
+        ge=0,
+        description="YaRN: rope.scaling.yarn_ext_factor, the extrapolation mix (None: 1 for "
+        "yarn, 0 otherwise, llama.cpp's default; the key is read only where llama.cpp reads "
+        "it: strata.common.describe.YARN_KEY_ARCHITECTURES)",
+    )
+    rope_yarn_attn_factor: float = Field(
+        default=1.0,
+        gt=0,
+        description="YaRN: rope.scaling.yarn_attn_factor, magnitude factor where ext_factor is "
+        "0 (llama.cpp replaces it otherwise; read as rope_yarn_ext_factor)",
+    )
+    rope_yarn_beta_fast: float = Field(
+        default=32.0, gt=0, description="YaRN: rope.scaling.yarn_beta_fast (llama.cpp's 32)"
+    )
+    rope_yarn_beta_slow: float = Field(
+        default=1.0, gt=0, description="YaRN: rope.scaling.yarn_beta_slow (llama.cpp's 1)"
+    )
     final_logit_softcapping: float = Field(
         default=0.0, ge=0, description="logits -> c * tanh(logits / c) when positive (gemma3)"
+    )
+    q_lora_rank: int = Field(
+        default=0,
+        ge=0,
+        description="multi-head latent attention (deepseek2): width of Q's low-rank "
+        "attn_q_a/attn_q_b (0: one attn_q)",
+    )
+    kv_lora_rank: int = Field(
+        default=0,
+        ge=0,
+        description="multi-head latent attention (deepseek2): width of the compressed latent "
+        "the KV cache stores per token and block, beside rope_dimension_count RoPE'd dims "
+        "(0: not MLA)",
+    )
+    key_length_mla: int = Field(
+        default=0,
+        ge=0,
+        description="multi-head latent attention: one head's Q/K width once decompressed "
+        "(no-RoPE dims + rope_dimension_count; GGUF attention.key_length_mla, or "
+        "attention.key_length in a file with attn_kv_b)",
+    )
+    value_length_mla: int = Field(
+        default=0,
+        ge=0,
+        description="multi-head latent attention: one head's value width once decompressed "
+        "(GGUF attention.value_length_mla, or attention.value_length in a file with attn_kv_b)",
+    )
+    mla_legacy_kv_b: bool = Field(
+        default=False,
+        description="multi-head latent attention in the legacy layout: one attn_kv_b per block "
+        "(the GGUF has no key_length_mla/value_length_mla) rather than attn_k_b and attn_v_b",
+    )
+    rope_yarn_log_mul: float = Field(
+        default=0.0,
+        ge=0,
+        description="deepseek2 with YaRN: the attention scale's multiplier mscale = 1 + 0.1 * "
+        "this * ln(factor) (rope.scaling.yarn_log_multiplier / 0.1, as llama.cpp reads it)",
+    )
+    recurrent_layers: list[int] = Field(
+        default_factory=list,
+        description="hybrid models (qwen3next, qwen35moe): the gated delta-net (linear-attention) "
+        "blocks, which keep a fixed per-sequence recurrent state instead of KV cache; llama.cpp: "
+        "block i is one unless (i + 1) % full_attention_interval == 0 (default interval 4)",
+    )
+    ssm_conv_kernel: int = Field(
+        default=0, ge=0, description="gated delta-net: causal conv1d kernel width, tokens"
+    )
+    ssm_state_size: int = Field(
+        default=0, ge=0, description="gated delta-net: key (and value) head dimension"
+    )
+    ssm_group_count: int = Field(default=0, ge=0, description="gated delta-net: key heads")
+    ssm_time_step_rank: int = Field(default=0, ge=0, description="gated delta-net: value heads")
+    ssm_inner_size: int = Field(
+        default=0, ge=0, description="gated delta-net: value width, value heads x head dimension"
+    )
+    rope_sections: list[int] = Field(
+        default_factory=list,
+        description="multi-axis RoPE sections of the rotated dimensions (qwen35moe's "
+        "rope.dimension_sections; empty: ordinary RoPE)",
     )
 
 
@@ -184,6 +304,13 @@ class ModelDescription(Strict):
         ge=0,
         description="KV-cache bytes per token at float16 (llama.cpp's default KV type); plans "
         "count kv_elements_per_token at their compute dtype",
+    )
+    recurrent_state_elements_per_sequence: int = Field(
+        default=0,
+        ge=0,
+        description="hybrid models: the fixed recurrent state one sequence holds whatever its "
+        "length, elements over all gated delta-net blocks (conv state + delta-net state); kept "
+        "at float32, as llama.cpp keeps it (0: no recurrent blocks)",
     )
     bytes_gguf: int = Field(ge=0, description="sum of tensor bytes on disk")
     bytes_mlx: int = Field(ge=0, description="sum of tensor bytes in MLX form")
@@ -717,6 +844,12 @@ class TierMemory(Strict):
     pool: int = Field(default=0, ge=0)
     expert_cache: int = Field(default=0, ge=0)
     activations: int = Field(default=0, ge=0)
+    recurrent_state: int = Field(
+        default=0,
+        ge=0,
+        description="hybrid models: the gated delta-net blocks' fixed recurrent state, one per "
+        "sequence the batch holds (beside the KV cache of the attention blocks)",
+    )
 
 
 class Prediction(Strict):

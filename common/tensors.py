@@ -22,7 +22,19 @@ Shapes are in GGUF order (ne0, the row length, first); ``d`` is the width, ``hd`
   ``ffn_down_exps`` [ff_e, d, E] (the expert dimension last, so an expert's bytes are
   contiguous; ff_e from :func:`expert_width`), and qwen2moe's shared expert
   ``ffn_gate_inp_shexp`` [d], ``ffn_{gate,up}_shexp`` [d, ff_s], ``ffn_down_shexp`` [ff_s, d];
-  ``post_ffw_norm`` [d] (gemma3).
+  ``post_ffw_norm`` [d] (gemma3); the DeepSeek-style parts (glm4moe, deepseek2): the router's
+  selection bias ``exp_probs_b.bias`` [E], ungated shared experts ``ffn_{gate,up,down}_shexp``
+  (no ``ffn_gate_inp_shexp``, ff_s = ``expert_shared_count * ff_e``), and dense FFNs in the
+  first ``leading_dense_block_count`` blocks (:func:`moe_block`); glm4moe's FFN input norm is
+  ``post_attention_norm`` [d] (no ``ffn_norm``);
+- gpt-oss's additions: ``attn_output.bias`` [d], ``attn_sinks.weight`` [heads], the router's
+  ``ffn_gate_inp.bias`` [E], the experts' ``ffn_{gate,up}_exps.bias`` [ff_e, E] and
+  ``ffn_down_exps.bias`` [d, E] (split per expert like the weights), and
+  ``post_attention_norm`` as the FFN's input norm;
+- the hybrids (qwen3next, qwen35moe: described and planned, not executed — ``executor_rule``):
+  ``attn_q`` [d, 2q] (query and output gate) in the full-attention blocks, the gated delta-net's
+  tensors in place of attention in ``Architecture.recurrent_layers`` (:func:`_delta_net`),
+  ``post_attention_norm`` as the FFN's input norm, qwen2moe's shared expert in every block.
 
 Tensors are listed in file order, the one ``synth.py`` writes: the embedding (and
 ``rope_freqs``), the blocks (attention, then FFN), the output norm and head.
@@ -70,6 +82,37 @@ class ArchRule:
             else ``feed_forward_length / expert_used_count`` (qwen2moe, qwen3moe); otherwise
             ``feed_forward_length`` always (llama, olmoe).
         shared_expert: qwen2moe's sigmoid-gated shared expert (``*_shexp``).
+        shared_count: DeepSeek-style ungated shared experts: ``ffn_{gate,up,down}_shexp``
+            ``expert_shared_count * expert_width`` wide (llama.cpp's ``n_ff_exp *
+            n_expert_shared``), present in every MoE block where ``expert_shared_count > 0``;
+            their SwiGLU output is added to the routed experts' sum (glm4moe, deepseek2).
+        probs_bias: the router's per-expert selection bias ``exp_probs_b.bias`` [E] (added to
+            the gated probabilities for choosing the top-k only: ``build_moe_ffn``).
+        leading_dense: the first ``leading_dense_block_count`` blocks have a dense FFN
+            (``ffn_{gate,up,down}``), the others are MoE (llama.cpp's ``n_layer_dense_lead``).
+        nextn: ``nextn_predict_layers`` multi-token-prediction blocks follow the forward pass's
+            blocks in the file; llama.cpp loads them as skipped tensors and never runs them,
+            and ``strata.common.describe`` leaves their tensors out (not in this inventory).
+        ffn_norm: the FFN's input RMSNorm: ``ffn_norm`` or, for glm4moe,
+            ``post_attention_norm`` (llama.cpp's ``attn_post_norm`` normalizes the FFN's input
+            there; the description puts it in the ``blk.N.ffn`` unit).
+        qk_norm_optional: ``attn_{q,k}_norm`` may be absent (glm4moe: only the 355B has them);
+            a block with them norms Q/K per head before RoPE.
+        mla: multi-head latent attention (deepseek2) in place of ``attn_{q,k,v}``
+            (:func:`_mla_attention`).
+        attn_sinks: ``attn_sinks.weight`` [heads], one learned logit per query head in every
+            attention softmax's denominator (gpt-oss).
+        output_bias: ``attn_output.bias`` [d] (gpt-oss).
+        router_bias: ``ffn_gate_inp.bias`` [E], added to the router's logits (gpt-oss).
+        expert_bias: ``ffn_{gate,up}_exps.bias`` [ff_e, E] and ``ffn_down_exps.bias`` [d, E],
+            each expert's biases (gpt-oss).
+        delta_net: hybrid linear attention (llama.cpp's ``llm_build_delta_net_base``): the
+            blocks of ``Architecture.recurrent_layers`` are gated delta-net blocks
+            (:func:`_delta_net`) in place of attention, the others gated attention (``attn_q``
+            twice as wide: each head's query, then its output gate); ``"qwen3next"`` (one
+            ``ssm_ba`` for beta and alpha) or ``"qwen35"`` (``ssm_beta`` and ``ssm_alpha``).
+        not_executed: why the executor does not run the architecture yet (empty: it does); such
+            an architecture is described and planned, and :func:`executor_rule` refuses it.
     """
 
     rope_freqs: bool = False
@@ -80,7 +123,25 @@ class ArchRule:
     experts: Presence = "none"
     expert_ffn_key: bool = False
     shared_expert: bool = False
+    shared_count: bool = False
+    probs_bias: Presence = "none"
+    leading_dense: bool = False
+    nextn: bool = False
+    ffn_norm: Literal["ffn_norm", "post_attention_norm"] = "ffn_norm"
+    qk_norm_optional: bool = False
+    mla: bool = False
+    attn_sinks: bool = False
+    output_bias: bool = False
+    router_bias: bool = False
+    expert_bias: bool = False
+    delta_net: Literal["none", "qwen3next", "qwen35"] = "none"
+    not_executed: str = ""
 
+
+_DELTA_NET_NOT_EXECUTED = (
+    "its gated delta-net (linear-attention) layers and their per-sequence recurrent state are "
+    "not executed yet"
+)
 
 ARCHITECTURES: dict[str, ArchRule] = {
     "llama": ArchRule(rope_freqs=True, experts="optional"),
@@ -97,6 +158,73 @@ ARCHITECTURES: dict[str, ArchRule] = {
     "qwen3moe": ArchRule(qk_norm="head", experts="required", expert_ffn_key=True),
     # llama.cpp's olmoe graph adds no Q/K/V biases: a file with them is refused, not run otherwise.
     "olmoe": ArchRule(qkv_bias="none", qk_norm="full", head_required=True, experts="required"),
+    # llama.cpp's glm4moe (src/models/glm4-moe.cpp): optional Q/K/V biases and per-head Q/K norms,
+    # post_attention_norm as the FFN's input norm, leading dense blocks, the selection bias,
+    # ungated shared experts, nextn blocks kept in the file and skipped.
+    "glm4moe": ArchRule(
+        qk_norm="head",
+        qk_norm_optional=True,
+        experts="required",
+        expert_ffn_key=True,
+        shared_count=True,
+        probs_bias="required",
+        leading_dense=True,
+        nextn=True,
+        ffn_norm="post_attention_norm",
+    ),
+    # llama.cpp's deepseek2 (src/models/deepseek2.cpp): multi-head latent attention, leading
+    # dense blocks (all of them where the file has no experts), the optional selection bias,
+    # ungated shared experts, experts expert_feed_forward_length wide, nextn blocks skipped.
+    "deepseek2": ArchRule(
+        qkv_bias="none",
+        mla=True,
+        experts="optional",
+        expert_ffn_key=True,
+        shared_count=True,
+        probs_bias="optional",
+        leading_dense=True,
+        nextn=True,
+    ),
+    # llama.cpp's gpt-oss (LLM_ARCH_OPENAI_MOE, src/models/openai-moe-iswa.cpp): every bias
+    # required (Q/K/V/O, router, experts), attention sinks, post_attention_norm as the FFN's
+    # input norm, experts expert_feed_forward_length wide, an untied head.
+    "gpt-oss": ArchRule(
+        qkv_bias="required",
+        head_required=True,
+        experts="required",
+        expert_ffn_key=True,
+        ffn_norm="post_attention_norm",
+        attn_sinks=True,
+        output_bias=True,
+        router_bias=True,
+        expert_bias=True,
+    ),
+    # llama.cpp's qwen3next (src/models/qwen3next.cpp: Qwen3-Next, Qwen3-Coder-Next): gated
+    # delta-net blocks except every full_attention_interval-th, gated attention with per-head
+    # Q/K norms there, post_attention_norm as the FFN's input norm, MoE in every block with
+    # qwen2moe's sigmoid-gated shared expert.
+    "qwen3next": ArchRule(
+        qkv_bias="none",
+        qk_norm="head",
+        experts="required",
+        expert_ffn_key=True,
+        shared_expert=True,
+        ffn_norm="post_attention_norm",
+        delta_net="qwen3next",
+        not_executed=_DELTA_NET_NOT_EXECUTED,
+    ),
+    # Qwen3.5's MoE (src/models/qwen35moe.cpp): qwen3next's blocks with separate ssm_beta and
+    # ssm_alpha, always attn_qkv + attn_gate, multi-axis RoPE (rope.dimension_sections).
+    "qwen35moe": ArchRule(
+        qkv_bias="none",
+        qk_norm="head",
+        experts="required",
+        expert_ffn_key=True,
+        shared_expert=True,
+        ffn_norm="post_attention_norm",
+        delta_net="qwen35",
+        not_executed=_DELTA_NET_NOT_EXECUTED,
+    ),
 }
 """The rule of every ``general.architecture`` Strata knows, from llama.cpp's loader and graphs
 (``src/models/<arch>.cpp``)."""
@@ -140,6 +268,31 @@ def arch_rule(arch: Architecture) -> ArchRule:
     return rule
 
 
+def executor_rule(arch: Architecture | str) -> ArchRule:
+    """The rule of an architecture the executor runs (``arch`` or its name): what
+    ``executor.models.model_class``, the plan loader and the planner of a draft model ask.
+
+    Raises:
+        StrataError: an unknown architecture (:func:`arch_rule`'s message), or one Strata
+            describes and plans but does not run yet (``ArchRule.not_executed``: one line naming
+            it, what is missing and what works).
+    """
+    name = arch if isinstance(arch, str) else arch.name
+    rule = ARCHITECTURES.get(name)
+    if rule is None:
+        runs = sorted(n for n, r in ARCHITECTURES.items() if not r.not_executed)
+        raise StrataError(
+            f"architecture {name!r} is not supported by the executor yet "
+            f"(supported: {', '.join(runs)})"
+        )
+    if rule.not_executed:
+        raise StrataError(
+            f"architecture {name!r} cannot be run: {rule.not_executed}; `strata describe` "
+            "and `strata plan` work for it (its plans are for reading and comparing)"
+        )
+    return rule
+
+
 def has_experts(arch: Architecture) -> bool:
     """Whether the blocks are MoE; refuses what llama.cpp refuses (``ArchRule.experts``).
 
@@ -177,13 +330,129 @@ def expert_width(arch: Architecture) -> int:
 
 
 def shared_width(arch: Architecture) -> int:
-    """The shared expert's FFN width, elements: ``expert_shared_feed_forward_length``, else
-    ``feed_forward_length`` (llama.cpp's qwen2moe rule)."""
+    """The shared expert's FFN width, elements: ``expert_shared_count * expert_width`` for the
+    architectures with ungated shared experts (``ArchRule.shared_count``: llama.cpp's
+    ``n_ff_exp * n_expert_shared``; 0 where the file has no shared expert), else
+    ``expert_shared_feed_forward_length`` or ``feed_forward_length`` (llama.cpp's qwen2moe
+    rule)."""
+    if arch_rule(arch).shared_count:
+        return arch.expert_shared_count * expert_width(arch)
     return arch.expert_shared_feed_forward_length or arch.feed_forward_length
+
+
+def moe_block(arch: Architecture, layer: int) -> bool:
+    """Whether block ``layer``'s FFN is a mixture of experts: the model has experts and the
+    block is past the ``leading_dense_block_count`` dense ones (llama.cpp: ``il >=
+    n_layer_dense_lead``; the key is read only for ``ArchRule.leading_dense`` architectures,
+    ``strata.common.describe``)."""
+    return bool(arch.expert_count) and layer >= arch.leading_dense_block_count
+
+
+def mla_dims(arch: Architecture) -> tuple[int, int, int, int]:
+    """Multi-head latent attention's widths per head: (no-RoPE Q/K dims, RoPE dims, value
+    dims, latent rank), from ``key_length_mla``, ``rope_dimension_count``,
+    ``value_length_mla`` and ``kv_lora_rank`` (llama.cpp's ``n_embd_head_qk_nope``,
+    ``n_embd_head_qk_rope``, ``n_embd_head_v_mla``, ``n_lora_kv``)."""
+    rope = arch.rope_dimension_count
+    return arch.key_length_mla - rope, rope, arch.value_length_mla, arch.kv_lora_rank
+
+
+_GQA = {M.ATTN_Q, M.ATTN_K, M.ATTN_V, M.ATTN_OUT}
+"""The grouped-query attention's projections, which latent attention replaces."""
+
+
+def _mla_attention(arch: Architecture) -> list[_Entry]:
+    """One block's multi-head latent attention tensors, as llama.cpp's deepseek2 loader creates
+    them (``load_arch_tensors``): Q through ``attn_q_a`` [d, q_rank], ``attn_q_a_norm``
+    [q_rank] and ``attn_q_b`` [q_rank, heads * (nope + rope)] where ``q_lora_rank`` > 0, else
+    ``attn_q`` [d, heads * (nope + rope)]; ``attn_kv_a_mqa`` [d, rank + rope] (the latent and
+    the shared RoPE'd key part), ``attn_kv_a_norm`` [rank]; the latent's per-head expansion
+    ``attn_k_b`` [nope, rank, heads] and ``attn_v_b`` [rank, v, heads], or in the legacy
+    layout one ``attn_kv_b`` [rank, heads * (nope + v)]; ``attn_output`` [heads * v, d]."""
+    d, h, qr = arch.embedding_length, arch.head_count, arch.q_lora_rank
+    nope, rope, v, rank = mla_dims(arch)
+    qk = nope + rope
+    out: list[_Entry] = []
+    if qr:
+        out += [
+            (M.ATTN_Q_A, "weight", (d, qr), "required"),
+            (M.ATTN_Q_A_NORM, "weight", (qr,), "required"),
+            (M.ATTN_Q_B, "weight", (qr, h * qk), "required"),
+        ]
+    else:
+        out.append((M.ATTN_Q, "weight", (d, h * qk), "required"))
+    out += [
+        (M.ATTN_KV_A_MQA, "weight", (d, rank + rope), "required"),
+        (M.ATTN_KV_A_NORM, "weight", (rank,), "required"),
+    ]
+    if arch.mla_legacy_kv_b:
+        out.append((M.ATTN_KV_B, "weight", (rank, h * (nope + v)), "required"))
+    else:
+        out += [
+            (M.ATTN_K_B, "weight", (nope, rank, h), "required"),
+            (M.ATTN_V_B, "weight", (rank, v, h), "required"),
+        ]
+    out.append((M.ATTN_OUT, "weight", (h * v, d), "required"))
+    return out
 
 
 # One entry of a tensor list: (kind, suffix, shape, presence); "none" entries are left out.
 _Entry = tuple[MODEL_TENSOR, str, tuple[int, ...], Presence]
+
+_ATTENTION = {M.ATTN_Q, M.ATTN_K, M.ATTN_V, M.ATTN_OUT, M.ATTN_Q_NORM, M.ATTN_K_NORM}
+"""An attention block's tensors that a gated delta-net block has none of."""
+
+
+def delta_net_dims(arch: Architecture) -> tuple[int, int, int]:
+    """A gated delta-net block's widths: (key width, value width, conv channels) = (``k``,
+    ``v``, ``2k + v``) with ``k = ssm_state_size * ssm_group_count`` (key heads of the state
+    size) and ``v = ssm_state_size * ssm_time_step_rank`` (value heads of the same size), as
+    llama.cpp's qwen3next/qwen35 loaders size them (``key_dim``, ``value_dim``, ``conv_dim``;
+    ``strata.common.describe`` checks that ``ssm_inner_size`` is this ``v``)."""
+    k = arch.ssm_state_size * arch.ssm_group_count
+    v = arch.ssm_state_size * arch.ssm_time_step_rank
+    return k, v, 2 * k + v
+
+
+def _delta_net(arch: Architecture, rule: ArchRule) -> list[_Entry]:
+    """One gated delta-net block's tensors in place of attention, as llama.cpp's loader creates
+    them (``load_tensors``, qwen3next and qwen35moe; ``nv`` value heads, ``ds`` the state size,
+    ``k``/``v``/``c`` from :func:`delta_net_dims`):
+
+    - the input projections: qwen3next either ``ssm_in`` [d, 2k + 2v] (Q, K, V and the output
+      gate Z interleaved per key head: the converter's older layout) or ``attn_qkv``
+      [d, 2k + v] and ``attn_gate`` [d, v] — all three optional to the loader, which takes
+      either set; qwen35 always ``attn_qkv`` and ``attn_gate``;
+    - ``ssm_conv1d`` [conv_kernel, c]: the causal depthwise convolution over Q, K and V;
+    - ``ssm_dt.bias`` [nv] and ``ssm_a`` [nv] (no ``.weight``: ``-exp(A_log)``): the decay
+      gate's bias and rate per value head;
+    - qwen3next ``ssm_ba`` [d, 2 nv] (beta and alpha per value head), qwen35 ``ssm_beta`` and
+      ``ssm_alpha`` [d, nv] each;
+    - ``ssm_norm`` [ds]: the gated RMSNorm of each head's output; ``ssm_out`` [v, d].
+    """
+    d, nv, ds = arch.embedding_length, arch.ssm_time_step_rank, arch.ssm_state_size
+    k, v, c = delta_net_dims(arch)
+    either: Presence = "optional" if rule.delta_net == "qwen3next" else "required"
+    out: list[_Entry] = [
+        (M.SSM_IN, "weight", (d, 2 * k + 2 * v), "optional" if either == "optional" else "none"),
+        (M.ATTN_QKV, "weight", (d, c), either),
+        (M.ATTN_GATE, "weight", (d, v), either),
+        (M.SSM_CONV1D, "weight", (arch.ssm_conv_kernel, c), "required"),
+        (M.SSM_DT, "bias", (nv,), "required"),
+        (M.SSM_A, "", (nv,), "required"),
+    ]
+    if rule.delta_net == "qwen3next":
+        out.append((M.SSM_BETA_ALPHA, "weight", (d, 2 * nv), "required"))
+    else:
+        out += [
+            (M.SSM_BETA, "weight", (d, nv), "required"),
+            (M.SSM_ALPHA, "weight", (d, nv), "required"),
+        ]
+    out += [
+        (M.SSM_NORM, "weight", (ds,), "required"),
+        (M.SSM_OUT, "weight", (v, d), "required"),
+    ]
+    return out
 
 
 def _globals(arch: Architecture, rule: ArchRule) -> tuple[list[_Entry], list[_Entry]]:
@@ -201,41 +470,55 @@ def _globals(arch: Architecture, rule: ArchRule) -> tuple[list[_Entry], list[_En
 
 
 def _block(arch: Architecture, rule: ArchRule, moe: bool) -> list[_Entry]:
-    """One block's tensors (the same in every block)."""
+    """One block's tensors (the same in every MoE block, and in every dense one)."""
     d, hd, ff = arch.embedding_length, arch.head_dim, arch.feed_forward_length
     q, kv = arch.head_count * hd, arch.head_count_kv * hd
     full = rule.qk_norm == "full"
     qk_norm: Presence = "none" if rule.qk_norm == "none" else "required"
+    if rule.qk_norm_optional and qk_norm == "required":
+        qk_norm = "optional"
     post: Presence = "required" if rule.post_norms else "none"
+    ffn_norm = M.FFN_NORM if rule.ffn_norm == "ffn_norm" else M.ATTN_POST_NORM
     out: list[_Entry] = [
         (M.ATTN_NORM, "weight", (d,), "required"),
-        (M.ATTN_Q, "weight", (d, q), "required"),
+        # Gated attention (delta_net hybrids): each head's query, then its output gate.
+        (M.ATTN_Q, "weight", (d, 2 * q if rule.delta_net != "none" else q), "required"),
         (M.ATTN_K, "weight", (d, kv), "required"),
         (M.ATTN_V, "weight", (d, kv), "required"),
         (M.ATTN_OUT, "weight", (q, d), "required"),
         (M.ATTN_Q, "bias", (q,), rule.qkv_bias),
         (M.ATTN_K, "bias", (kv,), rule.qkv_bias),
         (M.ATTN_V, "bias", (kv,), rule.qkv_bias),
+        (M.ATTN_OUT, "bias", (d,), "required" if rule.output_bias else "none"),
+        (M.ATTN_SINKS, "weight", (arch.head_count,), "required" if rule.attn_sinks else "none"),
         (M.ATTN_Q_NORM, "weight", (q,) if full else (hd,), qk_norm),
         (M.ATTN_K_NORM, "weight", (kv,) if full else (hd,), qk_norm),
         (M.ATTN_POST_NORM, "weight", (d,), post),
-        (M.FFN_NORM, "weight", (d,), "required"),
+        (ffn_norm, "weight", (d,), "required"),
     ]
+    if rule.mla:  # latent attention's tensors in place of Q/K/V/O (the biases and norms: none)
+        out = [out[0], *_mla_attention(arch), *(e for e in out[1:] if e[0] not in _GQA)]
     if moe:
         # No fused ffn_gate_up_exps: llama.cpp loads it for none of these architectures (it fails
         # on the missing ffn_gate_exps), so a file with it is refused as having an unused tensor.
         e, fe = arch.expert_count, expert_width(arch)
         shexp: Presence = "required" if rule.shared_expert else "none"
+        shared: Presence = "required" if rule.shared_count and arch.expert_shared_count else "none"
         sh = shared_width(arch)
         out += [
             (M.FFN_GATE_INP, "weight", (d, e), "required"),
+            (M.FFN_GATE_INP, "bias", (e,), "required" if rule.router_bias else "none"),
+            (M.FFN_EXP_PROBS_B, "bias", (e,), rule.probs_bias),
             (M.FFN_GATE_EXP, "weight", (d, fe, e), "required"),
             (M.FFN_UP_EXP, "weight", (d, fe, e), "required"),
             (M.FFN_DOWN_EXP, "weight", (fe, d, e), "required"),
+            (M.FFN_GATE_EXP, "bias", (fe, e), "required" if rule.expert_bias else "none"),
+            (M.FFN_UP_EXP, "bias", (fe, e), "required" if rule.expert_bias else "none"),
+            (M.FFN_DOWN_EXP, "bias", (d, e), "required" if rule.expert_bias else "none"),
             (M.FFN_GATE_INP_SHEXP, "weight", (d,), shexp),
-            (M.FFN_GATE_SHEXP, "weight", (d, sh), shexp),
-            (M.FFN_UP_SHEXP, "weight", (d, sh), shexp),
-            (M.FFN_DOWN_SHEXP, "weight", (sh, d), shexp),
+            (M.FFN_GATE_SHEXP, "weight", (d, sh), shexp if rule.shared_expert else shared),
+            (M.FFN_UP_SHEXP, "weight", (d, sh), shexp if rule.shared_expert else shared),
+            (M.FFN_DOWN_SHEXP, "weight", (sh, d), shexp if rule.shared_expert else shared),
         ]
     else:
         out += [
@@ -257,20 +540,28 @@ def inventory(arch: Architecture) -> list[ArchTensor]:
     rule = arch_rule(arch)
     moe = has_experts(arch)
     before, after = _globals(arch, rule)
-    block = _block(arch, rule, moe)
+    blocks = {m: _block(arch, rule, m) for m in {False, moe}}
+    # Hybrids: a gated delta-net block is an attention block with the delta-net's tensors in
+    # place of the attention's (the norms and the FFN are the same).
+    linear = {
+        m: [b[0], *_delta_net(arch, rule), *(e for e in b[1:] if e[0] not in _ATTENTION)]
+        for m, b in blocks.items()
+    }
+    recurrent = set(arch.recurrent_layers) if rule.delta_net != "none" else set()
 
     def tensors(entries: list[_Entry], layer: int | None) -> Iterator[ArchTensor]:
         for kind, suffix, shape, presence in entries:
             if presence == "none":
                 continue
             stem = TENSOR_NAMES[kind]
-            name = f"{stem.format(bid=layer)}.{suffix}"
-            key = f"{stem.removeprefix('blk.{bid}.')}.{suffix}"
+            dot = f".{suffix}" if suffix else ""  # ssm_a has no .weight
+            name = f"{stem.format(bid=layer)}{dot}"
+            key = f"{stem.removeprefix('blk.{bid}.')}{dot}"
             yield ArchTensor(name, key, kind, layer, shape, presence == "optional")
 
     out = list(tensors(before, None))
     for i in range(arch.block_count):
-        out += tensors(block, i)
+        out += tensors((linear if i in recurrent else blocks)[moe and moe_block(arch, i)], i)
     out += tensors(after, None)
     return out
 

@@ -40,11 +40,20 @@ def attend(
     window: int,
     scale: float,
     config: RuntimeConfig,
+    sinks: mx.array | None = None,
 ) -> mx.array:
     """Block ``layer``'s attention of the pass's R rows (queries ``q`` [R, heads, 1, head_dim],
     RoPE'd, each row at its own position; the pass's keys and values written already), within
     a sliding ``window`` (0: none), scores scaled by ``scale``, under the model's runtime
     ``config``.
+
+    ``sinks``: one learned logit per query head (float [heads], gpt-oss's ``attn_sinks``), an
+    extra term exp(sink) in every softmax denominator with no value behind it, as llama.cpp's
+    ``ggml_soft_max_ext`` takes them; every path below honours it (MLX's SDPA through its
+    ``sinks`` argument, :func:`_explicit_attention` itself), and Strata's paged kernel, which
+    has no sinks, is not used for such a model. They are taken in ``q``'s dtype on every path:
+    MLX's SDPA refuses sinks of a wider type than its output ("Type of sinks must promote to
+    output type"), so float32 sinks under a float16/bfloat16 compute dtype would fail there.
 
     Where Strata's paged kernel takes the whole pass (:func:`kernel_attention`, asked once per
     pass), one call attends every row over its own sequence's slots; otherwise the batch's
@@ -57,7 +66,11 @@ def attend(
     """
     rows, heads, d = q.shape[0], q.shape[1], q.shape[-1]
     n = batch.num_tokens
-    if whole_pass(batch, kv, layer, heads, q.dtype, window, config.lone_decode_kernel):
+    if sinks is not None and sinks.dtype != q.dtype:
+        sinks = sinks.astype(q.dtype)
+    if sinks is None and whole_pass(
+        batch, kv, layer, heads, q.dtype, window, config.lone_decode_kernel
+    ):
         tables, meta = kernel_layout(batch, rows)
         return cuda_attention.attention(
             q,
@@ -77,14 +90,14 @@ def attend(
         keys, values = kv.gather(layer, batch.decode_table)
         mask = batch.decode_mask(window)
         o = mx.fast.scaled_dot_product_attention(
-            q[:b, :, None], keys, values, scale=scale, mask=mask
+            q[:b, :, None], keys, values, scale=scale, mask=mask, sinks=sinks
         )
         outs.append(o[:, :, 0])  # [B, heads, head_dim]
     for c in batch.chunks:
         qc = q[c.row : c.row + c.length].transpose(1, 0, 2)[None]  # [1, heads, T, D]
-        outs.append(chunk_attention(qc, kv, layer, c, window, scale, config))
+        outs.append(chunk_attention(qc, kv, layer, c, window, scale, config, sinks))
     if rows > n:  # the padding rows' attention output: zeros
-        outs.append(mx.zeros((rows - n, heads, d), dtype=q.dtype))
+        outs.append(mx.zeros((rows - n, heads, kv.value_width), dtype=q.dtype))
     return _cat(outs).reshape(1, rows, -1)
 
 
@@ -136,6 +149,9 @@ def kernel_attention(
     pool = kv.keys[layer]
     return (
         pool.dtype == dtype
+        # Values stored as part of the keys (multi-head latent attention, K wider than V): the
+        # kernel reads a value pool as wide as the keys, so such a cache takes the MLX paths.
+        and kv.value_dim is None
         and all(c.length <= cuda_attention.MAX_QUERIES for c in batch.chunks)
         and cuda_attention.supported(1, heads, pool.shape[1], pool.shape[2], dtype)
         and cuda_attention.fits(
@@ -152,6 +168,7 @@ def chunk_attention(
     window: int,
     scale: float,
     config: RuntimeConfig,
+    sinks: mx.array | None = None,
 ) -> mx.array:
     """Attention of one chunk's queries q [1, heads, T, head_dim] over its sequence's keys in
     block ``layer`` of the paged cache (the chunk's own tokens included, written already), causal
@@ -163,15 +180,19 @@ def chunk_attention(
     or grouping it does not take, float32), chunks of 2 to ``config.
     explicit_attention_max_queries`` queries attend with plain operations, for the same reason.
     Otherwise the keys are gathered and ``mx.fast.scaled_dot_product_attention`` runs with
-    ``Chunk.attention_mask``."""
+    ``Chunk.attention_mask``. ``sinks``: as :func:`attend`'s (the paged kernel is then not
+    used)."""
     _, heads, t, d = q.shape
-    pool_k, pool_v = kv.keys[layer], kv.values[layer]
+    pool_k = kv.keys[layer]
     if (
-        pool_k.dtype == q.dtype
+        sinks is None
+        and pool_k.dtype == q.dtype
+        and kv.value_dim is None  # values part of the keys: the MLX paths (kernel_attention)
         and cuda_attention.supported(t, heads, pool_k.shape[1], d, q.dtype)
         and cuda_attention.fits(t, heads, c.start + c.length, d)
     ):
         rows = q[0].transpose(1, 0, 2)  # [T, heads, head_dim] (the kernel makes it contiguous)
+        pool_v = kv.values[layer]
         return cuda_attention.attention(
             rows, pool_k, pool_v, c.table, chunk_rows(c), scale, window, groups=chunk_groups(c)
         )
@@ -183,19 +204,28 @@ def chunk_attention(
         if isinstance(mask, str):  # "causal", bottom-right aligned: query i sees keys <= L - T + i
             length = keys.shape[2]
             mask = mx.arange(length)[None, :] <= mx.arange(length - t, length)[:, None]
-        o = _explicit_attention(q, keys, values, scale, mask)
+        o = _explicit_attention(q, keys, values, scale, mask, sinks)
     else:
-        o = mx.fast.scaled_dot_product_attention(q, keys, values, scale=scale, mask=mask)
+        o = mx.fast.scaled_dot_product_attention(
+            q, keys, values, scale=scale, mask=mask, sinks=sinks
+        )
     return o[0].transpose(1, 0, 2)
 
 
 def _explicit_attention(
-    q: mx.array, keys: mx.array, values: mx.array, scale: float, mask: mx.array | None
+    q: mx.array,
+    keys: mx.array,
+    values: mx.array,
+    scale: float,
+    mask: mx.array | None,
+    sinks: mx.array | None = None,
 ) -> mx.array:
     """Softmax attention with plain operations, grouped-query heads as MLX's SDPA maps them
     (query head i reads kv head i // (heads / kv_heads)): q [B, heads, T, D], keys/values
-    [B, kv_heads, L, D], ``mask`` bool [T, L] (True: seen) or None; [B, heads, T, D] in q's
-    dtype. Scores and softmax in float32, as the fused kernels accumulate."""
+    [B, kv_heads, L, D], ``mask`` bool [T, L] (True: seen) or None, ``sinks`` float [heads]
+    (one more logit per head in the softmax, with no value: :func:`attend`) or None;
+    [B, heads, T, D] in q's dtype. Scores and softmax in float32, as the fused kernels
+    accumulate."""
     b, heads, t, d = q.shape
     kv_heads, length = keys.shape[1], keys.shape[2]
     group = heads // kv_heads
@@ -204,9 +234,16 @@ def _explicit_attention(
     scores = scores.reshape(b, kv_heads, group, t, length)
     if mask is not None:
         scores = mx.where(mask, scores, -mx.inf)
-    probs = mx.softmax(scores, axis=-1).reshape(b, kv_heads, group * t, length)
-    out = probs @ values.astype(mx.float32)
-    return out.reshape(b, heads, t, d).astype(q.dtype)
+    if sinks is not None:  # one more column per head, dropped after the softmax
+        sink = mx.broadcast_to(
+            sinks.astype(mx.float32).reshape(1, kv_heads, group, 1, 1), (b, kv_heads, group, t, 1)
+        )
+        scores = mx.concatenate([scores, sink], axis=-1)
+        probs = mx.softmax(scores, axis=-1)[..., :length].reshape(b, kv_heads, group * t, length)
+    else:
+        probs = mx.softmax(scores, axis=-1).reshape(b, kv_heads, group * t, length)
+    out = probs @ values.astype(mx.float32)  # values may be narrower than keys (latent attention)
+    return out.reshape(b, heads, t, values.shape[-1]).astype(q.dtype)
 
 
 def _cat(parts: list[mx.array]) -> mx.array:

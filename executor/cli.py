@@ -131,7 +131,7 @@ def _save_routing(engine, loaded, path: Path) -> None:
     src = loaded.desc.model
     doc = engine.store.routing.profile(src.sha256, src.header_sha256)
     path.write_text(doc.model_dump_json() + "\n")
-    print(f"wrote routing profile {path} ({min(doc.tokens)} tokens)", file=sys.stderr)
+    print(f"wrote routing profile {path} ({max(doc.tokens)} tokens)", file=sys.stderr)
 
 
 def writable_parent(path: Path) -> None:

@@ -111,6 +111,7 @@ def non_finite_tensors(loaded: LoadedPlan, units: list[str]) -> list[str]:
             continue
         for name, host in unit_host_tensors(g, u, by_name):
             parts = [host.scales, host.biases] if isinstance(host, PackedWeight) else [host]
+            parts = [p for p in parts if p is not None and p.dtype.kind == "f"]  # mxfp4: uint8
             if name not in bad and not all(np.isfinite(p).all() for p in parts):
                 bad.add(name)
     return [t.name for t in g.tensor_infos if t.name in bad]

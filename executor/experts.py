@@ -67,19 +67,21 @@ uses."""
 
 
 def expert_key(tensor: str) -> str:
-    """``blk.3.ffn_up_exps.weight`` -> ``up`` (see ``EXPERT_KEYS``).
+    """``blk.3.ffn_up_exps.weight`` -> ``up``, ``blk.3.ffn_up_exps.bias`` -> ``up_bias`` (see
+    ``EXPERT_KEYS``; the expert biases are gpt-oss's).
 
     Raises:
         StrataError: a stacked expert tensor the executor does not know.
     """
-    base = tensor.split(".")[2] if tensor.count(".") >= 3 else tensor
+    parts = tensor.split(".")
+    base = parts[2] if len(parts) >= 4 else tensor
     key = EXPERT_KEYS.get(base)
     if key is None:
         raise StrataError(
             f"tensor {tensor} is a stacked expert tensor the executor does not know "
             f"(known: {', '.join(EXPERT_KEYS)})"
         )
-    return key
+    return key + "_bias" if parts[-1] == "bias" else key
 
 
 def split_gate_up(ws: dict) -> dict:
@@ -90,11 +92,12 @@ def split_gate_up(ws: dict) -> dict:
     w = ws.pop("gate_up")
     if isinstance(w, QuantLinear):
         half = w.weight.shape[0] // 2
+        b = w.biases  # None: mxfp4
         ws["gate"] = QuantLinear(
-            w.weight[:half], w.scales[:half], w.biases[:half], w.bits, w.group_size
+            w.weight[:half], w.scales[:half], None if b is None else b[:half], w.bits, w.group_size
         )
         ws["up"] = QuantLinear(
-            w.weight[half:], w.scales[half:], w.biases[half:], w.bits, w.group_size
+            w.weight[half:], w.scales[half:], None if b is None else b[half:], w.bits, w.group_size
         )
     else:
         half = w.shape[0] // 2

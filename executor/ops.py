@@ -106,13 +106,22 @@ class QuantLinear:
         biases: same dtype and shape as ``scales``; ``w = scales * q + biases``.
         bits: bits per element (4, 5 or 8 for the GGUF types ``strata.common.quant`` repacks).
         group_size: elements per scale/bias group (32, or 128 for Q3_K).
+
+    MXFP4 (``strata.common.quant``) is MLX's ``mode="mxfp4"`` instead: ``biases`` None, uint8
+    E8M0 ``scales``, 4 bits in groups of 32 (:attr:`mode`); it takes MLX's own kernels only
+    (``mx.quantized_matmul``/``mx.dequantize``), never Strata's CUDA ones (affine only).
     """
 
     weight: mx.array
     scales: mx.array
-    biases: mx.array
+    biases: mx.array | None
     bits: int
     group_size: int
+
+    @property
+    def mode(self) -> str:
+        """MLX's quantization mode: ``"affine"``, or ``"mxfp4"`` where there are no biases."""
+        return "affine" if self.biases is not None else "mxfp4"
 
     @functools.cached_property  # asked by every product (reading an array's shape is not free)
     def shape(self) -> tuple[int, int]:
@@ -134,13 +143,14 @@ class QuantLinear:
         """The arrays' shapes and dtypes, the bits and the group size: what a kernel's launch
         depends on, read once (each read of an MLX array's shape or dtype costs the host a
         fraction of a us, and a pass asks for them hundreds of times)."""
-        arrays = (self.weight, self.scales, self.biases)
+        arrays = [a for a in (self.weight, self.scales, self.biases) if a is not None]
         return (*((a.shape, a.dtype) for a in arrays), self.bits, self.group_size)
 
     @functools.cached_property
     def nbytes(self) -> int:
         """Bytes of weight + scales + biases."""
-        return int(self.weight.nbytes + self.scales.nbytes + self.biases.nbytes)
+        biases = 0 if self.biases is None else self.biases.nbytes
+        return int(self.weight.nbytes + self.scales.nbytes + biases)
 
 
 def _np_dtype(dtype: mx.Dtype) -> np.dtype | None:
@@ -185,6 +195,8 @@ def to_mlx(w: PackedWeight | np.ndarray, dtype: mx.Dtype | None = None) -> Quant
         ValueError: the conversion to ``dtype`` would round or overflow some value.
         TypeError: ``w`` is neither a PackedWeight nor a numpy array.
     """
+    if isinstance(w, PackedWeight) and w.biases is None:  # mxfp4: uint8 scales as they are
+        return QuantLinear(mx.array(w.weight), mx.array(w.scales), None, w.bits, w.group_size)
     if isinstance(w, PackedWeight):
         return QuantLinear(
             weight=mx.array(w.weight),
@@ -395,7 +407,8 @@ def _kernel_path(
     if dense_from and rows >= dense_from:
         return "dense"
     if (
-        mma_rows[0]
+        w.biases is not None  # Strata's tensor-core kernel is affine only
+        and mma_rows[0]
         and mma_rows[0] <= rows <= mma_rows[1]
         and w.scales_dtype == dtype
         and cuda_mma.supported(rows, w.shape[0], w.shape[1], w.bits, w.group_size, dtype)
@@ -425,7 +438,11 @@ def quantized_product(x: mx.array, w: QuantLinear, path: str) -> mx.array:
         ValueError: an unknown path, or ``mma`` where ``executor.cuda_mma`` does not apply.
     """
     if path == "dense":
-        if cuda_dequant.supported(w.bits, w.group_size, x.dtype):
+        if w.biases is None:  # mxfp4: MLX's own dequantization
+            full = mx.dequantize(
+                w.weight, w.scales, None, w.group_size, w.bits, mode=w.mode, dtype=x.dtype
+            )
+        elif cuda_dequant.supported(w.bits, w.group_size, x.dtype):
             full = cuda_dequant.dequantize(
                 w.weight, w.scales, w.biases, w.group_size, w.bits, x.dtype
             )
@@ -439,7 +456,14 @@ def quantized_product(x: mx.array, w: QuantLinear, path: str) -> mx.array:
     if path != "quantized":
         raise ValueError(f"quantized_product: unknown kernel path {path!r}; use {KERNEL_PATHS}")
     return mx.quantized_matmul(
-        x, w.weight, w.scales, w.biases, transpose=True, group_size=w.group_size, bits=w.bits
+        x,
+        w.weight,
+        w.scales,
+        w.biases,
+        transpose=True,
+        group_size=w.group_size,
+        bits=w.bits,
+        mode=w.mode,
     )
 
 
@@ -468,6 +492,12 @@ def embedding(
         return mx.take(table, ids, axis=0).astype(dtype)
     flat = ids.reshape(-1)  # mx.dequantize wants a 2-D [n, words] input
     rows = mx.take(table.weight, flat, axis=0)
+    if table.biases is None:  # mxfp4: uint8 E8M0 scales, dequantized exactly in any dtype
+        scales = mx.take(table.scales, flat, axis=0)
+        out = mx.dequantize(
+            rows, scales, None, table.group_size, table.bits, mode=table.mode, dtype=dtype
+        )
+        return out.reshape(*ids.shape, table.shape[1])
     scales = mx.take(table.scales, flat, axis=0).astype(dtype)
     biases = mx.take(table.biases, flat, axis=0).astype(dtype)
     out = mx.dequantize(

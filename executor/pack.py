@@ -37,6 +37,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+from gguf import GGML_QUANT_SIZES
 from strata.common.atomic import replaced
 from strata.common.catalog import cache_dir
 from strata.common.errors import StrataError
@@ -105,6 +106,10 @@ def unit_host_tensors(
             n = shape[0]
             raw = raw.reshape(n, -1)[unit.expert]
             shape = shape[1:]
+        elif len(shape) > 2 and GGML_QUANT_SIZES[t.tensor_type][0] > 1:
+            # A quantized tensor of more than two dimensions outside the experts (deepseek2's
+            # attn_k_b [heads, rank, nope]): its rows in one matrix, which the model reshapes.
+            shape = (int(np.prod(shape[:-1])), shape[-1])
         try:
             host = repack(t.tensor_type, raw, shape)
         except UnsupportedQuantError as e:
@@ -123,6 +128,8 @@ def shape_experts(t: TensorInfo) -> int:
 
 
 def _host_parts(host: PackedWeight | np.ndarray) -> list[tuple[str, np.ndarray]]:
+    if isinstance(host, PackedWeight) and host.biases is None:  # mxfp4: codes and E8M0 scales
+        return [("weight", host.weight), ("scales", host.scales)]
     if isinstance(host, PackedWeight):
         return [("weight", host.weight), ("scales", host.scales), ("biases", host.biases)]
     return [("data", np.ascontiguousarray(host))]

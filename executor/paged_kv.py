@@ -60,9 +60,15 @@ class PagedKVCache:
         num_blocks: KV blocks in the pool (the plan's ``batch.kv_num_blocks``).
         block_size: tokens per block (the plan's ``batch.kv_block_size``).
         dtype: element dtype (the compute dtype).
+        value_dim: None: values are a pool of their own, as wide as the keys. A width: the
+            values are the first ``value_dim`` elements of each key row, stored once
+            (multi-head latent attention, ``executor/models/deepseek2.py``: a row is the
+            compressed latent, which is also the value, then the RoPE'd part); ``values`` is then
+            empty and :meth:`gather` slices the keys.
 
-    Memory: ``2 * n_layers * num_blocks * block_size * n_kv_heads * head_dim * dtype bytes``,
-    allocated on the first write (MLX arrays are lazy).
+    Memory: ``2 * n_layers * num_blocks * block_size * n_kv_heads * head_dim * dtype bytes``
+    (without the factor 2 where ``value_dim`` is given), allocated on the first write (MLX arrays
+    are lazy).
     """
 
     def __init__(
@@ -73,6 +79,7 @@ class PagedKVCache:
         num_blocks: int,
         block_size: int,
         dtype: mx.Dtype,
+        value_dim: int | None = None,
     ):
         if num_blocks < 1 or block_size < 1:
             raise StrataError(
@@ -82,17 +89,27 @@ class PagedKVCache:
         self.num_blocks, self.block_size = num_blocks, block_size
         shape = (num_blocks * block_size, n_kv_heads, head_dim)
         self.keys = [mx.zeros(shape, dtype) for _ in range(n_layers)]
-        self.values = [mx.zeros(shape, dtype) for _ in range(n_layers)]
+        self.value_dim = value_dim
+        self.value_width = head_dim if value_dim is None else value_dim
+        """Elements of one head's value (what attention returns per head)."""
+        shared = value_dim is not None
+        if shared and not 0 < value_dim <= head_dim:
+            raise StrataError(
+                f"values of {value_dim} elements cannot be part of {head_dim}-wide keys"
+            )
+        self.values = [] if shared else [mx.zeros(shape, dtype) for _ in range(n_layers)]
 
     @property
     def num_slots(self) -> int:
         """Token slots in the pool."""
         return self.num_blocks * self.block_size
 
-    def write(self, layer: int, slots: mx.array, k: mx.array, v: mx.array) -> None:
-        """Store ``k``/``v`` ([N, kv_heads, head_dim]) of N tokens in ``slots`` (int32 [N])."""
+    def write(self, layer: int, slots: mx.array, k: mx.array, v: mx.array | None) -> None:
+        """Store ``k``/``v`` ([N, kv_heads, head_dim]) of N tokens in ``slots`` (int32 [N]);
+        ``v`` None where the values are part of the keys (``value_dim``)."""
         self.keys[layer][slots] = k
-        self.values[layer][slots] = v
+        if self.values:
+            self.values[layer][slots] = v
 
     def copy_slots(self, src: mx.array, dst: mx.array) -> None:
         """Copy every layer's keys and values of slots ``src`` into slots ``dst`` (int32 [N]
@@ -108,12 +125,16 @@ class PagedKVCache:
         n = len(self.keys)
         for layer in range(n):
             self.keys[layer][dst] = rows[layer]
+        for layer in range(len(self.values)):
             self.values[layer][dst] = rows[n + layer]
 
     def gather(self, layer: int, table: mx.array) -> tuple[mx.array, mx.array]:
-        """Keys and values of the slots in ``table`` (int32 [B, L]): two [B, kv_heads, L,
-        head_dim] arrays."""
+        """Keys and values of the slots in ``table`` (int32 [B, L]): [B, kv_heads, L, head_dim]
+        and [B, kv_heads, L, value_width] (the keys' first ``value_dim`` elements where the
+        values are part of them)."""
         k = self.keys[layer][table].transpose(0, 2, 1, 3)
+        if not self.values:
+            return k, k[..., : self.value_dim]
         v = self.values[layer][table].transpose(0, 2, 1, 3)
         return k, v
 
@@ -438,7 +459,7 @@ class SequenceCache:
     logits: ``Engine.logits_for``), its blocks in order.
 
     Args:
-        n_layers, n_kv_heads, head_dim, dtype: as :class:`PagedKVCache`.
+        n_layers, n_kv_heads, head_dim, dtype, value_dim: as :class:`PagedKVCache`.
         max_tokens: most tokens the sequence may hold (the plan's context).
         block_size: tokens per block.
 
@@ -454,9 +475,10 @@ class SequenceCache:
         max_tokens: int,
         dtype: mx.Dtype,
         block_size: int = 16,
+        value_dim: int | None = None,
     ):
         blocks = -(-max_tokens // block_size)
-        self.kv = PagedKVCache(n_layers, n_kv_heads, head_dim, blocks, block_size, dtype)
+        self.kv = PagedKVCache(n_layers, n_kv_heads, head_dim, blocks, block_size, dtype, value_dim)
         self.max_tokens = max_tokens
         self.offset = 0
         self._slots = np.arange(blocks * block_size, dtype=np.int32)

@@ -23,7 +23,7 @@ from strata.common.catalog import (
     routing_cache_path,
 )
 from strata.common.describe import describe_gguf, source_for
-from strata.common.errors import PlanError
+from strata.common.errors import PlanError, StrataError
 from strata.common.gguf_file import GGUFFile, open_gguf, split_paths
 from strata.common.schemas import (
     DraftModelRef,
@@ -31,6 +31,7 @@ from strata.common.schemas import (
     Plan,
     RoutingProfile,
 )
+from strata.common.tensors import executor_rule
 from strata.common.yamlio import canonical_sha256, read_yaml
 
 
@@ -189,10 +190,13 @@ def _check_costs(path: Path, plan: Plan, desc: ModelDescription) -> None:
 
 
 def check_executable(path: Path, plan: Plan) -> None:
-    """Refuse a plan of a model described from an architecture file (no weights to run).
+    """Refuse a plan of a model described from an architecture file (no weights to run), or of
+    an architecture the executor does not run (``strata.common.tensors.executor_rule``: the
+    hybrids Strata plans but cannot execute yet), before its model file is found or hashed.
 
     Raises:
-        PlanError: ``plan.model`` names no file (``strata plan --arch``).
+        PlanError: ``plan.model`` names no file (``strata plan --arch``); the architecture is
+            not one the executor runs (names it, what is missing and what works).
     """
     src = plan.model
     if src.sha256 is None and src.path is None:
@@ -200,6 +204,10 @@ def check_executable(path: Path, plan: Plan) -> None:
             f"{path}: the plan is for a model described from an architecture file (--arch): it "
             "has no weights and can only be compared, not executed; plan a GGUF file"
         )
+    try:
+        executor_rule(plan.costs.architecture)
+    except StrataError as e:
+        raise PlanError(f"{path}: {e}") from None
 
 
 def _find(path: Path, model: str | Path | None) -> tuple[Plan, Path, str]:

@@ -40,7 +40,7 @@ from strata.executor.pack import PackedUnit, PackStore, crc32_combine
 CHUNK = 4 << 20
 """Read size per preadv call, bytes: 4 MiB, the profile's direct-I/O test block."""
 
-_DTYPES = {"uint32": mx.uint32, "float16": mx.float16, "float32": mx.float32}
+_DTYPES = {"uint32": mx.uint32, "uint8": mx.uint8, "float16": mx.float16, "float32": mx.float32}
 
 
 class SlotArena:
@@ -167,7 +167,9 @@ class SlotArena:
                 out[name] = ps["data"].astype(self.dtype)
             else:
                 bits, group = unit.bits[name]
-                out[name] = QuantLinear(ps["weight"], ps["scales"], ps["biases"], bits, group)
+                # No biases part: MXFP4 in MLX's mxfp4 form (``strata.common.quant``).
+                biases = ps.get("biases")
+                out[name] = QuantLinear(ps["weight"], ps["scales"], biases, bits, group)
         return out
 
     def close(self) -> None:

@@ -55,7 +55,7 @@ def _rows(w: HostWeight, ids: np.ndarray) -> HostWeight:
         return PackedWeight(
             weight=w.weight[ids],
             scales=w.scales[ids],
-            biases=w.biases[ids],
+            biases=None if w.biases is None else w.biases[ids],
             bits=w.bits,
             group_size=w.group_size,
             shape=(len(ids), w.shape[1]),
@@ -375,7 +375,7 @@ class WeightStore:
                 host,
                 weight=p.adopt(host.weight),
                 scales=p.adopt(host.scales),
-                biases=p.adopt(host.biases),
+                biases=None if host.biases is None else p.adopt(host.biases),
             )
         return p.adopt(host)
 
@@ -385,9 +385,10 @@ class WeightStore:
         p = self._pinned
         if p is not None:
             if isinstance(host, PackedWeight):
-                parts = [p.to_device(a) for a in (host.weight, host.scales, host.biases)]
+                arrays = [a for a in (host.weight, host.scales, host.biases) if a is not None]
+                parts = [p.to_device(a) for a in arrays]
                 if all(x is not None for x in parts):
-                    w, sc, b = parts
+                    w, sc, b = (*parts, None)[:3]  # no biases: mxfp4
                     return QuantLinear(w, sc, b, bits=host.bits, group_size=host.group_size)
             else:
                 a = p.to_device(host)
@@ -525,7 +526,12 @@ class WeightStore:
         bits, group = packed.bits[name]
         cols = arrays["weight"].shape[1] * 32 // bits
         return PackedWeight(
-            arrays["weight"], arrays["scales"], arrays["biases"], bits, group, (len(idx), cols)
+            arrays["weight"],
+            arrays["scales"],
+            arrays.get("biases"),  # none: MXFP4 (``strata.common.quant``)
+            bits,
+            group,
+            (len(idx), cols),
         )
 
     def resident_nbytes(self) -> dict[str, int]:
@@ -551,6 +557,7 @@ def fault_in(weights: Sequence[Weight]) -> None:
     if not mx.cuda.is_available():
         return
     arrays = [a for w in weights for a in (w.parts if isinstance(w, QuantLinear) else (w,))]
+    arrays = [a for a in arrays if a is not None]  # an mxfp4 weight has no biases
     mx.eval([mx.sum(a) for a in arrays])
 
 

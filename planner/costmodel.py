@@ -137,8 +137,11 @@ Memory (bytes), per capacity row (``capacity_rows``):
   ``KV = kv_num_blocks * kv_block_size * kv_elements_per_token * dtype_bytes`` (the paged cache the
   executor allocates: ``concurrency * ceil(context/16)`` blocks of 16 tokens, so context rounded up
   to whole blocks), ``pool = slots * slot_bytes`` (``slots = depth + 1`` when a dense unit streams,
-  else 0; ``slot_bytes`` = the largest streamed dense unit), the expert cache ``K * slot_e``, and
-  activations per ``activation_bytes``.
+  else 0; ``slot_bytes`` = the largest streamed dense unit), the expert cache ``K * slot_e``,
+  activations per ``activation_bytes``, and for hybrid linear-attention models (qwen3next) the
+  recurrent state, ``max_num_seqs * recurrent_state_elements_per_sequence * 4`` (fixed per
+  sequence, not per token: ``recurrent_state_bytes``; ``kv_elements_per_token`` counts only the
+  full-attention blocks).
 - ram: weights on ram [+ pool and expert cache when memory is not unified: the host staging
   buffers the direct-I/O reads land in] <= ram capacity (non-unified machines only).
 - unified memory: gpu row + weights on ram <= ram capacity (GPU and CPU share one memory, so the
@@ -257,6 +260,21 @@ def kv_cache_bytes(desc: ModelDescription, profile: HardwareProfile, batch: Batc
     return tokens * desc.kv_elements_per_token * DTYPE_BYTES[profile.compute_dtype]
 
 
+RECURRENT_STATE_DTYPE_BYTES = 4
+"""A hybrid's recurrent state is float32 whatever the compute dtype (llama.cpp's ``type_r`` and
+``type_s``; a delta rule accumulated in half precision drifts)."""
+
+
+def recurrent_state_bytes(desc: ModelDescription, batch: BatchLimits) -> int:
+    """Bytes of a hybrid model's recurrent states on the device: one fixed state per sequence
+    the batch may hold (``max_num_seqs``), whatever the context —
+    ``max_num_seqs * recurrent_state_elements_per_sequence * 4`` (conv state + delta-net state of
+    every gated delta-net block: ``strata.common.describe.recurrent_state_elements``). 0 for a
+    model without such blocks."""
+    elements = batch.max_num_seqs * desc.recurrent_state_elements_per_sequence
+    return elements * RECURRENT_STATE_DTYPE_BYTES
+
+
 def activation_bytes(desc: ModelDescription, profile: HardwareProfile, batch: BatchLimits) -> int:
     """Bytes of the activations of the largest step (device tier).
 
@@ -264,8 +282,9 @@ def activation_bytes(desc: ModelDescription, profile: HardwareProfile, batch: Ba
     + max_num_seqs * vocab * 4``: per token the residual stream and its normed copy (2 d), Q, K,
     V and the attention output ((2 n_head + 2 n_kv) * head_dim), the FFN gate, up and their product
     (3 ff_e, with ``ff_e = expert FFN width * expert_used_count + shared expert width`` for
-    MoE), summed
-    rather than maxed over the attention and FFN phases (a conservative bound); plus one float32
+    MoE, at least ``feed_forward_length`` where leading blocks are dense), summed
+    rather than maxed over the attention and FFN phases (a conservative bound; a hybrid's token
+    mixer is the wider of its gated attention and its gated delta-net); plus one float32
     vocabulary row of logits per sequence (only a sequence's last token is sampled).
     """
     a = desc.architecture
@@ -273,9 +292,19 @@ def activation_bytes(desc: ModelDescription, profile: HardwareProfile, batch: Ba
     if a.expert_count:  # the chosen experts' widths, and a shared expert's
         ff_e = (a.expert_feed_forward_length or a.feed_forward_length) * a.expert_used_count
         ff_e += a.expert_shared_feed_forward_length
-    width = (
-        2 * a.embedding_length + (2 * a.head_count + 2 * a.head_count_kv) * a.head_dim + 3 * ff_e
-    )
+        # DeepSeek-style shared experts (expert_shared_count expert widths); leading dense
+        # blocks run a feed_forward_length-wide FFN: the wider of the two phases.
+        ff_e += a.expert_shared_count * (a.expert_feed_forward_length or a.feed_forward_length)
+        if a.leading_dense_block_count:
+            ff_e = max(ff_e, a.feed_forward_length)
+    mixer = (2 * a.head_count + 2 * a.head_count_kv) * a.head_dim
+    if a.recurrent_layers:
+        # Hybrids: the gated query's gate (n_head * head_dim more), or a delta-net block's
+        # Q/K/V before and after its convolution (2 (2k + v)), output gate and output (2 v),
+        # beta and alpha (2 value heads), whichever is wider.
+        k, v = a.ssm_state_size * a.ssm_group_count, a.ssm_inner_size
+        mixer = max(mixer + a.head_count * a.head_dim, 4 * k + 4 * v + 2 * a.ssm_time_step_rank)
+    width = 2 * a.embedding_length + mixer + 3 * ff_e
     per_step = batch.max_num_batched_tokens * width * DTYPE_BYTES[profile.compute_dtype]
     return per_step + batch.max_num_seqs * a.vocab_size * LOGIT_BYTES
 
@@ -465,10 +494,12 @@ def capacity_rows(
     """
     batch = batch or batch_limits(request)
     cap = capacities(profile, request)
-    device = (
+    device: tuple[tuple[str, int], ...] = (
         ("KV cache", kv_cache_bytes(desc, profile, batch)),
         ("activations", activation_bytes(desc, profile, batch)),
     )
+    if state := recurrent_state_bytes(desc, batch):
+        device += (("recurrent state", state),)
     rows = [
         CapacityRow(
             name="gpu capacity",
@@ -732,6 +763,7 @@ def tier_memory(
             pool=pool_bytes,
             expert_cache=cache_bytes,
             activations=activation_bytes(desc, profile, batch),
+            recurrent_state=recurrent_state_bytes(desc, batch),
         ),
         "ram": TierMemory(
             capacity=cap["ram"],

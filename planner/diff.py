@@ -70,7 +70,15 @@ def _memory(a: Plan, b: Plan) -> list[str]:
     for t in TIERS:
         x, y = ma.get(t, zero), mb.get(t, zero)  # type: ignore[call-overload]
         parts = []
-        for field in ("weights", "kv_cache", "pool", "expert_cache", "activations", "capacity"):
+        for field in (
+            "weights",
+            "kv_cache",
+            "recurrent_state",
+            "pool",
+            "expert_cache",
+            "activations",
+            "capacity",
+        ):
             va, vb = getattr(x, field), getattr(y, field)
             if va != vb:
                 name = field.replace("_", " ")

@@ -226,7 +226,7 @@ def _memory_lines(plan: Plan) -> list[str]:
         m = plan.memory.get(t)  # type: ignore[call-overload]
         if m is None:
             continue
-        total = m.weights + m.kv_cache + m.pool + m.expert_cache + m.activations
+        total = m.weights + m.kv_cache + m.recurrent_state + m.pool + m.expert_cache + m.activations
         total += draft if t == "gpu" else 0
         cap = format_size(m.capacity) if m.capacity else "unbounded"
         used = f"{100 * total / m.capacity:.1f}%" if m.capacity else "-"
@@ -235,6 +235,15 @@ def _memory_lines(plan: Plan) -> list[str]:
             f"  {t:<5} {format_size(m.weights):>10} {format_size(m.kv_cache):>10} "
             f"{format_size(m.pool):>10} {cache}{format_size(m.activations):>12} "
             f"{format_size(total):>10} {cap:>10}  {used}"
+        )
+    gpu = plan.memory.get("gpu")  # type: ignore[call-overload]
+    if gpu is not None and gpu.recurrent_state:
+        a, n = plan.costs.architecture, plan.batch.max_num_seqs
+        lines.append(
+            f"  (gpu total includes the recurrent state of the {len(a.recurrent_layers)} gated "
+            f"delta-net blocks, {format_size(gpu.recurrent_state)} for {n} "
+            f"sequence{'s' if n != 1 else ''} whatever the context; the KV cache is the "
+            f"{a.block_count - len(a.recurrent_layers)} attention blocks')"
         )
     over = [
         f"{row.tier_label} by {format_size(used - row.capacity)}"
@@ -302,7 +311,8 @@ def _no_room(plan: Plan) -> str | None:
     gpu, ram = plan.memory.get("gpu"), plan.memory.get("ram")  # type: ignore[call-overload]
     if gpu is None or not gpu.capacity:
         return None
-    gpu_total = gpu.weights + gpu.kv_cache + gpu.pool + gpu.expert_cache + gpu.activations
+    gpu_total = gpu.weights + gpu.kv_cache + gpu.recurrent_state + gpu.pool + gpu.expert_cache
+    gpu_total += gpu.activations
     gpu_total += speculative_bytes(plan)
     free = gpu.capacity - gpu_total
     if plan.runtime.backend != "cuda" and ram is not None and ram.capacity:

@@ -45,6 +45,7 @@ def build_plan(
     routing_profile: Path | None = None,
     speculative: SpeculativeRequest | None = None,
     baseline: bool = False,
+    time_limit_s: float = 30,
 ) -> Plan:
     """Solve the placement ILP and return the plan: self-contained, runnable from any folder.
 
@@ -61,6 +62,11 @@ def build_plan(
 
     ``baseline`` writes the rule's plan instead of the ILP's (``planner.baseline``: the first
     blocks resident in order), for comparison; it takes no speculative decoding.
+
+    ``time_limit_s`` bounds the wall clock of the ILP's solves (``planner.ilp.solve``); the
+    search itself is bounded by node counts, so a solve that ends within it gives the same plan
+    on any machine. ``scripts/make_plans.py`` raises it for the anchor plans of tens of
+    thousands of experts, which a busy machine may not solve in the default 30 s.
 
     The plan embeds the profile's figures (not its path), the model's identity with its absolute
     path as a hint, and the model's cost inputs, so it needs nothing beside the model to be
@@ -81,8 +87,15 @@ def build_plan(
             raise ValueError("build_plan needs a model spec or a description")
         desc, _ = describe(model)
     # The executor runs only the architectures of strata.common.tensors: refuse others here,
-    # not after a plan (and a packed store) was made for them.
-    arch_rule(desc.architecture)
+    # not after a plan (and a packed store) was made for them. Those it describes but does not
+    # run yet (ArchRule.not_executed: the hybrids) are planned, with a note that says so.
+    rule = arch_rule(desc.architecture)
+    if rule.not_executed:
+        print(
+            f"note: {desc.architecture.name} is planned but strata run cannot execute it yet: "
+            f"{rule.not_executed}",
+            file=sys.stderr,
+        )
     if routing_profile is not None:
         desc = apply_routing_profile(desc, read_routing_profile(routing_profile))
     if request.context > desc.architecture.context_length:
@@ -105,7 +118,7 @@ def build_plan(
         desc = desc.model_copy(update={"model": desc.model.model_copy(update={"path": hint})})
     provenance = Provenance(
         planner_version=__version__,
-        solver=solver_description(),
+        solver=solver_description(time_limit_s),
         profile_file=profile_path.name,
         routing_profile=routing,
         request_sha256=canonical_sha256(request),
@@ -122,7 +135,7 @@ def build_plan(
         placed_request = target_request(draft, profile, request)
         print(f"reserved {format_size(draft.reserve)} for the {draft.label()}", file=sys.stderr)
     try:
-        sol = solve(desc, profile, placed_request)
+        sol = solve(desc, profile, placed_request, time_limit_s=time_limit_s)
     except PlanError as e:
         if draft is None:
             raise

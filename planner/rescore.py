@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from strata.common.describe import recurrent_state_elements
 from strata.common.errors import PlanError
 from strata.common.schemas import (
     HardwareProfile,
@@ -85,6 +86,7 @@ def description_of(plan: Plan) -> ModelDescription:
         file_type="unknown",
         kv_elements_per_token=c.kv_elements_per_token,
         kv_bytes_per_token=c.kv_elements_per_token * 2,
+        recurrent_state_elements_per_sequence=recurrent_state_elements(c.architecture),
         bytes_gguf=0,
         bytes_mlx=total,
         units=units,

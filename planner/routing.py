@@ -62,7 +62,9 @@ def apply_routing_profile(desc: ModelDescription, doc: RoutingProfile) -> ModelD
     shapes_ok = len(doc.tokens) == doc.layers and len(doc.counts) == doc.layers
     if not shapes_ok or any(len(row) != doc.expert_count for row in doc.counts):
         raise PlanError("the routing profile's counts do not match its block and expert counts")
-    if min(doc.tokens) <= 0:
+    # Leading dense blocks (leading_dense_block_count) route nothing: their rows stay zero.
+    moe_layers = range(a.leading_dense_block_count, doc.layers)
+    if not moe_layers or min(doc.tokens[i] for i in moe_layers) <= 0:
         raise PlanError("the routing profile has no routed tokens; measure a longer run")
     k, n = a.expert_used_count, a.expert_count
     units = []
@@ -76,6 +78,8 @@ def apply_routing_profile(desc: ModelDescription, doc: RoutingProfile) -> ModelD
         units.append(u.model_copy(update={"access_per_token": p, "flops_per_token": int(flops)}))
     recall = doc.predicted_hits / doc.predicted if doc.predicted else min(1.0, k / n)
     summary = RoutingSummary(
-        sha256=canonical_sha256(doc), tokens=min(doc.tokens), prediction_recall=recall
+        sha256=canonical_sha256(doc),
+        tokens=min(doc.tokens[i] for i in moe_layers),
+        prediction_recall=recall,
     )
     return desc.model_copy(update={"units": units, "routing": summary})

@@ -64,7 +64,7 @@ from strata.common.schemas import (
     Speculative,
 )
 from strata.common.sizes import format_size
-from strata.common.tensors import arch_rule
+from strata.common.tensors import executor_rule
 from strata.planner.costmodel import (
     PinnedPlacement,
     activation_bytes,
@@ -439,7 +439,7 @@ def load_draft_model(
     from strata.planner.costmodel import batch_limits
 
     desc, g = describe(spec)
-    arch_rule(desc.architecture)  # the draft model runs on the executor too
+    executor_rule(desc.architecture)  # the draft model runs on the executor too
     _check_vocabulary(spec, desc, _token_list(g), target)
     batch = batch_limits(request)
     return DraftModel(

@@ -45,8 +45,10 @@ from strata import __version__
 from strata.common import catalog
 from strata.common.atomic import replaced
 from strata.common.errors import StrataError
+from strata.common.gguf_file import open_gguf
 from strata.common.schemas import PLAN_VERSION, HardwareProfile, Plan
 from strata.common.sizes import parse_size
+from strata.common.tensors import executor_rule
 from strata.common.yamlio import canonical_sha256, read_yaml, sha256_of, to_yaml
 from strata.planner import cli as planner_cli
 
@@ -281,12 +283,16 @@ def plan_for(spec: str, command: str, given: dict[str, object]) -> Path:
         given: plan options from the command line, by ``dest`` (``--profile`` among them).
 
     Raises:
-        StrataError: the model or a profile cannot be read; a bad option; an infeasible
+        StrataError: the model or a profile cannot be read; an architecture the executor does
+            not run (``strata.common.tensors.executor_rule``); a bad option; an infeasible
             request; the cache cannot be written.
     """
     from strata.common.describe import describe
 
     model = catalog.resolve_model(spec, progress=True)
+    # An architecture the executor does not run (qwen3next...) is refused from its header, before
+    # this machine is measured or the model planned.
+    executor_rule(open_gguf(model.path).architecture)
     options = {**planner_cli.PLAN_DEFAULTS, "context": None, **COMMAND_DEFAULTS.get(command, {})}
     options.update(given)
     profile_file = options.pop("profile")

@@ -7,7 +7,10 @@ pairs (llama.cpp's ``LLAMA_ROPE_TYPE_NORM``), which is MLX's ``traditional=True`
 
 - Llama 3 RoPE scaling: ``rope_freqs.weight`` (one factor per rotated pair, in the ``globals``
   unit) divides each pair's frequency, as llama.cpp's ``ggml_rope_ext`` frequency factors do;
-  ``rope.scaling.type`` ``linear`` scales positions by ``1 / rope.scaling.factor``.
+  ``rope.scaling.type`` ``linear`` scales positions by ``1 / rope.scaling.factor``; ``yarn``
+  mixes interpolated and extrapolated angles per rotated pair and scales the rotated dims
+  (``LlamaModel._yarn``, as ggml's ``rope_yarn``); ``rope.scaling.attn_factor`` scales the
+  rotated dims of any RoPE, as llama.cpp reads it for every architecture.
 - Mistral-style sliding windows: where the GGUF has ``llama.attention.sliding_window``, every
   block (or those of ``attention.sliding_window_pattern``) attends only to the last that many
   tokens, including its own. llama.cpp ignores that key for ``llama`` (its logits are the same
@@ -32,6 +35,18 @@ SwiGLU outputs, which are summed. The per-architecture choices are each model cl
 fetched from the weight store only after the router's choice is known (``store.route``), group
 by group, and their contributions are accumulated in ascending expert id, so the result does
 not depend on how the store grouped them.
+
+The DeepSeek-style extensions (glm4moe, deepseek2), each switched on by the file, not a flag:
+
+- a per-expert selection bias ``blk.N.exp_probs_b.bias`` [E] in the FFN unit: added to the
+  probabilities for choosing the top-k only, the weights taken from the unbiased probabilities
+  (:func:`route`'s ``bias``);
+- grouped top-k (``expert_group_count`` > 1, which llama.cpp reads for every architecture): only
+  the ``expert_group_used_count`` groups of largest top-2 sum compete (:func:`group_mask`);
+- leading dense blocks (``leading_dense_block_count``): those blocks run :meth:`LlamaModel.ffn`,
+  the others :meth:`LlamaModel.moe_ffn` (:meth:`LlamaModel.moe_block`);
+- shared experts without a gate (``ffn_{gate,up,down}_shexp`` and no ``ffn_gate_inp_shexp``):
+  their SwiGLU is added to the routed sum as it is (:meth:`LlamaModel.shared_ffn`).
 """
 
 from __future__ import annotations
@@ -62,8 +77,8 @@ from strata.executor.ops import (
 from strata.executor.paged_kv import ForwardBatch, PagedKVCache, SequenceCache
 from strata.executor.weights import Weight, WeightStore
 
-ROPE_SCALING_SUPPORTED = ("none", "linear")
-"""``rope.scaling.type`` values the forward pass implements (YaRN and LongRoPE are not yet)."""
+ROPE_SCALING_SUPPORTED = ("none", "linear", "yarn")
+"""``rope.scaling.type`` values the forward pass implements (LongRoPE is not yet)."""
 
 
 NORM_SUM_MIN = 6.103515625e-5
@@ -87,24 +102,37 @@ class MoeRouting:
     ``build_moe_ffn``, which each architecture's graph code fixes).
 
     Attributes:
-        gating: ``"softmax"`` or ``"sigmoid"``, applied to all experts' logits *before* top-k.
+        gating: ``"softmax"`` or ``"sigmoid"``, applied to all experts' logits *before* top-k,
+            or ``"softmax_weight"`` (gpt-oss): top-k of the logits, then a softmax over the k.
         norm: renormalize the k chosen probabilities to sum to 1 (``norm_w``).
         scale: multiply the chosen weights by this (``w_scale``; 0 or 1: no scaling).
         gguf_keys: which keys of ``MOE_GGUF_KEYS`` llama.cpp reads from the GGUF for this
             architecture; those override the fields above, the others are ignored as llama.cpp
             ignores them (for llama, qwen2moe, qwen3moe and olmoe it reads none: seen on
-            llama-cpp-python 0.3.36, whose logits are identical with and without each key).
+            llama-cpp-python 0.3.36, whose logits are identical with and without each key;
+            glm4moe and deepseek2 read all three: ``MOE_GGUF_KEYS_ALL``).
+        groups: expert groups of the grouped top-k (``expert_group_count``; 0 or 1: none).
+        groups_used: groups the grouped top-k keeps (``expert_group_used_count``).
+
+    ``groups`` and ``groups_used`` always come from the GGUF (:meth:`for_model`): llama.cpp
+    reads ``expert_group_count`` and ``expert_group_used_count`` for every architecture
+    (``llama_model::load_hparams``) and ``build_moe_ffn`` applies them to any MoE block.
     """
 
     gating: str = "softmax"
     norm: bool = False
     scale: float = 0.0
     gguf_keys: frozenset[str] = frozenset()
+    groups: int = 0
+    groups_used: int = 0
 
     def for_model(self, arch: Architecture) -> MoeRouting:
         """This rule with the GGUF's values of the keys llama.cpp reads for the architecture
-        (``gguf_keys``); a key it ignores is reported on stderr when it contradicts the rule."""
-        rule = self
+        (``gguf_keys``) and its expert groups; a key it ignores is reported on stderr when it
+        contradicts the rule."""
+        rule = replace(
+            self, groups=arch.expert_group_count, groups_used=arch.expert_group_used_count
+        )
         for key, field in MOE_GGUF_KEYS.items():
             value = getattr(arch, key)
             if value is None or (field == "scale" and value == 0.0):
@@ -120,18 +148,35 @@ class MoeRouting:
         return rule
 
 
+MOE_GGUF_KEYS_ALL = frozenset(MOE_GGUF_KEYS)
+"""``MoeRouting.gguf_keys`` of an architecture whose llama.cpp hyperparameter code reads all three
+routing keys (glm4moe, deepseek2: ``ml.get_key(..., false)``, the defaults applying when a key is
+absent)."""
+
+
 def _effective(field: str, value: object) -> object:
     """A routing field's value as it acts (a scale of 0 and of 1 both leave weights alone)."""
     return 1.0 if field == "scale" and value in (0.0, 1.0) else value
 
 
-def route(logits: mx.array, k: int, rule: MoeRouting) -> tuple[mx.array, mx.array]:
+def route(
+    logits: mx.array, k: int, rule: MoeRouting, bias: mx.array | None = None
+) -> tuple[mx.array, mx.array]:
     """The router's choice for T tokens, as llama.cpp's ``build_moe_ffn`` makes it.
 
-    1. probabilities = gating(logits) over all E experts (softmax along E, or sigmoid);
-    2. chosen = the k experts of largest probability, largest first (``ggml_argsort_top_k``);
-    3. weights = their probabilities; if ``rule.norm``, divided by their sum (clamped below at
-       ``NORM_SUM_MIN``); if ``rule.scale`` is neither 0 nor 1, multiplied by it.
+    1. probabilities = gating(logits) over all E experts (softmax along E, or sigmoid; for
+       ``softmax_weight`` the logits themselves);
+    2. selection scores = the probabilities plus ``bias`` where given (DeepSeek-V3's
+       ``exp_probs_b``: it steers which experts are chosen, never their weights);
+    3. grouped top-k where ``rule.groups`` > 1 (DeepSeek-V3's ``n_group`` / ``topk_group``):
+       the E experts are ``rule.groups`` consecutive groups of E / groups; a group's score is
+       the sum of its two largest selection scores; all but the ``rule.groups_used`` groups of
+       largest score are masked to -inf (:func:`group_mask`);
+    4. chosen = the k experts of largest selection score, largest first
+       (``ggml_argsort_top_k``);
+    5. weights = their *unbiased* probabilities (``softmax_weight``: the softmax of their k
+       logits); if ``rule.norm``, divided by their sum (clamped below at ``NORM_SUM_MIN``); if
+       ``rule.scale`` is neither 0 nor 1, multiplied by it.
 
     Softmax over all experts then renormalizing the chosen k equals a softmax over the k chosen
     logits in exact arithmetic; llama.cpp computes the former, and so does this.
@@ -140,26 +185,65 @@ def route(logits: mx.array, k: int, rule: MoeRouting) -> tuple[mx.array, mx.arra
         logits: router logits, float32 [T, E].
         k: experts per token (``expert_used_count``).
         rule: the architecture's routing rule (:meth:`MoeRouting.for_model`).
+        bias: the selection bias, [E] (any float dtype; added in float32), or None.
 
     Returns:
         (weights float32 [T, k], chosen int32 [T, k]), row t's weights in the order of its
         chosen ids.
+
+    Raises:
+        StrataError: an unknown gating function; expert groups that do not divide E.
     """
     logits = logits.astype(mx.float32)
     if rule.gating == "softmax":
         probs = mx.softmax(logits, axis=-1, precise=True)
     elif rule.gating == "sigmoid":
         probs = mx.sigmoid(logits)
+    elif rule.gating == "softmax_weight":
+        probs = logits  # chosen by logit, then a softmax over the k chosen (below)
     else:
         raise StrataError(f"expert gating function {rule.gating!r} is not supported")
-    chosen = mx.argsort(-probs, axis=-1)[:, :k].astype(mx.int32)
+    select = probs if bias is None else probs + bias.astype(mx.float32)
+    if rule.groups > 1:
+        select = group_mask(select, rule.groups, rule.groups_used)
+    chosen = mx.argsort(-select, axis=-1)[:, :k].astype(mx.int32)
     weights = mx.take_along_axis(probs, chosen, axis=-1)
+    if rule.gating == "softmax_weight":
+        # llama.cpp's LLAMA_EXPERT_GATING_FUNC_TYPE_SOFTMAX_WEIGHT (gpt-oss): the softmax of the
+        # k chosen logits, after the choice.
+        weights = mx.softmax(weights, axis=-1, precise=True)
     if rule.norm:
         total = mx.maximum(weights.sum(axis=-1, keepdims=True), NORM_SUM_MIN)
         weights = weights / total
     if rule.scale not in (0.0, 1.0):
         weights = weights * rule.scale
     return weights, chosen
+
+
+def group_mask(select: mx.array, groups: int, used: int) -> mx.array:
+    """The selection scores ``select`` (float32 [T, E]) with every expert outside each token's
+    ``used`` best groups set to -inf: llama.cpp's grouped top-k (``build_moe_ffn``, after
+    DeepSeek-V3's ``MoEGate``). The E experts form ``groups`` consecutive groups of E / groups
+    (expert e in group e // (E / groups)); a group scores the sum of its two largest selection
+    scores (``ggml_argsort_top_k(.., 2)`` then ``ggml_sum_rows``); the ``used`` groups of largest
+    score are kept.
+
+    Raises:
+        StrataError: ``groups`` does not divide E into groups of at least two experts, or
+            ``used`` is not 1..``groups`` (``strata.common.describe`` refuses such files first).
+    """
+    t, e = select.shape
+    if e % groups or e // groups < 2 or not 0 < used <= groups:
+        raise StrataError(
+            f"{groups} expert groups ({used} used) do not fit {e} experts: expert_group_count "
+            "must divide expert_count into groups of two or more"
+        )
+    grouped = select.reshape(t, groups, e // groups)
+    top2 = mx.sort(grouped, axis=-1)[..., -2:]
+    score = top2[..., 1] + top2[..., 0]  # [T, groups]: the largest plus the second
+    rank = mx.argsort(mx.argsort(-score, axis=-1), axis=-1)  # 0 for the best group
+    keep = (rank < used)[..., None]
+    return mx.where(keep, grouped, mx.array(-mx.inf, dtype=select.dtype)).reshape(t, e)
 
 
 @dataclass(frozen=True)
@@ -209,7 +293,14 @@ class LlamaModel:
     read (so 0: no scaling)."""
     shared_expert = False
     """A shared expert (``ffn_{gate,up,down}_shexp``) that every token runs, its output gated by
-    sigmoid(``ffn_gate_inp_shexp`` . h) (qwen2moe)."""
+    sigmoid(``ffn_gate_inp_shexp`` . h) (qwen2moe), or ungated where the block has no
+    ``ffn_gate_inp_shexp`` (glm4moe, deepseek2: ``strata.common.tensors.ArchRule.shared_count``).
+    With this flag a block runs :meth:`shared_ffn` where its FFN unit has ``ffn_up_shexp``
+    (an ``expert_shared_count`` of 0 leaves it out)."""
+    ffn_norm_name = "ffn_norm"
+    """The FFN's input norm (``blk.N.<name>.weight``, dense and MoE blocks): gpt-oss and glm4moe
+    normalize with ``post_attention_norm``, the only norm between their attention and FFN
+    (``strata.common.tensors.ArchRule.ffn_norm``: the description puts it in the FFN unit)."""
 
     def __init__(
         self, arch: Architecture, store: WeightStore, dtype: mx.Dtype, config: RuntimeConfig
@@ -226,6 +317,7 @@ class LlamaModel:
         self.routing = self.moe_routing.for_model(arch) if arch.expert_count else None
         self._inv_freqs: tuple[mx.array, float, mx.array] | None = None
         self._rope_params: dict[tuple[float, float], mx.array] = {}
+        self._yarn_params: dict[tuple[float, float], tuple[mx.array, float]] = {}
 
     # ----------------------------------------------------------------- architecture hooks
 
@@ -260,6 +352,11 @@ class LlamaModel:
     def final_logits(self, logits: mx.array) -> mx.array:
         """The head's output as returned (float32)."""
         return logits
+
+    def attention_sinks(self, w: dict[str, Weight], layer: int) -> mx.array | None:
+        """Block ``layer``'s attention sinks, one logit per query head added to every softmax
+        denominator (``executor.attention.attend``), or None: none here (gpt-oss has them)."""
+        return None
 
     @classmethod
     def expert_width(cls, arch: Architecture) -> int:
@@ -310,6 +407,30 @@ class LlamaModel:
         self, x: mx.array, la: LayerAttention, offset: int | mx.array, freqs: mx.array | None
     ) -> mx.array:
         dims = self.arch.rope_dimension_count
+        if self.arch.rope_scaling_type == "yarn":
+            periods, mscale = self._yarn(la.rope_base, la.rope_scale)
+            if la.use_rope_freqs and freqs is not None:  # llama.cpp divides both by the factors
+                periods = periods * freqs
+            y = mx.fast.rope(
+                x,
+                dims,
+                traditional=self.rope_traditional,
+                base=None,
+                scale=1.0,
+                offset=offset,
+                freqs=periods,
+            )
+            return _scaled_rotated(y, dims, mscale)
+        if self.arch.rope_attn_factor != 1.0:  # rope.scaling.attn_factor: ggml's mscale
+            y = self._rope_plain(x, la, offset, freqs)
+            return _scaled_rotated(y, dims, float(np.float32(self.arch.rope_attn_factor)))
+        return self._rope_plain(x, la, offset, freqs)
+
+    def _rope_plain(
+        self, x: mx.array, la: LayerAttention, offset: int | mx.array, freqs: mx.array | None
+    ) -> mx.array:
+        """RoPE without YaRN or a magnitude factor (``_rope``)."""
+        dims = self.arch.rope_dimension_count
         if la.use_rope_freqs and freqs is not None:
             inv = self._inverse_freqs(freqs, la.rope_base)
             return mx.fast.rope(
@@ -329,6 +450,60 @@ class LlamaModel:
             scale=la.rope_scale,
             offset=offset,
         )
+
+    def _yarn(self, base: float, freq_scale: float) -> tuple[mx.array, float]:
+        """YaRN's RoPE for RoPE ``base`` and position scale ``freq_scale`` (1 / factor), as
+        ggml's ``ggml_rope_yarn_corr_dims`` and ``rope_yarn`` (``ggml-cpu/ops.cpp``) compute it:
+
+        - correction dims: ``corr(b) = dims * ln(n_ctx_orig / (2 pi b)) / (2 ln base)``;
+          low = max(0, floor(corr(beta_fast))), high = min(dims - 1, ceil(corr(beta_slow)));
+        - pair i (rotating dims 2i and 2i + 1, or i and i + dims/2 for NeoX) mixes the
+          interpolated and the extrapolated angle: theta = theta_extrap * (freq_scale * (1 -
+          r_i) + r_i), r_i = ext_factor * (1 - clamp((i - low) / max(0.001, high - low), 0, 1))
+          (the fast-rotating pairs extrapolate, the slow ones interpolate);
+        - the rotated dims are scaled by mscale = (1 + 0.1 ln factor) * ``rope_attn_factor``
+          where ext_factor != 0 (factor = 1 / freq_scale > 1), else ``rope_yarn_attn_factor *
+          rope_attn_factor``.
+
+        ``n_ctx_orig`` is ``rope.scaling.original_context_length`` (else the training context);
+        ext_factor 1, beta_fast 32 and beta_slow 1 unless the description has others
+        (``strata.common.describe`` reads the keys only where llama.cpp does; llama.cpp's
+        defaults, ``llama_context`` and ``llama_hparams``).
+
+        Returns:
+            (MLX's ``freqs`` for ``mx.fast.rope``: each pair's period base^(2i/dims) / (its
+            angle's factor), float32 [dims / 2]; mscale). Kept per (base, freq_scale).
+        """
+        got = self._yarn_params.get((base, freq_scale))
+        if got is not None:
+            return got
+        a = self.arch
+        dims = a.rope_dimension_count
+        n_ctx_orig = a.rope_scaling_original_context or a.context_length
+        ext = 1.0 if a.rope_yarn_ext_factor is None else a.rope_yarn_ext_factor
+
+        def corr(beta: float) -> float:
+            return dims * math.log(n_ctx_orig / (beta * 2 * math.pi)) / (2 * math.log(base))
+
+        low = max(0.0, math.floor(corr(a.rope_yarn_beta_fast)))
+        high = min(dims - 1.0, math.ceil(corr(a.rope_yarn_beta_slow)))
+        i = np.arange(dims // 2, dtype=np.float64)
+        ramp = (1 - np.clip((i - low) / max(0.001, high - low), 0, 1)) * ext
+        angle = freq_scale * (1 - ramp) + ramp  # each pair's factor on its angle
+        periods = base ** (2 * i / dims) / angle
+        # llama.cpp's context replaces attn_factor by get_mscale(factor) / (1 + 0.1 ln factor)
+        # where ext_factor != 0 and ggml's rope multiplies it by 1 + 0.1 ln factor: net
+        # get_mscale(factor) = 1 + 0.1 ln factor (factor > 1, else 1); times
+        # rope.scaling.attn_factor either way (``llama_context``'s constructor).
+        factor = 1.0 / freq_scale
+        if ext != 0:
+            mscale = 1.0 + 0.1 * math.log(factor) if factor > 1.0 else 1.0
+        else:
+            mscale = a.rope_yarn_attn_factor
+        mscale *= a.rope_attn_factor
+        got = (mx.array(periods.astype(np.float32)), float(np.float32(mscale)))
+        self._yarn_params[(base, freq_scale)] = got
+        return got
 
     def _inverse_freqs(self, freqs: mx.array, base: float) -> mx.array:
         """MLX's RoPE frequencies for llama.cpp's frequency factors ``freqs``: inverse
@@ -354,6 +529,8 @@ class LlamaModel:
         dims, d = self.arch.rope_dimension_count, self.arch.head_dim
         if not self.config.fused_rope or not self.rope_traditional or self.qk_norm:
             return None
+        if self.arch.rope_scaling_type == "yarn" or self.arch.rope_attn_factor != 1.0:
+            return None  # YaRN's per-pair mix, a magnitude factor: ``_rope``
         if dims <= 0 or dims % 2 or dims > d or not self._own_rope:
             return None
         params = self._rope_params.get((la.rope_scale, la.rope_base))
@@ -425,21 +602,26 @@ class LlamaModel:
         if rope is None:  # not RoPE'd in the product's store
             k = _shaped(k, (rows, kv_heads, 1, d))
             if self.qk_norm and not self.qk_norm_full:  # per head: the last axis
-                q = self._norm(q, w[p + "attn_q_norm.weight"])
-                k = self._norm(k, w[p + "attn_k_norm.weight"])
+                # Required where the architecture has them (the inventory); glm4moe's are
+                # optional (``ArchRule.qk_norm_optional``): a block without them skips them.
+                if (q_norm := w.get(p + "attn_q_norm.weight")) is not None:
+                    q = self._norm(q, q_norm)
+                if (k_norm := w.get(p + "attn_k_norm.weight")) is not None:
+                    k = self._norm(k, k_norm)
             q = self._rope(q, la, positions, rope_freqs)
             k = self._rope(k, la, positions, rope_freqs).reshape(rows, kv_heads, d)
         # Every token's K/V goes in before anyone attends: a chunk sees its own tokens. The
         # padding rows write nothing (no-copy row views).
         kv.write(layer, batch.write_slots, k[:n] if rows > n else k, v[:n] if rows > n else v)
-        o = attend(q, kv, layer, batch, la.window, self.scale, self.config)
+        sinks = self.attention_sinks(w, layer)
+        o = attend(q, kv, layer, batch, la.window, self.scale, self.config, sinks)
         return self._output(w, p + "attn_output", o, x, p + "post_attention_norm.weight")
 
     def ffn(self, w: dict[str, Weight], layer: int, x: mx.array) -> mx.array:
         """The residual stream ``x`` [1, T, d] after block ``layer``'s gated FFN (SwiGLU, or
         the subclass's activation): ``x`` plus its output."""
         p = f"blk.{layer}."
-        h = self._norm(x, w[p + "ffn_norm.weight"])
+        h = self._norm(x, w[p + self.ffn_norm_name + ".weight"])
         gate, up = w[p + "ffn_gate.weight"], w[p + "ffn_up.weight"]
         gated = None
         if (
@@ -469,7 +651,8 @@ class LlamaModel:
         """Mixture-of-experts FFN of block ``layer``: x [1, T, d] -> [1, T, d].
 
         ``w`` is the dense unit ``blk.N.ffn`` (``ffn_norm``, the router ``ffn_gate_inp`` in MLX
-        order [E, d], any shared expert). The router's choice is brought to the host (the one
+        order [E, d], its selection bias ``exp_probs_b.bias`` [E] where the file has one, any
+        shared expert). The router's choice is brought to the host (the one
         sync of the block) and handed to ``store.route``, which answers with groups of expert
         ids (ascending overall) that fit the store's slots; each group's weights come from
         ``store.experts`` and are freed by ``store.release_experts`` once used.
@@ -481,11 +664,13 @@ class LlamaModel:
         """
         a, p, s, rule = self.arch, f"blk.{layer}.", self.store, self.routing
         assert rule is not None  # blocks() calls this for MoE models only
-        h = self._norm(x, w[p + "ffn_norm.weight"])[0]  # [T, d]
+        h = self._norm(x, w[p + self.ffn_norm_name + ".weight"])[0]  # [T, d]
         # The router in float32 whatever the compute dtype, as llama.cpp computes it: a choice
-        # between near-equal logits must not hinge on half-precision rounding.
-        logits = linear(h.astype(mx.float32), w[p + "ffn_gate_inp.weight"], self.config)  # [T, E]
-        weights, chosen = route(logits, a.expert_used_count, rule)
+        # between near-equal logits must not hinge on half-precision rounding. Its bias
+        # (``ffn_gate_inp.bias``, gpt-oss) is added where the model has one.
+        logits = self._proj(w, p + "ffn_gate_inp", h.astype(mx.float32))  # [T, E]
+        bias = w.get(p + "exp_probs_b.bias")
+        weights, chosen = route(logits, a.expert_used_count, rule, bias)
         # The router interception: the choice on the host, so that only chosen experts load.
         ids = np.array(chosen, dtype=np.int32)  # [T, k]
         out = mx.zeros(h.shape, dtype=h.dtype)
@@ -500,7 +685,7 @@ class LlamaModel:
                 picked = h[_padded_rows(rows, self.config.pad_expert_rows)]
                 out = out.at[r].add(self.expert(ws[e], picked)[: len(rows)] * g[:, None])
             out = s.release_experts(layer, out)
-        if self.shared_expert:
+        if self.shared_expert and p + "ffn_up_shexp.weight" in w:
             out = out + self.shared_ffn(w, layer, h)
         return out[None]
 
@@ -517,17 +702,23 @@ class LlamaModel:
         return linear(self.activation(gate) * up, ws["down"], c)
 
     def shared_ffn(self, w: dict[str, Weight], layer: int, h: mx.array) -> mx.array:
-        """The shared expert of block ``layer`` (qwen2moe): h [T, d] (the FFN-normed input) ->
-        [T, d], the SwiGLU of ``ffn_{gate,up,down}_shexp`` times sigmoid(h . ``ffn_gate_inp_shexp``)
-        per token. (llama.cpp computes that sigmoid as silu(z) / z: the same function.)"""
+        """The shared expert of block ``layer``: h [T, d] (the FFN-normed input) -> [T, d], the
+        SwiGLU of ``ffn_{gate,up,down}_shexp``; times sigmoid(h . ``ffn_gate_inp_shexp``) per
+        token where the unit has that gate (qwen2moe; llama.cpp computes the sigmoid as
+        silu(z) / z: the same function), as it is otherwise (glm4moe, deepseek2: llama.cpp's
+        ``build_ffn`` of the ``_shexp`` tensors, ``expert_shared_count`` experts wide, added to
+        the routed sum)."""
         p = f"blk.{layer}."
-        gate_inp = w[p + "ffn_gate_inp_shexp.weight"]  # [d]
-        assert isinstance(gate_inp, mx.array)  # a vector is never stored quantized
         c = self.config
-        z = linear(h, gate_inp.reshape(1, -1), c)  # [T, 1]
         g = linear(h, w[p + "ffn_gate_shexp.weight"], c)
         u = linear(h, w[p + "ffn_up_shexp.weight"], c)
-        return linear(self.activation(g) * u, w[p + "ffn_down_shexp.weight"], c) * mx.sigmoid(z)
+        out = linear(self.activation(g) * u, w[p + "ffn_down_shexp.weight"], c)
+        gate_inp = w.get(p + "ffn_gate_inp_shexp.weight")  # [d]
+        if gate_inp is None:
+            return out
+        assert isinstance(gate_inp, mx.array)  # a vector is never stored quantized
+        z = linear(h, gate_inp.reshape(1, -1), c)  # [T, 1]
+        return out * mx.sigmoid(z)
 
     def embed_pass(self, batch: ForwardBatch) -> mx.array:
         """The pass's rows, [1, rows, d] in the compute dtype: its tokens' embeddings, then zero
@@ -618,13 +809,19 @@ class LlamaModel:
             if attn not in skip:
                 x = s.release(attn, self.attention(s.unit(attn), i, x, batch, kv, rope_freqs))
             if ffn not in skip:
-                if self.routing is None:
+                if not self.moe_block(i):
                     x = s.release(ffn, self.ffn(s.unit(ffn), i, x))
                 else:
                     x = s.release(ffn, x + self.moe_ffn(s.unit(ffn), i, x))
             if schedule and every and (i + 1) % every == 0:
                 mx.async_eval(x)
         return x
+
+    def moe_block(self, layer: int) -> bool:
+        """Whether block ``layer``'s FFN is a mixture of experts (:meth:`moe_ffn`) rather than
+        dense (:meth:`ffn`): the model has experts and the block is past the
+        ``leading_dense_block_count`` dense ones (``strata.common.tensors.moe_block``)."""
+        return self.routing is not None and tensors.moe_block(self.arch, layer)
 
     def head(self, x: mx.array, batch: ForwardBatch) -> mx.array:
         """float32 logits [S, vocab] of ``batch.logit_rows`` of the residual stream ``x``
@@ -674,6 +871,16 @@ def _log2f(x: float) -> float:
         return float(lib.log2f(x32))
     except (OSError, AttributeError):
         return float(np.float32(math.log2(x32)))
+
+
+def _scaled_rotated(y: mx.array, dims: int, mscale: float) -> mx.array:
+    """``y`` (RoPE'd, [..., head_dim]) with its first ``dims`` (rotated) elements times
+    ``mscale``: ggml's rope multiplies cos and sin by it and copies the other dims as they are."""
+    if mscale == 1.0:
+        return y
+    if dims == y.shape[-1]:
+        return y * mscale
+    return mx.concatenate([y[..., :dims] * mscale, y[..., dims:]], axis=-1)
 
 
 def _has_unit(store: WeightStore, unit: str) -> bool:

@@ -408,8 +408,9 @@ def test_float_types(tmp_path):
 
 
 def test_supported_and_unsupported_types():
-    assert SUPPORTED_TYPES == set(LAYOUT) | FLOATS
-    assert EXACT_TYPES == set(EXACT) | FLOATS
+    # MXFP4: MLX's mxfp4 mode, not affine (tests/executor/test_quant_mxfp4.py).
+    assert SUPPORTED_TYPES == set(LAYOUT) | FLOATS | {T.MXFP4}
+    assert EXACT_TYPES == set(EXACT) | FLOATS | {T.MXFP4}
     for qtype in (T.IQ2_XXS, T.TQ1_0):
         raw = np.zeros(GGML_QUANT_SIZES[qtype][1], np.uint8)
         with pytest.raises(UnsupportedQuantError, match=rf"{qtype.name}.*later version"):

@@ -553,8 +553,8 @@ def test_the_model_hands_the_qkv_product_its_own_rope(
 def test_the_rope_in_the_store_is_declined_where_the_model_ropes_otherwise():
     """``LlamaModel._fused_rope`` hands the Q/K/V product a RoPE only for llama's own adjacent-pair
     RoPE of an even width within the head: none for NEOX RoPE (qwen2), Q/K norms (qwen3), a
-    subclass with its own ``_rope``, a width of 0, odd or wider than the head, or with the
-    config's ``fused_rope`` off."""
+    subclass with its own ``_rope``, a width of 0, odd or wider than the head, YaRN or a RoPE
+    magnitude factor (``rope.scaling.attn_factor``), or with the config's ``fused_rope`` off."""
     from types import SimpleNamespace
 
     from strata.executor.models.llama import LayerAttention, LlamaModel
@@ -565,9 +565,21 @@ def test_the_rope_in_the_store_is_declined_where_the_model_ropes_otherwise():
         def _rope(self, x, la, offset, freqs):
             return x
 
-    def model(cls, dims: int = 64, head_dim: int = 64, config: RuntimeConfig = CONFIG):
+    def model(
+        cls,
+        dims: int = 64,
+        head_dim: int = 64,
+        config: RuntimeConfig = CONFIG,
+        scaling: str = "none",
+        attn_factor: float = 1.0,
+    ):
         m = object.__new__(cls)
-        m.arch = SimpleNamespace(rope_dimension_count=dims, head_dim=head_dim)
+        m.arch = SimpleNamespace(
+            rope_dimension_count=dims,
+            head_dim=head_dim,
+            rope_scaling_type=scaling,
+            rope_attn_factor=attn_factor,
+        )
         m._rope_params, m.config = {}, config
         return m
 
@@ -582,6 +594,8 @@ def test_the_rope_in_the_store_is_declined_where_the_model_ropes_otherwise():
         assert model(LlamaModel, dims)._fused_rope(la, positions, None) is None
     off = CONFIG.replace(fused_rope=False)
     assert model(LlamaModel, config=off)._fused_rope(la, positions, None) is None
+    assert model(LlamaModel, scaling="yarn")._fused_rope(la, positions, None) is None
+    assert model(LlamaModel, attn_factor=1.25)._fused_rope(la, positions, None) is None
 
 
 def test_fused_projections_off_makes_each_projection_its_own_call(

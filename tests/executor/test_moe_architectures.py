@@ -180,10 +180,11 @@ RULES = {
 
 
 def test_per_architecture_table_is_llamacpps():
-    assert {a: (r.gating, r.norm, r.scale) for a, r in MOE_ROUTING.items()} == {
+    """The four families here (the newer ones have their own test files)."""
+    assert {a: (r.gating, r.norm, r.scale) for a, r in MOE_ROUTING.items() if a in RULES} == {
         a: (*rule, 0.0) for a, rule in RULES.items()
     }
-    assert all(not r.gguf_keys for r in MOE_ROUTING.values())
+    assert all(not MOE_ROUTING[a].gguf_keys for a in RULES)
     assert NORM_SUM_MIN == 2.0**-14
     assert ARCHITECTURES["qwen2moe"].shared_expert
     assert not any(ARCHITECTURES[a].shared_expert for a in ("llama", "qwen3moe", "olmoe"))

@@ -26,6 +26,7 @@ EXPECTED = {
     "m1-max-32gb",
     "m1-max-64gb",
     "m4-max-128gb",
+    "m3-max-48gb",
     "m3-ultra-256gb",
     "m3-ultra-512gb",
     "h200-host",

@@ -16,7 +16,13 @@ make_plans = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(make_plans)
 
 
-@pytest.mark.parametrize("name", sorted(make_plans.EXAMPLES))
+@pytest.mark.parametrize(
+    "name",
+    [
+        pytest.param(n, marks=[pytest.mark.slow] if n in make_plans.SLOW else [])
+        for n in sorted(make_plans.EXAMPLES)
+    ],
+)
 def test_checked_in_plan_is_current(name):
     """Golden files: re-planning from the same inputs gives the same bytes.
 
