@@ -50,7 +50,7 @@ does Strata (:func:`same_up_to_trailing_ones`); the description records the inve
 from __future__ import annotations
 
 from collections.abc import Collection, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Literal
 
 from gguf.constants import MODEL_TENSOR, TENSOR_NAMES
@@ -143,6 +143,21 @@ _DELTA_NET_NOT_EXECUTED = (
     "not executed yet"
 )
 
+# llama.cpp's qwen3next (src/models/qwen3next.cpp: Qwen3-Next, Qwen3-Coder-Next): gated delta-net
+# blocks except every full_attention_interval-th, gated attention with per-head Q/K norms there,
+# post_attention_norm as the FFN's input norm, MoE in every block with qwen2moe's sigmoid-gated
+# shared expert.
+_QWEN3NEXT = ArchRule(
+    qkv_bias="none",
+    qk_norm="head",
+    experts="required",
+    expert_ffn_key=True,
+    shared_expert=True,
+    ffn_norm="post_attention_norm",
+    delta_net="qwen3next",
+    not_executed=_DELTA_NET_NOT_EXECUTED,
+)
+
 ARCHITECTURES: dict[str, ArchRule] = {
     "llama": ArchRule(rope_freqs=True, experts="optional"),
     "qwen2": ArchRule(qkv_bias="required"),
@@ -199,32 +214,10 @@ ARCHITECTURES: dict[str, ArchRule] = {
         router_bias=True,
         expert_bias=True,
     ),
-    # llama.cpp's qwen3next (src/models/qwen3next.cpp: Qwen3-Next, Qwen3-Coder-Next): gated
-    # delta-net blocks except every full_attention_interval-th, gated attention with per-head
-    # Q/K norms there, post_attention_norm as the FFN's input norm, MoE in every block with
-    # qwen2moe's sigmoid-gated shared expert.
-    "qwen3next": ArchRule(
-        qkv_bias="none",
-        qk_norm="head",
-        experts="required",
-        expert_ffn_key=True,
-        shared_expert=True,
-        ffn_norm="post_attention_norm",
-        delta_net="qwen3next",
-        not_executed=_DELTA_NET_NOT_EXECUTED,
-    ),
+    "qwen3next": _QWEN3NEXT,
     # Qwen3.5's MoE (src/models/qwen35moe.cpp): qwen3next's blocks with separate ssm_beta and
     # ssm_alpha, always attn_qkv + attn_gate, multi-axis RoPE (rope.dimension_sections).
-    "qwen35moe": ArchRule(
-        qkv_bias="none",
-        qk_norm="head",
-        experts="required",
-        expert_ffn_key=True,
-        shared_expert=True,
-        ffn_norm="post_attention_norm",
-        delta_net="qwen35",
-        not_executed=_DELTA_NET_NOT_EXECUTED,
-    ),
+    "qwen35moe": replace(_QWEN3NEXT, delta_net="qwen35"),
 }
 """The rule of every ``general.architecture`` Strata knows, from llama.cpp's loader and graphs
 (``src/models/<arch>.cpp``)."""

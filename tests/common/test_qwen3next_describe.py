@@ -6,7 +6,6 @@ file sizes; the executor's refusal."""
 
 from __future__ import annotations
 
-import hashlib
 import os
 from pathlib import Path
 
@@ -15,7 +14,7 @@ import numpy as np
 import pytest
 from conftest import DATA, ROOT
 from gguf_qwen3next import HYBRID_MODELS, write_hybrid_model
-from reference_check import references_by_model
+from reference_check import references_by_model, regenerated_models
 from strata.common.describe import describe, recurrent_state_elements
 from strata.common.errors import GGUFError, StrataError
 from strata.common.schemas import Architecture
@@ -37,18 +36,9 @@ def references() -> dict[str, list[dict]]:
 def hybrid_ggufs(tmp_path_factory, smollm2_gguf, references) -> dict[str, Path]:
     """Each synthetic hybrid model written anew: the very file llama.cpp loaded and ran."""
     folder = tmp_path_factory.mktemp("hybrid")
-    out = {}
-    for name in NAMES:
-        path = write_hybrid_model(folder / f"strata-synthetic-{name}.gguf", name, smollm2_gguf)
-        got = hashlib.sha256(path.read_bytes()).hexdigest()
-        want = {r["model_sha256"] for r in references.get(name, [])}
-        if want != {got}:
-            pytest.fail(
-                f"the regenerated {name} GGUF has sha256 {got}, but llama.cpp's references were "
-                f"made on {sorted(want) or 'no file'}; re-make them: {REMAKE}"
-            )
-        out[name] = path
-    return out
+    return regenerated_models(
+        NAMES, references, folder, smollm2_gguf, REMAKE, write=write_hybrid_model
+    )
 
 
 def test_llamacpp_ran_every_model(references):

@@ -17,7 +17,6 @@ SmolLM2's tokenizer).
 from __future__ import annotations
 
 import dataclasses
-import json
 from pathlib import Path
 
 import numpy as np
@@ -26,9 +25,11 @@ from conftest import DATA, make_plan_file
 from gguf_factory import ARCH_MODELS, write_arch_model
 from plan_edits import moved_plan as _moved
 from reference_check import (
+    assert_chunked_prefill,
     assert_correctness_rule,
+    assert_prompt_ids,
+    assert_references_cover,
     greedy_divergence,
-    prompt_ids,
     references_by_model,
     regenerated_models,
     resident_engine,
@@ -85,18 +86,12 @@ def arch_serving(arch):
 
 
 def test_references_cover_every_architecture_and_case(arch_references):
-    cases = [c["id"] for f in ("cases_visible.json", "cases_arch.json") for c in _read(f)]
-    assert set(arch_references) == set(NAMES)
-    for name, refs in arch_references.items():
-        assert [r["case"] for r in refs] == cases, name
-        assert all(len(r["greedy_ids"]) == 32 for r in refs), name
+    assert_references_cover(arch_references, NAMES)
 
 
 def test_prompt_ids_exact(arch, arch_references):
     name, _, engine = arch
-    cases = {c["id"]: c for f in ("cases_visible.json", "cases_arch.json") for c in _read(f)}
-    for ref in arch_references[name]:
-        assert prompt_ids(engine, cases[ref["case"]]) == ref["prompt_ids"], (name, ref["case"])
+    assert_prompt_ids(name, engine, arch_references[name])
 
 
 def test_correctness_rule_against_llamacpp(arch, arch_references, record_property):
@@ -118,15 +113,7 @@ def test_chunked_prefill_matches_one_pass(arch, arch_references):
     gives the logits of one pass."""
     name, _, engine = arch
     ref = arch_references[name][-1]
-    ids = ref["prompt_ids"] + ref["greedy_ids"][:-1]
-    whole = engine.logits_for(ids)
-    chunk = engine.prefill_chunk
-    try:
-        engine.prefill_chunk = 5
-        chunked = engine.logits_for(ids)
-    finally:
-        engine.prefill_chunk = chunk
-    np.testing.assert_allclose(chunked, whole, atol=2e-3, rtol=0)
+    ids, whole = assert_chunked_prefill(engine, ref)
     # Logits from a position on (what teacher-forced checks ask for): the same rows.
     n = len(ref["prompt_ids"])
     np.testing.assert_allclose(engine.logits_for(ids, first=n - 1), whole[n - 1 :], atol=2e-3)
@@ -286,7 +273,3 @@ def test_real_gemma3_270m_matches_the_forward_pass(gemma3_gguf):
     assert units["blk.3.ffn"] == {
         f"blk.3.{t}.weight" for t in ("ffn_norm", "ffn_gate", "ffn_up", "ffn_down", "post_ffw_norm")
     }
-
-
-def _read(name: str) -> list[dict]:
-    return json.loads((DATA / name).read_text())

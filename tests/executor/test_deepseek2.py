@@ -22,8 +22,6 @@ SmolLM2's tokenizer).
 
 from __future__ import annotations
 
-import hashlib
-import json
 import math
 from pathlib import Path
 
@@ -32,17 +30,21 @@ import numpy as np
 import pytest
 from conftest import DATA, make_plan_file
 from gguf_deepseek2 import DEEPSEEK2_MODELS, write_deepseek2_model
+from plan_edits import experts_moved
 from reference_check import (
+    assert_chunked_prefill,
     assert_correctness_rule,
+    assert_prompt_ids,
+    assert_references_cover,
     greedy_divergence,
-    prompt_ids,
     references_by_model,
+    regenerated_models,
     resident_engine,
     started_serving,
 )
 from strata.common.describe import describe
 from strata.common.schemas import Plan
-from strata.common.yamlio import read_yaml, write_yaml
+from strata.common.yamlio import read_yaml
 from strata.executor.engine import Engine
 from strata.executor.generate import generate
 from strata.executor.models.deepseek2 import Deepseek2Model
@@ -58,7 +60,6 @@ CONTEXT = 512
 REFERENCES = DATA / "llamacpp_deepseek2.json"
 NAMES = list(DEEPSEEK2_MODELS)
 MOE_NAMES = [n for n, m in DEEPSEEK2_MODELS.items() if m.experts]
-CASE_FILES = ("cases_visible.json", "cases_arch.json")
 REMAKE = "tests/fixtures/make_deepseek2_references.py --llama-python PYTHON"
 
 
@@ -72,18 +73,9 @@ def ds2_references() -> dict[str, list[dict]]:
 def ds2_ggufs(tmp_path_factory, smollm2_gguf, ds2_references) -> dict[str, Path]:
     """Each synthetic model, regenerated, checked to be the file the references are of."""
     folder = tmp_path_factory.mktemp("deepseek2-models")
-    paths = {}
-    for name in NAMES:
-        path = write_deepseek2_model(folder / f"strata-synthetic-{name}.gguf", name, smollm2_gguf)
-        got = hashlib.sha256(path.read_bytes()).hexdigest()
-        want = {r["model_sha256"] for r in ds2_references.get(name, [])}
-        if want != {got}:
-            pytest.fail(
-                f"the regenerated {name} GGUF has sha256 {got}, but llama.cpp's references were "
-                f"made on {sorted(want) or 'no file'}; re-make them: {REMAKE}"
-            )
-        paths[name] = path
-    return paths
+    return regenerated_models(
+        NAMES, ds2_references, folder, smollm2_gguf, REMAKE, write=write_deepseek2_model
+    )
 
 
 @pytest.fixture(scope="module", params=NAMES)
@@ -98,26 +90,16 @@ def ds2_serving(ds2):
     yield from started_serving(ds2[2])
 
 
-def _cases() -> list[dict]:
-    return [c for f in CASE_FILES for c in json.loads((DATA / f).read_text())]
-
-
 # --------------------------------------------------------------------------- against llama.cpp
 
 
 def test_references_cover_every_model_and_case(ds2_references):
-    cases = [c["id"] for c in _cases()]
-    assert set(ds2_references) == set(NAMES)
-    for name, refs in ds2_references.items():
-        assert [r["case"] for r in refs] == cases, name
-        assert all(len(r["greedy_ids"]) == 32 for r in refs), name
+    assert_references_cover(ds2_references, NAMES)
 
 
 def test_prompt_ids_exact(ds2, ds2_references):
     name, _, engine = ds2
-    cases = {c["id"]: c for c in _cases()}
-    for ref in ds2_references[name]:
-        assert prompt_ids(engine, cases[ref["case"]]) == ref["prompt_ids"], (name, ref["case"])
+    assert_prompt_ids(name, engine, ds2_references[name])
 
 
 def test_correctness_rule_against_llamacpp(ds2, ds2_references, record_property):
@@ -137,16 +119,7 @@ def test_greedy_decode_follows_llamacpp_until_a_near_tie(ds2, ds2_serving, ds2_r
 
 def test_chunked_prefill_matches_one_pass(ds2, ds2_references):
     name, _, engine = ds2
-    ref = ds2_references[name][-1]
-    ids = ref["prompt_ids"] + ref["greedy_ids"][:-1]
-    whole = engine.logits_for(ids)
-    chunk = engine.prefill_chunk
-    try:
-        engine.prefill_chunk = 5
-        chunked = engine.logits_for(ids)
-    finally:
-        engine.prefill_chunk = chunk
-    np.testing.assert_allclose(chunked, whole, atol=2e-3, rtol=0)
+    assert_chunked_prefill(engine, ds2_references[name][-1])
 
 
 # --------------------------------------------------------------------------- the latent cache
@@ -236,17 +209,6 @@ PROMPT = [1, 17, 400, 2048, 77, 9001, 31, 5, 600, 12000, 42, 7, 88, 1234, 3, 999
 DECODE = 10
 
 
-def _experts_on_nvme(resident: Path, out: Path, slots: int) -> Path:
-    plan = read_yaml(resident, Plan)
-    for p in plan.placement:
-        if ".expert." in p.unit:
-            p.tier = "nvme"
-    plan.expert_cache.slots, plan.expert_cache.prefetch = slots, 2
-    plan.expert_cache.pinned = []
-    write_yaml(plan, out)
-    return out
-
-
 def _run(plan: Path, mode: str | None = None):
     serving = ServingEngine(Engine(load_plan(plan), expert_cache_mode=mode))
     serving.start()
@@ -275,11 +237,10 @@ def test_tiers_are_bit_identical(name, ds2_ggufs, tmp_path, monkeypatch):
     runs = {"all-nvme": (nvme, None)}
     if moe:
         assert want.stats["experts"]["uses_gpu"] > 0
-        runs["experts-3-cache"] = (_experts_on_nvme(resident, tmp_path / "e3.yaml", 3), "cache")
-        runs["experts-12-prefetch"] = (
-            _experts_on_nvme(resident, tmp_path / "e12.yaml", 12),
-            "prefetch",
-        )
+        e3 = experts_moved(resident, tmp_path / "e3.yaml", "nvme", slots=3, prefetch=2)
+        e12 = experts_moved(resident, tmp_path / "e12.yaml", "nvme", slots=12, prefetch=2)
+        runs["experts-3-cache"] = (e3, "cache")
+        runs["experts-12-prefetch"] = (e12, "prefetch")
     for label, (path, mode) in runs.items():
         logits, gen = _run(path, mode)
         assert np.array_equal(logits, want_logits), label

@@ -22,26 +22,21 @@ blocks skipped), on tiny synthetic GGUFs (tests/fixtures/gguf_glm4moe.py).
 from __future__ import annotations
 
 import dataclasses
-import json
 from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
 import pytest
-import yaml
 from conftest import DATA, make_plan_file
-from gguf_factory import write_arch_model
-from gguf_glm4moe import (
-    GLM_MODELS,
-    OTHER_GROUPED,
-    qwen3moe_groups,
-    regenerated_glm_models,
-    write_glm_model,
-)
+from gguf_factory import leave_out_uint32, write_arch_model
+from gguf_glm4moe import GLM_MODELS, OTHER_GROUPED, qwen3moe_groups, write_glm_model
+from plan_edits import experts_moved
 from reference_check import (
     assert_correctness_rule,
-    prompt_ids,
+    assert_prompt_ids,
+    assert_references_cover,
     references_by_model,
+    regenerated_models,
     resident_engine,
 )
 from strata.common.describe import describe
@@ -60,6 +55,7 @@ TOL = 1.0
 CONTEXT = 512
 REFERENCES = DATA / "llamacpp_glm4moe.json"
 NAMES = list(GLM_MODELS)
+REMAKE = "tests/fixtures/make_glm4moe_references.py --llama-python PYTHON"
 
 
 @pytest.fixture(scope="session")
@@ -69,8 +65,10 @@ def glm_references() -> dict[str, list[dict]]:
 
 @pytest.fixture(scope="session")
 def glm_ggufs(tmp_path_factory, smollm2_gguf, glm_references) -> dict[str, Path]:
-    return regenerated_glm_models(
-        glm_references, tmp_path_factory.mktemp("glm-models"), smollm2_gguf
+    """Each synthetic glm4moe model, regenerated, checked to be the file of the references."""
+    folder = tmp_path_factory.mktemp("glm-models")
+    return regenerated_models(
+        NAMES, glm_references, folder, smollm2_gguf, REMAKE, write=write_glm_model
     )
 
 
@@ -221,20 +219,12 @@ def test_inventory_leading_dense_and_shared_experts():
 
 
 def test_references_cover_every_model(glm_references):
-    assert set(glm_references) == {*NAMES, OTHER_GROUPED}
-    for refs in glm_references.values():
-        assert len(refs) == 3 and all(len(r["greedy_ids"]) == 32 for r in refs)
+    assert_references_cover(glm_references, [*NAMES, OTHER_GROUPED])
 
 
 def test_correctness_rule_against_llamacpp(glm, glm_references, record_property):
     name, _, engine = glm
-    cases = {
-        c["id"]: c
-        for f in ("cases_visible.json", "cases_arch.json")
-        for c in json.loads((DATA / f).read_text())
-    }
-    for ref in glm_references[name]:
-        assert prompt_ids(engine, cases[ref["case"]]) == ref["prompt_ids"]
+    assert_prompt_ids(name, engine, glm_references[name])
     assert_correctness_rule(name, engine, glm_references[name], GAP, TOL, record_property)
 
 
@@ -272,33 +262,21 @@ def test_description(glm):
 def test_other_architectures_group_as_llamacpp(glm_references, smollm2_gguf, tmp_path_factory):
     """qwen3moe with ``expert_group_count``: llama.cpp groups its top-k too (its outputs differ
     from the plain file's, checked when the references were made), and so does Strata."""
-    import hashlib
-
     refs = glm_references[OTHER_GROUPED]
-    folder = tmp_path_factory.mktemp("qwen3moe-groups")
-    path = write_arch_model(
-        folder / f"{OTHER_GROUPED}.gguf", OTHER_GROUPED, smollm2_gguf, model=qwen3moe_groups()
-    )
-    assert hashlib.sha256(path.read_bytes()).hexdigest() == refs[0]["model_sha256"]
+    path = regenerated_models(
+        [OTHER_GROUPED],
+        glm_references,
+        tmp_path_factory.mktemp("qwen3moe-groups"),
+        smollm2_gguf,
+        REMAKE,
+        write=lambda p, n, t: write_arch_model(p, n, t, model=qwen3moe_groups()),
+    )[OTHER_GROUPED]
     for name, _, engine in resident_engine(OTHER_GROUPED, path, tmp_path_factory, CONTEXT):
         assert (engine.model.routing.groups, engine.model.routing.groups_used) == (4, 2)
         assert_correctness_rule(name, engine, refs, GAP, TOL, lambda *_: None)
 
 
 # --------------------------------------------------------------------------- tiers
-
-
-def _placed(plan: Path, out: Path, tier: str, slots: int) -> Path:
-    """``plan`` with every expert unit on ``tier`` (the FFN units too for ram), ``slots`` expert
-    cache slots, nothing pinned."""
-    data = yaml.safe_load(plan.read_text())
-    for p in data["placement"]:
-        if ".expert." in p["unit"] or (tier == "ram" and p["unit"].endswith(".ffn")):
-            p["tier"] = tier
-    data["expert_cache"]["pinned"] = []
-    data["expert_cache"]["slots"] = slots
-    out.write_text(yaml.safe_dump(data, sort_keys=False))
-    return out
 
 
 @pytest.mark.parametrize(
@@ -313,7 +291,7 @@ def test_tiers_are_bit_identical(glm, glm_references, tier, slots, mode, tmp_pat
     name, plan, engine = glm
     ref = glm_references[name][0]
     ids = ref["prompt_ids"] + ref["greedy_ids"][:8]
-    moved = _placed(plan, tmp_path / "p.yaml", tier, slots)
+    moved = experts_moved(plan, tmp_path / "p.yaml", tier, slots, ffn=tier == "ram")
     other = Engine(load_plan(moved), expert_cache_mode=mode)
     try:
         assert np.array_equal(other.logits_for(ids), engine.logits_for(ids))
@@ -412,15 +390,7 @@ def test_bad_structure_keys_are_refused(update, match, tmp_path, smollm2_gguf):
 def test_a_file_without_expert_shared_count_is_refused(tmp_path, smollm2_gguf, monkeypatch):
     """llama.cpp's glm4moe loader requires ``expert_shared_count`` (llama-cpp-python 0.3.36
     refuses such a file): the missing key is named, not reported as unused ``_shexp`` tensors."""
-    import gguf
-
-    add_uint32 = gguf.GGUFWriter.add_uint32
-
-    def without_shared_count(self, key, value):
-        if key != "glm4moe.expert_shared_count":
-            add_uint32(self, key, value)
-
-    monkeypatch.setattr(gguf.GGUFWriter, "add_uint32", without_shared_count)
+    leave_out_uint32(monkeypatch, "glm4moe.expert_shared_count")
     path = write_glm_model(tmp_path / "none.gguf", "glm4moe", smollm2_gguf)
     with pytest.raises(GGUFError, match="glm4moe.expert_shared_count' is missing"):
         describe(str(path))

@@ -16,41 +16,40 @@ Q/K/V/O biases, 8 biased experts top-4 with the clamped SwiGLU; F16 experts, YaR
 
 from __future__ import annotations
 
-import json
 import math
 from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
 import pytest
-import yaml
 from conftest import DATA
+from gguf_factory import leave_out_uint32
 from gguf_gptoss import GPTOSS_MODELS, write_gptoss
-from plan_edits import moved_plan
+from plan_edits import experts_moved
 from reference_check import (
+    assert_chunked_prefill,
     assert_correctness_rule,
+    assert_prompt_ids,
+    assert_references_cover,
+    assert_tier_matches,
     greedy_divergence,
-    prompt_ids,
     references_by_model,
+    regenerated_models,
     resident_engine,
     started_serving,
 )
 from strata.executor.attention import _explicit_attention
 from strata.executor.engine import Engine, check_tensors
-from strata.executor.generate import generate
 from strata.executor.models import MOE_ROUTING, model_class
 from strata.executor.models.gpt_oss import swiglu_oai
 from strata.executor.models.llama import route
 from strata.executor.plan_loader import load_plan
-from strata.executor.sampling import SamplingParams
-from strata.executor.serving import ServingEngine
 
 GAP = 1.0
 TOL = 1.0
 CONTEXT = 512
 REFERENCES = DATA / "llamacpp_gptoss.json"
 NAMES = list(GPTOSS_MODELS)
-CASE_FILES = ("cases_visible.json", "cases_arch.json")
 REMAKE = "tests/fixtures/make_gptoss_references.py --llama-python PYTHON"
 
 
@@ -62,21 +61,10 @@ def gptoss_references() -> dict[str, list[dict]]:
 @pytest.fixture(scope="session")
 def gptoss_ggufs(tmp_path_factory, smollm2_gguf, gptoss_references) -> dict[str, Path]:
     """Each synthetic gpt-oss model, regenerated, checked to be the file of the references."""
-    import hashlib
-
     folder = tmp_path_factory.mktemp("gptoss-models")
-    paths = {}
-    for name in NAMES:
-        path = write_gptoss(folder / f"strata-synthetic-{name}.gguf", name, smollm2_gguf)
-        got = hashlib.sha256(path.read_bytes()).hexdigest()
-        want = {r["model_sha256"] for r in gptoss_references.get(name, [])}
-        if want != {got}:
-            pytest.fail(
-                f"the regenerated {name} GGUF has sha256 {got}, but llama.cpp's references were "
-                f"made on {sorted(want) or 'no file'}: re-make them with llama.cpp: {REMAKE}"
-            )
-        paths[name] = path
-    return paths
+    return regenerated_models(
+        NAMES, gptoss_references, folder, smollm2_gguf, REMAKE, write=write_gptoss
+    )
 
 
 @pytest.fixture(scope="module", params=NAMES)
@@ -87,17 +75,11 @@ def gptoss(request, gptoss_ggufs, tmp_path_factory):
     )
 
 
-def _cases() -> list[dict]:
-    return [c for f in CASE_FILES for c in json.loads((DATA / f).read_text())]
-
-
 # --------------------------------------------------------------------------- against llama.cpp
 
 
 def test_references_cover_every_model_and_case(gptoss_references):
-    assert set(gptoss_references) == set(NAMES)
-    for name, refs in gptoss_references.items():
-        assert [r["case"] for r in refs] == [c["id"] for c in _cases()], name
+    assert_references_cover(gptoss_references, NAMES)
 
 
 def test_yarn_and_mxfp4_change_llamacpps_logits(gptoss_references):
@@ -114,9 +96,7 @@ def test_prompt_ids_and_correctness_rule(gptoss, gptoss_references, record_prope
     """Prompt ids exact; teacher-forced argmax where llama.cpp's gap >= 1.0; top-10 logits after
     the prompt within 1.0."""
     name, _, engine = gptoss
-    cases = {c["id"]: c for c in _cases()}
-    for ref in gptoss_references[name]:
-        assert prompt_ids(engine, cases[ref["case"]]) == ref["prompt_ids"], (name, ref["case"])
+    assert_prompt_ids(name, engine, gptoss_references[name])
     assert_correctness_rule(name, engine, gptoss_references[name], GAP, TOL, record_property)
 
 
@@ -126,30 +106,12 @@ def test_greedy_decode_and_chunked_prefill(gptoss, gptoss_references):
     tie); prefill in chunks of 5 (windows and sinks across chunk borders) equals one pass."""
     name, _, engine = gptoss
     ref = gptoss_references[name][-1]
-    ids = ref["prompt_ids"] + ref["greedy_ids"][:-1]
-    whole = engine.logits_for(ids)
-    chunk = engine.prefill_chunk
-    try:
-        engine.prefill_chunk = 5
-        chunked = engine.logits_for(ids)
-    finally:
-        engine.prefill_chunk = chunk
-    np.testing.assert_allclose(chunked, whole, atol=2e-3, rtol=0)
+    assert_chunked_prefill(engine, ref)
     for serving in started_serving(engine):
         assert greedy_divergence(serving, ref, GAP) is None, name
 
 
 # --------------------------------------------------------------------------- tiers
-
-
-def _placed(plan: Path, out: Path, tier: str, roles: list[str], slots: int = 0) -> Path:
-    data = yaml.safe_load(moved_plan(plan, out, tier, roles=roles).read_text())
-    data["expert_cache"]["pinned"] = [
-        p["unit"] for p in data["placement"] if ".expert." in p["unit"] and p["tier"] == "gpu"
-    ]
-    data["expert_cache"]["slots"] = slots
-    out.write_text(yaml.safe_dump(data, sort_keys=False))
-    return out
 
 
 @pytest.mark.slow
@@ -159,24 +121,13 @@ def test_tiers_are_bit_identical(gptoss, gptoss_references, placement, tmp_path)
     an expert cache of 2 slots (a block's top-4 in groups of 2; MXFP4 experts through the packed
     store's mxfp4 parts): logits bit-identical to all-resident, greedy ids llama.cpp's."""
     name, plan, engine = gptoss
-    experts = [f".expert.{e}" for e in range(GPTOSS_MODELS[name].experts)]
     if placement == "ram":
-        moved = _placed(plan, tmp_path / "p.yaml", "ram", [".ffn", *experts])
+        moved = experts_moved(plan, tmp_path / "p.yaml", "ram", slots=0, ffn=True)
     else:
-        moved = _placed(plan, tmp_path / "p.yaml", "nvme", experts, slots=2)
-    serving = ServingEngine(Engine(load_plan(moved)))
-    serving.start()
-    other = serving.engine
-    try:
-        ref = gptoss_references[name][0]
-        ids = ref["prompt_ids"] + ref["greedy_ids"][:8]
-        assert np.array_equal(other.logits_for(ids), engine.logits_for(ids))
-        out = generate(serving, ref["prompt_ids"], SamplingParams(), 4)
-        assert out.output_ids == ref["greedy_ids"][:4]
-        if placement == "nvme":
-            assert out.stats["experts"]["misses"] > 0
-    finally:
-        serving.close()
+        moved = experts_moved(plan, tmp_path / "p.yaml", "nvme", slots=2)
+    stats = assert_tier_matches(engine, moved, gptoss_references[name][0])
+    if placement == "nvme":
+        assert stats["experts"]["misses"] > 0
 
 
 # --------------------------------------------------------------------------- the parts
@@ -314,7 +265,6 @@ def test_a_file_without_its_window_is_refused(tmp_path, smollm2_gguf, monkeypatc
     one-line GGUFError naming the key."""
     import dataclasses
 
-    import gguf
     from strata.common.describe import describe
     from strata.common.errors import GGUFError
 
@@ -322,13 +272,7 @@ def test_a_file_without_its_window_is_refused(tmp_path, smollm2_gguf, monkeypatc
     path = write_gptoss(tmp_path / "zero.gguf", "gpt-oss", smollm2_gguf, model=zero)
     with pytest.raises(GGUFError, match="gpt-oss.attention.sliding_window' is 0"):
         describe(str(path))
-    add_uint32 = gguf.GGUFWriter.add_uint32
-
-    def without_window(self, key, value):
-        if key != "gpt-oss.attention.sliding_window":
-            add_uint32(self, key, value)
-
-    monkeypatch.setattr(gguf.GGUFWriter, "add_uint32", without_window)
+    leave_out_uint32(monkeypatch, "gpt-oss.attention.sliding_window")
     path = write_gptoss(tmp_path / "none.gguf", "gpt-oss", smollm2_gguf)
     with pytest.raises(GGUFError, match="gpt-oss.attention.sliding_window' is missing"):
         describe(str(path))

@@ -22,20 +22,20 @@ experts, Q8_0/F16 embeddings and heads, SmolLM2's tokenizer).
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
 import pytest
-import yaml
 from conftest import DATA
 from gguf_factory import MOE_MODELS, moe_key_variant, write_arch_model
-from plan_edits import moved_plan as _moved
+from plan_edits import experts_moved
 from reference_check import (
     assert_correctness_rule,
+    assert_prompt_ids,
+    assert_references_cover,
+    assert_tier_matches,
     greedy_divergence,
-    prompt_ids,
     references_by_model,
     regenerated_models,
     resident_engine,
@@ -45,14 +45,10 @@ from strata.common.describe import describe
 from strata.common.errors import StrataError
 from strata.common.schemas import Architecture
 from strata.executor.config import RuntimeConfig
-from strata.executor.engine import Engine, check_tensors
+from strata.executor.engine import check_tensors
 from strata.executor.experts import split_gate_up
-from strata.executor.generate import generate
 from strata.executor.models import ARCHITECTURES, MOE_ROUTING, model_class
 from strata.executor.models.llama import NORM_SUM_MIN, LlamaModel, MoeRouting, route
-from strata.executor.plan_loader import load_plan
-from strata.executor.sampling import SamplingParams
-from strata.executor.serving import ServingEngine
 
 GAP = 1.0
 """llama.cpp's top-2 gap from which our argmax must match (the synthetic threshold, as
@@ -62,7 +58,6 @@ TOL = 1.0
 CONTEXT = 512
 REFERENCES = DATA / "llamacpp_moe.json"
 NAMES = list(MOE_MODELS)
-CASE_FILES = ("cases_visible.json", "cases_arch.json")
 
 
 @pytest.fixture(scope="session")
@@ -96,26 +91,16 @@ def moe_serving(moe):
     yield from started_serving(moe[2])
 
 
-def _cases() -> list[dict]:
-    return [c for f in CASE_FILES for c in json.loads((DATA / f).read_text())]
-
-
 # --------------------------------------------------------------------------- against llama.cpp
 
 
 def test_references_cover_every_model_and_case(moe_references):
-    cases = [c["id"] for c in _cases()]
-    assert set(moe_references) == set(NAMES)
-    for name, refs in moe_references.items():
-        assert [r["case"] for r in refs] == cases, name
-        assert all(len(r["greedy_ids"]) == 32 for r in refs), name
+    assert_references_cover(moe_references, NAMES)
 
 
 def test_prompt_ids_exact(moe, moe_references):
     name, _, engine = moe
-    cases = {c["id"]: c for c in _cases()}
-    for ref in moe_references[name]:
-        assert prompt_ids(engine, cases[ref["case"]]) == ref["prompt_ids"], (name, ref["case"])
+    assert_prompt_ids(name, engine, moe_references[name])
 
 
 def test_correctness_rule_against_llamacpp(moe, moe_references, record_property):
@@ -425,19 +410,6 @@ def test_only_chosen_experts_are_fetched(moe, monkeypatch):
     assert all(group == chosen for _, group, chosen in asked)
 
 
-def _placed(plan: Path, out: Path, tier: str, roles: list[str], slots: int = 0) -> Path:
-    """A hand-edited copy of ``plan`` with the units ending in ``roles`` on ``tier``, the expert
-    cache's pinned list made to agree (the expert units left on gpu) and ``slots`` cache slots
-    for streamed experts."""
-    data = yaml.safe_load(_moved(plan, out, tier, roles=roles).read_text())
-    data["expert_cache"]["pinned"] = [
-        p["unit"] for p in data["placement"] if ".expert." in p["unit"] and p["tier"] == "gpu"
-    ]
-    data["expert_cache"]["slots"] = slots
-    out.write_text(yaml.safe_dump(data, sort_keys=False))
-    return out
-
-
 @pytest.mark.parametrize("placement", ["ram", "nvme"])
 def test_tiers_are_bit_identical(moe, moe_references, placement, tmp_path):
     """The dense FFN units (norm, router, shared expert) and every expert on ram, copied to the
@@ -445,22 +417,11 @@ def test_tiers_are_bit_identical(moe, moe_references, placement, tmp_path):
     (so a block's chosen experts come in groups of at most 2): logits bit-identical to
     all-resident, greedy ids the same."""
     name, plan, engine = moe
-    experts = [f".expert.{e}" for e in range(MOE_MODELS[name].experts)]
     if placement == "ram":
-        moved = _placed(plan, tmp_path / "p.yaml", "ram", [".ffn", *experts])
+        moved = experts_moved(plan, tmp_path / "p.yaml", "ram", slots=0, ffn=True)
     else:
-        moved = _placed(plan, tmp_path / "p.yaml", "nvme", experts, slots=2)
-    serving = ServingEngine(Engine(load_plan(moved)))
-    serving.start()
-    other = serving.engine
-    try:
-        ref = moe_references[name][0]
-        ids = ref["prompt_ids"] + ref["greedy_ids"][:8]
-        assert np.array_equal(other.logits_for(ids), engine.logits_for(ids))
-        a = generate(serving, ref["prompt_ids"], SamplingParams(), 4).output_ids
-        assert a == ref["greedy_ids"][:4]
-    finally:
-        serving.close()
+        moved = experts_moved(plan, tmp_path / "p.yaml", "nvme", slots=2)
+    assert_tier_matches(engine, moved, moe_references[name][0])
 
 
 # --------------------------------------------------------------------------- tensors and refusals
