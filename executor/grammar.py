@@ -317,5 +317,13 @@ def _kind(value: Any) -> str:
 
 
 def _first_line(e: object) -> str:
-    text = str(e).strip()
-    return text.splitlines()[0] if text else type(e).__name__
+    """llguidance's message in one line of at most 300 characters: its first line, and where
+    that only announces the detail ("regex parse error:"), the detail's last line too (its
+    parser state and the grammar text stay out)."""
+    lines = [line.strip() for line in str(e).splitlines() if line.strip()]
+    if not lines:
+        return type(e).__name__
+    text = lines[0]
+    if text.endswith(":") and len(lines) > 1:
+        text = f"{text} {lines[-1].removeprefix('error:').strip()}"
+    return text[:300]

@@ -263,6 +263,10 @@ class _Sampling(_Body):
         kind = rf.get("type")
         allowed = {"text": {"type"}, "json_object": {"type", "schema"}}
         allowed["json_schema"] = {"type", "json_schema", "schema"}
+        if kind is None:
+            raise _format_error(
+                "response_format.type is missing; give text, json_object or json_schema"
+            )
         if kind not in allowed:
             raise _format_error(
                 f"response_format.type {kind!r} is not one of text, json_object, json_schema"

@@ -192,7 +192,8 @@ async def chat_completions(request: Request) -> Response:
         message["content"], calls = tools.parser().parse(text)
         if calls:
             message["tool_calls"] = calls
-            finish = "tool_calls"
+            if finish == "stop":  # a reply cut by max_tokens stays "length", calls or not
+                finish = "tool_calls"
     return JSONResponse(
         {
             **head,
@@ -220,7 +221,8 @@ async def _chat_chunks(
 ) -> AsyncIterator[dict]:
     """The chunks of a streamed chat; with ``parser`` (a tools request), the text goes through
     it: ``delta.content`` and ``delta.tool_calls`` as OpenAI streams them, and ``finish_reason``
-    ``"tool_calls"`` when calls were made."""
+    ``"tool_calls"`` when calls were made and the reply ended by itself (not cut by
+    ``max_tokens``: ``"length"``)."""
     usage = {"usage": None} if include_usage else {}
 
     def chunk(delta: dict, finish: str | None = None, logprobs: dict | None = None) -> dict:
@@ -235,7 +237,8 @@ async def _chat_chunks(
             if piece.finish_reason:
                 for delta in parser.finish():
                     yield chunk(delta)
-                yield chunk({}, "tool_calls" if parser.calls else piece.finish_reason)
+                done = parser.calls and piece.finish_reason == "stop"  # "length" stays
+                yield chunk({}, "tool_calls" if done else piece.finish_reason)
             continue
         if piece.text or piece.logprobs:
             yield chunk(

@@ -343,3 +343,23 @@ def test_random_model_calls_a_named_tool_100_of_100(random_server):
     )
     assert free.choices[0].finish_reason == "length"
     assert free.choices[0].message.tool_calls is None
+
+
+def test_forced_calls_cut_by_max_tokens_finish_with_length(server):
+    """A forced reply cut by ``max_tokens`` (greedy SmolLM2 repeats its call while parallel
+    calls are allowed) says ``"length"``, streamed or not, even beside the calls it completed:
+    ``"tool_calls"`` is for a reply that ended by itself."""
+    kw = {
+        "messages": ASK,
+        "tools": [WEATHER, TIME],
+        "tool_choice": "required",
+        "temperature": 0,
+        "max_tokens": 60,
+    }
+    r = server.post(CHAT, {"model": MODEL, **kw}, timeout=300)
+    assert r.status_code == 200, r.text
+    choice = r.json()["choices"][0]
+    assert r.json()["usage"]["completion_tokens"] == 60
+    assert choice["finish_reason"] == "length", choice
+    _, _, finish = streamed_message(server, **kw)
+    assert finish == "length"

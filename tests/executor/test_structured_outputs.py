@@ -142,6 +142,11 @@ def test_masks_along_a_draft_leave_the_state_as_it_was(vocab):
     ("response_format", "words"),
     [
         ({"type": "xml"}, "'xml' is not one of text, json_object, json_schema"),
+        ({}, "response_format.type is missing"),
+        (
+            {"type": "json_schema", "schema": {"type": "string", "pattern": "(?=a)b"}},
+            "regex parse error: look-around",
+        ),
         ("json", "must be an object"),
         ({"type": "json_schema"}, "json_schema is missing"),
         ({"type": "json_schema", "json_schema": {"name": "a"}}, "json_schema.schema is missing"),
