@@ -500,10 +500,12 @@ class _RenderWorker:
         with selectors.DefaultSelector() as sel:  # not select(): descriptors past 1024
             sel.register(fd, selectors.EVENT_READ)
             while not out.endswith(b"\n"):
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    raise TimeoutError
+                # Past the deadline one last look without waiting: a reply that came while this
+                # thread was not scheduled (a loaded machine) is read, not taken for a timeout.
+                left = max(deadline - time.monotonic(), 0.0)
                 if not sel.select(left if limit is None else min(left, RSS_POLL_S)):
+                    if left <= 0:
+                        raise TimeoutError
                     rss = None if limit is None else _resident_bytes(self._proc.pid)
                     if rss is not None and rss > limit:
                         raise _OutOfMemory(_out_of_memory())

@@ -178,14 +178,18 @@ def test_rendering_budget_stops_hostile_templates() -> None:
             f"{name} took over 2 s"
         ),
         "{% macro f(x) %}{{ f(x) }}{% endmacro %}{{ f(1) }}": "recursed too deeply",
-        "{{ 'x' * " + size.format(3000000000) + " }}": "MiB to render",
+        # One 3 GB request: the address-space cap answers at once here, but on CI's machine it
+        # has twice outlasted the time budget instead (cause not found); either answer is a
+        # bounded 400 naming the template, and the next two cases prove the memory cap.
+        "{{ 'x' * " + size.format(3000000000) + " }}": "MiB to render|took over 2 s",
         "{{ messages|tojson(indent=" + size.format(300000000) + ") }}": "MiB to render",
         "{{ 'x' * " + size.format(40000000) + " }}": "Mi characters",
         "{{ 1 / 0 }}": f"{name} failed: ZeroDivisionError",
     }
     for template, expected in cases.items():
         t0 = time.monotonic()
-        with pytest.raises(ChatError, match=re.escape(expected)):
+        pattern = "|".join(map(re.escape, expected.split("|")))
+        with pytest.raises(ChatError, match=pattern):
             render_chat(template, MESSAGES[:1], "", "", name=name)
         assert time.monotonic() - t0 < RENDER_TIMEOUT_S + 3, template
     assert render_chat("{{ messages[0].content }}", MESSAGES, "", "") == "You are terse."

@@ -195,7 +195,7 @@ def test_hostile_templates_get_400s_and_leave_no_memory_behind(server):
         "range": "Range too big",
         "macro": "recursed too deeply",
         "mul-float": "TypeError",
-        "mul": "MiB to render",
+        "mul": ("MiB to render", "took over 2 s"),  # see test_chat_template's 3 GB case
         "tojson": "MiB to render",
         "double": "MiB to render",
         "long": "Mi characters",
@@ -205,7 +205,11 @@ def test_hostile_templates_get_400s_and_leave_no_memory_behind(server):
         t0 = time.monotonic()
         body = {"messages": [{"role": "user", "content": content}], "max_tokens": 1}
         r = server.post("/v1/chat/completions", body)
-        _error(r, 400, server.template, words)
+        if isinstance(words, tuple):  # either answer
+            message = _error(r, 400, server.template)
+            assert any(w in message for w in words), message
+        else:
+            _error(r, 400, server.template, words)
         assert time.monotonic() - t0 < 6, content
     hi = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 1}
     r = server.post("/v1/chat/completions", hi)
