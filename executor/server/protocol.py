@@ -484,6 +484,10 @@ class ChatMessage(_Body):
     def _content_needed(self) -> ChatMessage:
         # OpenAI's API lets only an assistant message (one that carries tool calls) go without
         # content; any other message without text has nothing for the template to render.
+        if self.content == [] and self.role != "assistant":
+            raise ValueError(
+                f"a {self.role!r} message's content is an empty list; give at least one text part"
+            )
         if self.content is None and self.role != "assistant":
             raise ValueError(
                 f"a {self.role!r} message needs its content (a string or a list of text parts); "
@@ -635,9 +639,18 @@ class CompletionRequest(_Sampling):
     echo: bool | None = False
     best_of: int | None = None
     suffix: str | None = None
+    tools: Any = None
+    tool_choice: Any = None
 
     def check_unsupported(self) -> None:
         super().check_unsupported()
+        for name in ("tools", "tool_choice"):  # declared so that they are refused, not dropped
+            if getattr(self, name) is not None:
+                raise APIError(
+                    400,
+                    f"{name} is a chat feature: send the request to /v1/chat/completions",
+                    param=name,
+                )
         if self.suffix:
             raise APIError(
                 400, "suffix (insertion) is not supported by this server", param="suffix"

@@ -409,3 +409,18 @@ def test_a_grammar_failing_mid_reply_is_the_request_s_400(random_server):
     assert "the request's grammar failed" in r.json()["error"]["message"]
     ok = random_server.post("/v1/chat/completions", {"messages": body["messages"], "max_tokens": 2})
     assert ok.status_code == 200, ok.text
+
+
+def test_chat_only_fields_on_completions_and_empty_content_are_refused():
+    """Fields a request would expect honoured are refused, not dropped: ``tools`` and
+    ``tool_choice`` on /v1/completions, and a message whose content is an empty list."""
+    from pydantic import ValidationError
+
+    for name, value in (("tools", []), ("tool_choice", "auto")):
+        body = CompletionRequest.model_validate({"prompt": "x", name: value})
+        with pytest.raises(APIError) as e:
+            body.check_unsupported()
+        assert e.value.status == 400 and e.value.param == name
+        assert "/v1/chat/completions" in e.value.message
+    with pytest.raises(ValidationError, match="content is an empty list"):
+        ChatCompletionRequest.model_validate({"messages": [{"role": "user", "content": []}]})
