@@ -560,7 +560,9 @@ class ChatCompletionRequest(_Sampling):
     @field_validator("tool_choice", mode="before")
     @classmethod
     def _tool_choice_known(cls, choice: Any) -> Any:
-        if isinstance(choice, str) and choice not in ("none", "auto", "required"):
+        if (isinstance(choice, str) and choice not in ("none", "auto", "required")) or not (
+            choice is None or isinstance(choice, str | dict)
+        ):
             raise ValueError(
                 f'{json.dumps(choice)} is not a tool_choice: give "none", "auto", "required" or '
                 '{"type": "function", "function": {"name": ...}}'

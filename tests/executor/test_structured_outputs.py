@@ -424,3 +424,12 @@ def test_chat_only_fields_on_completions_and_empty_content_are_refused():
         assert "/v1/chat/completions" in e.value.message
     with pytest.raises(ValidationError, match="content is an empty list"):
         ChatCompletionRequest.model_validate({"messages": [{"role": "user", "content": []}]})
+
+
+@pytest.mark.parametrize("choice", [5, [1], "sometimes", True])
+def test_a_tool_choice_of_another_kind_names_the_choices(choice):
+    from pydantic import ValidationError
+
+    body = {"messages": [{"role": "user", "content": "x"}], "tool_choice": choice}
+    with pytest.raises(ValidationError, match='is not a tool_choice: give "none", "auto"'):
+        ChatCompletionRequest.model_validate(body)
