@@ -10,8 +10,10 @@ with one line naming the file, the key path and the fix.
 from __future__ import annotations
 
 import difflib
+import gzip
 import hashlib
 import json
+import zlib
 from pathlib import Path
 from typing import TypeVar
 
@@ -80,17 +82,29 @@ def to_yaml(doc: BaseModel) -> str:
     return yaml.dump(data, Dumper=_Dumper, sort_keys=False, width=160, allow_unicode=True)
 
 
+GZIP_SUFFIX = ".gz"
+"""A document path ending so is written gzip-compressed (and any gzip file is read as one): the
+plan of a model with tens of thousands of experts is megabytes of one line per unit, which
+compress about tenfold."""
+
+
 def write_yaml(doc: BaseModel, path: str | Path) -> None:
     """Write ``doc`` to ``path`` (parent folders created), whole or not at all: a reader never
-    sees half a file, and Ctrl-C leaves the old one (``atomic.replaced``)."""
+    sees half a file, and Ctrl-C leaves the old one (``atomic.replaced``). A path ending in
+    ``GZIP_SUFFIX`` gets the YAML gzip-compressed, with no timestamp (equal documents, equal
+    bytes)."""
     from strata.common.atomic import replaced
 
     text = to_yaml(doc)
     p = Path(path)
     try:
         p.parent.mkdir(parents=True, exist_ok=True)
-        with replaced(p, "w") as f:
-            f.write(text)
+        if p.name.endswith(GZIP_SUFFIX):
+            with replaced(p, "wb") as f:
+                f.write(gzip.compress(text.encode(), compresslevel=9, mtime=0))
+        else:
+            with replaced(p, "w") as f:
+                f.write(text)
     except OSError as e:
         raise SchemaError(f"cannot write {p}: {e.strerror or e}; choose another -o path") from None
 
@@ -213,6 +227,32 @@ class _Refused(Exception):
         self.mark = mark
 
 
+def document_text(path: Path) -> str:
+    """The text of a YAML document file, gunzipped where it is gzip-compressed, at most
+    ``MAX_DOCUMENT_BYTES`` (a compressed file is cut off there, never inflated whole).
+
+    Raises:
+        SchemaError: too large, a damaged gzip stream, or unreadable.
+        UnicodeDecodeError: not UTF-8 text.
+    """
+    too_big = SchemaError(
+        f"{path}: over the {MAX_DOCUMENT_BYTES >> 20} MiB a plan, profile or description may "
+        "have; not a Strata document"
+    )
+    try:
+        with open(path, "rb") as f:
+            data = f.read(MAX_DOCUMENT_BYTES + 1)
+            if data[:2] == b"\x1f\x8b":  # gzip's magic
+                f.seek(0)
+                with gzip.open(f) as g:
+                    data = g.read(MAX_DOCUMENT_BYTES + 1)
+    except (OSError, EOFError, zlib.error) as e:
+        raise SchemaError(f"{path}: cannot be read ({e}); not a Strata document") from None
+    if len(data) > MAX_DOCUMENT_BYTES:
+        raise too_big
+    return data.decode()
+
+
 def read_yaml(path: str | Path, model: type[M]) -> M:
     """Read and validate a YAML document.
 
@@ -224,14 +264,8 @@ def read_yaml(path: str | Path, model: type[M]) -> M:
         raise SchemaError(f"{p}: is a folder; give the YAML file in it")
     if not p.is_file():
         raise SchemaError(f"{p}: no such file")
-    size = p.stat().st_size
-    if size > MAX_DOCUMENT_BYTES:
-        raise SchemaError(
-            f"{p}: {size} bytes, over the {MAX_DOCUMENT_BYTES >> 20} MiB a plan, profile or "
-            "description may have; not a Strata document"
-        )
     try:
-        data = _BoundedLoader(p.read_text()).get_single_data_bounded(p)
+        data = _BoundedLoader(document_text(p)).get_single_data_bounded(p)
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         where = f" at line {mark.line + 1}" if mark else ""

@@ -30,7 +30,7 @@ from strata.common.schemas import (  # noqa: E402
     Request,
     TierMemory,
 )
-from strata.common.yamlio import write_yaml  # noqa: E402
+from strata.common.yamlio import document_text, write_yaml  # noqa: E402
 from strata.planner.archdesc import describe_arch  # noqa: E402
 from strata.planner.planning import build_plan  # noqa: E402
 
@@ -68,7 +68,7 @@ EXAMPLES: dict[str, tuple[str | tuple[str, str], str, dict]] = {
     ),
     # Q4_0: 4.5 bits per weight as Flash-MoE's MLX 4-bit experts (a float16 scale and bias per
     # 64 weights) are; Strata's MLX form of Q4_K_M would be 300.5 GiB against Q4_0's 231.6.
-    "qwen3.5-397b-a17b-q4_0.m3-max-48gb.yaml": (
+    "qwen3.5-397b-a17b-q4_0.m3-max-48gb.yaml.gz": (
         ("qwen3.5-397b-a17b.yaml", "Q4_0"),
         "m3-max-48gb.yaml",
         {"context": 4096},
@@ -89,7 +89,7 @@ SLOW: frozenset[str] = frozenset(
     {
         "deepseek-v3-q4_k_m.m3-ultra-512gb.yaml",
         "qwen3-coder-next-80b-a3b-q4_k_m.m1-max-32gb.yaml",
-        "qwen3.5-397b-a17b-q4_0.m3-max-48gb.yaml",
+        "qwen3.5-397b-a17b-q4_0.m3-max-48gb.yaml.gz",
     }
 )
 """Plans whose re-making takes more than a few seconds (tens of thousands of expert units: the
@@ -124,7 +124,7 @@ class Anchor(NamedTuple):
 
 ANCHORS: list[Anchor] = [
     Anchor(
-        plan="qwen3.5-397b-a17b-q4_0.m3-max-48gb.yaml",
+        plan="qwen3.5-397b-a17b-q4_0.m3-max-48gb.yaml.gz",
         model="Qwen3.5-397B-A17B Q4_0",
         machine="M3 Max 48 GB",
         published="4.36",
@@ -190,7 +190,7 @@ def plan_summary(path: Path) -> dict:
     Raises:
         ValueError: a section is missing or does not match its schema.
     """
-    text = path.read_text()
+    text = document_text(path)
     starts = [(m.group(1), m.start()) for m in re.finditer(r"^([a-z_]+):", text, re.MULTILINE)]
     bounds = {
         k: (s, starts[i + 1][1] if i + 1 < len(starts) else len(text))

@@ -65,6 +65,7 @@ PROFILE_SECONDS = 20
 compute test), as the line before it says."""
 
 PLAN_SUFFIXES = (".yaml", ".yml")
+PLAN_GZ_SUFFIXES = (".yaml.gz", ".yml.gz")  # a gzip-compressed plan (common.yamlio)
 
 
 def add_options(parsers: dict[str, argparse.ArgumentParser]) -> None:
@@ -89,7 +90,7 @@ def is_model(spec: str) -> bool:
             readings and the catalog).
     """
     path = Path(spec).expanduser()
-    if path.suffix.lower() in PLAN_SUFFIXES:
+    if path.suffix.lower() in PLAN_SUFFIXES or path.name.lower().endswith(PLAN_GZ_SUFFIXES):
         return False  # a missing plan file is the plan reader's error, as it always was
     if spec in catalog.CATALOG and not path.is_file():  # a file of that name is read as one
         return True

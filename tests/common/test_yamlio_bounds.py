@@ -62,3 +62,25 @@ def test_counts_in_a_plan_are_bounded(tmp_path, key, value):
     path = tmp_path / "p.yaml"
     path.write_text(edited)
     _refused(path, Plan, f"{key}': Input should be less than or equal to")
+
+
+def test_a_gzip_document_is_read_as_its_text_and_bounded_inflated(tmp_path, monkeypatch):
+    """A path ending in .gz is written gzip-compressed with no timestamp (equal documents, equal
+    bytes) and read back as the same document; a compressed file that inflates past
+    ``MAX_DOCUMENT_BYTES`` is refused having inflated no more than that, and a damaged stream
+    is one line."""
+    import gzip
+
+    profile = yamlio.read_yaml(ROOT / "profiles" / "m1-max-32gb.yaml", HardwareProfile)
+    a, b = tmp_path / "a.yaml.gz", tmp_path / "b.yaml.gz"
+    yamlio.write_yaml(profile, a)
+    yamlio.write_yaml(profile, b)
+    assert a.read_bytes() == b.read_bytes() and a.read_bytes()[:2] == b"\x1f\x8b"
+    assert yamlio.read_yaml(a, HardwareProfile) == profile
+    assert yamlio.document_text(a) == yamlio.to_yaml(profile)
+    bomb = tmp_path / "bomb.yaml.gz"
+    bomb.write_bytes(gzip.compress(b"x: " + b"y" * (64 << 20)))  # 64 MiB in about 64 KB
+    _refused(bomb, Plan, "over the 32 MiB")
+    broken = tmp_path / "broken.yaml.gz"
+    broken.write_bytes(a.read_bytes()[:40])
+    _refused(broken, HardwareProfile, "broken.yaml.gz: cannot be read")

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 from conftest import ROOT
 from strata.common.schemas import Request
-from strata.common.yamlio import to_yaml
+from strata.common.yamlio import document_text, to_yaml
 from strata.planner.planning import build_plan
 
 _spec = importlib.util.spec_from_file_location("make_plans", ROOT / "scripts" / "make_plans.py")
@@ -29,7 +29,7 @@ def test_checked_in_plan_is_current(name):
     If this fails after an intended planner change, run ``scripts/make_plans.py`` and review the
     diff of plans/ like any other change.
     """
-    assert to_yaml(make_plans.make(name)) == (ROOT / "plans" / name).read_text()
+    assert to_yaml(make_plans.make(name)) == document_text(ROOT / "plans" / name)
 
 
 @pytest.mark.parametrize(
