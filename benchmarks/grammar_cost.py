@@ -9,16 +9,20 @@ One serving engine of PLAN runs, round after round, three kinds of the same gree
   token 0: the path every grammar-constrained request takes, without a grammar);
 - ``grammar``: the nested JSON schema of ``tests/executor/test_structured_outputs.py``.
 
-Reported per kind and concurrency: decode tok/s of the aggregate (tokens after each request's
+The grammar requests run first; the free-text ones then generate as many tokens as each grammar
+answer did, so that every kind's batch shrinks alike as answers end. Reported per kind and
+concurrency: decode tok/s of the aggregate (tokens after each request's
 first, over the time from the first to the last token event), and for ``grammar`` the time spent
-in the grammar's mask and advance per token (``Constraint.mask``, ``Constraint.consume``,
-``Constraint.masks_along``: each call timed). The grammar's cost is the ``grammar`` / ``host``
-ratio; ``host`` / ``device`` is what bringing logits to the host costs. Round 0 warms up and
-is not counted; medians of the rest.
+in the grammar per token on the engine thread (a step's masks, ``executor.runner.grammar_masks``,
+worked out while the device runs the pass, and each token's ``Constraint.consume``: each call
+timed). The grammar's cost is the ``grammar`` / ``host`` ratio; ``host`` / ``device`` is what
+bringing logits to the host costs. Round 0 warms up and is not counted; medians of the rest.
 
 Checks: every ``grammar`` answer is valid JSON of the schema and ends in an end-of-generation
-token; each kind's token ids are the same in every round (greedy is deterministic), and
-``host``'s equal ``device``'s (a bias of 0 changes nothing).
+token, or, cut by ``--max-tokens`` (a random-weight model may write a number's digits until then),
+is a prefix the grammar takes (counted in the result); each kind's token ids are the same in
+every round (greedy is deterministic), and ``host``'s equal ``device``'s (a bias of 0 changes
+nothing).
 
 usage: python benchmarks/grammar_cost.py PLAN [--rounds 4] [--concurrency 1,16]
        [--max-tokens 96] [-o FILE]
@@ -34,6 +38,7 @@ import time
 from pathlib import Path
 
 from strata.executor import grammar as grammar_module
+from strata.executor import runner as runner_module
 from strata.executor.config import RuntimeConfig
 from strata.executor.engine import Engine
 from strata.executor.grammar import json_schema_grammar
@@ -69,19 +74,20 @@ SCHEMA = {
 """The acceptance test's nested schema (objects, an array, enums, numbers, a boolean)."""
 
 PROMPT = "Name a country and up to three of its cities, with their population, as JSON."
-KINDS = ("device", "host", "grammar")
+KINDS = ("grammar", "host", "device")
 WAIT_S = 600.0
 
 
 class _Timer:
-    """Wraps the grammar's per-token methods, summing their seconds."""
+    """Sums the engine thread's seconds in the grammar: a step's masks (``executor.runner.
+    grammar_masks``, worked out while the device runs the pass, so partly hidden) and each
+    token's advance (``Constraint.consume``)."""
 
     def __init__(self) -> None:
         self.seconds = 0.0
-        self._orig = {}
-        for name in ("mask", "consume", "masks_along"):
-            orig = getattr(grammar_module.Constraint, name)
-            self._orig[name] = orig
+        timed_calls = ((runner_module, "grammar_masks"), (grammar_module.Constraint, "consume"))
+        for owner, name in timed_calls:
+            orig = getattr(owner, name)
 
             def timed(*args, _orig=orig, **kw):
                 t0 = time.perf_counter()
@@ -90,7 +96,7 @@ class _Timer:
                 finally:
                     self.seconds += time.perf_counter() - t0
 
-            setattr(grammar_module.Constraint, name, timed)
+            setattr(owner, name, timed)
 
 
 def _request(kind: str, rid: str, ids: list[int], max_tokens: int, grammar: str):
@@ -100,8 +106,11 @@ def _request(kind: str, rid: str, ids: list[int], max_tokens: int, grammar: str)
     )
 
 
-def run(serving: ServingEngine, kind: str, prompts: list[list[int]], max_tokens: int, grammar):
-    """Submit ``prompts`` together and wait; ({id: [event times]}, {id: [tokens]}, {id: finish})."""
+def run(
+    serving: ServingEngine, kind: str, prompts: list[list[int]], max_tokens: list[int], grammar
+):
+    """Submit ``prompts`` together (prompt i generating at most ``max_tokens[i]``) and wait;
+    ({id: [event times]}, {id: [tokens]}, {id: finish})."""
     done, lock, left = threading.Event(), threading.Lock(), [len(prompts)]
     times: dict[str, list[float]] = {}
     tokens: dict[str, list[int]] = {}
@@ -124,7 +133,7 @@ def run(serving: ServingEngine, kind: str, prompts: list[list[int]], max_tokens:
     for i, ids in enumerate(prompts):
         rid = f"{kind}-{time.time_ns()}-{i}"
         times[rid], tokens[rid] = [], []
-        serving.submit(_request(kind, rid, ids, max_tokens, grammar), handler(rid))
+        serving.submit(_request(kind, rid, ids, max_tokens[i], grammar), handler(rid))
     if not done.wait(WAIT_S):
         raise SystemExit(f"requests did not finish within {WAIT_S:.0f} s")
     return times, tokens, finish
@@ -153,6 +162,7 @@ def main() -> None:
     serving.start()
     tok = serving.tokenizer
     grammar = json_schema_grammar(SCHEMA)
+    vocab = grammar_module.vocabulary(tok, serving.vocab_size)
     timer = _Timer()
     results: dict = {}
     failures: list[str] = []
@@ -162,13 +172,19 @@ def main() -> None:
             rates: dict[str, list[float]] = {k: [] for k in KINDS}
             per_token: list[float] = []
             first_ids: dict[str, list[list[int]]] = {}
+            cut = 0
             for r in range(args.rounds):
+                lengths = [args.max_tokens] * c
                 for kind in KINDS:
                     before = timer.seconds
-                    times, tokens, finish = run(serving, kind, prompts, args.max_tokens, grammar)
+                    times, tokens, finish = run(serving, kind, prompts, lengths, grammar)
                     ids = [
                         tokens[k] for k in sorted(tokens, key=lambda k: int(k.rsplit("-", 1)[1]))
                     ]
+                    if kind == "grammar":
+                        # Free text as long as each grammar answer: the batch shrinks as theirs
+                        # did (an answer that ends early leaves fewer sequences per step).
+                        lengths = [len(t) for t in ids]
                     if kind not in first_ids:
                         first_ids[kind] = ids
                     elif ids != first_ids[kind]:
@@ -176,6 +192,13 @@ def main() -> None:
                     if kind == "grammar":
                         for rid, f in finish.items():
                             text = tok.decode(tokens[rid])
+                            if f == "length":  # cut by max_tokens: a prefix the grammar takes
+                                cut += 1
+                                try:
+                                    grammar_module.Constraint(vocab, grammar).consume(tokens[rid])
+                                except grammar_module.GrammarError as e:
+                                    failures.append(f"c={c} grammar: cut answer {e}: {text!r}")
+                                continue
                             if f != "stop":
                                 failures.append(f"c={c} grammar: ended with {f}: {text!r}")
                                 continue
@@ -201,6 +224,7 @@ def main() -> None:
                 "grammar_over_host": med["grammar"] / med["host"],
                 "host_over_device": med["host"] / med["device"],
                 "grammar_us_per_token": statistics.median(per_token) * 1e6,
+                "grammar_answers_cut_by_max_tokens": cut,
                 "rounds": {k: v for k, v in rates.items()},
             }
             print(json.dumps({f"c{c}": results[f"c{c}"]}, indent=1))

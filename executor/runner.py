@@ -42,7 +42,7 @@ import numpy as np
 from strata.common.errors import StrataError
 from strata.executor import cuda_attention, pass_graph
 from strata.executor.config import RuntimeConfig
-from strata.executor.grammar import GRAMMAR_FAILED, GrammarError
+from strata.executor.grammar import GRAMMAR_FAILED, Constraint, GrammarError, next_masks
 from strata.executor.host_inputs import InputStaging
 from strata.executor.models.llama import LlamaModel
 from strata.executor.ops import bucket_rows
@@ -269,6 +269,48 @@ def _record(
     out.count_draft(c.draft, toks)
 
 
+def grammar_masks(
+    chunks: list[ScheduledChunk], live: Mapping[str, SampledRequest]
+) -> dict[str, list[np.ndarray] | GrammarError]:
+    """By request id, the grammar masks the sampling ``chunks`` of constrained requests will
+    pick under (``Constraint.masks_along`` their drafts; the plain decodes' together, on
+    llguidance's threads: ``executor.grammar.next_masks``), or the error one raised. They depend
+    only on the tokens taken so far, so :meth:`ModelRunner.execute` works them out while the
+    device runs the pass rather than after it."""
+    out: dict[str, list[np.ndarray] | GrammarError] = {}
+    plain: list[tuple[str, Constraint]] = []
+    for c in chunks:
+        rid = c.seq.request_id
+        constraint = live[rid].sampler.constraint
+        if constraint is None:
+            continue
+        if not c.draft:
+            plain.append((rid, constraint))
+            continue
+        try:
+            out[rid] = constraint.masks_along(c.draft)
+        except GrammarError as e:
+            out[rid] = e
+    for (rid, _), m in zip(plain, next_masks([k for _, k in plain]), strict=True):
+        out[rid] = m if isinstance(m, GrammarError) else [m]
+    return out
+
+
+def _verify(
+    sampler: Sampler,
+    rows: np.ndarray,
+    draft: list[int],
+    masks: list[np.ndarray] | GrammarError | None,
+) -> list[int]:
+    """``sampler.verify`` under the masks :func:`grammar_masks` worked out (raising the error
+    one of them raised, which ends that request)."""
+    if isinstance(masks, GrammarError):
+        raise masks
+    if masks is None:
+        return sampler.verify(rows, draft)
+    return sampler.verify(rows, draft, masks)
+
+
 def greedy(req: SampledRequest) -> bool:
     """Whether ``req``'s tokens are its logits' argmax, chosen on the device: temperature 0, no
     logit adjustments and no grammar (whose mask is computed on the host)."""
@@ -388,6 +430,9 @@ class ModelRunner:
         if all(greedy(live[step.chunks[i].seq.request_id]) for i in want):
             return self.collect(self.launch(step, live, interrupt=interrupt))
         batch, logits = self.run(self._inputs(step), interrupt, head=bool(want))
+        if want:
+            mx.async_eval(logits)  # the device computes while the grammars' masks are worked out
+        masks = grammar_masks([step.chunks[i] for i in want], live)
         out = StepOutput()
         first = np.cumsum([0, *batch.logit_counts])  # chunk i's rows: first[i]:first[i + 1]
         host = np.array(logits)  # all logits on the host: the samplers need them
@@ -399,7 +444,7 @@ class ModelRunner:
             if not np.isfinite(rows).all():
                 out.failed[rid] = non_finite_logits(c)
                 continue
-            verify = functools.partial(req.sampler.verify, rows, c.draft)
+            verify = functools.partial(_verify, req.sampler, rows, c.draft, masks.get(rid))
             _record(out, c, req, verify, lambda n, r=rows: r[:n])
         return out
 

@@ -176,9 +176,7 @@ class Sampler:
         ``logits`` itself without a mask."""
         if mask is None:
             return logits
-        z = np.array(logits, dtype=np.float64)
-        z[~mask[: z.shape[-1]]] = -np.inf
-        return z
+        return np.where(mask[: logits.shape[-1]], logits, -np.inf)  # logits' own dtype
 
     def _row(self, logits: np.ndarray, mask: np.ndarray | None = None) -> np.ndarray:
         """One row as it is picked from: adjusted (``adjusted``), then masked by ``mask``, or
@@ -212,7 +210,9 @@ class Sampler:
         order, probs = self._filtered(logits)
         return int(order[self.rng.choice(len(order), p=probs)])
 
-    def verify(self, logits: np.ndarray, draft: list[int]) -> list[int]:
+    def verify(
+        self, logits: np.ndarray, draft: list[int], masks: list[np.ndarray] | None = None
+    ) -> list[int]:
         """Accept a prefix of ``draft`` and add one token, so that the tokens returned are
         distributed exactly as ``__call__`` would have produced them one by one.
 
@@ -230,6 +230,9 @@ class Sampler:
             logits: [K+1, vocab] float logits; row j is the distribution after the pending token
                 and draft[:j] (row 0: after the pending token alone).
             draft: K >= 0 proposed token ids.
+            masks: the grammar's masks along the draft (``Constraint.masks_along``), where the
+                caller computed them ahead (``executor.runner``: while the device ran the
+                pass); None: computed here.
 
         Returns:
             1..K+1 token ids: the accepted drafts, then the correction or the bonus token.
@@ -246,7 +249,8 @@ class Sampler:
         if self.constraint is None:
             rows = [self.adjusted(logits[j], draft[:j]) for j in range(len(draft) + 1)]
         else:  # rows up to the first draft token the grammar refuses: none later is reached
-            masks = self.constraint.masks_along(draft)
+            if masks is None:
+                masks = self.constraint.masks_along(draft)
             rows = [
                 self._allowed(self.adjusted(logits[j], draft[:j]), m) for j, m in enumerate(masks)
             ]

@@ -21,6 +21,7 @@ from strata.executor.grammar import (
     Constraint,
     GrammarError,
     json_schema_grammar,
+    next_masks,
     vocabulary,
 )
 from strata.executor.sampling import Sampler, SamplingParams
@@ -265,6 +266,26 @@ def test_masks_cover_logits_wider_than_the_vocabulary(vocab):
     logits[tok.vocab_size :] = 100.0
     sampler = Sampler(SamplingParams(temperature=0), c)
     assert mask[sampler(logits)]
+
+
+def test_a_batch_of_masks_equals_each_mask_alone(vocab):
+    """``next_masks`` (the runner's masks of a step, computed together on llguidance's threads
+    while the device runs the pass) gives each sequence exactly its own ``mask()``: fresh,
+    part-way and finished grammars, two vocabulary widths' worth of rows."""
+    tok = vocab.tokenizer
+    fresh = Constraint(vocab, json_schema_grammar(ANSWER_SCHEMA))
+    partway = Constraint(vocab, json_schema_grammar(ANSWER_SCHEMA))
+    partway.consume(tok.encode('{"country": "Fr', add_bos=False))
+    done = Constraint(vocab, json_schema_grammar({"enum": ["yes"]}))
+    done.consume([*tok.encode('"yes"', add_bos=False), min(tok.eog_ids)])
+    assert done._m.is_stopped()
+    other = Constraint(vocab, json_schema_grammar({"type": "object"}))
+    batch = [fresh, partway, done, other]
+    got = next_masks(batch)
+    want = [c.mask() for c in batch]
+    assert all(np.array_equal(g, w) for g, w in zip(got, want, strict=True))
+    assert [int(m.sum()) for m in want] != [int(want[0].sum())] * 4  # the rows differ
+    assert np.array_equal(next_masks([partway])[0], partway.mask())
 
 
 def test_schema_errors_name_the_feature():
