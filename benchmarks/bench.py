@@ -89,7 +89,8 @@ def _resident_run(loaded: LoadedPlan, prompt: list[int], n: int) -> tuple[list[i
     """
     plan = loaded.plan.model_copy(deep=True)
     for p in plan.placement:
-        p.tier = "gpu"
+        p.tier, p.host = "gpu", None
+    plan.cluster = None  # a cluster plan's reference: the whole model on this host
     serving = _serving(LoadedPlan(plan, loaded.path, loaded.gguf, loaded.desc))
     try:
         gen = _timed_generate(serving, prompt, n)

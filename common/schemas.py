@@ -31,7 +31,8 @@ Role = Literal["embedding", "attention", "norm", "ffn", "expert", "router", "out
 
 DESCRIPTION_VERSION = "1.2"
 PROFILE_VERSION = "1.1"
-PLAN_VERSION = "2.1"
+PLAN_VERSION = "2.2"
+CLUSTER_VERSION = "1.0"
 ROUTING_VERSION = "1.0"
 
 
@@ -779,11 +780,23 @@ class Request(Strict):
 
 
 class Placement(Strict):
-    """One unit on one tier."""
+    """One unit on one tier (of one host, in a cluster plan)."""
 
     unit: str
     tier: Tier
     bytes: int = Field(ge=0, description="MLX-form bytes of the unit")
+    host: str | None = Field(
+        default=None,
+        description="cluster plans: the host (``cluster.stages[].host``) that holds the unit; "
+        "None on a one-host plan",
+    )
+
+    @model_serializer(mode="wrap")
+    def _one_host(self, handler):  # a one-host plan's rows stay as they were: no host key
+        data = handler(self)
+        if data.get("host") is None:
+            data.pop("host", None)
+        return data
 
 
 class Pool(Strict):
@@ -1031,6 +1044,163 @@ class Speculative(Strict):
         return self
 
 
+# --------------------------------------------------------------------------- clusters
+
+Backend = Literal["ring", "jaccl", "mpi", "nccl"]
+"""MLX's distributed backends (``mlx.core.distributed``): ring over TCP, JACCL (RDMA over
+Thunderbolt 5), MPI, NCCL (NVIDIA GPUs)."""
+
+HOST_NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$"
+
+
+class ClusterLink(Strict):
+    """A link between two hosts: what one activation transfer over it costs.
+
+    A transfer of ``n`` bytes is priced ``latency_s + n / bandwidth_bytes_s``."""
+
+    hosts: list[str] = Field(min_length=2, max_length=2, description="the two hosts' names")
+    bandwidth_bytes_s: RateFigure = Field(description="one direction, bytes/s")
+    latency_s: SecondsFigure = Field(description="one message of a few bytes, one way, seconds")
+
+    @field_validator("hosts")
+    @classmethod
+    def _two(cls, v: list[str]) -> list[str]:
+        if v[0] == v[1]:
+            raise ValueError(f"a link joins two different hosts (got {v[0]} twice)")
+        return v
+
+
+class ClusterHostSpec(Strict):
+    """One host of a cluster description (the input of ``strata plan --cluster``)."""
+
+    name: str = Field(pattern=HOST_NAME_PATTERN, description="short name, unique in the cluster")
+    address: str = Field(
+        min_length=1,
+        description="how the launcher reaches it (host name or IP; 127.0.0.1 for a rank on "
+        "this machine)",
+    )
+    profile: str = Field(
+        min_length=1,
+        description="its hardware profile (YAML, as strata profile writes it on that host), a "
+        "path relative to the cluster file",
+    )
+    gpu_budget_bytes: int | None = Field(
+        default=None, ge=0, description="override of the profile (bytes, or a size like 2GiB)"
+    )
+    ram_budget_bytes: int | None = Field(
+        default=None, ge=0, description="override of the profile (bytes, or a size like 8GiB)"
+    )
+
+    @field_validator("gpu_budget_bytes", "ram_budget_bytes", mode="before")
+    @classmethod
+    def _size(cls, v: object) -> object:
+        if isinstance(v, str):
+            from strata.common.errors import StrataError
+            from strata.common.sizes import parse_size
+
+            try:
+                return parse_size(v)
+            except StrataError as e:
+                raise ValueError(str(e)) from None
+        return v
+
+
+class ClusterDescription(Strict):
+    """Hosts and the links between them (``strata plan --cluster FILE``): the first host is
+    rank 0, which holds the token embedding and the output head and serves the API."""
+
+    format_version: str = CLUSTER_VERSION
+    name: str = Field(min_length=1)
+    backend: Backend = Field(default="ring", description="MLX's distributed backend")
+    hosts: list[ClusterHostSpec] = Field(min_length=1, max_length=64)
+    links: list[ClusterLink] = Field(default_factory=list)
+
+    @field_validator("format_version")
+    @classmethod
+    def _major(cls, v: str) -> str:
+        return check_major(v, CLUSTER_VERSION, "cluster description")
+
+
+class StagePlan(Strict):
+    """One host's part of a cluster plan: a contiguous run of blocks (a pipeline stage) and
+    what a one-host plan decides for it. Stage ``i`` runs on rank ``i``; stage 0 also holds the
+    token embedding and the output head (``strata.common.cluster.stage_units``)."""
+
+    host: str = Field(pattern=HOST_NAME_PATTERN)
+    address: str = Field(min_length=1)
+    first_block: int = Field(ge=0, description="the stage's first block")
+    end_block: int = Field(ge=0, description="one past its last block")
+    machine: HardwareProfile = Field(description="the host's figures the stage was solved with")
+    runtime: Runtime = Field(default_factory=Runtime)
+    gpu_budget_bytes: int | None = Field(default=None, ge=0)
+    ram_budget_bytes: int | None = Field(default=None, ge=0)
+    pool: Pool = Field(default_factory=lambda: Pool(slots=0, slot_bytes=0))
+    prefetch: Prefetch = Field(default_factory=lambda: Prefetch(depth=0, io_threads=0))
+    expert_cache: ExpertCache = Field(default_factory=ExpertCache)
+    memory: dict[Tier, TierMemory] | None = None
+    prediction: Prediction | None = Field(
+        default=None, description="the stage's own decode step on its host, links excluded"
+    )
+
+    @model_validator(mode="after")
+    def _range(self) -> StagePlan:
+        if self.end_block < self.first_block:
+            raise ValueError(
+                f"stage {self.host}: end_block {self.end_block} is before first_block "
+                f"{self.first_block}"
+            )
+        return self
+
+
+class LinkPlan(Strict):
+    """One stage boundary of a cluster plan: the residual stream of every pass row crosses it."""
+
+    hosts: list[str] = Field(min_length=2, max_length=2, description="from, to")
+    bandwidth_bytes_s: RateFigure
+    latency_s: SecondsFigure
+    bytes_per_token: int = Field(ge=0, description="activation bytes one token sends over it")
+    predicted_s: float = Field(ge=0, description="its transfer time in one decode step, seconds")
+
+
+class ClusterPrediction(Strict):
+    """The pipeline's decode step: stages and link transfers in turn."""
+
+    step_s: float = Field(ge=0, description="one decode step at the plan's batch, seconds")
+    decode_tok_s: float = Field(ge=0, description="aggregate decode tokens/s")
+    binding: str = Field(description="what bounds it: 'host NAME' or 'link A-B'")
+    micro_batches: int = Field(default=1, ge=1, description="micro-batches a step is cut into")
+
+
+class Cluster(Strict):
+    """A plan over several hosts: pipeline stages of contiguous blocks, each a one-host plan of
+    its own units, joined by links. Rank ``i`` runs ``stages[i]``; the residual stream goes from
+    stage to stage and, after the last, back to rank 0 for the output head."""
+
+    name: str = Field(min_length=1)
+    backend: Backend = "ring"
+    stages: list[StagePlan] = Field(min_length=1, max_length=64)
+    links: list[LinkPlan] = Field(
+        default_factory=list,
+        description="boundary i carries stage i's output to stage i+1, the last back to stage 0",
+    )
+    prediction: ClusterPrediction | None = None
+
+    @model_validator(mode="after")
+    def _stages(self) -> Cluster:
+        names = [s.host for s in self.stages]
+        if len(set(names)) != len(names):
+            raise ValueError(f"each host runs one stage (hosts: {', '.join(names)})")
+        end = 0
+        for s in self.stages:
+            if s.first_block != end:
+                raise ValueError(
+                    f"stage {s.host} starts at block {s.first_block}; the stages must cover the "
+                    f"blocks in order without gaps (expected {end})"
+                )
+            end = s.end_block
+        return self
+
+
 class Plan(Strict):
     """A plan: where every unit lives and how the executor runs, self-contained: the model's
     identity, the machine figures it was solved with and the model's cost inputs are inside it,
@@ -1060,6 +1230,19 @@ class Plan(Strict):
         "decisions from this and the machine figures"
     )
     provenance: Provenance = Field(default_factory=Provenance)
+    cluster: Cluster | None = Field(
+        default=None,
+        description="a plan over several hosts (``strata plan --cluster``): the stages, links "
+        "and the pipeline's prediction; the top-level machine, runtime, pool, prefetch, "
+        "expert_cache, memory are stage 0's, the prediction the pipeline's",
+    )
+
+    @model_serializer(mode="wrap")
+    def _one_host(self, handler):  # a one-host plan has no cluster key
+        data = handler(self)
+        if data.get("cluster") is None:
+            data.pop("cluster", None)
+        return data
 
     @model_validator(mode="before")
     @classmethod

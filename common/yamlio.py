@@ -13,6 +13,7 @@ import difflib
 import gzip
 import hashlib
 import json
+import re
 import zlib
 from pathlib import Path
 from typing import TypeVar
@@ -219,6 +220,15 @@ class _BoundedLoader(yaml.SafeLoader):
             raise SchemaError(f"{origin}: {e.args[0]} (line {e.mark.line + 1})") from None
         finally:
             self.dispose()
+
+
+# YAML 1.1 (PyYAML) reads 1e9 and 2.5e-5 without a dot or exponent sign as strings; YAML 1.2
+# and every other reader take them as numbers, and people write figures that way.
+_BoundedLoader.add_implicit_resolver(
+    "tag:yaml.org,2002:float",
+    re.compile(r"^[-+]?[0-9][0-9_]*(?:\.[0-9_]*)?[eE][-+]?[0-9]+$"),
+    list("-+0123456789"),
+)
 
 
 class _Refused(Exception):

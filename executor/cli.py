@@ -233,6 +233,8 @@ def api_key(args: argparse.Namespace) -> str | None:
 
 
 def cmd_profile(args: argparse.Namespace) -> None:
+    if args.link:
+        return _profile_link(args)
     from strata.common.catalog import cache_dir
     from strata.executor.machine import host_profile_name
     from strata.executor.profile import measure_profile
@@ -248,6 +250,81 @@ def cmd_profile(args: argparse.Namespace) -> None:
         from strata.executor.machine import keep_profile
 
         keep_profile(profile)  # what strata check and run compare plans' figures with
+
+
+def cmd_rank(args: argparse.Namespace) -> None:
+    """A rank past 0 of a cluster plan (started by rank 0, or by hand on another host: the
+    command rank 0 prints): load this rank's stage, join the ring, run its blocks of every pass
+    until rank 0 says stop (``executor.pipeline``)."""
+    from strata.executor.engine import Engine
+    from strata.executor.pipeline import ClusterError
+    from strata.executor.plan_loader import load_plan
+    from strata.executor.ranks import (
+        NEIGHBOUR_STOPPED,
+        announce,
+        join_ring,
+        wait_bell,
+        watch_parent,
+    )
+
+    if args.child and not args.link:
+        watch_parent()
+    try:
+        hosts = json.loads(args.ring)
+        ok = isinstance(hosts, list) and all(
+            isinstance(h, list) and h and all(isinstance(a, str) for a in h) for h in hosts
+        )
+    except ValueError:
+        ok = False
+    if not ok:
+        raise StrataError('--ring: give the ring\'s hostfile as JSON, [["ip:port"], ...]')
+    if not 0 < args.rank < len(hosts):
+        raise StrataError(f"--rank {args.rank}: give 1..{len(hosts) - 1} (rank 0 is strata run)")
+    if args.link:
+        from strata.executor.link_profile import answer_link
+
+        answer_link(hosts, args.ready, args.child)
+        return
+    if args.plan is None:
+        raise StrataError("give the cluster plan (the one rank 0 runs)")
+    loaded = load_plan(args.plan, args.model)
+    if loaded.plan.cluster is None:
+        raise StrataError(
+            f"{args.plan} is a one-host plan; strata rank runs a rank of a cluster plan "
+            "(strata plan --cluster FILE)"
+        )
+    engine = Engine(loaded, rank=args.rank)
+    try:
+        bell = announce(args.ready, args.rank)  # then rank 0 joins the ring too
+        group = join_ring(hosts, args.rank)
+        engine.serve_stage(group, lambda: wait_bell(bell))
+    except ClusterError as e:  # another rank stopped first: rank 0 names that one
+        print(f"error: {e}", file=sys.stderr, flush=True)
+        raise SystemExit(NEIGHBOUR_STOPPED) from None
+    finally:
+        engine.close()
+
+
+def _profile_link(args: argparse.Namespace) -> None:
+    """``strata profile --link HOST``: the link as a cluster file's ``links:`` entry."""
+    from strata.common.yamlio import to_yaml
+    from strata.executor.link_profile import measure_link
+    from strata.executor.machine import host_profile_name
+
+    check_output(args.output)
+    names = (args.link_names or f"{host_profile_name()},{args.link}").split(",")
+    if len(names) != 2 or not all(names) or names[0] == names[1]:
+        raise StrataError(f"--link-names {args.link_names}: give two different names, A,B")
+    link = measure_link(args.link, (names[0], names[1]))
+    body = to_yaml(link).rstrip("\n").replace("\n", "\n    ")
+    text = f"links:\n  - {body}\n"
+    if args.output:
+        Path(args.output).write_text(text)
+        print(f"wrote {args.output}", file=sys.stderr)
+    else:
+        sys.stdout.write(text)
+    bw, lat = link.bandwidth_bytes_s.value, link.latency_s.value
+    print(f"link {names[0]}-{names[1]}: {bw / 1e9:.2f} GB/s, {lat * 1e6:.1f} us", file=sys.stderr)
 
 
 def add_plan_arguments(p: argparse.ArgumentParser, *, model: bool = False) -> None:
@@ -366,6 +443,15 @@ def add_commands(sub) -> None:
         "hit, on every backend (prefill and decodes in 16-row tiles, attention per KV block)",
     )
 
+    rk = sub.add_parser("rank", help=argparse.SUPPRESS)  # started by rank 0 (executor.ranks)
+    rk.add_argument("plan", nargs="?", help="the cluster plan")
+    rk.add_argument("--model", metavar="PATH", help="the GGUF file, as for run")
+    rk.add_argument("--link", action="store_true", help="answer strata profile --link")
+    rk.add_argument("--rank", type=int, required=True, help="this process's rank (1..)")
+    rk.add_argument("--ring", required=True, help='the ring\'s hostfile: [["ip:port"], ...]')
+    rk.add_argument("--ready", required=True, help="rank 0's rendezvous, IP:PORT")
+    rk.add_argument("--child", action="store_true", help="exit with the parent (rank 0)")
+
     pr = sub.add_parser("profile", help="measure this machine's hardware profile")
     pr.add_argument("-o", "--output", help="write here instead of stdout")
     pr.add_argument(
@@ -375,6 +461,18 @@ def add_commands(sub) -> None:
     )
     pr.add_argument("--disk-dir", default=None, help="folder on the disk to test (default: cache)")
     pr.add_argument("--quick", action="store_true", help="short tests (less accurate)")
+    pr.add_argument(
+        "--link",
+        metavar="HOST",
+        help="measure the link to HOST over MLX's ring backend instead (bandwidth, one-way "
+        "latency; 127.0.0.1: both ranks here) and print it as a cluster file's links: entry",
+    )
+    pr.add_argument(
+        "--link-names",
+        metavar="A,B",
+        help="with --link: the two hosts' names in the cluster file (default: this host's "
+        "profile name and HOST)",
+    )
     pr.add_argument(
         "--no-keep",
         action="store_true",
@@ -389,4 +487,10 @@ def cmd_chat(args: argparse.Namespace) -> None:
     chat(args)
 
 
-COMMANDS = {"run": cmd_run, "chat": cmd_chat, "serve": cmd_serve, "profile": cmd_profile}
+COMMANDS = {
+    "run": cmd_run,
+    "chat": cmd_chat,
+    "serve": cmd_serve,
+    "profile": cmd_profile,
+    "rank": cmd_rank,
+}

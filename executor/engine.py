@@ -7,15 +7,20 @@ Requests run on the serving engine over it (``executor.serving``; one request wi
 from __future__ import annotations
 
 import sys
+from collections.abc import Callable
+from dataclasses import replace
 
 import mlx.core as mx
 import numpy as np
-from strata.common.errors import StrataError
+from strata.common.cluster import check_cluster_placement, stage_description, stage_view
+from strata.common.errors import SchemaError, StrataError
 from strata.common.schemas import ModelDescription
 from strata.common.tensors import same_up_to_trailing_ones
 from strata.executor.config import RuntimeConfig
 from strata.executor.models import model_class
+from strata.executor.pipeline import Peer, Pipeline, Ring, serve_stage
 from strata.executor.plan_loader import LoadedPlan
+from strata.executor.ranks import RankSet
 from strata.executor.runner import forward_sequence
 from strata.executor.tokenizer import GGUFTokenizer
 from strata.executor.weights import WeightStore
@@ -76,6 +81,30 @@ def check_prompt_ids(ids: list[int], vocab_size: int, context: int) -> None:
         )
 
 
+def cluster_stage(loaded: LoadedPlan, rank: int) -> LoadedPlan:
+    """Rank ``rank``'s stage of a cluster plan as a loaded one-host plan of its own units
+    (``strata.common.cluster.stage_view``, ``stage_description``), the whole plan checked first.
+
+    Raises:
+        StrataError: units on hosts the stages do not say, a rank the plan has no stage for, or
+            what cluster plans do not run yet (speculative decoding).
+    """
+    plan = loaded.plan
+    try:
+        check_cluster_placement(plan)
+        view = stage_view(plan, rank)
+    except SchemaError as e:
+        raise StrataError(f"{loaded.path}: {e}") from None
+    if plan.speculative.method != "none":
+        raise StrataError(
+            f"{loaded.path}: speculative decoding ({plan.speculative.method}) does not run on "
+            "cluster plans yet; re-plan with --speculative none"
+        )
+    ranges = [(s.first_block, s.end_block) for s in plan.cluster.stages]
+    desc = stage_description(loaded.desc, ranges, rank)
+    return replace(loaded, plan=view, desc=desc)
+
+
 class Engine:
     """A plan made runnable: weights loaded on their tiers, tokenizer and model built.
 
@@ -91,9 +120,14 @@ class Engine:
         tokenizer: the tokenizer of ``loaded.gguf``, when the caller already built it (with
             ``GGUFTokenizer.from_gguf(loaded.gguf)``, e.g. to check its prompt before the
             weights load); default: built here from the same file.
+        rank: on a cluster plan, the rank this process is (``strata.common.cluster``): it loads
+            only its stage; rank 0 starts the other ranks (``executor.ranks``) and passes
+            through them (``executor.pipeline``), the others serve their stage
+            (:meth:`serve_stage`). Ignored on a one-host plan.
 
     Raises:
-        StrataError: unsupported architecture or tensor type, or a plan the executor cannot run.
+        StrataError: unsupported architecture or tensor type, or a plan the executor cannot run;
+            on a cluster plan, a rank that did not start or join (names it).
     """
 
     def __init__(
@@ -102,11 +136,37 @@ class Engine:
         expert_cache_mode: str | None = None,
         config: RuntimeConfig | None = None,
         tokenizer: GGUFTokenizer | None = None,
+        rank: int = 0,
     ):
         self.loaded = loaded
         arch = loaded.desc.architecture
         model_cls = model_class(arch)
         check_tensors(loaded.desc, model_cls.expected_shapes(arch))
+        self.rank, self.ranks, self.pipeline = rank, None, None
+        stage = loaded
+        if loaded.plan.cluster is not None:
+            stage = cluster_stage(loaded, rank)
+            if rank == 0:  # the other ranks load their stages while this one loads its own
+                self.ranks = RankSet(loaded.path, loaded.gguf.path, loaded.plan.cluster.stages)
+                self.ranks.start()
+        try:
+            self._load(stage, model_cls, expert_cache_mode, config, tokenizer)
+            if self.ranks is not None:
+                self._join()
+        except BaseException:
+            self.close()
+            raise
+
+    def _load(
+        self,
+        loaded: LoadedPlan,
+        model_cls,
+        expert_cache_mode: str | None,
+        config: RuntimeConfig | None,
+        tokenizer: GGUFTokenizer | None,
+    ) -> None:
+        """The rest of ``__init__`` for ``loaded``, a one-host plan or this rank's stage."""
+        arch = loaded.desc.architecture
         plan = loaded.plan
         self.dtype = DTYPES[plan.runtime.compute_dtype]
         self.config = config if config is not None else RuntimeConfig.build(plan.runtime)
@@ -118,13 +178,21 @@ class Engine:
                 "machine's profile",
                 file=sys.stderr,
             )
-        self.tokenizer = (
-            tokenizer if tokenizer is not None else GGUFTokenizer.from_gguf(loaded.gguf)
-        )
+        if tokenizer is None and self.rank == 0:  # the other ranks see no text
+            tokenizer = GGUFTokenizer.from_gguf(loaded.gguf)
+        self.tokenizer = tokenizer
         self.store = WeightStore(
-            loaded.gguf, loaded.desc, plan.tier_of(), self.dtype, self.config.pinned_ram_tier
+            loaded.gguf,
+            loaded.desc,
+            plan.tier_of(),
+            self.dtype,
+            self.config.pinned_ram_tier,
+            pack_desc=self.loaded.desc,
         )
         self.model = model_cls(arch, self.store, self.dtype, self.config)
+        if self.loaded.plan.cluster is not None:
+            s = self.loaded.plan.cluster.stages[self.rank]
+            self.model.stage = (s.first_block, s.end_block)
         self.store.start_streaming(
             self.model.unit_order(),
             plan.pool.slots,
@@ -147,9 +215,60 @@ class Engine:
         self.context = plan.request.context
         self.prefill_chunk = plan.batch.prefill_chunk
 
+    def _join(self) -> None:
+        """Rank 0 of a cluster plan: wait for the other ranks to join the ring, then pass
+        through them (``executor.pipeline``), watched (a child that dies breaks the pipeline
+        at once, so that the server says so even between requests)."""
+        ranks = self.ranks
+        group = ranks.join()
+        stages = self.loaded.plan.cluster.stages
+
+        def fail(message: str) -> None:  # the ring is broken: no rank can go on
+            ranks.kill()
+
+        ring = self._ring(group)
+        dtypes = [DTYPES[s.runtime.compute_dtype] for s in stages]
+        self.pipeline = Pipeline(ring, dtypes, fail, explain=ranks.explain, wake=ranks.ring)
+        self.model.pipeline = self.pipeline
+
+        def dead(message: str) -> None:  # seen between passes: said in the server's log too
+            print(f"error: the cluster stopped: {message}", file=sys.stderr, flush=True)
+            self.pipeline.fail(f"the cluster stopped: {message}")
+
+        ranks.watch(dead)
+
+    def _ring(self, group) -> Ring:
+        """The sends and receives of ``group``, each rank named by its stage's host."""
+        stages = self.loaded.plan.cluster.stages
+        return Ring(group, lambda r: Peer(r, stages[r].host, stages[r].address))
+
+    def serve_stage(self, group, wait: Callable[[], bool] = lambda: True) -> None:
+        """A rank past 0 of a cluster plan: run its blocks of every pass rank 0 sends until it
+        says stop (``executor.pipeline.serve_stage``; ``wait``: its doorbell), on a KV cache of
+        its own layers.
+
+        Raises:
+            ClusterError: a neighbouring rank stopped.
+        """
+        stages = self.loaded.plan.cluster.stages
+        ring = self._ring(group)
+        b = self.loaded.plan.batch
+        kv = self.model.make_paged_cache(b.kv_num_blocks, b.kv_block_size)
+        kv.keep_layers(*self.model.stage)
+        sender = DTYPES[stages[ring.prev].runtime.compute_dtype]
+        serve_stage(self.model, kv, ring, sender, wait)
+
     def close(self) -> None:
-        """Stop streaming I/O threads (safe to call twice)."""
-        self.store.close()
+        """Stop the other ranks (rank 0 of a cluster plan) and the streaming I/O threads (safe
+        to call twice)."""
+        if self.ranks is not None:
+            self.ranks.quiet()
+        if self.pipeline is not None:
+            self.pipeline.stop()
+        if self.ranks is not None:
+            self.ranks.stop()
+        if hasattr(self, "store"):
+            self.store.close()
 
     def logits_for(self, ids: list[int], first: int = 0) -> np.ndarray:
         """Float32 logits after each position ``first..T-1`` of ``ids`` ([T - first, vocab]), for
@@ -158,9 +277,15 @@ class Engine:
         reference cases took 64 instead of 76 s on the dev CPU), in chunks ending at ``first``.
 
         Raises:
-            StrataError: ``ids`` does not fit the plan's context.
+            StrataError: ``ids`` does not fit the plan's context; a cluster plan (its other
+                ranks' KV caches are the serving engine's).
             ValueError: ``first`` is not a position of ``ids``.
         """
+        if self.pipeline is not None:
+            raise StrataError(
+                "teacher-forced logits run on one-host plans only; give a plan made with "
+                "strata plan --profile"
+            )
         self.check_prompt(ids)
         if not 0 <= first < len(ids):
             raise ValueError(f"logits_for: first {first} is not a position of {len(ids)} ids")

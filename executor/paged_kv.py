@@ -120,13 +120,21 @@ class PagedKVCache:
         one graph, every scatter copied its whole pool instead (MLX 0.32: the pool was still an
         input of the gather when its scatter ran, so the scatter could not take its buffer;
         costs in docs/benchmarks.md#prefix-cache-ttft)."""
-        rows = [pool[src] for pool in (*self.keys, *self.values)]
+        held = [(pools, i) for pools in (self.keys, self.values) for i in range(len(pools))]
+        held = [(pools, i) for pools, i in held if pools[i].shape[0]]  # a stage's layers only
+        rows = [pools[i][src] for pools, i in held]
         mx.eval(rows)
-        n = len(self.keys)
-        for layer in range(n):
-            self.keys[layer][dst] = rows[layer]
-        for layer in range(len(self.values)):
-            self.values[layer][dst] = rows[n + layer]
+        for (pools, i), r in zip(held, rows, strict=True):
+            pools[i][dst] = r
+
+    def keep_layers(self, first: int, end: int) -> None:
+        """Hold the pools of layers ``first .. end - 1`` only (a pipeline stage of a cluster
+        plan: ``executor.pipeline``): the others become empty arrays, never allocated, which
+        :meth:`copy_slots` skips."""
+        for pools in (self.keys, self.values):
+            for i, pool in enumerate(pools):
+                if not first <= i < end:
+                    pools[i] = mx.zeros((0, *pool.shape[1:]), pool.dtype)
 
     def gather(self, layer: int, table: mx.array) -> tuple[mx.array, mx.array]:
         """Keys and values of the slots in ``table`` (int32 [B, L]): [B, kv_heads, L, head_dim]
@@ -262,6 +270,8 @@ class ForwardBatch:
             pass's ``put``).
         backend: arrays an attention backend derives from the layout once per pass, kept for
             every layer (``executor.attention``), by a key of that module's choosing.
+        tile, one_per_piece: the ``tile`` and each input's ``one_per_piece`` it was built with
+            (a pipeline stage builds the same layout from them: ``executor.pipeline``).
     """
 
     ids: list[int]
@@ -277,6 +287,8 @@ class ForwardBatch:
     row_positions: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int32))
     to_device: ToDevice = mx.array
     backend: dict = field(default_factory=dict)
+    tile: int = 0
+    one_per_piece: list[bool] = field(default_factory=list)
     _ids: mx.array | None = None
     _masks: dict[int, mx.array | None] = field(default_factory=dict)
     _positions: dict[int, mx.array] = field(default_factory=dict)
@@ -363,6 +375,8 @@ class ForwardBatch:
             row_inputs=row_inputs,
             row_positions=row_positions,
             to_device=to_device,
+            tile=tile,
+            one_per_piece=[s.one_per_piece for s in seqs],
         )
 
     @property

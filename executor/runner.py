@@ -99,6 +99,12 @@ def forward(
     Raises:
         PassInterrupted: ``interrupt`` answered True between two blocks.
     """
+    if model.pipeline is not None:  # a cluster plan's rank 0: eager, the other ranks relay
+        if layers is not None or skip:
+            raise StrataError("the self-drafter does not run on cluster plans")
+        if interrupt is not None and interrupt():  # once sent, a pass runs on every rank
+            raise PassInterrupted("the pass stopped before it started")
+        return model.pipeline.forward(model, batch, kv, head)
     x = model.embed_pass(batch)
     if model.config.compiled_passes and layers is None and not skip:
         logits = pass_graph.replay(model, batch, kv, x, x.shape[1])
@@ -361,6 +367,7 @@ class ModelRunner:
         """Make the KV pool: ``num_blocks`` blocks of ``block_size`` tokens. Call it on the
         thread that runs the passes (MLX streams belong to the thread that made them)."""
         self.kv = self.model.make_paged_cache(num_blocks, block_size)
+        self.kv.keep_layers(*self.model.stage)
         return self.kv
 
     def close(self) -> None:
@@ -576,7 +583,12 @@ class ModelRunner:
             if b > 1:  # sequence i: one token at position i
                 run([SeqInput([0], i, slots[: i + 1]) for i in range(b)])
         chunk = [SeqInput([0, 0], 0, slots[:2])]
-        if limit >= 2 and pass_graph.compiles(self.model, ForwardBatch.build(chunk), self.kv):
+        compiled = self.model.pipeline is None  # cluster plans run eager passes
+        if (
+            compiled
+            and limit >= 2
+            and pass_graph.compiles(self.model, ForwardBatch.build(chunk), self.kv)
+        ):
             # One layout traced (seen COMPILE_AFTER times): the kernels mx.compile fuses are
             # built here, not in a request, whose first trace took seconds on a fresh GPU
             # (docs/kernels.md#compiled-passes).
@@ -591,6 +603,8 @@ class ModelRunner:
             whatever MLX raises: the ``dst`` slots may then hold wrong keys and values.
         """
         kv = self.kv
+        if self.model.pipeline is not None:  # every rank's KV cache copies the same slots
+            self.model.pipeline.copy_slots(src, dst)
         kv.copy_slots(mx.array(src.astype(np.int32)), mx.array(dst.astype(np.int32)))
         # Queued after the step's pass on the same stream (with a pipelined step in flight,
         # after it too): every KV array is one chain of updates.

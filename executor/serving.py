@@ -427,6 +427,16 @@ class ServingEngine:
                 )
             self._constraint(req.grammar)  # compiles (and keeps) it: its errors are the caller's
 
+    def compile_grammar(self, grammar: str) -> None:
+        """Compile ``grammar`` against this model's vocabulary and keep it (``executor.grammar``'s
+        prototypes), so that a request's :meth:`submit` only copies it: the HTTP layer calls
+        this off its event loop.
+
+        Raises:
+            GrammarError: the grammar does not compile against this model's vocabulary.
+        """
+        self._constraint(grammar)
+
     def _constraint(self, grammar: str) -> Constraint:
         """A fresh grammar state for a request (``executor.grammar``).
 
@@ -444,6 +454,8 @@ class ServingEngine:
         self.validate(req)
         if self._thread is None or not self._thread.is_alive():
             raise StrataError("the serving engine is not running")
+        if self.failure is not None:
+            raise StrataError(self.failure)
         self._inbox.put(("submit", req, on_event))
 
     def abort(self, request_id: str) -> None:
@@ -457,6 +469,13 @@ class ServingEngine:
         # the message arrives, microseconds later).
         self._aborting.add(request_id)
         self._inbox.put(("abort", request_id, None))
+
+    @property
+    def failure(self) -> str | None:
+        """Why this engine can run no pass any more (a cluster plan's rank stopped:
+        ``executor.pipeline``), or None."""
+        pipeline = self.engine.pipeline
+        return pipeline.failure if pipeline is not None else None
 
     def running(self) -> bool:
         """Whether the engine thread runs (started, not stopped): a caller waiting for a

@@ -73,6 +73,9 @@ class WeightStore:
         dtype: compute dtype for float tensors (float32 on CPU).
         pinned: read the RAM tier from page-locked host memory on MLX's CUDA backend
             (``executor.pinned``; ``RuntimeConfig.pinned_ram_tier``); ignored elsewhere.
+        pack_desc: the whole model's description where ``desc`` is a pipeline stage's
+            (``strata.common.cluster.stage_description``): the packed store NVMe units stream
+            from is the whole model's, one per model whichever stages a host runs.
 
     Raises:
         PlanError: a plan streams a model it has no sha256 for.
@@ -86,6 +89,7 @@ class WeightStore:
         tiers: dict[str, str],
         dtype: mx.Dtype,
         pinned: bool = False,
+        pack_desc: ModelDescription | None = None,
     ):
         self.dtype = dtype
         self._pinned = pinned_for(pinned and "ram" in tiers.values())
@@ -105,7 +109,7 @@ class WeightStore:
             # memory should not add to the resident units'.
             if desc.model.sha256 is None:
                 raise PlanError("a plan without the model's sha256 cannot stream it from NVMe")
-            self._pack = PackStore.open_or_build(g, desc, desc.model.sha256)
+            self._pack = PackStore.open_or_build(g, pack_desc or desc, desc.model.sha256)
             self._row_fd = os.open(self._pack.path, os.O_RDONLY)
             self._rows_checked: set[str] = set()  # streamed tables checked whole (``rows``)
         self._expert_units = {u.name: u for u in desc.units if u.expert is not None}

@@ -113,10 +113,24 @@ def plan_from_args(args: argparse.Namespace, desc: ModelDescription | None = Non
     from strata.planner.planning import build_plan
 
     speculative = speculative_from_args(args)  # before describing: option errors come first
+    cluster = getattr(args, "cluster", None)
+    if bool(cluster) == bool(args.profile):
+        raise StrataError("give exactly one of --profile FILE and --cluster FILE")
+    if cluster and (speculative.method != "none" or args.baseline):
+        raise StrataError(
+            "--cluster plans take no --speculative and no --baseline yet; drop them, or plan "
+            "one host with --profile"
+        )
     if desc is None:
         desc = _arch_description(args, "--model")
     request = request_from_args(args)
     routing = Path(args.routing_profile) if args.routing_profile else None
+    if cluster:
+        from strata.planner.cluster import build_cluster_plan
+
+        return build_cluster_plan(
+            args.model, Path(cluster), request, desc=desc, routing_profile=routing
+        )
     return build_plan(
         args.model,
         Path(args.profile),
@@ -135,6 +149,16 @@ def plan_summary(plan: Plan, baseline: bool = False) -> str:
     for p in plan.placement:
         tiers[p.tier] = tiers.get(p.tier, 0) + p.bytes
     where = ", ".join(f"{t} {format_size(b)}" for t, b in sorted(tiers.items()))
+    if plan.cluster is not None:
+        c = plan.cluster
+        stages = ", ".join(
+            f"{s.host} blk {s.first_block}"
+            + (f"–{s.end_block - 1}" if s.end_block - s.first_block > 1 else "")
+            for s in c.stages
+        )
+        binding = c.prediction.binding if c.prediction else "none"
+        n = len(c.stages)
+        where = f"{n} host{'s' * (n != 1)} ({stages}); {where}; binding {binding}"
     tok_s = plan.prediction.decode_tok_s if plan.prediction else 0
     sp = plan.speculative
     if sp.method != "none":
@@ -151,7 +175,14 @@ def plan_summary(plan: Plan, baseline: bool = False) -> str:
 
 def cmd_plan(args: argparse.Namespace) -> None:
     draft = getattr(args, "draft_model", None)
-    check_output(args.output, args.model, args.profile, getattr(args, "arch", None), draft)
+    check_output(
+        args.output,
+        args.model,
+        args.profile,
+        getattr(args, "arch", None),
+        draft,
+        getattr(args, "cluster", None),
+    )
     plan = plan_from_args(args)
     write_yaml(plan, args.output)
     print(f"wrote {args.output}: {plan_summary(plan, args.baseline)}", file=sys.stderr)
@@ -279,7 +310,7 @@ def add_plan_options(p, *, from_model: bool = False, concurrency: int = 1) -> No
             "kept in the cache; strata profile measures it again)",
         )
     else:
-        opt("--profile", required=True, help="hardware profile YAML")
+        opt("--profile", help="hardware profile YAML (or --cluster FILE)")
     shorter = ", or the model's training context where shorter" if from_model else ""
     opt(
         "--context",
@@ -352,6 +383,13 @@ def add_commands(sub) -> None:
     pl.add_argument("--arch", help="instead of --model: architecture file (profiles/arch/*.yaml)")
     pl.add_argument("--ftype", help="with --arch: llama.cpp file type, e.g. Q4_K_M")
     add_plan_options(pl)
+    pl.add_argument(
+        "--cluster",
+        metavar="FILE",
+        help="instead of --profile: a cluster description (hosts, their profiles, the links "
+        "between them; profiles/clusters/*.yaml): a pipeline of contiguous blocks per host "
+        "(docs/clusters.md)",
+    )
     pl.add_argument("-o", "--output", required=True, help="plan file to write")
 
     df = sub.add_parser("diff", help="what differs between two plans")

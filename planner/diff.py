@@ -289,9 +289,17 @@ def diff(a: Plan, b: Plan, desc: ModelDescription | None = None) -> str:
     lines += _change("request", request_label(a), request_label(b))
     lines += _change("runtime", runtime_label(a), runtime_label(b))
     lines += _moves(a, b, desc or description_of(a))
-    lines += _memory(va, vb)
-    lines += _change("pool", pool_label(va), pool_label(vb))
-    lines += _experts(va, vb)
+    if a.cluster is not None or b.cluster is not None:
+        from strata.planner.cluster_views import cluster_diff  # it builds on planner.explain
+
+        # Per-tier memory of one host against another's stage 0 says nothing: per host instead.
+        lines += cluster_diff(a, b, va, vb, desc or description_of(a))
+    else:
+        lines += _memory(va, vb)
+    streaming = _change("pool", pool_label(va), pool_label(vb)) + _experts(va, vb)
+    if streaming and (a.cluster is not None or b.cluster is not None):
+        streaming.insert(0, "rank 0's streaming (a cluster plan's other hosts: strata explain):")
+    lines += streaming
     lines += _speculative(a, b)
     lines += _change("batch", batch_label(a), batch_label(b))
     lines += _prediction(va, vb)

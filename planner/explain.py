@@ -239,11 +239,14 @@ def _memory_lines(plan: Plan) -> list[str]:
     gpu = plan.memory.get("gpu")  # type: ignore[call-overload]
     if gpu is not None and gpu.recurrent_state:
         a, n = plan.costs.architecture, plan.batch.max_num_seqs
+        # The blocks this plan holds: all of them, or a pipeline stage's (its stage_view).
+        held = {u.layer for u in plan.costs.units if u.layer is not None}
+        recurrent = len(held & set(a.recurrent_layers))
         lines.append(
-            f"  (gpu total includes the recurrent state of the {len(a.recurrent_layers)} gated "
+            f"  (gpu total includes the recurrent state of the {recurrent} gated "
             f"delta-net blocks, {format_size(gpu.recurrent_state)} for {n} "
             f"sequence{'s' if n != 1 else ''} whatever the context; the KV cache is the "
-            f"{a.block_count - len(a.recurrent_layers)} attention blocks')"
+            f"{len(held) - recurrent} attention blocks')"
         )
     over = [
         f"{row.tier_label} by {format_size(used - row.capacity)}"
@@ -574,6 +577,10 @@ def explain(plan: Plan, desc: ModelDescription | None = None) -> str:
         skips, the acceptance rate and its source, the speculative step and tokens/s); the
         solver's result.
     """
+    if plan.cluster is not None:
+        from strata.planner.cluster_views import explain_cluster  # it builds on this module
+
+        return explain_cluster(plan, desc)
     judged = judge(plan)
     view = judged.view
     desc = desc or description_of(plan)

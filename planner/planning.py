@@ -36,6 +36,59 @@ from strata.planner.speculative import (
 from strata import __version__
 
 
+def prepare_description(
+    model: str | None,
+    request: Request,
+    *,
+    desc: ModelDescription | None = None,
+    routing_profile: Path | None = None,
+) -> tuple[ModelDescription, RoutingRef | None]:
+    """The description a plan is solved with, and its routing profile's reference: ``model``
+    described (or ``desc`` as given), checked to be an architecture Strata plans (a note where
+    the executor cannot run it yet), the routing profile applied and kept in the cache, the
+    model's path made absolute (a hint from any folder). ``build_plan`` and
+    ``planner.cluster.build_cluster_plan`` share it.
+
+    Raises:
+        StrataError: a bad model, an architecture Strata does not describe, a bad routing profile.
+    """
+    if desc is None:
+        if model is None:
+            raise ValueError("build_plan needs a model spec or a description")
+        desc, _ = describe(model)
+    # The executor runs only the architectures of strata.common.tensors: refuse others here,
+    # not after a plan (and a packed store) was made for them. Those it describes but does not
+    # run yet (ArchRule.not_executed: the hybrids) are planned, with a note that says so.
+    rule = arch_rule(desc.architecture)
+    if rule.not_executed:
+        print(
+            f"note: {desc.architecture.name} is planned but strata run cannot execute it yet: "
+            f"{rule.not_executed}",
+            file=sys.stderr,
+        )
+    if routing_profile is not None:
+        desc = apply_routing_profile(desc, read_routing_profile(routing_profile))
+    if request.context > desc.architecture.context_length:
+        print(
+            f"warning: --context {request.context} exceeds the model's training context "
+            f"{desc.architecture.context_length}",
+            file=sys.stderr,
+        )
+    routing = None
+    if desc.routing is not None and routing_profile is not None:
+        kept = routing_cache_path(desc.routing.sha256)
+        if not kept.is_file():
+            kept.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(routing_profile, kept)
+        routing = RoutingRef(sha256=desc.routing.sha256, path=str(routing_profile.resolve()))
+    if desc.model.path is not None:  # the path as given: keep it absolute, a hint from anywhere
+        # Absolute without following links: a split model's shards are found by their names,
+        # which a link (the Hugging Face cache's snapshots) keeps and its target does not.
+        hint = str(Path(desc.model.path).absolute())
+        desc = desc.model_copy(update={"model": desc.model.model_copy(update={"path": hint})})
+    return desc, routing
+
+
 def build_plan(
     model: str | None,
     profile_path: Path,
@@ -82,40 +135,7 @@ def build_plan(
     """
     spec = speculative or SpeculativeRequest()
     profile = read_yaml(profile_path, HardwareProfile)
-    if desc is None:
-        if model is None:
-            raise ValueError("build_plan needs a model spec or a description")
-        desc, _ = describe(model)
-    # The executor runs only the architectures of strata.common.tensors: refuse others here,
-    # not after a plan (and a packed store) was made for them. Those it describes but does not
-    # run yet (ArchRule.not_executed: the hybrids) are planned, with a note that says so.
-    rule = arch_rule(desc.architecture)
-    if rule.not_executed:
-        print(
-            f"note: {desc.architecture.name} is planned but strata run cannot execute it yet: "
-            f"{rule.not_executed}",
-            file=sys.stderr,
-        )
-    if routing_profile is not None:
-        desc = apply_routing_profile(desc, read_routing_profile(routing_profile))
-    if request.context > desc.architecture.context_length:
-        print(
-            f"warning: --context {request.context} exceeds the model's training context "
-            f"{desc.architecture.context_length}",
-            file=sys.stderr,
-        )
-    routing = None
-    if desc.routing is not None and routing_profile is not None:
-        kept = routing_cache_path(desc.routing.sha256)
-        if not kept.is_file():
-            kept.parent.mkdir(parents=True, exist_ok=True)
-            shutil.copyfile(routing_profile, kept)
-        routing = RoutingRef(sha256=desc.routing.sha256, path=str(routing_profile.resolve()))
-    if desc.model.path is not None:  # the path as given: keep it absolute, a hint from anywhere
-        # Absolute without following links: a split model's shards are found by their names,
-        # which a link (the Hugging Face cache's snapshots) keeps and its target does not.
-        hint = str(Path(desc.model.path).absolute())
-        desc = desc.model_copy(update={"model": desc.model.model_copy(update={"path": hint})})
+    desc, routing = prepare_description(model, request, desc=desc, routing_profile=routing_profile)
     provenance = Provenance(
         planner_version=__version__,
         solver=solver_description(time_limit_s),

@@ -11,8 +11,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from strata.common.cluster import check_cluster_placement, stage_view
 from strata.common.describe import recurrent_state_elements
-from strata.common.errors import PlanError
+from strata.common.errors import PlanError, SchemaError
 from strata.common.schemas import (
     HardwareProfile,
     ModelCosts,
@@ -31,6 +32,7 @@ from strata.planner.costmodel import (
     score,
     tier_memory,
 )
+from strata.planner.pipeline import pipeline_prediction
 
 DECISIONS = ("runtime", "placement", "pool", "prefetch", "expert_cache", "batch")
 """The plan sections that decide how it runs (besides the speculative settings below)."""
@@ -80,13 +82,18 @@ def description_of(plan: Plan) -> ModelDescription:
         for u in c.units
     ]
     total = sum(u.bytes for u in c.units)
+    # A pipeline stage's view (``common.cluster.stage_view``) holds some of the recurrent
+    # blocks: its state is theirs (every recurrent block keeps the same per sequence).
+    recurrent = set(c.architecture.recurrent_layers)
+    held = len(recurrent & {u.layer for u in c.units if u.layer is not None})
+    state = recurrent_state_elements(c.architecture) * held // len(recurrent) if recurrent else 0
     return ModelDescription(
         model=plan.model,
         architecture=c.architecture,
         file_type="unknown",
         kv_elements_per_token=c.kv_elements_per_token,
         kv_bytes_per_token=c.kv_elements_per_token * 2,
-        recurrent_state_elements_per_sequence=recurrent_state_elements(c.architecture),
+        recurrent_state_elements_per_sequence=state,
         bytes_gguf=0,
         bytes_mlx=total,
         units=units,
@@ -106,6 +113,18 @@ def decisions_sha256(plan: Plan) -> str:
     sp = plan.speculative
     doc["speculative"] = {k: getattr(sp, k) for k in SPECULATIVE_DECISIONS}
     doc["draft_model"] = sp.draft_model.sha256 if sp.draft_model else None
+    if plan.cluster is not None:  # one-host plans' digests stay as they were
+        doc["placement"] = sorted((p.unit, p.tier, p.host or "") for p in plan.placement)
+        doc["cluster"] = {
+            "backend": plan.cluster.backend,
+            "stages": [
+                s.model_dump(mode="json", exclude={"memory", "prediction"})
+                for s in plan.cluster.stages
+            ],
+            "links": [
+                lk.model_dump(mode="json", exclude={"predicted_s"}) for lk in plan.cluster.links
+            ],
+        }
     return sha256_of(doc)
 
 
@@ -179,8 +198,14 @@ def memory_needs(plan: Plan) -> list[tuple[CapacityRow, int]]:
     device bytes included; ``row.capacity`` is the plan's own budget.
 
     Raises:
-        PlanError: as ``executed_placement``.
+        PlanError: as ``executed_placement``; a cluster plan (its memory is per host: ask of
+            ``common.cluster.stage_view(plan, rank)``).
     """
+    if plan.cluster is not None:
+        raise PlanError(
+            "a cluster plan's memory is per host: judge one stage (strata.common.cluster."
+            "stage_view(plan, rank))"
+        )
     rows = capacity_use(description_of(plan), plan.machine, plan.request, executed_placement(plan))
     extra = speculative_bytes(plan)
     return [(row, used + (extra if "gpu" in row.weight_tiers else 0)) for row, used in rows]
@@ -199,11 +224,19 @@ class Judged:
 
 def judge(plan: Plan, machine: HardwareProfile | None = None) -> Judged:
     """Re-score ``plan``'s decisions with its model costs and its embedded machine figures (or
-    ``machine``'s: another machine's profile, for ``strata check``).
+    ``machine``'s: another machine's profile, for ``strata check``; a cluster plan's rank 0).
+
+    A cluster plan is judged stage by stage (``common.cluster.stage_view``: each stage a
+    one-host plan of its own units on its host), its links' transfers and the pipeline's step
+    recomputed from them (``planner.pipeline``); the view's cluster section holds the judged
+    stages, its top-level memory, pool and prefetch are stage 0's, its prediction the
+    pipeline's.
 
     Raises:
         PlanError: the placement does not cover exactly the units in ``plan.costs``.
     """
+    if plan.cluster is not None:
+        return _judge_cluster(plan, machine)
     desc = description_of(plan)
     profile = machine or plan.machine
     placement = executed_placement(plan)
@@ -214,6 +247,48 @@ def judge(plan: Plan, machine: HardwareProfile | None = None) -> Judged:
             "prediction": score(desc, profile, plan.request, placement),
             "pool": pool,
             "prefetch": prefetch,
+        }
+    )
+    return Judged(view, edited(plan))
+
+
+def _judge_cluster(plan: Plan, machine: HardwareProfile | None) -> Judged:
+    """``judge`` of a cluster plan (its docstring)."""
+    assert plan.cluster is not None
+    try:
+        check_cluster_placement(plan)  # a unit moved to another host names itself, not a gap
+    except SchemaError as e:
+        raise PlanError(str(e)) from None
+    stages = []
+    for rank, stage in enumerate(plan.cluster.stages):
+        try:
+            view = judge(stage_view(plan, rank), machine if rank == 0 else None).view
+        except PlanError as e:
+            raise PlanError(f"host {stage.host}'s stage: {e}") from None
+        stages.append(
+            stage.model_copy(
+                update={
+                    "memory": view.memory,
+                    "prediction": view.prediction,
+                    "pool": view.pool,
+                    "prefetch": view.prefetch,
+                }
+            )
+        )
+    prediction, cluster_prediction, links = pipeline_prediction(
+        stages, plan.cluster.links, plan.request, plan.batch
+    )
+    cluster = plan.cluster.model_copy(
+        update={"stages": stages, "links": links, "prediction": cluster_prediction}
+    )
+    s0 = stages[0]
+    view = plan.model_copy(
+        update={
+            "memory": s0.memory,
+            "prediction": prediction,
+            "pool": s0.pool,
+            "prefetch": s0.prefetch,
+            "cluster": cluster,
         }
     )
     return Judged(view, edited(plan))

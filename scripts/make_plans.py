@@ -24,6 +24,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from strata.common.schemas import (  # noqa: E402
+    Cluster,
     ExpertCache,
     Plan,
     Prediction,
@@ -32,10 +33,12 @@ from strata.common.schemas import (  # noqa: E402
 )
 from strata.common.yamlio import document_text, write_yaml  # noqa: E402
 from strata.planner.archdesc import describe_arch  # noqa: E402
+from strata.planner.cluster import build_cluster_plan  # noqa: E402
 from strata.planner.planning import build_plan  # noqa: E402
 
 # plan file -> (model, profile file, request); a model is a catalog name, or (architecture file
-# under profiles/arch/, llama.cpp file type) for a model described without its weights.
+# under profiles/arch/, llama.cpp file type) for a model described without its weights; a
+# profile under clusters/ is a cluster description (strata plan --cluster).
 EXAMPLES: dict[str, tuple[str | tuple[str, str], str, dict]] = {
     "smollm2-135m.dev-linux-cpu.yaml": ("smollm2-135m", "dev-linux-cpu.yaml", {"context": 2048}),
     "smollm2-135m.m1-max-32gb.yaml": ("smollm2-135m", "m1-max-32gb.yaml", {"context": 8192}),
@@ -83,11 +86,18 @@ EXAMPLES: dict[str, tuple[str | tuple[str, str], str, dict]] = {
         "m3-ultra-512gb.yaml",
         {"context": 4096},
     ),
+    # Issue 39's planning-only acceptance: the same model over two of those Macs (docs/clusters.md).
+    "deepseek-v3-q4_k_m.m3-ultra-512gb-x2-tb5.yaml.gz": (
+        ("deepseek-v3.yaml", "Q4_K_M"),
+        "clusters/m3-ultra-512gb-x2-tb5.yaml",
+        {"context": 4096},
+    ),
 }
 
 SLOW: frozenset[str] = frozenset(
     {
         "deepseek-v3-q4_k_m.m3-ultra-512gb.yaml",
+        "deepseek-v3-q4_k_m.m3-ultra-512gb-x2-tb5.yaml.gz",
         "qwen3-coder-next-80b-a3b-q4_k_m.m1-max-32gb.yaml",
         "qwen3.5-397b-a17b-q4_0.m3-max-48gb.yaml.gz",
     }
@@ -170,13 +180,27 @@ ANCHORS: list[Anchor] = [
         "an RTX 4090D; llama.cpp on the same machine: 4.51",
         source="kvcache-ai/ktransformers, doc/en/DeepseekR1_V3_tutorial.md",
     ),
+    Anchor(
+        plan="deepseek-v3-q4_k_m.m3-ultra-512gb-x2-tb5.yaml.gz",
+        model="DeepSeek-V3 Q4_K_M",
+        machine="2 x M3 Ultra 512 GB, Thunderbolt 5",
+        published="27.8 (one Mac: 21.1)",
+        how="DeepSeek V3.1 in Exo 1.0 over RDMA on Thunderbolt 5 on Jeff Geerling's M3 Ultra Mac "
+        "Studios (quantization and split not given in the comment); one M3 Ultra 512 GB in MLX "
+        "4-bit: 17-18 (Dave2D's test); no published mlx-lm pipeline figure on two M3 Ultras was "
+        "found (docs/clusters.md)",
+        source="a Hacker News comment on jeffgeerling.com's \"1.5 TB of VRAM on Mac Studio - RDMA "
+        "over Thunderbolt 5\" (item 46320247); wccftech.com on Dave2D's run",
+    ),
 ]
-"""The anchors of issue 37 whose architecture Strata describes, in the table's order."""
+"""The anchors of issue 37 whose architecture Strata describes, and issue 39's cluster anchor, in
+the table's order."""
 
 GiB = 1 << 30
 
 # Top-level sections of a plan file that the table reads; the others (placement, costs) are the
-# bulk of a large plan and are not parsed (the pure-Python loader reads ~0.4 MB/s).
+# bulk of a large plan and are not parsed (the pure-Python loader reads ~0.4 MB/s). A cluster
+# plan's ``cluster`` section is read too (its stages and prediction).
 _SECTIONS = ("request", "expert_cache", "memory", "prediction")  # and the placement, by regex
 
 
@@ -185,7 +209,9 @@ def plan_summary(path: Path) -> dict:
 
     Returns:
         ``{"request": Request, "expert_cache": ExpertCache, "memory": {tier: TierMemory},
-        "prediction": Prediction}``.
+        "prediction": Prediction, "units": {kind: {tier: count}}, "weights": {tier: bytes},
+        "cluster": Cluster | None}`` (a cluster plan's memory and expert cache are stage 0's;
+        units and weights count every host's).
 
     Raises:
         ValueError: a section is missing or does not match its schema.
@@ -204,22 +230,33 @@ def plan_summary(path: Path) -> dict:
         s, e = bounds[key]
         out.update(yaml.load(text[s:e], Loader=loader))
     units: dict[str, dict[str, int]] = {}
+    weights: dict[str, int] = {}
     s, e = bounds["placement"]
-    for unit, tier in _PLACED.findall(text, s, e):
+    for unit, tier, size in _PLACED.findall(text, s, e):
         kind = _KIND.get(unit) or _KIND[unit.split(".")[2]]
         units.setdefault(kind, {}).setdefault(tier, 0)
         units[kind][tier] += 1
+        weights[tier] = weights.get(tier, 0) + int(size)
+    cluster = None
+    if "cluster" in bounds:
+        s, e = bounds["cluster"]
+        cluster = Cluster(**yaml.load(text[s:e], Loader=loader)["cluster"])
     return {
         "request": Request(**out["request"]),
         "expert_cache": ExpertCache(**out["expert_cache"]),
         "memory": {t: TierMemory(**m) for t, m in out["memory"].items()},
         "prediction": Prediction(**out["prediction"]),
         "units": units,
+        "weights": weights,
+        "cluster": cluster,
     }
 
 
-_PLACED = re.compile(r"^  - \{unit: ([^,]+), tier: (\w+), bytes: \d+\}$", re.MULTILINE)
-"""One placement entry as ``write_yaml`` writes it (a flow mapping on one line)."""
+_PLACED = re.compile(
+    r"^  - \{unit: ([^,]+), tier: (\w+), bytes: (\d+)(?:, host: [^}]+)?\}$", re.MULTILINE
+)
+"""One placement entry as ``write_yaml`` writes it (a flow mapping on one line; a cluster
+plan's names its host)."""
 
 _KIND = {
     "token_embd": "embedding",
@@ -248,11 +285,17 @@ def _gib(n: int) -> str:
 def decided(summary: dict) -> str:
     """What the plan decided, in one cell: weights per tier, units per kind and tier, the expert
     cache, the bottleneck."""
-    mem, cache, pred = summary["memory"], summary["expert_cache"], summary["prediction"]
-    tiers = ", ".join(
-        f"{t} {_gib(mem[t].weights)}" for t in ("gpu", "ram", "nvme") if t in mem and mem[t].weights
-    )
+    cache, pred, w = summary["expert_cache"], summary["prediction"], summary["weights"]
+    tiers = ", ".join(f"{t} {_gib(w[t])}" for t in ("gpu", "ram", "nvme") if w.get(t))
     parts = [f"weights GiB: {tiers}"]
+    cluster = summary.get("cluster")
+    if cluster is not None:  # the stage split; the expert cache below is stage 0's
+        parts.insert(
+            0,
+            f"{len(cluster.stages)} hosts: "
+            + ", ".join(f"{s.host} blk {s.first_block}-{s.end_block - 1}" for s in cluster.stages)
+            + f"; binding {cluster.prediction.binding}",
+        )
     for kind in _KIND.values():
         where = summary["units"].get(kind, {})
         if where:
@@ -266,7 +309,7 @@ def decided(summary: dict) -> str:
         )
     if pred.expert_hit_rate is not None:
         parts.append(f"predicted hit rate {pred.expert_hit_rate:.1%}")
-    parts.append(f"{pred.bottleneck}-bound")
+    parts.append(f"{pred.bottleneck}-bound" + (" (the binding host)" if cluster else ""))
     return "; ".join(parts)
 
 
@@ -342,6 +385,10 @@ def make(name: str) -> Plan:
     # The SLOW plans' ILPs take 10-20 s of CPU: a generous wall-clock guard keeps a busy machine
     # (CI, the tests run in parallel) from failing them; the plan is the same (planner.ilp).
     limit = SLOW_TIME_LIMIT_S if name in SLOW else 30
+    if profile.startswith("clusters/"):
+        return build_cluster_plan(
+            spec, ROOT / "profiles" / profile, Request(**request), desc=desc, time_limit_s=limit
+        )
     return build_plan(
         spec, ROOT / "profiles" / profile, Request(**request), desc=desc, time_limit_s=limit
     )

@@ -16,7 +16,8 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from strata.common.errors import PlanError, StrataError
+from strata.common.cluster import check_cluster_placement, stage_view
+from strata.common.errors import PlanError, SchemaError, StrataError
 from strata.common.schemas import HardwareProfile, Plan
 from strata.common.sizes import format_size
 from strata.common.yamlio import read_yaml
@@ -115,19 +116,39 @@ def verdict(plan: Plan, here: MachineNow, local: HardwareProfile | None) -> Verd
     return v
 
 
-def _verdict(path: Path, local: HardwareProfile | None) -> Verdict:
-    """``verdict`` of the plan file ``path`` on the running machine.
+def _verdict(path: Path, local: HardwareProfile | None, rank: int = 0) -> Verdict:
+    """``verdict`` of the plan file ``path`` on the running machine; of a cluster plan, the
+    stage of rank ``rank`` (``common.cluster.stage_view``: its units, its host's figures and
+    budgets), which the output says.
 
     Raises:
         StrataError: not a plan; a plan of a described model (no weights); decisions that
-            cannot be judged (a unit placed twice...), named by the file.
+            cannot be judged (a unit placed twice...), named by the file; a rank the plan does
+            not have.
     """
     plan = read_yaml(path, Plan)
     check_executable(path, plan)
     try:
-        return verdict(plan, machine_now(), local)
-    except PlanError as e:
+        check_cluster_placement(plan)
+        v = verdict(stage_view(plan, rank), machine_now(), local)
+    except (PlanError, SchemaError) as e:
         raise PlanError(f"{path}: {e}") from None
+    if plan.cluster is not None:
+        stages = plan.cluster.stages
+        s = stages[rank]
+        others = ", ".join(x.host for i, x in enumerate(stages) if i != rank) or "none"
+        head = ", the embedding and the head" if rank == 0 else ""
+        # The bandwidth comparison is of this stage alone, not of the pipeline's rate.
+        alone = f"rank {rank}'s stage alone, with this machine's figures"
+        v.checked = [x.replace("with this machine's figures", alone, 1) for x in v.checked]
+        v.warnings = [x.replace("with this machine's figures", alone, 1) for x in v.warnings]
+        v.checked.insert(
+            0,
+            f"cluster plan {plan.cluster.name}: rank {rank}'s stage (host {s.host}, blocks "
+            f"{s.first_block}–{s.end_block - 1}{head}) checked against this machine; the other "
+            f"hosts' stages ({others}) are not checked here",
+        )
+    return v
 
 
 def check(path: str | Path, model: str | None = None, profile: str | None = None) -> Verdict:
@@ -150,16 +171,17 @@ def check(path: str | Path, model: str | None = None, profile: str | None = None
     return v
 
 
-def require(path: str | Path) -> None:
+def require(path: str | Path, rank: int = 0) -> None:
     """What ``run``, ``serve`` and ``bench`` ask before loading: the plan is executable and the
-    machine holds it; warnings go to stderr as one line each.
+    machine holds it (of a cluster plan, the stage of rank ``rank``); warnings go to stderr as
+    one line each.
 
     Raises:
         PlanError: the plan does not hold on this machine (one line naming each reason and the
             fix).
     """
     path = Path(path)
-    v = _verdict(path, last_profile())
+    v = _verdict(path, last_profile(), rank)
     for w in v.warnings:
         print(f"warning: {w}", file=sys.stderr)
     if not v.holds:

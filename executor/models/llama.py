@@ -318,6 +318,10 @@ class LlamaModel:
         self._inv_freqs: tuple[mx.array, float, mx.array] | None = None
         self._rope_params: dict[tuple[float, float], mx.array] = {}
         self._yarn_params: dict[tuple[float, float], tuple[mx.array, float]] = {}
+        # A pipeline stage of a cluster plan runs blocks [first, end) only and, past rank 0,
+        # holds no head (``executor.pipeline``); ``pipeline`` is rank 0's link to the others.
+        self.stage = (0, arch.block_count)
+        self.pipeline = None
 
     # ----------------------------------------------------------------- architecture hooks
 
@@ -853,9 +857,13 @@ class LlamaModel:
         return bucket_rows(tokens)
 
     def unit_order(self) -> list[str]:
-        """Units in the order ``forward`` asks the store for them (the streaming schedule)."""
+        """Units in the order ``forward`` asks the store for them (the streaming schedule): a
+        pipeline stage's own blocks (``stage``), and the head where the store holds it."""
+        first, end = self.stage
         order = ["globals"] if self.has_globals else []
-        order += [f"blk.{i}.{k}" for i in range(self.arch.block_count) for k in ("attn", "ffn")]
+        order += [f"blk.{i}.{k}" for i in range(first, end) for k in ("attn", "ffn")]
+        if not _has_unit(self.store, "output"):  # a stage past rank 0
+            return order
         return order + ["output"] + (["token_embd"] if self.arch.tied_embeddings else [])
 
 

@@ -137,11 +137,15 @@ class Generation:
 
         Raises:
             APIError: 400 for a request the engine refuses (StrataError), 503 while the server
-                shuts down, 500 otherwise.
+                shuts down or after a cluster plan's rank stopped (its message), 500 otherwise.
         """
         if self.state.closing:
             self.finished = True
             raise APIError(503, "the server is shutting down; retry elsewhere", "server_error")
+        failure = self.state.engine.failure  # a cluster plan's rank stopped: nothing can run
+        if failure is not None:
+            self.finished = True
+            raise APIError(503, failure, "server_error")
         self.state.check_queue()
         mailbox = self.state.mailbox(asyncio.get_running_loop())
         put = self._queue.put_nowait

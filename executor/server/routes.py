@@ -106,6 +106,14 @@ async def _start(
     asked, asked_param = body.max_new_tokens()
     max_tokens = _max_tokens(state, len(prompt_ids), asked, default, prompt_param, asked_param)
     prefix = "chatcmpl" if isinstance(body, ChatCompletionRequest) else "cmpl"
+    if grammar is not None:
+        # Compiling a schema (the first time, the model's vocabulary too) takes milliseconds to
+        # seconds: in a worker thread, while the loop serves the other streams; the engine keeps
+        # it compiled, so the submit below only copies it.
+        try:
+            await run_in_threadpool(state.engine.compile_grammar, grammar)
+        except StrataError as e:
+            raise APIError(400, str(e)) from None
     gen = Generation(
         state,
         f"{prefix}-{uuid.uuid4().hex}",
@@ -359,10 +367,13 @@ async def get_model(request: Request) -> Response:
 
 
 async def health(request: Request) -> Response:
-    """``GET /health``: 200 while the server takes requests, 503 once it shuts down (open
-    without the API key)."""
+    """``GET /health``: 200 while the server takes requests, 503 once it shuts down or once a
+    cluster plan's rank stopped (``error``: which, and why), open without the API key."""
     if _state(request).closing:
         return JSONResponse({"status": "shutting down"}, status_code=503)
+    failure = _state(request).engine.failure
+    if failure is not None:
+        return JSONResponse({"status": "error", "error": failure}, status_code=503)
     return JSONResponse({"status": "ok"})
 
 

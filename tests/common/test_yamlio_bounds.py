@@ -84,3 +84,21 @@ def test_a_gzip_document_is_read_as_its_text_and_bounded_inflated(tmp_path, monk
     broken = tmp_path / "broken.yaml.gz"
     broken.write_bytes(a.read_bytes()[:40])
     _refused(broken, HardwareProfile, "broken.yaml.gz: cannot be read")
+
+
+def test_figures_in_exponent_form_are_numbers(tmp_path):
+    """Review: a link's bandwidth written ``1e9`` (no dot, no exponent sign) was a string to
+    PyYAML's YAML 1.1 reader, refused as "not a valid number"; it is 10^9 as in YAML 1.2."""
+    from strata.common.schemas import ClusterLink
+
+    p = tmp_path / "link.yaml"
+    p.write_text(
+        "hosts: [a, b]\n"
+        "bandwidth_bytes_s: {value: 1e9, source: assumed, how: a guess}\n"
+        "latency_s: {value: 2.5e-5, source: assumed, how: a guess}\n"
+    )
+    link = yamlio.read_yaml(p, ClusterLink)
+    assert link.bandwidth_bytes_s.value == 1e9 and link.latency_s.value == 2.5e-5
+    p.write_text("hosts: [a, b]\nbandwidth_bytes_s: {value: '1e9', source: assumed, how: x}\n")
+    with pytest.raises(SchemaError):  # quoted, it stays a string
+        yamlio.read_yaml(p, ClusterLink)

@@ -119,7 +119,16 @@ def serve_process(
         else:
             time.sleep(0.2)
     assert httpx.get(f"{url}/health", timeout=10).json() == {"status": "ok"}  # no key needed
-    yield Server(url, proc, log)
+    try:
+        yield Server(url, proc, log)
+    except BaseException:  # a failed test: the server (and a cluster plan's ranks) must go
+        proc.send_signal(signal.SIGINT)
+        try:
+            proc.wait(timeout=30)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+        raise
     proc.send_signal(signal.SIGINT)
     try:
         assert proc.wait(timeout=30) == 0, log.read_text()
@@ -942,6 +951,7 @@ class FailingEngine:
     raises, which the real engine reports as an ``error`` event): one token, then the error."""
 
     context = CONTEXT
+    failure = None  # no cluster rank stopped (ServingEngine.failure)
 
     def __init__(self, tokenizer):
         self.tokenizer = tokenizer

@@ -60,7 +60,14 @@ def test_anchor_plan_loads_and_its_summary_is_the_plans(anchor):
     assert summary["prediction"] == plan.prediction
     assert summary["expert_cache"] == plan.expert_cache
     assert summary["memory"] == plan.memory
+    assert summary["cluster"] == plan.cluster
+    # A cluster plan's top-level memory is stage 0's: its host's weights.
+    host = plan.cluster.stages[0].host if plan.cluster else None
     for tier, mem in plan.memory.items():
-        assert mem.weights == sum(p.bytes for p in plan.placement if p.tier == tier), tier
+        mine = [p.bytes for p in plan.placement if p.tier == tier and p.host == host]
+        assert mem.weights == sum(mine), tier
+        assert summary["weights"].get(tier, 0) == sum(
+            p.bytes for p in plan.placement if p.tier == tier
+        )
     assert summary["units"] == make_plans.unit_kinds(plan)
     assert plan.prediction.decode_tok_s > 0 and len(plan.prediction.ttft_s) == 2

@@ -340,7 +340,7 @@ def test_loader_checks_the_draft_model_file(smollm2_desc, draft_gguf, tmp_path) 
 
 def test_default_section_and_version(budget) -> None:
     plan = budget["resident"]
-    assert PLAN_VERSION == "2.1" and plan.format_version == "2.1"
+    assert PLAN_VERSION == "2.2" and plan.format_version == "2.2"
     assert plan.speculative == Speculative()
     assert plan.speculative.method == "none" and plan.speculative.predicted_tokens_per_step == 1
     # A plan without a speculative section reads as none.

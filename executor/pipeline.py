@@ -1,0 +1,282 @@
+"""A cluster plan's passes over MLX's distributed backend: rank 0's side and the other ranks' loop.
+
+A pass is lock-step through the ring (``strata.common.cluster``): rank 0 sends the step's
+descriptor to rank 1 (which forwards it to rank 2 before it computes, and so on), embeds the
+tokens and runs its blocks, and sends the residual rows ``[1, rows, d]`` (its compute dtype) to
+rank 1; each rank receives them, runs its blocks and sends them on; the last rank sends them back
+to rank 0, which runs the final norm and the head. Every message goes to the next rank of the
+ring only, each rank receives in the order its neighbour sends, and rank 0 starts the next
+message only after the last came back: blocking sends never wait on each other in a cycle.
+
+The descriptor is small int32 arrays: a header (:data:`HEADER`: command, body length, pass rows,
+attention tile, row tile, inputs) and a body. A step's body is each input's token count, start, slot
+count and ``one_per_piece``, then the slots: with them a rank builds the same ``ForwardBatch``
+(positions, KV write slots, decode tables, chunks) as rank 0 without the token ids, which only
+rank 0's embedding reads. The KV block tables are the same on every rank (the scheduler's, on
+rank 0), so a KV copy (``COPY``: partial prefix-cache hits) is the same slots on every rank.
+
+A rank that dies: MLX's ring backend raises ``[ring] connection to a peer was lost`` in the send
+or receive that needed it (within about a second: measured with MLX 0.32.4), which becomes a
+:class:`ClusterError` naming the rank and host; the pipeline is broken from then on (every pass
+and every request fails at once with that message) and rank 0 stops the ranks it started.
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import mlx.core as mx
+import numpy as np
+from strata.common.errors import StrataError
+from strata.executor.ops import row_tile, set_row_tile
+from strata.executor.paged_kv import ForwardBatch, PagedKVCache, SeqInput
+
+STEP, COPY, STOP = 1, 2, 3
+"""The commands of a header: a forward pass, a KV slot copy, the end."""
+
+HEADER = 6
+"""int32 elements of a header: command, body length, pass rows, attention tile, row tile,
+inputs."""
+
+DTYPES = {"float32": mx.float32, "float16": mx.float16, "bfloat16": mx.bfloat16}
+
+
+class ClusterError(StrataError):
+    """A rank of the cluster stopped or its link failed: the pipeline cannot run passes."""
+
+
+@dataclass(frozen=True)
+class Peer:
+    """One rank of the ring as rank 0 names it in messages."""
+
+    rank: int
+    host: str
+    address: str
+
+    def __str__(self) -> str:
+        return f"rank {self.rank} (host {self.host} at {self.address})"
+
+
+def encode_step(batch: ForwardBatch, rows: int) -> np.ndarray:
+    """The header and body of a pass (module docstring): int32 [HEADER + body]."""
+    n = len(batch.seq_slots)
+    meta = np.zeros((n, 4), dtype=np.int32)
+    starts = np.full(n, np.iinfo(np.int32).max, dtype=np.int64)
+    np.minimum.at(starts, batch.row_inputs, batch.row_positions)
+    meta[:, 0] = np.bincount(batch.row_inputs, minlength=n)
+    meta[:, 1] = starts
+    meta[:, 2] = [len(s) for s in batch.seq_slots]
+    meta[:, 3] = batch.one_per_piece or [False] * n
+    body = np.concatenate([meta.ravel(), *[np.asarray(s, np.int32) for s in batch.seq_slots]])
+    head = np.array([STEP, len(body), rows, batch.tile, row_tile(), n], dtype=np.int32)
+    return np.concatenate([head, body]).astype(np.int32)
+
+
+def decode_step(body: np.ndarray, n: int, tile: int) -> ForwardBatch:
+    """The ``ForwardBatch`` of a step's body of ``n`` inputs (:func:`encode_step`), its ids
+    zeros: the same layout rank 0 built."""
+    meta = body[: 4 * n].reshape(n, 4)
+    slots = np.split(body[4 * n :], np.cumsum(meta[:-1, 2]))
+    inputs = [
+        SeqInput([0] * int(m[0]), int(m[1]), s, "none", bool(m[3]))
+        for m, s in zip(meta, slots, strict=True)
+    ]
+    return ForwardBatch.build(inputs, tile=tile)
+
+
+class Ring:
+    """Sends and receives over one MLX group, every failure a :class:`ClusterError` naming the
+    peer the operation needed (``name``: rank -> :class:`Peer`). On the CPU stream: the ring
+    backend's operations are the CPU's (unified memory on Apple silicon: no copy)."""
+
+    def __init__(self, group, name: Callable[[int], Peer]):
+        self.group, self.name = group, name
+        self.rank, self.size = group.rank(), group.size()
+        self.next, self.prev = (self.rank + 1) % self.size, (self.rank - 1) % self.size
+
+    def send(self, x: mx.array, dst: int) -> None:
+        """Send ``x`` to rank ``dst`` (waits until it is handed to the link)."""
+        try:
+            mx.eval(mx.distributed.send(x, dst, group=self.group, stream=mx.cpu))
+        except RuntimeError as e:
+            raise ClusterError(f"sending to {self.name(dst)} failed: {e}") from None
+
+    def recv(self, shape: tuple[int, ...], dtype: mx.Dtype, src: int) -> mx.array:
+        """Receive an array of ``shape`` and ``dtype`` from rank ``src`` (evaluated)."""
+        try:
+            x = mx.distributed.recv(shape, dtype, src, group=self.group, stream=mx.cpu)
+            mx.eval(x)
+        except RuntimeError as e:
+            raise ClusterError(f"receiving from {self.name(src)} failed: {e}") from None
+        return x
+
+    def recv_ints(self, n: int, src: int) -> np.ndarray:
+        """``n`` int32 from rank ``src``, on the host."""
+        if n == 0:
+            return np.zeros(0, dtype=np.int32)
+        return np.array(self.recv((n,), mx.int32, src))
+
+
+class Pipeline:
+    """Rank 0's side of a cluster plan's passes (module docstring), on the engine thread.
+
+    Args:
+        ring: the group's sends and receives.
+        dtypes: each rank's compute dtype (what it sends), by rank.
+        on_fail: called once with the message when a pass fails (rank 0 stops its ranks).
+        explain: turns a failed send's or receive's message into the failure's (rank 0 names
+            the rank that died where it started it: ``RankSet.explain``).
+        wake: called before each header: the other ranks wait for it asleep
+            (``executor.ranks.Rendezvous``: MLX's receive would poll at full speed).
+
+    Attributes:
+        failure: None while the ranks run; the message once one stopped (every pass fails with
+            it, and the server says it: ``ServingEngine.failure``).
+    """
+
+    def __init__(
+        self,
+        ring: Ring,
+        dtypes: list[mx.Dtype],
+        on_fail: Callable[[str], None] | None = None,
+        explain: Callable[[str], str] | None = None,
+        wake: Callable[[], None] = lambda: None,
+    ):
+        self.ring, self.dtypes, self.on_fail = ring, dtypes, on_fail
+        self.explain = explain or (lambda message: message)
+        self.wake = wake
+        self.failure: str | None = None
+        self._lock = threading.Lock()  # the failure is set by the engine or the watchdog
+
+    def fail(self, message: str) -> None:
+        """Mark the pipeline broken with ``message`` (the first one stays) and tell ``on_fail``."""
+        with self._lock:
+            if self.failure is not None:
+                return
+            self.failure = message
+        if self.on_fail is not None:
+            self.on_fail(message)
+
+    def _check(self) -> None:
+        if self.failure is not None:
+            raise ClusterError(self.failure)
+
+    def _guard(self, action: Callable[[], mx.array]) -> mx.array:
+        self._check()
+        try:
+            return action()
+        except ClusterError as e:
+            self.fail(f"the cluster stopped: {self.explain(str(e))}")
+            raise ClusterError(self.failure or str(e)) from None
+
+    def forward(self, model, batch: ForwardBatch, kv: PagedKVCache, head: bool = True) -> mx.array:
+        """One pass of ``batch`` through every rank (module docstring): rank 0's embedding and
+        blocks, the others' blocks, rank 0's head.
+
+        Returns:
+            float32 logits [S, vocab] of ``batch.logit_rows`` (or, with ``head`` False and no
+            streamed unit, the residual stream).
+
+        Raises:
+            ClusterError: a rank stopped or a link failed (names it); the pipeline is broken.
+        """
+        x = model.embed_pass(batch)
+        msg = encode_step(batch, x.shape[1])
+
+        def through() -> mx.array:
+            r = self.ring
+            self._send_message(msg)
+            try:
+                y = model.blocks(x, batch, kv, model.rope_factors(), *model.stage, schedule=True)
+                r.send(y, r.next)
+            except ClusterError:
+                raise
+            except Exception as e:  # rank 1 waits for these rows: no later message would fit
+                raise ClusterError(f"rank 0's blocks failed after the step went out: {e}") from e
+            last = r.size - 1
+            return r.recv(tuple(y.shape), self.dtypes[last], last).astype(model.dtype)
+
+        y = self._guard(through)
+        if head or model.store.pool is not None:
+            return model.head(y, batch)
+        return y
+
+    def _send_message(self, msg: np.ndarray) -> None:
+        r = self.ring
+        self.wake()
+        r.send(mx.array(msg[:HEADER]), r.next)
+        if len(msg) > HEADER:
+            r.send(mx.array(msg[HEADER:]), r.next)
+
+    def copy_slots(self, src: np.ndarray, dst: np.ndarray) -> None:
+        """Every other rank copies KV slots ``src`` into ``dst`` too (before its next pass).
+
+        Raises:
+            ClusterError: as :meth:`forward`.
+        """
+        body = np.concatenate([src, dst]).astype(np.int32)
+        head = np.array([COPY, len(body), 0, 0, 0, 0], dtype=np.int32)
+        self._guard(lambda: self._send_message(np.concatenate([head, body])))
+
+    def stop(self) -> None:
+        """Tell the other ranks to exit (nothing where the pipeline is broken)."""
+        if self.failure is not None:
+            return
+        try:
+            self._send_message(np.array([STOP, 0, 0, 0, 0, 0], dtype=np.int32))
+        except ClusterError as e:
+            print(f"warning: stopping the other ranks: {e}", file=sys.stderr)
+
+
+def serve_stage(
+    model,
+    kv: PagedKVCache,
+    ring: Ring,
+    sender_dtype: mx.Dtype,
+    wait: Callable[[], bool] = lambda: True,
+) -> None:
+    """The loop of a rank past 0 (module docstring) until ``STOP``: receive a header and body
+    from the rank before, hand them on (but the last rank), then copy KV slots or run a pass's
+    blocks on the rows received and send them on.
+
+    Args:
+        model: the stage's model (``model.stage``: its blocks).
+        kv: its KV cache (``PagedKVCache.keep_layers``: its blocks' layers).
+        ring: its group's sends and receives.
+        sender_dtype: the compute dtype of the rank before (the rows arrive in it).
+        wait: sleeps until rank 0 is about to send a header (``executor.ranks.wait_bell``);
+            False: rank 0 is gone. The rows of a pass are waited for in MLX's receive, which
+            polls: a doorbell for them too was tried and measured no faster (7.2 decode tok/s
+            against 8.5-9.0, SmolLM2 over two loopback ranks on the shared 2-core dev CPU).
+
+    Raises:
+        ClusterError: a rank stopped (rank 0, or the rank before or after).
+    """
+    last = ring.rank == ring.size - 1
+    while True:
+        if not wait():
+            raise ClusterError(f"rank {ring.rank}: {ring.name(0)} stopped")
+        head = ring.recv_ints(HEADER, ring.prev)
+        cmd, length, rows, tile, tiles, n = (int(v) for v in head)
+        body = ring.recv_ints(length, ring.prev)
+        if not last:
+            ring.send(mx.array(head), ring.next)
+            if length:
+                ring.send(mx.array(body), ring.next)
+        if cmd == STOP:
+            return
+        if cmd == COPY:
+            half = length // 2
+            kv.copy_slots(mx.array(body[:half]), mx.array(body[half:]))
+            mx.async_eval(kv.keys + kv.values)
+            continue
+        if cmd != STEP:
+            raise ClusterError(f"rank {ring.rank}: unknown command {cmd} from rank {ring.prev}")
+        set_row_tile(tiles)
+        batch = decode_step(body, n, tile)
+        x = ring.recv((1, rows, model.arch.embedding_length), sender_dtype, ring.prev)
+        x = model.blocks(x.astype(model.dtype), batch, kv, model.rope_factors(), *model.stage)
+        ring.send(x, ring.next)

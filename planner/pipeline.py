@@ -1,0 +1,144 @@
+"""The cost of a pipeline over several hosts (``Plan.cluster``): a decode step and time to first
+token from the stages' one-host predictions and the links between them.
+
+The schedule priced is the executor's (``strata.common.cluster``): lock-step through the ring,
+one micro-batch (``ClusterPrediction.micro_batches`` = 1). A decode step of ``B`` sequences
+(``costmodel.batch_size``): rank 0 embeds the B tokens and runs its blocks, sends the residual
+rows ``[B, d]`` in its compute dtype to rank 1, which runs its blocks and sends on, ..., and the
+last rank sends the rows back to rank 0, which runs the final norm, the head and sampling. No
+stage works while another does, so the step is the sum of every part:
+
+    step_s = sum_i stage_step_i + sum_j (latency_j + B * bytes_per_token_j / bandwidth_j)
+
+with ``stage_step_i`` the one-host prediction of stage i's own units on its host
+(``costmodel.score``: its compute, copies and reads; the head's cost is in stage 0's), boundary j
+carrying stage j's output to stage j + 1 (the last boundary back to stage 0), and
+``bytes_per_token = embedding_length x compute-dtype bytes`` of the sending stage. Prefill: every
+chunk of ``r`` tokens crosses every boundary once as ``[r, d]`` rows (all of them, also back to
+rank 0, which needs only the last row's logits: the executor sends the whole chunk), so
+``TTFT(P) = sum_i TTFT_i(P) + sum over P's chunks (prefill_chunks) of sum_j (latency_j + r
+bytes_per_token_j / bandwidth_j)``. The binding part (``ClusterPrediction.binding``) is the
+largest term of the step: a stage (``host NAME``) or a boundary's transfer (``link A-B``).
+
+What lock-step leaves on the table: with ``m`` micro-batches in flight every stage would work at
+once and the step would approach the largest term instead of the sum (the pipeline's fill
+aside); the executor does not overlap them yet, so the planner does not price it.
+
+Tensor parallelism, for comparison (not planned): splitting every block's matrices over ``n``
+hosts makes each host read ``1/n`` of the weights per token, so the device part of a
+bandwidth-bound decode step falls to about ``1/n`` (the host's per-operation cost does not: every
+host builds every block's operations) — but every block then needs two all-reduces of the
+``[B, d]`` residual (after attention's output projection and after the FFN's down projection):
+``2 L`` collective operations per step, each costing at least a link latency and ``2 (n-1)/n B d``
+dtype bytes per host (ring all-reduce), against the pipeline's ``n`` transfers of ``B d`` bytes.
+It wins when ``(1 - 1/n) device_s > 2 L (all-reduce latency + 2 (n-1)/n B d bytes / bandwidth) -
+n (latency + B d bytes / bandwidth)``: a latency of microseconds (RDMA: JACCL over Thunderbolt 5,
+NVLink) and a device term of tens of milliseconds; over TCP (hundreds of microseconds per
+message) the ``2 L`` latencies of a 60-block model cost tens of milliseconds, which only very slow
+steps repay. docs/clusters.md works the numbers of the DeepSeek-V3 anchor.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from strata.common.errors import PlanError
+from strata.common.schemas import (
+    BatchLimits,
+    ClusterPrediction,
+    LinkPlan,
+    ModelCosts,
+    Prediction,
+    Request,
+    StagePlan,
+)
+from strata.planner.costmodel import DTYPE_BYTES, batch_size, prefill_chunks
+
+
+def bytes_per_token(costs: ModelCosts, stage: StagePlan) -> int:
+    """Activation bytes one token sends over the boundary after ``stage``: its residual row,
+    ``embedding_length x`` the stage's compute-dtype bytes."""
+    return costs.architecture.embedding_length * DTYPE_BYTES[stage.runtime.compute_dtype]
+
+
+def transfer_s(link: LinkPlan, rows: int) -> float:
+    """Seconds to send ``rows`` residual rows over ``link``: ``latency + rows x bytes_per_token
+    / bandwidth`` (one message; ``ClusterLink``)."""
+    return link.latency_s.value + rows * link.bytes_per_token / link.bandwidth_bytes_s.value
+
+
+def _ttft_links(links: Sequence[LinkPlan], prompt: int, chunk: int) -> float:
+    """The boundary transfers of a ``prompt``-token prefill in chunks of ``chunk`` tokens."""
+    full, last = prefill_chunks(prompt, chunk)
+    return sum(full * transfer_s(lk, chunk) + transfer_s(lk, last) for lk in links)
+
+
+def pipeline_prediction(
+    stages: Sequence[StagePlan],
+    links: Sequence[LinkPlan],
+    request: Request,
+    batch: BatchLimits,
+) -> tuple[Prediction, ClusterPrediction, list[LinkPlan]]:
+    """The pipeline's prediction from its stages' own predictions (module docstring).
+
+    Args:
+        stages: every stage with its one-host ``prediction`` (links excluded).
+        links: the boundaries, in order (boundary j after stage j, the last back to stage 0);
+            their ``predicted_s`` is recomputed here.
+        request: the plan's request (the decode batch B, the prompt lengths).
+        batch: the plan's batch limits (B's cap, the prefill chunk).
+
+    Raises:
+        PlanError: a stage without a prediction (a hand-written cluster plan is judged first:
+            ``planner.rescore.judge``).
+
+    Returns:
+        ``(prediction, cluster_prediction, links)``: the plan's top-level prediction (the terms
+        and TTFT summed over stages and links, the step the pipeline's, the bottleneck that of
+        the slowest stage, binding the cluster's binding then that stage's own binding rows
+        prefixed with its host), the cluster's, and the links with their ``predicted_s`` (one
+        decode step's transfer).
+    """
+    preds: list[Prediction] = []
+    for s in stages:
+        if s.prediction is None:
+            raise PlanError(f"stage {s.host} has no prediction; re-run strata plan --cluster")
+        preds.append(s.prediction)
+    b = batch_size(request, batch)
+    links = [lk.model_copy(update={"predicted_s": transfer_s(lk, b)}) for lk in links]
+    terms = [(f"host {s.host}", p.step_s) for s, p in zip(stages, preds, strict=True)]
+    terms += [(f"link {lk.hosts[0]}-{lk.hosts[1]}", lk.predicted_s) for lk in links]
+    step = sum(v for _, v in terms)
+    binding = max(terms, key=lambda kv: kv[1])[0]  # ties: the first (stages in rank order)
+    slowest = max(range(len(stages)), key=lambda i: preds[i].step_s)
+    own = [f"{stages[slowest].host}: {r}" for r in preds[slowest].binding]
+    chunk = max(1, batch.prefill_chunk)
+    ttft = []
+    if all(len(p.ttft_s) == len(request.prompt_tokens) for p in preds):
+        for k, prompt in enumerate(request.prompt_tokens):
+            ttft.append(sum(p.ttft_s[k] for p in preds) + _ttft_links(links, prompt, chunk))
+    chunks = [p.prefill_chunk_s for p in preds]
+    prefill = (
+        sum(chunks) + sum(transfer_s(lk, chunk) for lk in links)
+        if all(c is not None for c in chunks)
+        else None
+    )
+    hits = [p.expert_hit_rate for p in preds if p.expert_hit_rate is not None]
+    prediction = Prediction(
+        compute_s=sum(p.compute_s for p in preds),
+        host_copy_s=sum(p.host_copy_s for p in preds),
+        disk_s=sum(p.disk_s for p in preds),
+        io_stall_s=sum(p.io_stall_s for p in preds),
+        # The stages' hit rates are of different experts; their mean is a summary, not a rate.
+        expert_hit_rate=round(sum(hits) / len(hits), 6) if hits else None,
+        step_s=step,
+        bottleneck=preds[slowest].bottleneck,
+        decode_tok_s=b / step if step > 0 else 0.0,
+        binding=[binding, *own],
+        prefill_chunk_s=prefill,
+        ttft_s=ttft,
+    )
+    cluster = ClusterPrediction(
+        step_s=step, decode_tok_s=prediction.decode_tok_s, binding=binding, micro_batches=1
+    )
+    return prediction, cluster, links
