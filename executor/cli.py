@@ -263,6 +263,7 @@ def cmd_rank(args: argparse.Namespace) -> None:
         NEIGHBOUR_STOPPED,
         announce,
         join_ring,
+        plan_identity,
         wait_bell,
         watch_parent,
     )
@@ -295,7 +296,8 @@ def cmd_rank(args: argparse.Namespace) -> None:
         )
     engine = Engine(loaded, rank=args.rank)
     try:
-        bell = announce(args.ready, args.rank)  # then rank 0 joins the ring too
+        # then rank 0 joins the ring too, once it checked this rank loaded its plan
+        bell = announce(args.ready, args.rank, identity=plan_identity(loaded.plan))
         group = join_ring(hosts, args.rank)
         engine.serve_stage(group, lambda: wait_bell(bell))
     except ClusterError as e:  # another rank stopped first: rank 0 names that one

@@ -20,7 +20,7 @@ from strata.executor.config import RuntimeConfig
 from strata.executor.models import model_class
 from strata.executor.pipeline import Peer, Pipeline, Ring, serve_stage
 from strata.executor.plan_loader import LoadedPlan
-from strata.executor.ranks import RankSet
+from strata.executor.ranks import RankSet, plan_identity
 from strata.executor.runner import forward_sequence
 from strata.executor.tokenizer import GGUFTokenizer
 from strata.executor.weights import WeightStore
@@ -220,7 +220,7 @@ class Engine:
         through them (``executor.pipeline``), watched (a child that dies breaks the pipeline
         at once, so that the server says so even between requests)."""
         ranks = self.ranks
-        group = ranks.join()
+        group = ranks.join(plan_identity(self.loaded.plan))
         stages = self.loaded.plan.cluster.stages
 
         def fail(message: str) -> None:  # the ring is broken: no rank can go on

@@ -25,6 +25,7 @@ from strata.executor.ranks import (
     JOIN_TIMEOUT_S,
     RING_PORT,
     Rendezvous,
+    address_towards,
     announce,
     free_port,
     is_local,
@@ -48,10 +49,10 @@ def _ring(address: str) -> list[list[str]]:
     import socket
 
     try:
-        here = socket.gethostbyname(socket.gethostname())
         there = socket.gethostbyname(address)
     except OSError as e:
         raise StrataError(f"--link {address}: the address does not resolve ({e})") from None
+    here = address_towards(there)  # what the other host can reach (not a loopback name)
     return [[f"{here}:{RING_PORT}"], [f"{there}:{RING_PORT + 1}"]]
 
 

@@ -22,6 +22,7 @@ closes.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import os
 import shlex
@@ -37,7 +38,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from strata.common.errors import StrataError
-from strata.common.schemas import StagePlan
+from strata.common.schemas import Plan, StagePlan
+from strata.common.yamlio import to_yaml
 
 JOIN_TIMEOUT_S = 600.0
 """Seconds rank 0 waits for the other ranks to load their stages and join the ring."""
@@ -87,19 +89,31 @@ def ring_hosts(stages: list[StagePlan]) -> list[list[str]]:
     """
     if all(is_local(s.address) for s in stages):
         return [[f"127.0.0.1:{free_port()}"] for _ in stages]
-    out = []
-    for i, s in enumerate(stages):
-        local = is_local(s.address)
-        name = socket.gethostname() if local else s.address
+    ips = []
+    for s in stages:
         try:
-            ip = socket.gethostbyname(name)
+            ips.append(None if is_local(s.address) else socket.gethostbyname(s.address))
         except OSError as e:
             raise StrataError(
-                f"host {s.host}: address {name} does not resolve ({e}); fix it in the cluster "
-                "file and re-plan"
+                f"host {s.host}: address {s.address} does not resolve ({e}); fix it in the "
+                "cluster file and re-plan"
             ) from None
-        out.append([f"{ip}:{free_port() if local else RING_PORT + i}"])
-    return out
+    here = address_towards(next(ip for ip in ips if ip is not None))
+    return [
+        [f"{here}:{free_port()}" if ip is None else f"{ip}:{RING_PORT + i}"]
+        for i, ip in enumerate(ips)
+    ]
+
+
+def address_towards(remote: str) -> str:
+    """This machine's address on the route to ``remote`` (an IP): what a rank there can reach
+    (the host name may resolve to 127.0.0.1). A UDP socket's connect sends nothing."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as u:
+        try:
+            u.connect((remote, 9))
+            return u.getsockname()[0]
+        except OSError as e:
+            raise StrataError(f"no route from this machine to {remote} ({e})") from None
 
 
 def check_not_joined() -> None:
@@ -173,12 +187,15 @@ class Rendezvous:
         timeout: float,
         waiting_for: Callable[[set[int]], str],
         alive: Callable[[], None] = lambda: None,
+        identity: str = "",
     ) -> None:
         """Wait until every rank of ``ranks`` said it is ready, at most ``timeout`` seconds,
-        calling ``alive`` (which raises where a rank it started died) between polls.
+        calling ``alive`` (which raises where a rank it started died) between polls. Each rank
+        names the plan it loaded (:func:`plan_identity`); one that loaded another is refused.
 
         Raises:
-            StrataError: not all ready in time (``waiting_for(missing)`` names them).
+            StrataError: not all ready in time (``waiting_for(missing)`` names them), or a rank
+                runs another plan than ``identity``.
         """
         missing = set(ranks)
         deadline = time.monotonic() + timeout
@@ -195,14 +212,27 @@ class Rendezvous:
                 continue
             conn.settimeout(5.0)
             try:
-                rank = int(conn.recv(32).decode().strip())
-            except (OSError, ValueError):
+                words = conn.recv(256).decode().split()
+                rank, theirs = int(words[0]), (words[1] if len(words) > 1 else "")
+            except (OSError, ValueError, IndexError):
                 conn.close()
                 continue
+            if theirs != identity:
+                with contextlib.suppress(OSError):
+                    conn.sendall(REFUSED)
+                conn.close()
+                raise StrataError(
+                    f"rank {rank} runs another plan than this one (plan {theirs[:12] or 'none'} "
+                    f"against {identity[:12]}): start it with the command printed for this plan, "
+                    "with a copy of this plan file"
+                )
             conn.settimeout(None)
             conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             missing.discard(rank)
             self.bells[rank] = conn
+        for conn in self.bells.values():  # every rank may join the ring now
+            with contextlib.suppress(OSError):  # one gone meanwhile fails the ring's join
+                conn.sendall(GO)
 
     def ring(self) -> None:
         """One byte to every rank's doorbell: a header follows (:func:`wait_bell`). A rank
@@ -220,31 +250,71 @@ class Rendezvous:
             self.bells = {}
 
 
-def announce(address: str, rank: int, timeout: float = JOIN_TIMEOUT_S) -> socket.socket:
-    """Tell rank 0's :class:`Rendezvous` at ``address`` (``ip:port``) that ``rank`` is ready,
-    retrying while it is not listening yet, at most ``timeout`` seconds.
+GO, REFUSED = b"+", b"?"
+"""Rank 0's answer to a rank's ready line: join the ring now, or not (another plan)."""
+
+
+def plan_identity(plan: Plan) -> str:
+    """The sha256 of ``plan`` as written (``yamlio.to_yaml``): what a rank tells rank 0 it
+    loaded, so that a rank started by hand with another plan (its stages cut elsewhere) is
+    refused rather than sent rows it would compute wrongly."""
+    return hashlib.sha256(to_yaml(plan).encode()).hexdigest()
+
+
+def announce(
+    address: str, rank: int, timeout: float = JOIN_TIMEOUT_S, identity: str = ""
+) -> socket.socket:
+    """Tell rank 0's :class:`Rendezvous` at ``address`` (``ip:port``) that ``rank`` is ready
+    with the plan ``identity`` (:func:`plan_identity`), retrying while it is not listening yet
+    (saying so once), at most ``timeout`` seconds.
 
     Returns:
         the connection, this rank's doorbell (:func:`wait_bell`).
 
     Raises:
-        StrataError: rank 0 could not be reached in time.
+        StrataError: rank 0 could not be reached in time, refused this rank's plan, or stopped
+            before every rank was ready.
     """
     host, _, port = address.rpartition(":")
     deadline = time.monotonic() + timeout
+    said = False
     while True:
         try:
             c = socket.create_connection((host, int(port)), timeout=5.0)
-            c.sendall(f"{rank}\n".encode())
+            c.sendall(f"{rank} {identity}\n".encode())
             c.settimeout(None)
-            return c
         except OSError as e:
+            if not said:
+                print(
+                    f"rank {rank}: waiting for rank 0 at {address} (at most {timeout:.0f} s)",
+                    file=sys.stderr,
+                    flush=True,
+                )
+                said = True
             if time.monotonic() > deadline:
                 raise StrataError(
                     f"rank {rank}: rank 0 is not reachable at {address} ({e}); start strata "
                     "run|serve first, then this command"
                 ) from None
             time.sleep(0.5)
+            continue
+        # Rank 0 answers once every rank is ready (then all join MLX's ring, whose join would
+        # wait forever for a rank 0 that never comes), or refuses this rank's plan.
+        try:
+            answer = c.recv(1)
+        except OSError:
+            answer = b""
+        if answer == GO:
+            return c
+        c.close()
+        if answer == REFUSED:
+            raise StrataError(
+                f"rank {rank}: rank 0 at {address} runs another plan than this one; start this "
+                "rank with a copy of the plan file rank 0 runs (the command it printed)"
+            )
+        raise StrataError(
+            f"rank {rank}: rank 0 at {address} stopped before the ring formed; see its output"
+        )
 
 
 def wait_bell(bell: socket.socket) -> bool:
@@ -381,9 +451,9 @@ class RankSet:
             out.append((code == NEIGHBOUR_STOPPED, c.rank, said))
         return [said for *_, said in sorted(out)]
 
-    def join(self, timeout: float = JOIN_TIMEOUT_S):
-        """Wait for every rank to be ready (:class:`Rendezvous`, watching the children
-        meanwhile), then join the ring as rank 0 (:func:`join_ring`).
+    def join(self, identity: str = "", timeout: float = JOIN_TIMEOUT_S):
+        """Wait for every rank to be ready with the plan ``identity`` (:class:`Rendezvous`,
+        watching the children meanwhile), then join the ring as rank 0 (:func:`join_ring`).
 
         Raises:
             StrataError: a child died while loading (its last line), or not every rank was
@@ -395,7 +465,9 @@ class RankSet:
 
         assert self._meet is not None  # start() made it
         try:
-            self._meet.wait(set(range(1, len(self.stages))), timeout, waiting, self.check_alive)
+            self._meet.wait(
+                set(range(1, len(self.stages))), timeout, waiting, self.check_alive, identity
+            )
         except BaseException:
             self._meet.close()
             raise

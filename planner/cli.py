@@ -121,6 +121,14 @@ def plan_from_args(args: argparse.Namespace, desc: ModelDescription | None = Non
             "--cluster plans take no --speculative and no --baseline yet; drop them, or plan "
             "one host with --profile"
         )
+    if cluster and (
+        getattr(args, "gpu_budget", None) is not None
+        or getattr(args, "ram_budget", None) is not None
+    ):
+        raise StrataError(
+            "--gpu-budget/--ram-budget are one host's; a cluster's budgets are per host: set "
+            "gpu_budget_bytes / ram_budget_bytes of each host in the cluster file"
+        )
     if desc is None:
         desc = _arch_description(args, "--model")
     request = request_from_args(args)

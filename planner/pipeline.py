@@ -20,9 +20,14 @@ rank 0, which needs only the last row's logits: the executor sends the whole chu
 bytes_per_token_j / bandwidth_j)``. The binding part (``ClusterPrediction.binding``) is the
 largest term of the step: a stage (``host NAME``) or a boundary's transfer (``link A-B``).
 
-What lock-step leaves on the table: with ``m`` micro-batches in flight every stage would work at
-once and the step would approach the largest term instead of the sum (the pipeline's fill
-aside); the executor does not overlap them yet, so the planner does not price it.
+What lock-step leaves on the table, and when: with ``m`` micro-batches of ``B/m`` sequences in
+flight every stage works at once, but each micro-batch's pass reads the stage's weights and pays
+its operations again, so a stage's time per micro-batch is ``t_i(B/m)``, and the throughput
+``(B/m) / max_i t_i(B/m)`` beats lock-step's ``B / sum_i t_i(B)`` only where ``t_i(B/m)`` is well
+below ``t_i(B)``: compute-bound passes (prefill chunks flowing through the stages one behind the
+other, large decode batches). A decode step bound by weight reads and per-operation cost, as
+every planned anchor's is, gains nothing from micro-batches (``m = S`` equal stages: ``B / (S t)``
+either way). The executor does not overlap passes yet, so the planner prices ``m = 1``.
 
 Tensor parallelism, for comparison (not planned): splitting every block's matrices over ``n``
 hosts makes each host read ``1/n`` of the weights per token, so the device part of a

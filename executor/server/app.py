@@ -459,6 +459,27 @@ def _uvicorn_server(
     return Server(config)
 
 
+def _close(serving, engine) -> None:
+    """Stop the serving engine. On a cluster plan a rank that hangs (stopped, not dead: MLX's
+    ring raises only when a peer's socket closes) holds the engine thread in a receive for
+    ever; after ``GRACEFUL_SHUTDOWN_S`` the ranks are killed, which ends it, and failing that
+    (a rank on another host) the process exits without it (a daemon thread)."""
+    if engine.ranks is None:
+        serving.close()
+        return
+    if serving.close(timeout=GRACEFUL_SHUTDOWN_S):
+        return
+    print(
+        "a rank of the cluster does not answer (stopped or hung): stopping the ranks",
+        file=sys.stderr,
+        flush=True,
+    )
+    engine.pipeline.fail("the server stopped while a rank did not answer")  # nothing more sent
+    engine.ranks.kill()
+    if not serving.close(timeout=GRACEFUL_SHUTDOWN_S):
+        print("the engine thread is still waiting on the ring; exiting without it", file=sys.stderr)
+
+
 def default_model_name(loaded) -> str:
     """The plan's catalog model name, else the GGUF file's stem (a split model's without its
     ``-0000K-of-0000N`` shard suffix: the set's name)."""
@@ -559,7 +580,7 @@ def serve(
                 finally:
                     renders.close()  # no worker outlives the server, even one mid-render
             finally:
-                serving.close()
+                _close(serving, engine)
                 print("stopped", file=sys.stderr, flush=True)
         finally:
             engine.close()

@@ -289,13 +289,30 @@ def test_a_step_descriptor_rebuilds_the_same_layout(tile):
     ]
 
 
+def _announcing(port: int, rank: int, identity: str = "") -> tuple[threading.Thread, list]:
+    """A thread announcing ``rank`` to a rendezvous on ``port``; its outcome in the list."""
+    from strata.executor.ranks import announce
+
+    out: list = []
+
+    def run() -> None:
+        try:
+            out.append(announce(f"127.0.0.1:{port}", rank, timeout=10, identity=identity))
+        except Exception as e:
+            out.append(e)
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    return t, out
+
+
 def test_rank_0_waits_for_a_missing_rank_only_so_long():
     from strata.common.errors import StrataError
-    from strata.executor.ranks import Rendezvous, announce
+    from strata.executor.ranks import Rendezvous
 
     meet = Rendezvous("127.0.0.1")
     try:
-        announce(f"127.0.0.1:{meet.port}", 2)  # rank 2 is ready; rank 1 never comes
+        t, out = _announcing(meet.port, 2)  # rank 2 is ready; rank 1 never comes
         t0 = time.monotonic()
         with pytest.raises(StrataError) as e:
             meet.wait({1, 2}, 1.0, lambda missing: f"ranks {sorted(missing)}")
@@ -305,6 +322,35 @@ def test_rank_0_waits_for_a_missing_rank_only_so_long():
     assert str(e.value) == (
         "the cluster's ranks did not all start within 1 s; still waiting for ranks [1]"
     )
+    t.join(10)  # rank 2 is told rank 0 stopped rather than left to join a ring forever
+    assert isinstance(out[0], StrataError) and "stopped before the ring formed" in str(out[0])
+
+
+def test_a_rank_with_another_plan_is_refused_on_both_sides():
+    """New-user trial: a rank started by hand with another plan (its stages cut elsewhere) was
+    let in and the answer was garbage with status 0; each rank names the plan it loaded
+    (``ranks.plan_identity``) and rank 0 refuses a different one, the rank hearing why."""
+    from strata.common.errors import StrataError
+    from strata.executor.ranks import Rendezvous
+
+    meet = Rendezvous("127.0.0.1")
+    try:
+        t, out = _announcing(meet.port, 1, identity="b" * 64)
+        with pytest.raises(StrataError, match="rank 1 runs another plan than this one"):
+            meet.wait({1}, 10.0, str, identity="a" * 64)
+    finally:
+        meet.close()
+    t.join(10)
+    assert isinstance(out[0], StrataError) and "runs another plan" in str(out[0])
+    meet = Rendezvous("127.0.0.1")  # the same plan: let in, told to join
+    try:
+        t, out = _announcing(meet.port, 1, identity="a" * 64)
+        meet.wait({1}, 10.0, str, identity="a" * 64)
+        t.join(10)
+        assert not isinstance(out[0], Exception)
+        out[0].close()
+    finally:
+        meet.close()
 
 
 @pytest.mark.slow

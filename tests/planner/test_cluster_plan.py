@@ -293,6 +293,10 @@ def test_cli_plan_cluster_and_check_says_rank_0(tmp_path):
     spec = cli("plan.py", "plan", "--cluster", str(LOOPBACK), "--model", "smollm2-135m",
                "--speculative", "prompt_lookup", "-o", str(out), ok=False)  # fmt: skip
     assert_one_line_error(spec, "--cluster plans take no --speculative")
+    # New-user trial: a one-host budget with --cluster was accepted and ignored.
+    budget = cli("plan.py", "plan", "--cluster", str(LOOPBACK), "--model", "smollm2-135m",
+                 "--gpu-budget", "1MiB", "-o", str(out), ok=False)  # fmt: skip
+    assert_one_line_error(budget, "a cluster's budgets are per host")
 
 
 def test_three_hosts_cut_the_blocks_in_three_and_close_the_ring(desc, tmp_path):
