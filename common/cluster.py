@@ -12,12 +12,14 @@ its attention needs. The planner solves each stage as a one-host plan of the des
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 
 from strata.common.errors import SchemaError
 from strata.common.schemas import (
+    Architecture,
     ClusterDescription,
+    ClusterLink,
     HardwareProfile,
     ModelCosts,
     ModelDescription,
@@ -77,6 +79,19 @@ def _kv_blocks(recurrent_layers: Iterable[int], first: int, end: int) -> tuple[i
     return kv, (end - first) - kv
 
 
+def _shares(
+    arch: Architecture, first: int, end: int
+) -> tuple[Callable[[int], int], Callable[[int], int]]:
+    """Functions taking a whole-model figure to blocks ``first .. end - 1``'s share: one for a
+    per-attention-block figure (KV elements), one for a per-recurrent-block one (state)."""
+    kv_total, rec_total = _kv_blocks(arch.recurrent_layers, 0, arch.block_count)
+    kv_here, rec_here = _kv_blocks(arch.recurrent_layers, first, end)
+    return (
+        lambda x: x * kv_here // kv_total if kv_total else 0,
+        lambda x: x * rec_here // rec_total if rec_total else 0,
+    )
+
+
 def stage_description(
     desc: ModelDescription, ranges: list[tuple[int, int]], rank: int
 ) -> ModelDescription:
@@ -85,12 +100,9 @@ def stage_description(
     token, every recurrent block the same per sequence: ``common.describe``); sizes re-summed.
     The architecture is kept whole: the stage's blocks keep their indices."""
     keep = set(stage_units(desc.units, ranges, rank))
-    first, end = ranges[rank]
-    arch = desc.architecture
-    kv_total, rec_total = _kv_blocks(arch.recurrent_layers, 0, arch.block_count)
-    kv_here, rec_here = _kv_blocks(arch.recurrent_layers, first, end)
-    kv = desc.kv_elements_per_token * kv_here // kv_total if kv_total else 0
-    rec = desc.recurrent_state_elements_per_sequence * rec_here // rec_total if rec_total else 0
+    kv_share, rec_share = _shares(desc.architecture, *ranges[rank])
+    kv = kv_share(desc.kv_elements_per_token)
+    rec = rec_share(desc.recurrent_state_elements_per_sequence)
     units = [u for u in desc.units if u.name in keep]
     tensors = [t for t in desc.tensors if t.unit in keep]
     return desc.model_copy(
@@ -111,14 +123,11 @@ def stage_description(
 def stage_costs(costs: ModelCosts, ranges: list[tuple[int, int]], rank: int) -> ModelCosts:
     """``costs`` restricted to stage ``rank``'s units (as :func:`stage_description`)."""
     keep = {u.name for u in costs.units if rank in stage_of_unit(u.layer, u.name, ranges)}
-    arch = costs.architecture
-    kv_total, _ = _kv_blocks(arch.recurrent_layers, 0, arch.block_count)
-    kv_here, _ = _kv_blocks(arch.recurrent_layers, *ranges[rank])
-    kv = costs.kv_elements_per_token * kv_here // kv_total if kv_total else 0
+    kv_share, _ = _shares(costs.architecture, *ranges[rank])
     return costs.model_copy(
         update={
             "units": [u for u in costs.units if u.name in keep],
-            "kv_elements_per_token": kv,
+            "kv_elements_per_token": kv_share(costs.kv_elements_per_token),
         }
     )
 
@@ -250,7 +259,7 @@ def read_cluster(path: str | Path) -> tuple[ClusterDescription, dict[str, Hardwa
     return cluster, profiles
 
 
-def link_between(cluster: ClusterDescription, a: str, b: str):  # -> ClusterLink | None
+def link_between(cluster: ClusterDescription, a: str, b: str) -> ClusterLink | None:
     """The link joining hosts ``a`` and ``b`` (either direction), or None."""
     for link in cluster.links:
         if set(link.hosts) == {a, b}:
