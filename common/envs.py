@@ -31,6 +31,11 @@ Variable                       Type    Default             Meaning
                                                            (``executor.serving``); ``0`` waits for
                                                            every step's tokens first. Empty: the
                                                            default.
+``STRATA_PIPELINE_FLOW``       boolean on                  A cluster plan's prompt chunks before the
+                                                           last flow through the ranks without
+                                                           coming back (``executor.pipeline``);
+                                                           ``0`` runs every pass lock-step. Empty:
+                                                           the default.
 ============================== ======= =================== =========================================
 """
 
@@ -119,6 +124,13 @@ VARIABLES: dict[str, EnvVar] = {
             lambda: True,
             "build each greedy serving step while the device computes the one before "
             "(executor.serving); 0/false/off/no: wait for every step's tokens first",
+        ),
+        EnvVar(
+            "STRATA_PIPELINE_FLOW",
+            _flag,
+            lambda: True,
+            "a cluster plan's prompt chunks before the last flow through the ranks without "
+            "coming back (executor.pipeline); 0/false/off/no: every pass lock-step",
         ),
     )
 }

@@ -40,8 +40,9 @@ class RuntimeConfig:
     backend, off elsewhere."""
 
     mma_rows: tuple[int, int]
-    """Products of ``mma_rows[0]`` to ``mma_rows[1]`` rows take Strata's tensor-core 4-bit kernel
-    (``executor.cuda_mma``) where it applies; ``(0, 0)``: never. Default: the plan's
+    """Products of ``mma_rows[0]`` to ``mma_rows[1]`` rows take Strata's own kernels
+    (``executor.cuda_mma``: tensor cores, 4 bits; one row ``executor.cuda_qmv``'s matvec, 4 or 8
+    bits) where they apply; ``(0, 0)``: never. Default: the plan's
     ``runtime.mma_matmul_min_rows`` and ``mma_matmul_max_rows``, the range the profile measured
     faster than MLX's quantized matmul."""
 
@@ -170,6 +171,13 @@ class RuntimeConfig:
     (``executor.serving``, "Pipelined steps"). MLX's ``generate_step`` does the same with
     ``mx.async_eval``. Default: ``STRATA_PIPELINED_STEPS`` (on unless set off)."""
 
+    pipeline_flow: bool
+    """A cluster plan's passes whose output nobody reads (a long prompt's chunks before its last)
+    flow through the stages without coming back to rank 0, which builds the next chunk while the
+    other ranks compute this one (``executor.pipeline``, "Flowing passes"); off, every pass is
+    lock-step (each comes back before the next is built). Default: ``STRATA_PIPELINE_FLOW`` (on
+    unless set off)."""
+
     lend_partial_blocks: bool
     """Lend a cached child block that agrees with at least half a block of a prompt's next
     tokens (``executor.scheduler``: partial-block prefix hits); batch-invariant scheduling keeps
@@ -250,6 +258,7 @@ class RuntimeConfig:
             stage_inputs=True,
             lent_copy_yield_s=0.0003,
             pipelined_steps=envs.get("STRATA_PIPELINED_STEPS"),
+            pipeline_flow=envs.get("STRATA_PIPELINE_FLOW"),
             lend_partial_blocks=True,
             pinned_ram_tier=cuda,
             stage_direct_reads=cuda,

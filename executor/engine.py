@@ -228,7 +228,9 @@ class Engine:
 
         ring = self._ring(group)
         dtypes = [DTYPES[s.runtime.compute_dtype] for s in stages]
-        self.pipeline = Pipeline(ring, dtypes, fail, explain=ranks.explain, wake=ranks.ring)
+        self.pipeline = Pipeline(
+            ring, dtypes, fail, ranks.explain, ranks.ring, flow=self.config.pipeline_flow
+        )
         self.model.pipeline = self.pipeline
 
         def dead(message: str) -> None:  # seen between passes: said in the server's log too

@@ -193,7 +193,9 @@ def generate(
         ``host_copy_s``, ``decode_host_copy_s``, ``read_method`` and ``read_method_detail``
         (how streamed units are read: ``WeightStore.read_method``); for a mixture-of-experts
         model ``experts`` and ``decode_experts`` (the expert cache's counters); with speculative
-        decoding ``speculative`` (drafts proposed and accepted, verifications).
+        decoding ``speculative`` (drafts proposed and accepted, verifications); on a cluster plan
+        ``passes_flowed`` (passes sent through the ranks without waiting for them meanwhile:
+        ``executor.pipeline``).
 
     Raises:
         StrataError: a negative ``max_tokens``; a prompt the plan can never run (empty, ids
@@ -272,6 +274,9 @@ def generate(
     if serving.engine.loaded.desc.architecture.expert_count:
         stats["experts"] = expert_delta(start.experts, end.experts)
         stats["decode_experts"] = expert_delta(first[0].experts, end.experts)
+    if serving.engine.pipeline is not None:  # a cluster plan: its chunks that flowed
+        key = "cluster_passes_flowed"
+        stats["passes_flowed"] = end.serving[key] - start.serving[key]
     if serving.drafter is not None:
         stats["speculative"] = {
             k: end.serving[k] - start.serving[k]

@@ -1,19 +1,38 @@
 """A cluster plan's passes over MLX's distributed backend: rank 0's side and the other ranks' loop.
 
-A pass is lock-step through the ring (``strata.common.cluster``): rank 0 sends the step's
-descriptor to rank 1 (which forwards it to rank 2 before it computes, and so on), embeds the
-tokens and runs its blocks, and sends the residual rows ``[1, rows, d]`` (its compute dtype) to
-rank 1; each rank receives them, runs its blocks and sends them on; the last rank sends them back
-to rank 0, which runs the final norm and the head. Every message goes to the next rank of the
-ring only, each rank receives in the order its neighbour sends, and rank 0 starts the next
-message only after the last came back: blocking sends never wait on each other in a cycle.
+A pass goes through the ring (``strata.common.cluster``): rank 0 sends the step's descriptor to
+rank 1 (which forwards it to rank 2 before it computes, and so on), embeds the tokens and runs its
+blocks, and sends the residual rows ``[1, rows, d]`` (its compute dtype) to rank 1; each rank
+receives them, runs its blocks and sends them on; the last rank sends them back to rank 0, which
+runs the final norm and the head.
+
+Flowing passes (``RuntimeConfig.pipeline_flow``). A pass whose output nobody reads (a long
+prompt's chunks before its last: ``head`` False, no unit streamed) does not come back: its header
+says so (``back`` 0), the last rank keeps its rows, and rank 0 returns its own blocks' output
+(evaluated by the send) without waiting, so it builds and runs the next chunk while rank 1
+computes this one: the chunks flow through the stages one behind the other. Every other pass
+(logits read, or a unit streamed) comes back (``back`` 1) and rank 0 waits for it, so a sampled
+pass and every decode step stay lock-step.
+
+Why it cannot deadlock: every message still goes to the next rank of the ring only and each rank
+receives in the order its neighbour sends, so every rank runs the passes in rank 0's order (a
+chunk's KV writes come before the next chunk's reads on every rank). A send blocks only until the
+link takes it (TCP's buffers, then the receiver's own receive): flow control, rank 0 running
+ahead only as far as the buffers hold. The one message against the ring's order of waiting, the
+last rank's rows back to rank 0, is sent for ``back`` 1 passes only, and after such a pass rank 0
+sends nothing until it has received them: it is in its receive, not blocked in a send, so no
+cycle of blocking sends forms. The doorbell (``wake``, ``executor.ranks.wait_bell``) is one byte
+per header, so each header sent while a rank is busy is counted and none is slept through. A rank
+that dies after a flowed pass went out is seen by the next send or receive that needs it (or by
+rank 0's watch of its children), as in lock-step: a :class:`ClusterError`, the pipeline broken.
 
 The descriptor is small int32 arrays: a header (:data:`HEADER`: command, body length, pass rows,
-attention tile, row tile, inputs) and a body. A step's body is each input's token count, start, slot
-count and ``one_per_piece``, then the slots: with them a rank builds the same ``ForwardBatch``
-(positions, KV write slots, decode tables, chunks) as rank 0 without the token ids, which only
-rank 0's embedding reads. The KV block tables are the same on every rank (the scheduler's, on
-rank 0), so a KV copy (``COPY``: partial prefix-cache hits) is the same slots on every rank.
+attention tile, row tile, inputs, back) and a body. A step's body is each input's token count,
+start, slot count and ``one_per_piece``, then the slots: with them a rank builds the same
+``ForwardBatch`` (positions, KV write slots, decode tables, chunks) as rank 0 without the token
+ids, which only rank 0's embedding reads. The KV block tables are the same on every rank (the
+scheduler's, on rank 0), so a KV copy (``COPY``: partial prefix-cache hits) is the same slots on
+every rank.
 
 A rank that dies: MLX's ring backend raises ``[ring] connection to a peer was lost`` in the send
 or receive that needed it (within about a second: measured with MLX 0.32.4), which becomes a
@@ -37,9 +56,10 @@ from strata.executor.paged_kv import ForwardBatch, PagedKVCache, SeqInput
 STEP, COPY, STOP = 1, 2, 3
 """The commands of a header: a forward pass, a KV slot copy, the end."""
 
-HEADER = 6
+HEADER = 7
 """int32 elements of a header: command, body length, pass rows, attention tile, row tile,
-inputs."""
+inputs, back (1: the last rank sends the pass's rows back to rank 0; 0: a flowing pass, it does
+not)."""
 
 DTYPES = {"float32": mx.float32, "float16": mx.float16, "bfloat16": mx.bfloat16}
 
@@ -60,8 +80,9 @@ class Peer:
         return f"rank {self.rank} (host {self.host} at {self.address})"
 
 
-def encode_step(batch: ForwardBatch, rows: int) -> np.ndarray:
-    """The header and body of a pass (module docstring): int32 [HEADER + body]."""
+def encode_step(batch: ForwardBatch, rows: int, back: bool = True) -> np.ndarray:
+    """The header and body of a pass (module docstring): int32 [HEADER + body]; ``back`` False:
+    a flowing pass, whose rows the last rank does not send back."""
     n = len(batch.seq_slots)
     meta = np.zeros((n, 4), dtype=np.int32)
     starts = np.full(n, np.iinfo(np.int32).max, dtype=np.int64)
@@ -71,8 +92,15 @@ def encode_step(batch: ForwardBatch, rows: int) -> np.ndarray:
     meta[:, 2] = [len(s) for s in batch.seq_slots]
     meta[:, 3] = batch.one_per_piece or [False] * n
     body = np.concatenate([meta.ravel(), *[np.asarray(s, np.int32) for s in batch.seq_slots]])
-    head = np.array([STEP, len(body), rows, batch.tile, row_tile(), n], dtype=np.int32)
+    head = np.array([STEP, len(body), rows, batch.tile, row_tile(), n, back], dtype=np.int32)
     return np.concatenate([head, body]).astype(np.int32)
+
+
+def control_header(cmd: int, length: int) -> np.ndarray:
+    """The header of a ``COPY`` or ``STOP`` (``length``: its body's int32): int32 [HEADER]."""
+    head = np.zeros(HEADER, dtype=np.int32)
+    head[:2] = cmd, length
+    return head
 
 
 def decode_step(body: np.ndarray, n: int, tile: int) -> ForwardBatch:
@@ -131,10 +159,14 @@ class Pipeline:
             the rank that died where it started it: ``RankSet.explain``).
         wake: called before each header: the other ranks wait for it asleep
             (``executor.ranks.Rendezvous``: MLX's receive would poll at full speed).
+        flow: passes whose output nobody reads flow on without coming back (module docstring;
+            ``RuntimeConfig.pipeline_flow``); False: every pass is lock-step.
 
     Attributes:
         failure: None while the ranks run; the message once one stopped (every pass fails with
             it, and the server says it: ``ServingEngine.failure``).
+        flowed: passes sent without waiting for them to come back (``/metrics``:
+            ``strata_cluster_passes_flowed_total``).
     """
 
     def __init__(
@@ -144,10 +176,12 @@ class Pipeline:
         on_fail: Callable[[str], None] | None = None,
         explain: Callable[[str], str] | None = None,
         wake: Callable[[], None] = lambda: None,
+        flow: bool = True,
     ):
         self.ring, self.dtypes, self.on_fail = ring, dtypes, on_fail
         self.explain = explain or (lambda message: message)
-        self.wake = wake
+        self.wake, self.flow = wake, flow
+        self.flowed = 0
         self.failure: str | None = None
         self._lock = threading.Lock()  # the failure is set by the engine or the watchdog
 
@@ -174,17 +208,21 @@ class Pipeline:
 
     def forward(self, model, batch: ForwardBatch, kv: PagedKVCache, head: bool = True) -> mx.array:
         """One pass of ``batch`` through every rank (module docstring): rank 0's embedding and
-        blocks, the others' blocks, rank 0's head.
+        blocks, the others' blocks, rank 0's head. With ``head`` False, no streamed unit and
+        ``flow`` on, the pass flows: sent without waiting for it to come back.
 
         Returns:
             float32 logits [S, vocab] of ``batch.logit_rows`` (or, with ``head`` False and no
-            streamed unit, the residual stream).
+            streamed unit, a residual stream: the last rank's, or where the pass flows rank 0's
+            blocks' output, evaluated).
 
         Raises:
             ClusterError: a rank stopped or a link failed (names it); the pipeline is broken.
         """
+        headed = head or model.store.pool is not None
+        back = headed or not self.flow
         x = model.embed_pass(batch)
-        msg = encode_step(batch, x.shape[1])
+        msg = encode_step(batch, x.shape[1], back)
 
         def through() -> mx.array:
             r = self.ring
@@ -196,13 +234,14 @@ class Pipeline:
                 raise
             except Exception as e:  # rank 1 waits for these rows: no later message would fit
                 raise ClusterError(f"rank 0's blocks failed after the step went out: {e}") from e
+            if not back:  # flowing: the next pass is built while the other ranks run this one
+                self.flowed += 1
+                return y
             last = r.size - 1
             return r.recv(tuple(y.shape), self.dtypes[last], last).astype(model.dtype)
 
         y = self._guard(through)
-        if head or model.store.pool is not None:
-            return model.head(y, batch)
-        return y
+        return model.head(y, batch) if headed else y
 
     def _send_message(self, msg: np.ndarray) -> None:
         r = self.ring
@@ -218,15 +257,15 @@ class Pipeline:
             ClusterError: as :meth:`forward`.
         """
         body = np.concatenate([src, dst]).astype(np.int32)
-        head = np.array([COPY, len(body), 0, 0, 0, 0], dtype=np.int32)
-        self._guard(lambda: self._send_message(np.concatenate([head, body])))
+        msg = np.concatenate([control_header(COPY, len(body)), body])
+        self._guard(lambda: self._send_message(msg))
 
     def stop(self) -> None:
         """Tell the other ranks to exit (nothing where the pipeline is broken)."""
         if self.failure is not None:
             return
         try:
-            self._send_message(np.array([STOP, 0, 0, 0, 0, 0], dtype=np.int32))
+            self._send_message(control_header(STOP, 0))
         except ClusterError as e:
             print(f"warning: stopping the other ranks: {e}", file=sys.stderr)
 
@@ -240,7 +279,8 @@ def serve_stage(
 ) -> None:
     """The loop of a rank past 0 (module docstring) until ``STOP``: receive a header and body
     from the rank before, hand them on (but the last rank), then copy KV slots or run a pass's
-    blocks on the rows received and send them on.
+    blocks on the rows received and send them on (the last rank: back to rank 0, but for a
+    flowing pass, whose rows it only evaluates).
 
     Args:
         model: the stage's model (``model.stage``: its blocks).
@@ -260,7 +300,7 @@ def serve_stage(
         if not wait():
             raise ClusterError(f"rank {ring.rank}: {ring.name(0)} stopped")
         head = ring.recv_ints(HEADER, ring.prev)
-        cmd, length, rows, tile, tiles, n = (int(v) for v in head)
+        cmd, length, rows, tile, tiles, n, back = (int(v) for v in head)
         body = ring.recv_ints(length, ring.prev)
         if not last:
             ring.send(mx.array(head), ring.next)
@@ -279,4 +319,7 @@ def serve_stage(
         batch = decode_step(body, n, tile)
         x = ring.recv((1, rows, model.arch.embedding_length), sender_dtype, ring.prev)
         x = model.blocks(x.astype(model.dtype), batch, kv, model.rope_factors(), *model.stage)
-        ring.send(x, ring.next)
+        if last and not back:
+            mx.eval(x)  # its KV writes, as a send would evaluate them; rank 0 is not waiting
+        else:
+            ring.send(x, ring.next)

@@ -535,6 +535,7 @@ class ServingEngine:
         """A snapshot of the serving counters (read without locking: each value is one int)."""
         read = self.engine.store.counters()
         traces, replays = self.runner.graph_counters()
+        pipeline = self.engine.pipeline  # a cluster plan's rank 0
         return {
             "kv_blocks_total": self.pool.num_blocks,
             "kv_blocks_in_use": self.pool.num_used_blocks(),
@@ -546,6 +547,7 @@ class ServingEngine:
             "preemptions": self.scheduler.num_preemptions,
             "steps": self.steps,
             "pipelined_steps": self.pipelined_steps,
+            "cluster_passes_flowed": pipeline.flowed if pipeline is not None else 0,
             "batched_tokens": self.batched_tokens,
             "spec_proposed_tokens": self.spec_proposed,
             "spec_accepted_tokens": self.spec_accepted,

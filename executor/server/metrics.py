@@ -97,6 +97,10 @@ class ServerMetrics:
             ("pipelined_steps_total", "counter",
              "Engine steps launched while the step before was still computing (their tokens "
              "read one step later).", [("", e["pipelined_steps"])]),
+            ("cluster_passes_flowed_total", "counter",
+             "Cluster plans: passes sent through the ranks without waiting for them to come "
+             "back (prompt chunks before the last; executor.pipeline).",
+             [("", e["cluster_passes_flowed"])]),
             ("batched_tokens_total", "counter",
              "Tokens run through the model (prefill chunks and decodes).",
              [("", e["batched_tokens"])]),

@@ -1,10 +1,11 @@
 """Cluster plans run over MLX's ring backend: two (and three) loopback "hosts" as processes on
-this machine (issue 39). Greedy ids through ``run`` and ``serve`` (two requests at once, a
-prefix-cache hit) are the one-host plan's, also for a mixture-of-experts model whose experts
-stream from NVMe on rank 1, and for a rank started by hand (attach mode); a rank killed
-mid-request ends the request with an error naming it within seconds, the other ranks exit and
-nothing is left behind; rank 0 waits for a missing rank only so long; the step descriptor
-rebuilds rank 0's layout; ``strata profile --link`` measures loopback over the ring."""
+this machine (issue 39). Greedy ids through ``run`` (a prompt's chunks flowing, and lock-step)
+and ``serve`` (two requests at once, a prefix-cache hit) are the one-host plan's, also for a
+mixture-of-experts model whose experts stream from NVMe on rank 1, and for a rank started by
+hand (attach mode); a rank killed mid-request ends the request with an error naming it within
+seconds, the other ranks exit and nothing is left behind; rank 0 waits for a missing rank only so
+long; the step descriptor rebuilds rank 0's layout; ``strata profile --link`` measures loopback
+over the ring."""
 
 from __future__ import annotations
 
@@ -113,7 +114,14 @@ def test_run_gives_the_one_host_ids(plans, one_host_ids):
     assert [s.host for s in stages] == ["a", "b"] and stages[0].first_block == 0
     assert any(p.tier == "nvme" and p.host == "b" for p in plan.placement)  # rank 1 streams
     want = one_host_ids[tuple(PROMPT_A)]
-    assert _run(two, PROMPT_A)["output_ids"] == want and len(want) == DECODE
+    flowing = _run(two, PROMPT_A)
+    assert flowing["output_ids"] == want and len(want) == DECODE
+    # The prompt's chunks before its last flowed through the ranks without coming back to rank
+    # 0 (executor.pipeline); with the switch off every pass is lock-step, the ids the same.
+    chunks = -(-len(PROMPT_A) // flowing["stats"]["prefill_chunk"])
+    assert chunks >= 2 and flowing["stats"]["passes_flowed"] == chunks - 1
+    lockstep = _run(two, PROMPT_A, env={"STRATA_PIPELINE_FLOW": "0"})
+    assert lockstep["output_ids"] == want and lockstep["stats"]["passes_flowed"] == 0
 
 
 @pytest.mark.slow
@@ -277,7 +285,8 @@ def test_a_step_descriptor_rebuilds_the_same_layout(tile):
     ]
     sent = ForwardBatch.build(inputs, tile=tile)
     msg = encode_step(sent, 16)
-    assert msg[2] == 16 and msg[3] == tile and msg[5] == len(inputs)
+    assert msg[2] == 16 and msg[3] == tile and msg[5] == len(inputs) and msg[6] == 1
+    assert encode_step(sent, 16, back=False)[6] == 0  # a flowing pass: not sent back
     got = decode_step(msg[HEADER:], len(inputs), tile)
     assert got.num_tokens == sent.num_tokens and got.decode_rows == sent.decode_rows
     assert np.array_equal(np.array(got.write_slots), np.array(sent.write_slots))
@@ -454,7 +463,9 @@ def test_three_ranks_and_the_middle_one_dies(tmp_path):
     three = _plan_cluster("smollm2-135m", cluster, tmp_path / "three-plan.yaml", 512)
     assert len(read_yaml(three, Plan).cluster.stages) == 3
     one = make_plan_file("smollm2-135m", tmp_path / "one.yaml", context=512)
-    assert _run(three, PROMPT_A)["output_ids"] == _run(one, PROMPT_A)["output_ids"]
+    got = _run(three, PROMPT_A)  # its first chunk flows through rank 1 to rank 2
+    assert got["output_ids"] == _run(one, PROMPT_A)["output_ids"]
+    assert got["stats"]["passes_flowed"] == 1
 
     proc = subprocess.Popen(
         [

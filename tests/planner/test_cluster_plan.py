@@ -7,14 +7,14 @@ import pytest
 from conftest import DEV_PROFILE, ROOT
 from strata.common.cluster import check_cluster_placement, stage_units, stage_view
 from strata.common.errors import PlanError, SchemaError
-from strata.common.schemas import HardwareProfile, Plan, Request
+from strata.common.schemas import HardwareProfile, LinkPlan, Plan, Pool, Request
 from strata.common.yamlio import read_yaml, write_yaml
 from strata.planner.archdesc import describe_arch
 from strata.planner.cluster import build_cluster_plan, candidate_splits
 from strata.planner.costmodel import batch_limits, kv_cache_bytes, recurrent_state_bytes
 from strata.planner.diff import diff
 from strata.planner.explain import explain
-from strata.planner.pipeline import pipeline_prediction
+from strata.planner.pipeline import flowing_ttft, pipeline_prediction
 from strata.planner.planning import build_plan
 from strata.planner.rescore import edited, judge, memory_needs
 from test_cli import assert_one_line_error, cli
@@ -134,13 +134,62 @@ def test_link_and_pipeline_prediction_by_hand(two_hosts, desc):
     assert two_hosts.prediction.step_s == pytest.approx(step, rel=1e-6)
     assert c.prediction.decode_tok_s == pytest.approx(1 / step, rel=1e-4)  # written rounded
     assert c.prediction.micro_batches == 1
-    # TTFT: the stages' TTFT and one chunk (128 and 2 x 512 tokens) per link per chunk.
-    short = sum(s.prediction.ttft_s[0] for s in c.stages) + 2 * (22.5e-6 + 128 * 2304 / 1.87e9)
-    long = sum(s.prediction.ttft_s[1] for s in c.stages) + 2 * 2 * (22.5e-6 + 512 * 2304 / 1.87e9)
+    # TTFT: one chunk (128 tokens) is lock-step, the stages' TTFT and a transfer per link; two
+    # chunks of 512 flow (planner.pipeline): the first through a, then the second at whichever
+    # rank is slower, the last through b (and back to a).
+    hop = [22.5e-6 + r * 2304 / 1.87e9 for r in (128, 512)]
+    short = sum(s.prediction.ttft_s[0] for s in c.stages) + 2 * hop[0]
+    c0, c1 = (s.prediction.prefill_chunk_s for s in c.stages)
+    t0, t1 = (s.prediction.ttft_s[1] for s in c.stages)
+    w = [c0 + hop[1], c1]  # a rank's first chunk (rank 1 sends it nowhere)
+    v = [t0 - c0 + hop[1], t1 - c1 + hop[1]]  # its last chunk, rank 1's sent back to a
+    long = max(w[0] + v[0] + v[1], w[0] + w[1] + v[1])
     assert two_hosts.prediction.ttft_s == pytest.approx([short, long], rel=1e-5)
+    assert long < t0 + t1 + 4 * hop[1]  # below lock-step's
     slowest = max(c.stages, key=lambda s: s.prediction.step_s)
     assert c.prediction.binding == f"host {slowest.host}"
     assert two_hosts.prediction.binding[0] == c.prediction.binding
+
+
+def _link(a: str, b: str) -> LinkPlan:
+    """A hand-built boundary: 1 ms latency and 0.1 ms per row (100 B per token at 1 MB/s)."""
+    return LinkPlan(
+        hosts=[a, b],
+        bandwidth_bytes_s={"value": 1e6, "source": "assumed", "how": "by hand"},
+        latency_s={"value": 1e-3, "source": "assumed", "how": "by hand"},
+        bytes_per_token=100,
+        predicted_s=0.0,
+    )
+
+
+def test_prefill_chunks_flow_through_two_stages_by_hand():
+    """A 35-token prompt in chunks of 10: F = 3 full chunks and a last of 5. A chunk's transfer
+    is 1 + 10 x 0.1 = 2 ms, the last one's 1.5 ms. Rank 0's send is part of its chunk; rank 1
+    sends only the last chunk back."""
+    links = [_link("a", "b"), _link("b", "a")]
+    # Rank 0 slower (0.1 s a chunk, 0.06 s the last; 0.36 s in all), rank 1 0.05 / 0.03 (0.18).
+    # w = [0.102, 0.05], v = [0.0615, 0.0315]: rank 0 runs its four chunks and sends them
+    # (3 x 0.102 + 0.0615 = 0.3675), rank 1 keeps up and ends with the last (+ 0.0315).
+    assert flowing_ttft([0.1, 0.05], [0.36, 0.18], links, 35, 10) == pytest.approx(0.399)
+    # Rank 1 slower: the first chunk through rank 0 (0.052), rank 1's three full chunks (0.3),
+    # its last with the send back (0.0615).
+    assert flowing_ttft([0.05, 0.1], [0.18, 0.36], links, 35, 10) == pytest.approx(0.4135)
+    # Lock-step: 0.36 + 0.18 + 3 chunks x 2 links x 2 ms + 2 x 1.5 ms = 0.555.
+    # One chunk of 8 tokens (1.8 ms a transfer) is lock-step exactly: 0.05 + 0.04 + 2 x 1.8 ms.
+    one = flowing_ttft([0.05, 0.04], [0.05, 0.04], links, 8, 10)
+    assert one == 0.05 + 0.04 + 2 * (1e-3 + 8 * 100 / 1e6) and one == pytest.approx(0.0936)
+
+
+def test_a_rank_0_that_streams_prefills_lock_step(two_hosts):
+    """Rank 0 streaming a unit from NVMe runs every pass's head and waits for it (executor's
+    ``Pipeline.forward``): the plan's TTFT is then the stages' and every chunk's transfers."""
+    c = two_hosts.cluster
+    stages = [c.stages[0].model_copy(update={"pool": Pool(slots=2, slot_bytes=1)}), c.stages[1]]
+    pred, _, _ = pipeline_prediction(stages, c.links, two_hosts.request, two_hosts.batch)
+    hop = 22.5e-6 + 512 * 2304 / 1.87e9
+    lock = sum(s.prediction.ttft_s[1] for s in c.stages) + 2 * 2 * hop
+    assert pred.ttft_s[1] == pytest.approx(lock, rel=1e-6)
+    assert lock > two_hosts.prediction.ttft_s[1]  # the plan's own rank 0 streams nothing: flows
 
 
 def test_a_slow_link_binds(two_hosts):
