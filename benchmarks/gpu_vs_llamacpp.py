@@ -12,7 +12,9 @@ Strata, in this process, on a plan of the same GGUF (``--plan``): one engine (we
 then for each variant (``pipelined``: as shipped, each greedy step launched while the one before
 computes; ``sync``: ``pipelined_steps`` off, every step's tokens read before the next is built;
 ``lone-kernel``: pipelined, and a lone decode attends with the paged kernel, so that its pass is
-compiled; ``compiled-all``: that, and passes of any number of sequences compiled) a serving engine
+compiled; ``compiled-all``: that, and passes of any number of sequences compiled; ``mlx-matvec``
+and ``mlx-matvec-sync``: a lone decode's products through MLX's quantized matvec, not Strata's
+one-row kernel) a serving engine
 with its warm-up, a short warm round, then for each concurrency c: c requests of P random prompt
 tokens (seeded) and G greedy tokens each, submitted at once. Its ``decode_tok_s`` is llama-batched-
 bench's ``S_TG`` measured the same way: the tokens the requests emit after the last of them has its
@@ -59,10 +61,20 @@ VARIANTS = {
     "sync": {"pipelined_steps": False},
     "lone-kernel": {"pipelined_steps": True, "lone_decode_kernel": True},
     "compiled-all": {"pipelined_steps": True, "lone_decode_kernel": True, "max_sequences": 0},
+    "mlx-matvec": {
+        "pipelined_steps": True,
+        "mma_rows": lambda c: (max(2, c.mma_rows[0]), c.mma_rows[1]),
+    },
+    "mlx-matvec-sync": {
+        "pipelined_steps": False,
+        "mma_rows": lambda c: (max(2, c.mma_rows[0]), c.mma_rows[1]),
+    },
 }
-"""Runtime-config overrides of each Strata variant (``executor.config.RuntimeConfig``); each
-variant's serving engine (its KV cache, its compiled passes) is made afresh over the one loaded
-model."""
+"""Runtime-config overrides of each Strata variant (``executor.config.RuntimeConfig``; a
+callable value is worked out from the plan's config); each variant's serving engine (its KV
+cache, its compiled passes) is made afresh over the one loaded model. ``mlx-matvec``: a lone
+decode's products through MLX's quantized matvec instead of Strata's one-row kernel
+(``executor.cuda_qmv``)."""
 
 
 def llama_bench(bin_dir: Path, model: Path, ngl: int, gen: int) -> dict:
@@ -146,7 +158,8 @@ def strata_levels(
     try:
         for name in variants:
             # The serving engine reads the engine's config, the forward pass the model's.
-            engine.config = engine.model.config = base.replace(**VARIANTS[name])
+            overrides = {k: v(base) if callable(v) else v for k, v in VARIANTS[name].items()}
+            engine.config = engine.model.config = base.replace(**overrides)
             se = ServingEngine(engine)
             load[f"{name}_warm_up_s"] = round(se.start(), 2)
             try:

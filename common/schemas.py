@@ -544,9 +544,9 @@ class GPUTier(Strict):
     )
     mma_matmul_min_rows: RowsFigure | None = Field(
         default=None,
-        description="smallest row count of the range where Strata's tensor-core 4-bit matmul "
-        "(executor.cuda_mma) beats MLX's quantized matmul (0: nowhere); None where not measured "
-        "(backends other than CUDA)",
+        description="smallest row count of the range where Strata's own kernels (one row: the "
+        "matvec, executor.cuda_qmv; more: the tensor-core 4-bit matmul, executor.cuda_mma) beat "
+        "MLX's quantized matmul (0: nowhere); None where not measured (backends other than CUDA)",
     )
     mma_matmul_max_rows: RowsFigure | None = Field(
         default=None,
@@ -924,8 +924,8 @@ class Runtime(Strict):
         default=0,
         ge=0,
         description="kernel path of quantized projections: forward passes of mma_matmul_min_rows "
-        "to mma_matmul_max_rows tokens use Strata's tensor-core 4-bit matmul where it applies "
-        "(0: never); the profile's measured range",
+        "to mma_matmul_max_rows tokens use Strata's own kernels where they apply (one row: the "
+        "matvec; more: the tensor-core 4-bit matmul; 0: never); the profile's measured range",
     )
     mma_matmul_max_rows: int = Field(default=0, ge=0, description="see mma_matmul_min_rows")
 

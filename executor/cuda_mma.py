@@ -1,6 +1,8 @@
 """A batched 4-bit matmul on NVIDIA tensor cores, for products of a few dozen rows, and two
 fused forms of it: three weights of one input in one call (Q, K, V), and SwiGLU (gate, up, SiLU
-and their product in one call).
+and their product in one call). A single row (a lone decode step) takes the same calls to
+``executor.cuda_qmv``'s matvec instead, which reads each weight at the memory's pace and takes
+8-bit weights too (the output head of a Q8_0 model).
 
 On MLX's CUDA backend a product of a few rows by a 4-bit weight is slow: ``mx.quantized_matmul``
 reads the weight far below the memory's bandwidth, so a pass of a few dozen rows (a prompt's
@@ -56,6 +58,7 @@ from collections.abc import Hashable
 from dataclasses import dataclass
 
 import mlx.core as mx
+from strata.executor import cuda_qmv
 from strata.executor.cuda_source import MMA_M16N8K16, compact, tensor_cores
 
 __all__ = ["MAX_ROWS", "Rope", "fusable", "matmul", "matmul3", "supported", "swiglu"]
@@ -431,8 +434,11 @@ def warps_per_block(n: int, k: int) -> int:
 
 def supported(rows: int, n: int, k: int, bits: int, group_size: int, dtype: mx.Dtype) -> bool:
     """Whether :func:`matmul` computes ``rows`` rows by an ``[n, k]`` weight of ``bits`` bits in
-    groups of ``group_size`` with ``dtype`` activations on this process's backend (MLX CUDA on
+    groups of ``group_size`` with ``dtype`` activations on this process's backend: one row by
+    ``executor.cuda_qmv`` (4 or 8 bits, MLX CUDA), more on tensor cores (4 bits, MLX CUDA on
     sm_80 or later: ``tensor_cores``)."""
+    if rows == 1 and cuda_qmv.supported(n, k, bits, group_size, dtype):
+        return True
     return (
         tensor_cores()
         and 1 <= rows <= MAX_ROWS
@@ -450,12 +456,13 @@ def _check(m: int, k: int, dtype: mx.Dtype, weight: Quant, group_size: int) -> N
     (``[n, k]``) and its scales and biases match it."""
     weight, scales, biases = weight
     n = weight.shape[0]
-    if not supported(m, n, k, 4, group_size, dtype) or weight.shape[1] * 8 != k:
+    bits = cuda_qmv.weight_bits(weight, k) if m == 1 else 4
+    if not supported(m, n, k, bits, group_size, dtype) or weight.shape[1] * 32 != k * bits:
         raise ValueError(
-            f"cuda_mma: [{m}, {k}] {dtype} by a {tuple(weight.shape)} 4-bit weight in groups "
-            f"of {group_size} is not handled here (MLX CUDA, rows <= {MAX_ROWS}, n % 16 == 0, "
-            f"k % 64 == 0, groups of 32, 64 or 128 dividing k, 16-bit activations); use "
-            f"mx.quantized_matmul"
+            f"cuda_mma: [{m}, {k}] {dtype} by a {tuple(weight.shape)} packed weight in groups "
+            f"of {group_size} is not handled here (MLX CUDA, 4 bits, rows <= {MAX_ROWS}, n % 16 "
+            f"== 0, k % 64 == 0, or one row of 4 or 8 bits with k % 32 == 0; groups of 32, 64 or "
+            f"128 dividing k, 16-bit activations); use mx.quantized_matmul"
         )
     if scales.dtype != dtype or biases.dtype != dtype:
         raise ValueError(
@@ -560,7 +567,7 @@ def _prepare(
     for w in weights:
         _check(m, k, dtype, w, group_size)
     widths = [w[0].shape[0] for w in weights]
-    if store.startswith("split3") and (len(weights) != 3 or not fusable(weights, k)):
+    if store.startswith("split3") and (len(weights) != 3 or not fusable(weights, k, m)):
         raise ValueError(
             "cuda_mma.matmul3: needs three weights with the same K split (cuda_mma.fusable); "
             "call matmul per weight"
@@ -594,6 +601,19 @@ def _prepare(
     if sizes != [m * n for n in widths]:
         raise ValueError(
             f"cuda_mma: output shapes {out} do not hold [{m}, n] results for widths {widths}"
+        )
+    if m == 1:  # the one-row kernel (executor.cuda_qmv): no padding, any K split
+        bits = {cuda_qmv.weight_bits(w[0], k) for w in weights}
+        if len(bits) != 1:
+            raise ValueError(f"cuda_mma: the weights of one call differ in bits ({sorted(bits)})")
+        kernel, template, grid, threads = cuda_qmv.launch(
+            store, k, dtype, bits.pop(), group_size, widths
+        )
+        if store == "split3_rope":
+            template += _rope_template(rope, m, widths)
+        shapes = [tuple(s) for s in out]
+        return _Launch(
+            kernel, template, grid, threads, shapes, shapes, [dtype] * len(widths), m, k, 0
         )
     ntok = -(-m // 8)
     warps, wpl = warps_per_block(weights[0][0].shape[0], k), words_per_lane(k)
@@ -760,11 +780,11 @@ def matmul(
     return _call(store, x, [(weight, scales, biases)], group_size, None, signature, residual)[0]
 
 
-def fusable(weights: list[Quant], k: int) -> bool:
+def fusable(weights: list[Quant], k: int, rows: int = 0) -> bool:
     """Whether :func:`matmul3` may compute these weights in one call with each one's results
     equal to its own :func:`matmul`'s, bit for bit: the same K split (:func:`warps_per_block`)
-    for all of them."""
-    return len({warps_per_block(w[0].shape[0], k) for w in weights}) == 1
+    for all of them, or one row (``rows`` 1: ``executor.cuda_qmv`` sums every row alike)."""
+    return rows == 1 or len({warps_per_block(w[0].shape[0], k) for w in weights}) == 1
 
 
 def matmul3(

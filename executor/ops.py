@@ -245,7 +245,7 @@ def _fusable_shapes(x: mx.array, ws: list[QuantLinear], config: RuntimeConfig) -
     padded = bucket_rows(rows) if config.pad_rows and rows else rows
     if not rows or any(kernel_path(padded, w, x.dtype, config) != "mma" for w in ws):
         return False
-    return cuda_mma.fusable([w.parts for w in ws], k)
+    return cuda_mma.fusable([w.parts for w in ws], k, padded)
 
 
 def fused_qkv(
@@ -385,9 +385,10 @@ KERNEL_PATHS = ("quantized", "mma", "dense")
 def kernel_path(rows: int, w: QuantLinear, dtype: mx.Dtype, config: RuntimeConfig) -> str:
     """The kernel path ``config`` takes for a product of ``rows`` rows of ``dtype`` by ``w``:
     ``dense`` from ``config.dequant_min_rows`` (the plan's ``dequant_matmul_min_rows``); ``mma``
-    for ``config.mma_rows`` (the plan's ``mma_matmul_min_rows`` to ``mma_matmul_max_rows``) where
-    :func:`executor.cuda_mma.supported` (4-bit, 16-bit activations and scales of that dtype,
-    MLX's CUDA backend); else ``quantized``."""
+    (Strata's own kernels: one row by ``executor.cuda_qmv``'s matvec, 4 or 8 bits; more by the
+    tensor-core kernel, 4 bits) for ``config.mma_rows`` (the plan's ``mma_matmul_min_rows`` to
+    ``mma_matmul_max_rows``) where :func:`executor.cuda_mma.supported` (16-bit activations and
+    scales of that dtype, MLX's CUDA backend); else ``quantized``."""
     mma_rows, dense_from = config.mma_rows, config.dequant_min_rows
     key = (rows, w.shape, w.bits, w.group_size, w.scales_dtype, dtype, mma_rows, dense_from)
     path = _PATHS.get(key)
@@ -422,7 +423,8 @@ def quantized_product(x: mx.array, w: QuantLinear, path: str) -> mx.array:
     one per call; ``executor.profile`` times exactly this function):
 
     - ``quantized``: ``mx.quantized_matmul``;
-    - ``mma``: Strata's tensor-core kernel (``executor.cuda_mma``), MLX's CUDA backend;
+    - ``mma``: Strata's own kernels (``executor.cuda_mma``: the tensor-core kernel, or for one
+      row ``executor.cuda_qmv``'s matvec), MLX's CUDA backend;
     - ``dense``: dequantize the whole weight for this call (``executor.cuda_dequant`` on MLX's
       CUDA backend, else ``mx.dequantize``) and multiply densely.
 

@@ -606,11 +606,19 @@ def measure_decode_batch(
 
 
 def _quantized_matmul_rate(
-    shape: tuple[int, int], dtype_name: str, samples: int, min_sample_s: float, rows: int, what: str
+    shape: tuple[int, int],
+    dtype_name: str,
+    samples: int,
+    min_sample_s: float,
+    rows: int,
+    what: str,
+    path: str = "quantized",
 ) -> Figure:
-    """``2 rows n k / seconds`` of ``mx.quantized_matmul`` of a [rows, k] activation by an
-    [n, k] 4-bit weight (groups of 32), the median of ``samples`` samples of evaluated calls."""
+    """``2 rows n k / seconds`` of a [rows, k] activation by an [n, k] 4-bit weight (groups of
+    32) through the kernel path ``path`` (``executor.ops.quantized_product``; ``quantized``:
+    ``mx.quantized_matmul``), the median of ``samples`` samples of evaluated calls."""
     import mlx.core as mx
+    from strata.executor.ops import QuantLinear, quantized_product
 
     n, k = shape
     dtype = getattr(mx, dtype_name)
@@ -619,13 +627,10 @@ def _quantized_matmul_rate(
     x = mx.random.normal((rows, k)).astype(dtype)
     mx.eval(wq, scales, biases, x)
     del w
+    weight = QuantLinear(wq, scales, biases, MATVEC_BITS, MATVEC_GROUP)
 
     def run() -> None:
-        mx.eval(
-            mx.quantized_matmul(
-                x, wq, scales, biases, transpose=True, group_size=MATVEC_GROUP, bits=MATVEC_BITS
-            )
-        )
+        mx.eval(quantized_product(x, weight, path))
 
     rate, calls = _rate(2.0 * rows * n * k, run, samples, min_sample_s)
     secs = 2.0 * rows * n * k / rate.median
@@ -634,8 +639,14 @@ def _quantized_matmul_rate(
         f"{what}: {rate.median / 1e9:.2f} GFLOP/s ({_gbs(wbytes / secs)} of weights, "
         f"spread {rate.spread:.0%})"
     )
+    kernel = {
+        "quantized": "MLX quantized_matmul",
+        "mma": "Strata's one-row kernel (executor.cuda_qmv)"
+        if rows == 1
+        else "Strata's tensor-core kernel (executor.cuda_mma)",
+    }.get(path, path)
     return rate.figure(
-        f"MLX quantized_matmul of [{rows}, {k}] {dtype_name} by a [{n}, {k}] weight "
+        f"{kernel} of [{rows}, {k}] {dtype_name} by a [{n}, {k}] weight "
         f"({MATVEC_BITS}-bit, groups of {MATVEC_GROUP}, {format_size(wbytes)}) on "
         f"{mx.default_device()}, {calls} calls a sample, "
         f"{_stats(rate, lambda v: f'{v / 1e9:.2f} GFLOP/s')}: {secs * 1e3:.3f} ms a call, "
@@ -655,7 +666,10 @@ def _time_kernel_paths(
     """Seconds of ``executor.ops.quantized_product`` on [rows, k] ``dtype_name`` activations by a
     random [n, k] 4-bit weight (groups of 32), MLX's quantized path against ``path``, one call at
     a time (each evaluated and synchronized), median of ``repeats`` after a warm-up call:
-    ``{rows: (quantized s, path s)}`` for each of ``row_counts``."""
+    ``{rows: (quantized s, path s)}`` for each of ``row_counts``. A path whose product is not
+    MLX's (relative error over ``PATH_TOLERANCE`` of the largest element), or that raises (a
+    kernel this machine cannot build), is timed as infinitely slow, so that no plan takes a
+    kernel that computes wrongly or not at all on this machine."""
     import mlx.core as mx
     from strata.executor.ops import QuantLinear, quantized_product
 
@@ -670,13 +684,30 @@ def _time_kernel_paths(
     for rows in row_counts:
         x = mx.random.normal((rows, k)).astype(dtype)
         mx.eval(x)
+        ref = quantized_product(x, weight, "quantized").astype(mx.float32)
+        try:  # a kernel this machine cannot build or run is not used, as a wrong one
+            got = quantized_product(x, weight, path).astype(mx.float32)
+            err = (mx.abs(got - ref).max() / mx.maximum(mx.abs(ref).max(), 1e-30)).item()
+            why = f"is off by {err:.2g}"
+        except Exception as e:  # noqa: BLE001 - MLX raises RuntimeError or ValueError
+            err, why = math.inf, f"failed ({str(e).splitlines()[0][:200]})"
+        if not err <= PATH_TOLERANCE:
+            _say(f"warning: the {path} path's product of {rows} rows {why}: not used")
         times[rows] = (
             _median_seconds(
                 lambda x=x: mx.eval(quantized_product(x, weight, "quantized")), repeats
             ),
-            _median_seconds(lambda x=x: mx.eval(quantized_product(x, weight, path)), repeats),
+            _median_seconds(lambda x=x: mx.eval(quantized_product(x, weight, path)), repeats)
+            if err <= PATH_TOLERANCE
+            else math.inf,
         )
     return times
+
+
+PATH_TOLERANCE = 1e-2
+"""Largest relative error (of the largest element) of a kernel path's product against MLX's
+quantized matmul that :func:`_time_kernel_paths` accepts: the paths differ by float16 rounding
+(about 1e-3), a wrong kernel by far more."""
 
 
 def measure_dequant_crossover(
@@ -732,15 +763,36 @@ def measure_dequant_crossover(
     )
 
 
-def _mma_figures(backend: str, shape, dtype_name: str, repeats: int, batch: Figure) -> dict:
-    """The profile's tensor-core kernel range, measured on CUDA (absent elsewhere), and the
-    decode-batch rate of the kernel path the executor takes for ``DECODE_BATCH_ROWS`` rows:
-    the tensor-core kernel's where the range holds them and it is faster than ``batch``
-    (``mx.quantized_matmul``'s rate), else ``batch``."""
+def _mma_figures(
+    backend: str,
+    shape,
+    dtype_name: str,
+    repeats: int,
+    batch: Figure,
+    matvec: Figure,
+    samples: int = 9,
+    min_sample_s: float = 0.02,
+) -> dict:
+    """The profile's range of Strata's own kernels, measured on CUDA (absent elsewhere), and
+    the decode rates of the kernel paths the executor takes: for one row the matvec's
+    (``executor.cuda_qmv``) where the range holds one row and it beats ``matvec``
+    (``mx.quantized_matmul``'s rate, timed the same way), for ``DECODE_BATCH_ROWS`` rows the
+    tensor-core kernel's where the range holds them and it is faster than ``batch``."""
     if backend != "cuda":
-        return {"decode_batch_flops_s": batch}
+        return {"decode_batch_flops_s": batch, "decode_matvec_flops_s": matvec}
     lo, hi, times = measure_mma_rows(shape, dtype_name, repeats)
-    out = {"mma_matmul_min_rows": lo, "mma_matmul_max_rows": hi, "decode_batch_flops_s": batch}
+    out = {
+        "mma_matmul_min_rows": lo,
+        "mma_matmul_max_rows": hi,
+        "decode_batch_flops_s": batch,
+        "decode_matvec_flops_s": matvec,
+    }
+    if lo.value <= 1 <= hi.value:
+        own = _quantized_matmul_rate(
+            shape, dtype_name, samples, min_sample_s, 1, "decode matvec (own kernel)", "mma"
+        )
+        if own.value > matvec.value:
+            out["decode_matvec_flops_s"] = own
     t = times.get(DECODE_BATCH_ROWS, (0.0, 0.0))[1]
     if lo.value <= DECODE_BATCH_ROWS <= hi.value and t > 0:
         n, k = shape
@@ -755,18 +807,19 @@ def _mma_figures(backend: str, shape, dtype_name: str, repeats: int, batch: Figu
     return out
 
 
-MMA_ROWS = (2, 4, 8, 16, 24, 32, 64)
+MMA_ROWS = (1, 2, 4, 8, 16, 24, 32, 64)
 """Row counts :func:`measure_mma_rows` times: the bucketed row counts (``executor.ops.bucket_rows``)
-of decode batches and short chunks that Strata's tensor-core kernel takes (at most
-``executor.cuda_mma.MAX_ROWS``)."""
+of decode batches and short chunks that Strata's own kernels take (one row: the matvec,
+``executor.cuda_qmv``; more: the tensor-core kernel, at most ``executor.cuda_mma.MAX_ROWS``)."""
 
 
 def measure_mma_rows(
     shape: tuple[int, int], dtype_name: str, repeats: int = 5
 ) -> tuple[Figure, Figure, dict[int, tuple[float, float]]]:
-    """The row counts for which Strata's tensor-core 4-bit matmul (``executor.cuda_mma``)
-    beats MLX's quantized matmul, timed call by call like :func:`measure_dequant_crossover`
-    (each call evaluated and synchronized) through ``executor.ops.quantized_product``.
+    """The row counts for which Strata's own 4-bit kernels (``executor.cuda_mma``: one row the
+    matvec of ``executor.cuda_qmv``, more the tensor-core matmul) beat MLX's quantized matmul,
+    timed call by call like :func:`measure_dequant_crossover` (each call evaluated and
+    synchronized) through ``executor.ops.quantized_product``.
 
     The range is the run of consecutive winning counts of ``MMA_ROWS`` that ends at the
     largest win (0, 0 when the kernel never wins or does not apply here). The profile's
@@ -787,18 +840,20 @@ def measure_mma_rows(
     n, k = shape
     dtype = getattr(mx, dtype_name)
     where = f"on {mx.default_device()}, {_today()}"
-    if not cuda_mma.supported(MMA_ROWS[0], n, k, MATVEC_BITS, MATVEC_GROUP, dtype):
-        how = f"Strata's tensor-core kernel does not apply to [{n}, {k}] {dtype_name} {where}"
+    rows = [r for r in MMA_ROWS if cuda_mma.supported(r, n, k, MATVEC_BITS, MATVEC_GROUP, dtype)]
+    if not rows:
+        how = f"Strata's own kernels do not apply to [{n}, {k}] {dtype_name} {where}"
         off = Figure(value=0, source="measured", how=how)
         return off, off, {}
-    times = _time_kernel_paths(shape, dtype_name, MMA_ROWS, "mma", repeats)
+    times = _time_kernel_paths(shape, dtype_name, rows, "mma", repeats)
     lo, hi = mma_range(times)
     table = ", ".join(f"{r}: {q * 1e6:.0f}/{t * 1e6:.0f} us" for r, (q, t) in times.items())
-    _say(f"tensor-core 4-bit matmul for {lo}-{hi} rows ({table})")
+    _say(f"Strata's own 4-bit kernels for {lo}-{hi} rows ({table})")
     how = (
-        f"MLX quantized_matmul vs Strata's tensor-core kernel (executor.cuda_mma) on [rows, {k}] "
-        f"{dtype_name} by a [{n}, {k}] 4-bit weight {where}, median of {repeats} (rows: "
-        f"quantized/tensor-core): {table}; the run of winning row counts that ends at the largest"
+        f"MLX quantized_matmul vs Strata's own kernels (executor.cuda_mma; one row: the matvec, "
+        f"executor.cuda_qmv) on [rows, {k}] {dtype_name} by a [{n}, {k}] 4-bit weight {where}, "
+        f"median of {repeats} (rows: quantized/Strata's): {table}; the run of winning row counts "
+        f"that ends at the largest"
     )
     return (
         Figure(value=lo, source="measured", how=how),
@@ -1180,7 +1235,10 @@ def measure_profile(
         if backend == "cpu"
         else measure_dequant_crossover(sz.matvec, compute_dtype, sz.samples)[0]
     )
-    mma = _mma_figures(backend, sz.matvec, compute_dtype, sz.samples, batch)
+    mma = _mma_figures(
+        backend, sz.matvec, compute_dtype, sz.samples, batch, matvec, sz.samples + 2,
+        sz.min_sample_s,
+    )  # fmt: skip
     copy = measure_host_to_device(
         sz.copy_bytes, sz.samples, touch_on_device=backend == "cuda", warmups=1 if quick else 2
     )
@@ -1193,7 +1251,6 @@ def measure_profile(
         working_set_bytes=working_set(backend, total_ram, reserve, info),
         memory_bandwidth_bytes_s=memory_bw,
         compute_flops_s=compute,
-        decode_matvec_flops_s=matvec,
         op_overhead_s=probe.figure(OP_ROUNDS, sz.op_steps),
         dequant_matmul_min_rows=dequant,
         **mma,

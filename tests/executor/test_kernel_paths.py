@@ -12,6 +12,7 @@ from strata.executor.config import RuntimeConfig
 from strata.executor.ops import QuantLinear, kernel_path, linear, quantized_product
 from strata.executor.profile import (
     DEQUANT_ROWS,
+    MMA_ROWS,
     measure_dequant_crossover,
     measure_mma_rows,
     mma_range,
@@ -74,6 +75,30 @@ def test_crossover_measurement_reports_every_row_count():
     assert figure.source == "measured" and "mx.dequantize" in figure.how
 
 
+def test_a_path_that_computes_wrongly_is_never_timed_as_winning(monkeypatch):
+    """The profile checks each path's product against MLX's quantized matmul before timing it: a
+    kernel that is fast and wrong on this machine is timed as infinitely slow, so no plan's
+    crossover takes it."""
+    real = ops.quantized_product
+
+    def broken(x, w, path):
+        out = real(x, w, "quantized")
+        return out if path == "quantized" else out * 1.5
+
+    monkeypatch.setattr(ops, "quantized_product", broken)
+    figure, times = measure_dequant_crossover((64, 32), "float32", repeats=1)
+    assert all(d == float("inf") for _, d in times.values()) and figure.value == 0
+
+    def unbuildable(x, w, path):
+        if path != "quantized":
+            raise RuntimeError("[jit] nvrtc: error: identifier undefined\nmore")
+        return real(x, w, path)
+
+    monkeypatch.setattr(ops, "quantized_product", unbuildable)
+    figure, times = measure_dequant_crossover((64, 32), "float32", repeats=1)
+    assert all(d == float("inf") for _, d in times.values()) and figure.value == 0
+
+
 @pytest.mark.skipif(CUDA, reason="checks the refusal off CUDA")
 def test_cuda_dequantize_refuses_off_cuda():
     w = _weight(8, 64, dtype=mx.float16)
@@ -134,7 +159,7 @@ def test_tensor_core_kernel_refuses_off_cuda():
     with pytest.raises(ValueError, match="quantized_matmul"):
         cuda_mma.matmul(mx.zeros((16, 128), mx.float16), w.weight, w.scales, w.biases, 32)
     lo, hi, times = measure_mma_rows((64, 128), "float16", repeats=1)
-    assert (lo.value, hi.value, times) == (0, 0, {}) and "does not apply" in lo.how
+    assert (lo.value, hi.value, times) == (0, 0, {}) and "do not apply" in lo.how
 
 
 @pytest.mark.gpu
@@ -158,8 +183,44 @@ def test_tensor_core_kernel_matches_the_dequantized_product(rows, group, dtype, 
     ref = x.astype(mx.float32) @ _dense_reference(w, dtype).astype(mx.float32).T
     err = mx.abs(got.astype(mx.float32) - ref).max() / mx.abs(ref).max()
     assert err.item() < (4e-3 if dtype == mx.bfloat16 else 1e-3)
-    # a row's result does not depend on the other rows or their number
-    assert mx.array_equal(cuda_mma.matmul(x[:1], w.weight, w.scales, w.biases, group)[0], got[0])
+    # from two rows on (the tensor-core kernel), a row's result does not depend on the other
+    # rows or their number; one row takes the matvec (executor.cuda_qmv), which rounds otherwise
+    if rows > 1:
+        two = cuda_mma.matmul(x[:2], w.weight, w.scales, w.biases, group)
+        assert mx.array_equal(two[0], got[0])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("group, dtype", [(32, mx.float16), (64, mx.bfloat16), (128, mx.float16)])
+@pytest.mark.parametrize(
+    "n, k",
+    # 32: one lane's 16 bytes at 8 bits, two at 4; 576: a partial slab (18 or 36 of 32 lanes'
+    # vectors); 14336: 14 (28) slabs, U of them in flight; 49152 x 576: a SmolLM2-sized head
+    [(16, 32), (96, 640), (576, 576), (4096, 14336), (49152, 576)],
+)
+def test_one_row_kernel_matches_the_dequantized_product(bits, group, dtype, n, k):
+    """One row takes ``executor.cuda_qmv`` (4 and 8 bits): within rounding of the float32
+    product of the exactly dequantized weight; every one-row call of that row gives the same
+    bits, of any rank and with the residual added in the store (bit for bit ``r + product``);
+    the kernel path offers it for one row where the plan's range starts at 1."""
+    if k % group:
+        pytest.skip("the group size does not divide k")
+    w = _weight(n, k, bits, group, dtype, seed=11)
+    rng = np.random.default_rng(12)
+    x = mx.array(rng.standard_normal((1, k)).astype(np.float32)).astype(dtype)
+    got = cuda_mma.matmul(x, w.weight, w.scales, w.biases, group)
+    assert got.dtype == dtype and got.shape == (1, n)
+    ref = x.astype(mx.float32) @ _dense_reference(w, mx.float32).T
+    err = mx.abs(got.astype(mx.float32) - ref).max() / mx.abs(ref).max()
+    assert err.item() < (4e-3 if dtype == mx.bfloat16 else 1e-3)
+    again = cuda_mma.matmul(x.reshape(1, 1, k), w.weight, w.scales, w.biases, group)
+    assert again.shape == (1, 1, n) and mx.array_equal(again.reshape(1, n), got)
+    r = mx.array(rng.standard_normal((1, 1, n)).astype(np.float32)).astype(dtype)
+    fused = cuda_mma.matmul(x, w.weight, w.scales, w.biases, group, residual=r)
+    assert fused.shape == (1, 1, n) and mx.array_equal(fused, r + got)
+    assert kernel_path(1, w, dtype, CONFIG.replace(mma_rows=(1, 32))) == "mma"
+    assert kernel_path(1, w, dtype, CONFIG.replace(mma_rows=(2, 32))) == "quantized"
 
 
 @pytest.mark.gpu
@@ -240,7 +301,7 @@ def test_linear_add_is_the_residual_plus_the_product():
 @pytest.mark.gpu
 def test_tensor_core_range_measurement_reports_every_row_count():
     lo, hi, times = measure_mma_rows((256, 512), "float16", repeats=1)
-    assert set(times) == {2, 4, 8, 16, 32, 64}
+    assert set(times) == set(MMA_ROWS)
     assert (lo.value, hi.value) == mma_range(times)
 
 
@@ -269,7 +330,8 @@ def test_fused_kernels_match_their_parts(rows, dtype, widths, k):
         assert mx.array_equal(got, cuda_mma.matmul(x, p.weight, p.scales, p.biases, 32))
         ref = x.astype(mx.float32) @ _dense_reference(p, dtype).astype(mx.float32).T
         assert (mx.abs(got.astype(mx.float32) - ref).max() / mx.abs(ref).max()).item() < tol
-    alone = cuda_mma.matmul3(x[:1], quants, 32)
+    few = x[:2] if rows > 1 else x  # one row is the matvec's, more the tensor cores'
+    alone = cuda_mma.matmul3(few, quants, 32)
     assert all(mx.array_equal(a[0], o[0]) for a, o in zip(alone, outs, strict=True))
 
     gate, up = parts[0], _weight(widths[0], k, 4, 32, dtype, seed=5)
@@ -280,7 +342,7 @@ def test_fused_kernels_match_their_parts(rows, dtype, widths, k):
     ref = g * mx.sigmoid(g) * u
     assert got.shape == (rows, widths[0]) and got.dtype == dtype
     assert (mx.abs(got.astype(mx.float32) - ref).max() / mx.abs(ref).max()).item() < 2 * tol
-    one = cuda_mma.swiglu(x[:1], quants[0], (up.weight, up.scales, up.biases), 32)
+    one = cuda_mma.swiglu(few, quants[0], (up.weight, up.scales, up.biases), 32)
     assert mx.array_equal(one[0], got[0])
     with pytest.raises(ValueError, match="differ in shape"):
         cuda_mma.swiglu(x, quants[0], quants[1], 32)

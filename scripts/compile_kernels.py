@@ -1,0 +1,129 @@
+#!/usr/bin/env python3
+"""Compile Strata's CUDA kernel sources with ``nvcc`` as MLX's CUDA backend would wrap them, on a
+machine with no GPU: syntax, and each instantiation's registers and spills (``ptxas -v``).
+
+MLX (``mlx/backend/cuda/custom_kernel.cpp``, ``build_kernel``) writes a ``__global__`` function
+whose parameters are the inputs (``const T* name``, plus ``name_shape`` where the source uses it),
+then the outputs, and whose body starts with the template arguments as ``constexpr`` values and
+``using`` types. This script writes the same around ``executor.cuda_qmv``'s sources, with a
+stand-in for MLX's ``Shape`` (its device header is not installed off CUDA), and compiles each
+store for ``--arch`` (sm_90 by default: the lent H100/H200).
+
+usage: python scripts/compile_kernels.py [--arch sm_90] [--stores plain,swiglu] [--keep DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+from strata.executor import cuda_qmv
+
+_PRELUDE = """
+#include <cstdint>
+namespace mlx::core::cu {
+struct Shape { int32_t d[8]; __device__ int32_t operator[](int i) const { return d[i]; } };
+}
+"""
+
+_TYPES = {"float16": "__half", "bfloat16": "__nv_bfloat16", "float32": "float", "int32": "int32_t"}
+
+
+def _input_type(name: str, dtype: str) -> str:
+    if name.startswith("w") and len(name) <= 2 or name in ("wg", "wu"):
+        return "uint32_t"
+    if name == "positions":
+        return "int32_t"
+    if name in ("freqs", "rope"):
+        return "float"
+    return _TYPES[dtype]
+
+
+def qmv_source(store: str, dtype: str, bits: int, group: int, rope: bool = False) -> str:
+    """The whole translation unit MLX would compile for one ``cuda_qmv`` instantiation."""
+    header, body = cuda_qmv.source(store)
+    params = []
+    for name in cuda_qmv._INPUTS[store]:
+        params.append(f"const {_input_type(name, dtype)}* {name}")
+        if re.search(rf"\b{name}_shape\b", body):
+            params.append(f"const __grid_constant__ Shape {name}_shape")
+    params += [f"{_TYPES[dtype]}* {name}" for name in cuda_qmv._OUTPUTS[store]]
+    consts = [
+        f"using T = {_TYPES[dtype]};",
+        f"constexpr int GS = {group};",
+        f"constexpr int BITS = {bits};",
+        f"constexpr int R = {cuda_qmv.ROWS_PER_WARP};",
+        f"constexpr int WPB = {cuda_qmv.WARPS_PER_BLOCK};",
+        f"constexpr int U = {cuda_qmv.MAX_SLABS_IN_FLIGHT};",
+    ]
+    if rope:
+        consts += [
+            "constexpr int HD = 128;",
+            "constexpr int RD = 128;",
+            "constexpr bool FREQS = false;",
+        ]
+    return (
+        _PRELUDE
+        + header
+        + "namespace mlx::core::cu {\n"
+        + f"__global__ void strata_qmv_{store}_{dtype}_{bits}_{group}(\n    "
+        + ",\n    ".join(params)
+        + ") {\n"
+        + "\n".join(consts)
+        + "\n"
+        + body
+        + "}\n}\n"
+    )
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--arch", default="sm_90")
+    ap.add_argument("--stores", default=",".join(cuda_qmv._STORE))
+    ap.add_argument("--keep", type=Path, help="write the .cu files here")
+    args = ap.parse_args()
+    nvcc = shutil.which("nvcc")
+    if nvcc is None:
+        print("compile_kernels: nvcc is not on PATH; install the CUDA toolkit", file=sys.stderr)
+        return 2
+    failed = 0
+    with tempfile.TemporaryDirectory() as tmp:
+        out = args.keep or Path(tmp)
+        out.mkdir(parents=True, exist_ok=True)
+        for store in args.stores.split(","):
+            for dtype in ("float16", "bfloat16"):
+                for bits in cuda_qmv.BITS:
+                    cu = out / f"qmv_{store}_{dtype}_{bits}.cu"
+                    cu.write_text(qmv_source(store, dtype, bits, 32, store == "split3_rope"))
+                    done = subprocess.run(
+                        [
+                            nvcc,
+                            f"-arch={args.arch}",
+                            "-cubin",
+                            "-std=c++17",
+                            "-Xptxas",
+                            "-v",
+                            "-o",
+                            str(cu.with_suffix(".cubin")),
+                            str(cu),
+                        ],
+                        capture_output=True,
+                        text=True,
+                    )
+                    regs = re.findall(r"Used (\d+) registers", done.stderr)
+                    spill = re.findall(r"(\d+) bytes spill stores", done.stderr)
+                    status = "ok" if done.returncode == 0 else "FAILED"
+                    print(f"{cu.stem}: {status}, registers {regs}, spill stores {spill}")
+                    if done.returncode:
+                        failed += 1
+                        print(done.stderr[-3000:])
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
