@@ -372,20 +372,9 @@ _STORE = {
 _TILES["plain_add"] = _TILES["plain"]
 _TILES["split3_rope"] = _TILES["split3"]
 
-_INPUTS = {
-    "plain": ["x", "w", "scales", "biases"],
-    "plain_add": ["x", "w", "scales", "biases", "res"],
-    "split3": ["x", "w0", "s0", "b0", "w1", "s1", "b1", "w2", "s2", "b2"],
-    "swiglu": ["x", "wg", "sg", "bg", "wu", "su", "bu"],
-}
-_INPUTS["split3_rope"] = [*_INPUTS["split3"], "positions", "freqs", "rope"]
-_OUTPUTS = {
-    "plain": ["out"],
-    "plain_add": ["out"],
-    "split3": ["out0", "out1", "out2"],
-    "split3_rope": ["out0", "out1", "out2"],
-    "swiglu": ["out"],
-}
+_INPUTS = cuda_qmv.INPUTS
+_OUTPUTS = cuda_qmv.OUTPUTS
+"""The same inputs and outputs as the one-row kernel's: ``_call`` hands either kernel one list."""
 
 
 _K = {
@@ -569,8 +558,8 @@ def _prepare(
     widths = [w[0].shape[0] for w in weights]
     if store.startswith("split3") and (len(weights) != 3 or not fusable(weights, k, m)):
         raise ValueError(
-            "cuda_mma.matmul3: needs three weights with the same K split (cuda_mma.fusable); "
-            "call matmul per weight"
+            "cuda_mma.matmul3: needs three weights with the same K split, or for one row the "
+            "same bits (cuda_mma.fusable); call matmul per weight"
         )
     if store == "swiglu" and weights[0][0].shape != weights[1][0].shape:
         raise ValueError(
@@ -755,7 +744,8 @@ def matmul(
     Args:
         x: ``[..., k]`` float16 or bfloat16, row-major, at most ``MAX_ROWS`` rows in all
             (``m``, the product of the leading dimensions).
-        weight: uint32 ``[n, k / 8]``, row-major contiguous.
+        weight: uint32 ``[n, k / 8]``, row-major contiguous (one row of ``x``: also 8-bit,
+            ``[n, k / 4]``, by ``executor.cuda_qmv``).
         scales: float ``[n, k / group_size]`` of ``x``'s dtype.
         biases: like ``scales``.
         group_size: 32, 64 or 128.
@@ -770,7 +760,9 @@ def matmul(
         products of ``x`` and the dequantized weight (each weight element ``scale * q + bias``
         rounded once), rounded once, then added to ``residual`` by its dtype's ``+`` (bit for
         bit ``residual + matmul(x, ...)``). Where ``m`` is a multiple of 8 the kernel writes
-        this shape itself (no reshape).
+        this shape itself (no reshape). One row (``executor.cuda_qmv``) sums the exact weights
+        in float32 instead, so it differs from the same row in a pass of several in the last
+        bits.
 
     Raises:
         ValueError: a shape or dtype :func:`supported` refuses; a residual of another dtype or
@@ -783,8 +775,12 @@ def matmul(
 def fusable(weights: list[Quant], k: int, rows: int = 0) -> bool:
     """Whether :func:`matmul3` may compute these weights in one call with each one's results
     equal to its own :func:`matmul`'s, bit for bit: the same K split (:func:`warps_per_block`)
-    for all of them, or one row (``rows`` 1: ``executor.cuda_qmv`` sums every row alike)."""
-    return rows == 1 or len({warps_per_block(w[0].shape[0], k) for w in weights}) == 1
+    for all of them, or one row (``rows`` 1: ``executor.cuda_qmv`` sums every row alike) by
+    weights of one bit width (one call unpacks one: a Q4_K_M model's 8-bit V beside 4-bit Q
+    and K takes three calls)."""
+    if rows == 1:
+        return len({cuda_qmv.weight_bits(w[0], k) for w in weights}) == 1
+    return len({warps_per_block(w[0].shape[0], k) for w in weights}) == 1
 
 
 def matmul3(

@@ -39,7 +39,7 @@ import math
 import mlx.core as mx
 from strata.executor.cuda_source import compact
 
-__all__ = ["BITS", "ROWS_PER_WARP", "launch", "supported"]
+__all__ = ["BITS", "INPUTS", "OUTPUTS", "ROWS_PER_WARP", "launch", "supported"]
 
 BITS = (4, 8)
 """Bit widths this kernel unpacks (whole elements per 32-bit word)."""
@@ -293,20 +293,23 @@ _STORE["split3"] = _STORE["plain"]
 _TILES["plain_add"] = _TILES["plain"]
 _TILES["split3_rope"] = _TILES["split3"]
 
-_INPUTS = {
+INPUTS = {
     "plain": ["x", "w", "scales", "biases"],
     "plain_add": ["x", "w", "scales", "biases", "res"],
     "split3": ["x", "w0", "s0", "b0", "w1", "s1", "b1", "w2", "s2", "b2"],
     "swiglu": ["x", "wg", "sg", "bg", "wu", "su", "bu"],
 }
-_INPUTS["split3_rope"] = [*_INPUTS["split3"], "positions", "freqs", "rope"]
-_OUTPUTS = {
+INPUTS["split3_rope"] = [*INPUTS["split3"], "positions", "freqs", "rope"]
+"""Each kernel's inputs in the order a call passes them (``executor.cuda_mma``'s too: its calls
+hand either kernel the same arrays)."""
+OUTPUTS = {
     "plain": ["out"],
     "plain_add": ["out"],
     "split3": ["out0", "out1", "out2"],
     "split3_rope": ["out0", "out1", "out2"],
     "swiglu": ["out"],
 }
+"""Each kernel's outputs."""
 _K = {
     "plain": "w_shape[1] * (32 / BITS)",
     "plain_add": "w_shape[1] * (32 / BITS)",
@@ -330,8 +333,8 @@ def _get_kernel(store: str):
     header, body = source(store)
     return mx.fast.cuda_kernel(
         name=f"strata_qmv_{store}",
-        input_names=_INPUTS[store],
-        output_names=_OUTPUTS[store],
+        input_names=INPUTS[store],
+        output_names=OUTPUTS[store],
         source=body,
         header=header,
     )

@@ -690,7 +690,8 @@ def _time_kernel_paths(
             err = (mx.abs(got - ref).max() / mx.maximum(mx.abs(ref).max(), 1e-30)).item()
             why = f"is off by {err:.2g}"
         except Exception as e:  # noqa: BLE001 - MLX raises RuntimeError or ValueError
-            err, why = math.inf, f"failed ({str(e).splitlines()[0][:200]})"
+            first = (str(e).splitlines() or [type(e).__name__])[0]  # a message may be empty
+            err, why = math.inf, f"failed ({first[:200]})"
         if not err <= PATH_TOLERANCE:
             _say(f"warning: the {path} path's product of {rows} rows {why}: not used")
         times[rows] = (

@@ -41,7 +41,9 @@ for the stream's schedule and come back, so each chunk waits for the one before:
 sum_i TTFT_i(P) + sum over P's chunks of sum_j (latency_j + r bytes_per_token_j /
 bandwidth_j)``. Approximated: rank 0's head of the last chunk, which runs once its rows come
 back, is inside its stage's chunk time (the cost model does not price it apart), so the paths
-through later ranks leave it out (at most one chunk's head low).
+through later ranks leave it out (at most one chunk's head low); and a transfer is counted on its
+sender only, though a blocking send holds the receiver too, so where a receiving rank binds the
+TTFT is low by up to one transfer per chunk (the DeepSeek-V3 plan's: 1.5 ms a chunk).
 
 What lock-step decode leaves on the table, and when: with ``m`` micro-batches of ``B/m``
 sequences in flight every stage works at once, but each micro-batch's pass reads the stage's

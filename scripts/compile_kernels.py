@@ -48,11 +48,11 @@ def qmv_source(store: str, dtype: str, bits: int, group: int, rope: bool = False
     """The whole translation unit MLX would compile for one ``cuda_qmv`` instantiation."""
     header, body = cuda_qmv.source(store)
     params = []
-    for name in cuda_qmv._INPUTS[store]:
+    for name in cuda_qmv.INPUTS[store]:
         params.append(f"const {_input_type(name, dtype)}* {name}")
         if re.search(rf"\b{name}_shape\b", body):
             params.append(f"const __grid_constant__ Shape {name}_shape")
-    params += [f"{_TYPES[dtype]}* {name}" for name in cuda_qmv._OUTPUTS[store]]
+    params += [f"{_TYPES[dtype]}* {name}" for name in cuda_qmv.OUTPUTS[store]]
     consts = [
         f"using T = {_TYPES[dtype]};",
         f"constexpr int GS = {group};",
@@ -84,18 +84,22 @@ def qmv_source(store: str, dtype: str, bits: int, group: int, rope: bool = False
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--arch", default="sm_90")
-    ap.add_argument("--stores", default=",".join(cuda_qmv._STORE))
+    ap.add_argument("--stores", default=",".join(cuda_qmv.INPUTS))
     ap.add_argument("--keep", type=Path, help="write the .cu files here")
     args = ap.parse_args()
     nvcc = shutil.which("nvcc")
     if nvcc is None:
         print("compile_kernels: nvcc is not on PATH; install the CUDA toolkit", file=sys.stderr)
         return 2
+    stores = args.stores.split(",")
+    if unknown := [st for st in stores if st not in cuda_qmv.INPUTS]:
+        known = ", ".join(cuda_qmv.INPUTS)
+        ap.error(f"--stores: unknown {', '.join(unknown)}; choose from {known}")
     failed = 0
     with tempfile.TemporaryDirectory() as tmp:
         out = args.keep or Path(tmp)
         out.mkdir(parents=True, exist_ok=True)
-        for store in args.stores.split(","):
+        for store in stores:
             for dtype in ("float16", "bfloat16"):
                 for bits in cuda_qmv.BITS:
                     cu = out / f"qmv_{store}_{dtype}_{bits}.cu"

@@ -66,14 +66,14 @@ def _max_tokens(
     context = state.engine.context
     if n_prompt >= context:
         room = (
-            "leaving no room for a generated token"
+            "so no room is left for a generated token"
             if n_prompt == context
-            else "which is longer than that context"
+            else f"{n_prompt - context} more than it holds"
         )
         raise APIError(
             400,
-            f"the prompt has {n_prompt} tokens and this model's context is {context} tokens "
-            f"(the plan's), {room}; shorten the prompt, or re-plan with a larger --context",
+            f"the prompt has {n_prompt} tokens and this model's context (the plan's) is "
+            f"{context} tokens, {room}; shorten the prompt, or re-plan with a larger --context",
             param=prompt_param,
             code="context_length_exceeded",
         )

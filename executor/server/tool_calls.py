@@ -360,14 +360,23 @@ class ToolCallParser:
         fmt: one of ``FORMATS``.
         names: the functions of the request's ``tools`` (a call to another is text).
         parallel: False keeps only the first call (``parallel_tool_calls: false``).
+        forced: a reply under a forced call's grammar (``tool_choice`` ``"required"`` or a named
+            function), which is only calls: no text is sent or returned, so a call cut short by
+            ``max_tokens`` is dropped rather than shown as markup.
     """
 
-    def __init__(self, fmt: str, names: Collection[str] | None = None, parallel: bool = True):
+    def __init__(
+        self,
+        fmt: str,
+        names: Collection[str] | None = None,
+        parallel: bool = True,
+        forced: bool = False,
+    ):
         if fmt not in _SCANNERS:
             raise ValueError(f"unknown tool-call format {fmt!r}; known: {', '.join(FORMATS)}")
         self.fmt = fmt
         self.names = None if names is None else frozenset(names)
-        self.parallel = parallel
+        self.parallel, self.forced = parallel, forced
         self._text = ""
         self._sent = ""  # the content sent so far
         self._ids: list[str] = []  # the ids of the calls sent so far
@@ -389,7 +398,7 @@ class ToolCallParser:
                 self._base.calls + found.calls[: found.settled_calls],
             )
             self._offset += found.resume
-        content = raw.strip() if final else raw.lstrip().rstrip()
+        content = "" if self.forced else raw.strip()
         return content, calls if self.parallel else calls[:1]
 
     def parse(self, text: str) -> tuple[str | None, list[dict]]:
@@ -641,6 +650,7 @@ class ToolSetup:
         grammar: for ``tool_choice`` ``"required"`` or a named function, the llguidance grammar
             forcing the call (``call_grammar``); for ``"auto"`` with ``strict`` tools, the one
             that lets the reply be text but holds its calls to the schemas; else None.
+        forced: the reply is only calls (``tool_choice`` ``"required"`` or a named function).
     """
 
     fmt: str
@@ -648,10 +658,11 @@ class ToolSetup:
     parallel: bool
     keep: frozenset[int]
     grammar: str | None
+    forced: bool = False
 
     def parser(self) -> ToolCallParser:
         """A fresh parser of one reply."""
-        return ToolCallParser(self.fmt, self.names, self.parallel)
+        return ToolCallParser(self.fmt, self.names, self.parallel, self.forced)
 
 
 def tool_setup(
@@ -722,7 +733,8 @@ def tool_setup(
             for t in tools
         ]
         grammar = _compiled(call_grammar(fmt, tools, None, parallel, markers, auto=True))
-    return ToolSetup(fmt, names, parallel, frozenset(markers.values()), grammar)
+    forced = mode in ("required", "named")
+    return ToolSetup(fmt, names, parallel, frozenset(markers.values()), grammar, forced)
 
 
 def _compiled(lark: str) -> str:

@@ -98,6 +98,15 @@ def test_a_path_that_computes_wrongly_is_never_timed_as_winning(monkeypatch):
     figure, times = measure_dequant_crossover((64, 32), "float32", repeats=1)
     assert all(d == float("inf") for _, d in times.values()) and figure.value == 0
 
+    def silent(x, w, path):  # an exception without a message is refused the same way
+        if path != "quantized":
+            raise RuntimeError
+        return real(x, w, path)
+
+    monkeypatch.setattr(ops, "quantized_product", silent)
+    figure, times = measure_dequant_crossover((64, 32), "float32", repeats=1)
+    assert all(d == float("inf") for _, d in times.values()) and figure.value == 0
+
 
 @pytest.mark.skipif(CUDA, reason="checks the refusal off CUDA")
 def test_cuda_dequantize_refuses_off_cuda():
@@ -399,6 +408,13 @@ def test_fused_products_answer_only_where_the_tensor_core_path_applies(monkeypat
     split = [_weight(n, 1024, dtype=mx.float16) for n in (16384, 16, 16)]  # 2 and 4 warps
     assert not cuda_mma.fusable([(w.weight, w.scales, w.biases) for w in split], 1024)
     assert fused_qkv(mx.zeros((1, 5, 1024), mx.float16), split, c) is None
+    # one row (the matvec) of mixed bits, as a Q4_K_M model's 8-bit V by 4-bit Q and K: the
+    # kernel unpacks one bit width a call, so each weight takes its own
+    mixed = [_weight(32, 128, bits, dtype=mx.float16) for bits in (4, 4, 8)]
+    row = mx.zeros((1, 1, 128), mx.float16)
+    assert not cuda_mma.fusable([w.parts for w in mixed], 128, 1)
+    assert cuda_mma.fusable([w.parts for w in mixed[:2]], 128, 1)
+    assert fused_qkv(row, mixed, c) is None and fused_swiglu(row, mixed[1], mixed[2], c) is None
     assert calls == []
 
 

@@ -590,11 +590,11 @@ def test_bad_requests(server):
     # Fields this server ignores (clients send many) do not fail the request.
     assert server.post(chat_path, {**ok, "user": "u", "presence_penalty": 0}).status_code == 200
     long = {"model": MODEL, "prompt": list(range(10, 10 + CONTEXT)), "max_tokens": 1}
-    err = error_of(server.post("/v1/completions", long), 400, str(CONTEXT), "no room for a")
+    err = error_of(server.post("/v1/completions", long), 400, str(CONTEXT), "no room is left for a")
     assert err["code"] == "context_length_exceeded"
     # a text past INLINE_TOKENIZE_CHARS, tokenized in a worker thread, and a chat the same
     text = {**long, "prompt": "word " * 4000}
-    err = error_of(server.post("/v1/completions", text), 400, str(CONTEXT), "longer than that")
+    err = error_of(server.post("/v1/completions", text), 400, str(CONTEXT), "more than it holds")
     assert err["code"] == "context_length_exceeded"
     chat = {**ok, "messages": [{"role": "user", "content": "word " * 4000}]}
     err = error_of(server.post(chat_path, chat), 400, str(CONTEXT), "context")

@@ -195,9 +195,12 @@ def test_hostile_templates_get_400s_and_leave_no_memory_behind(server):
         "range": "Range too big",
         "macro": "recursed too deeply",
         "mul-float": "TypeError",
-        "mul": ("MiB to render", "took over 2 s"),  # see test_chat_template's 3 GB case
-        "tojson": "MiB to render",
-        "double": "MiB to render",
+        # Memory-hungry renders: the cap's 400, or under heavy load (a CI run beside other
+        # work, 2026-12-07) the clock's: both bounded 400s naming the template, and the server's
+        # memory is checked below; test_chat_template proves the cap itself on these cases.
+        "mul": ("MiB to render", "took over 2 s"),
+        "tojson": ("MiB to render", "took over 2 s"),
+        "double": ("MiB to render", "took over 2 s"),
         "long": "Mi characters",
         "fail": "ZeroDivisionError",
     }

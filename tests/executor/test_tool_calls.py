@@ -258,6 +258,21 @@ def test_parallel_tool_calls_false_keeps_the_first_call():
     assert [c["function"] for c in streamed] == [c["function"] for c in calls]
 
 
+def test_a_forced_reply_is_only_calls_and_drops_a_call_cut_short():
+    """Under a forced call's grammar (``tool_choice`` required or named) the reply is only calls:
+    a second call cut by ``max_tokens`` is neither returned nor streamed as markup (a new user saw
+    ``<tool_call>...</tool_call`` in ``content``); unforced, the same text stays text."""
+    first = f'<tool_call>\n{{"name": "get_weather", "arguments": {PARIS_TEXT}}}\n</tool_call>'
+    text = first + '\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Par'
+    content, calls = ToolCallParser(HERMES, NAMES, forced=True).parse(text)
+    assert content is None and _calls(calls) == [("get_weather", PARIS)]
+    parser = ToolCallParser(HERMES, NAMES, forced=True)
+    deltas = [d for ch in text for d in parser.push(ch)] + parser.finish()
+    assert not [d for d in deltas if "content" in d] and parser.calls == 1
+    loose, _ = ToolCallParser(HERMES, NAMES).parse(text)
+    assert loose is not None and loose.startswith("<tool_call>")
+
+
 # ------------------------------------------------------------------------------------ grammars
 
 CALL_TEXTS = {
