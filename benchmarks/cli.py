@@ -21,6 +21,16 @@ def cmd_bench(args: argparse.Namespace) -> None:
     from strata.benchmarks.bench import NonFiniteBench, bench, plot, write_result
     from strata.executor.experts import CACHE_MODES
 
+    if (
+        not Path(args.plan).exists()
+        and "/" not in args.plan
+        and not args.plan.endswith((".yaml", ".yml", ".gz"))
+    ):  # a catalog name, as run and serve take: bench measures a plan file
+        raise StrataError(
+            f"{args.plan}: no such plan file; strata bench measures a plan: make one with "
+            f"strata plan --model {args.plan} --profile FILE -o plan.yaml (strata profile -o FILE "
+            f"measures this machine), then strata bench plan.yaml"
+        )
     if args.baseline_rounds < 1:
         raise StrataError(f"--baseline-rounds {args.baseline_rounds}: give 1 or more")
     if args.max_tokens < 2:

@@ -65,3 +65,14 @@ def test_bench_never_writes_over_its_plan(tmp_path):
     done = cli("execute.py", "bench", str(plan), "--prompt", "hi", "-o", str(plan), ok=False)
     assert_one_line_error(done, f"-o {plan} is also an input")
     assert plan.read_bytes() == before
+
+
+def test_bench_given_a_model_name_says_it_measures_a_plan(capsys):
+    """``strata bench NAME`` (as ``run`` and ``serve`` take one) says how to make the plan it
+    measures, in one line."""
+    from strata.cli import main
+
+    assert main(["bench", "smollm2-135m"]) == 2
+    err = capsys.readouterr().err
+    assert "no such plan file" in err and "strata plan --model smollm2-135m" in err
+    assert "Traceback" not in err
