@@ -56,19 +56,19 @@ from strata.executor.sampling import SamplingParams
 from strata.executor.serving import GenerationRequest, ServingEngine, TokenEvent
 from strata.planner.rescore import judge
 
+
+def _no_one_row_kernel(config: RuntimeConfig) -> tuple[int, int]:
+    """The plan's range of Strata's own kernels without one row: MLX's matvec takes it."""
+    return max(2, config.mma_rows[0]), config.mma_rows[1]
+
+
 VARIANTS = {
     "pipelined": {"pipelined_steps": True},
     "sync": {"pipelined_steps": False},
     "lone-kernel": {"pipelined_steps": True, "lone_decode_kernel": True},
     "compiled-all": {"pipelined_steps": True, "lone_decode_kernel": True, "max_sequences": 0},
-    "mlx-matvec": {
-        "pipelined_steps": True,
-        "mma_rows": lambda c: (max(2, c.mma_rows[0]), c.mma_rows[1]),
-    },
-    "mlx-matvec-sync": {
-        "pipelined_steps": False,
-        "mma_rows": lambda c: (max(2, c.mma_rows[0]), c.mma_rows[1]),
-    },
+    "mlx-matvec": {"pipelined_steps": True, "mma_rows": _no_one_row_kernel},
+    "mlx-matvec-sync": {"pipelined_steps": False, "mma_rows": _no_one_row_kernel},
 }
 """Runtime-config overrides of each Strata variant (``executor.config.RuntimeConfig``; a
 callable value is worked out from the plan's config); each variant's serving engine (its KV

@@ -70,11 +70,12 @@ def per_call(fn, ws, reps: int = 7) -> float:
     return statistics.median(times[2:]) / len(ws)
 
 
-def check(got: mx.array, ref: mx.array, what: str, tol: float = 1e-3) -> None:
-    """Exit unless ``got`` is within ``tol`` of ``ref`` relative to its largest element."""
+def check(got: mx.array, ref: mx.array, what: str, tol: float = 1e-3) -> float:
+    """The relative error of ``got`` against ``ref`` (largest element); exit past ``tol``."""
     err = (mx.abs(got.astype(mx.float32) - ref).max() / mx.abs(ref).max()).item()
     if not err < tol:
         raise SystemExit(f"{what}: relative error {err:.2e} (below {tol:.0e} expected)")
+    return err
 
 
 def dense(w) -> mx.array:

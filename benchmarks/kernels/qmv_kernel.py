@@ -29,11 +29,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
-import time
 from pathlib import Path
 
 import mlx.core as mx
+from strata.benchmarks.kernels.mma_kernel import check, per_call
 from strata.executor import cuda_mma, cuda_qmv
 
 GROUP = 32
@@ -59,26 +58,6 @@ def count_for(n: int, k: int, bits: int) -> int:
 
 def nbytes(w) -> int:
     return sum(a.nbytes for a in w)
-
-
-def per_call(fn, ws, reps: int = 7) -> float:
-    """Seconds per call of ``fn(w)`` over ``ws``, one evaluation per chain."""
-    times = []
-    for _ in range(reps + 2):
-        mx.synchronize()
-        t0 = time.perf_counter()
-        mx.eval([fn(w) for w in ws])
-        mx.synchronize()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times[2:]) / len(ws)
-
-
-def check(got: mx.array, ref: mx.array, what: str, tol: float = 1e-3) -> float:
-    """The relative error of ``got`` against ``ref`` (largest element); exit past ``tol``."""
-    err = (mx.abs(got.astype(mx.float32) - ref).max() / mx.abs(ref).max()).item()
-    if not err < tol:
-        raise SystemExit(f"{what}: relative error {err:.2e} (below {tol:.0e} expected)")
-    return err
 
 
 def dense(w, bits: int) -> mx.array:
