@@ -12,9 +12,11 @@ Strata, in this process, on a plan of the same GGUF (``--plan``): one engine (we
 then for each variant (``pipelined``: as shipped, each greedy step launched while the one before
 computes; ``sync``: ``pipelined_steps`` off, every step's tokens read before the next is built;
 ``lone-kernel``: pipelined, and a lone decode attends with the paged kernel, so that its pass is
-compiled; ``compiled-all``: that, and passes of any number of sequences compiled; ``mlx-matvec``
-and ``mlx-matvec-sync``: a lone decode's products through MLX's quantized matvec, not Strata's
-one-row kernel) a serving engine
+compiled (the default since 2026-12-08); ``sdpa``: pipelined, a lone decode through MLX's SDPA,
+eager; ``compiled-all``: the paged kernel, and passes of any number of sequences compiled;
+``mlx-matvec`` and ``mlx-matvec-sync``: a lone decode's products through MLX's quantized matvec,
+not Strata's one-row kernel; ``mapped``: pipelined, the staged inputs kept in host memory mapped
+for the GPU, ``mapped_inputs``) a serving engine
 with its warm-up, a short warm round, then for each concurrency c: c requests of P random prompt
 tokens (seeded) and G greedy tokens each, submitted at once. Its ``decode_tok_s`` is llama-batched-
 bench's ``S_TG`` measured the same way: the tokens the requests emit after the last of them has its
@@ -69,6 +71,8 @@ VARIANTS = {
     "compiled-all": {"pipelined_steps": True, "lone_decode_kernel": True, "max_sequences": 0},
     "mlx-matvec": {"pipelined_steps": True, "mma_rows": _no_one_row_kernel},
     "mlx-matvec-sync": {"pipelined_steps": False, "mma_rows": _no_one_row_kernel},
+    "sdpa": {"pipelined_steps": True, "lone_decode_kernel": False},
+    "mapped": {"pipelined_steps": True, "mapped_inputs": True},
 }
 """Runtime-config overrides of each Strata variant (``executor.config.RuntimeConfig``; a
 callable value is worked out from the plan's config); each variant's serving engine (its KV

@@ -65,7 +65,9 @@ API_CATEGORIES = ("cuda_runtime", "cuda_driver")
 """Trace categories of the host's CUDA API calls."""
 
 
-def summarize(events: list[dict], spans: list[tuple[str, float, float]], top: int = 8) -> list:
+def summarize(
+    events: list[dict], spans: list[tuple[str, float, float]], top: int = 8, by_grid: bool = False
+) -> list:
     """The GPU's work within each warm request's span, from a Chrome trace's events.
 
     Args:
@@ -74,6 +76,8 @@ def summarize(events: list[dict], spans: list[tuple[str, float, float]], top: in
             exports them).
         spans: ``(variant, start_us, end_us)`` of each warm request on that clock.
         top: how many gaps and kernel names to list per span.
+        by_grid: name each kernel with its grid's block count too (``by_kernel`` then tells a
+            kernel's calls of different shapes apart).
 
     Returns:
         one dict per span, in ms: ``span_ms`` (the span), ``first_call_ms`` (its start to the
@@ -90,8 +94,13 @@ def summarize(events: list[dict], spans: list[tuple[str, float, float]], top: in
         of the costliest kernel names); GPU work is cut at the span's end. A span with no kernel
         gets ``variant``, ``span_ms`` and ``kernels`` (0) only.
     """
+
+    def label(e: dict) -> str:
+        grid = e.get("args", {}).get("grid")
+        return f"{e['name'][:60]} grid {grid}" if by_grid and grid else e["name"]
+
     work = sorted(
-        (e["ts"], e["ts"] + e["dur"], e["name"], e.get("cat"))
+        (e["ts"], e["ts"] + e["dur"], label(e), e.get("cat"))
         for e in events
         if e.get("ph") == "X" and e.get("cat") in GPU_CATEGORIES
     )
@@ -118,7 +127,7 @@ def summarize(events: list[dict], spans: list[tuple[str, float, float]], top: in
             if b > end:
                 end, last = b, name
             if cat == "kernel":
-                entry = by_name.setdefault(name[:80], [0, 0.0])
+                entry = by_name.setdefault(name[:100], [0, 0.0])
                 entry[0] += 1
                 entry[1] += b - a
         first_call = next((c for c, _, _ in calls if s <= c < t), None)

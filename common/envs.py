@@ -5,38 +5,46 @@ the attribute, ``envs.STRATA_CACHE``). Each read looks at the environment at tha
 test's ``monkeypatch.setenv`` takes effect at once; the executor reads its settings once, when it
 builds its runtime config (``strata.executor.config.RuntimeConfig.build``).
 
-============================== ======= =================== =========================================
-Variable                       Type    Default             Meaning
-============================== ======= =================== =========================================
-``STRATA_API_KEY``             text    none                The API key ``strata serve`` requires
-                                                           (``Authorization: Bearer KEY``) when
-                                                           neither ``--api-key`` nor
-                                                           ``--api-key-file`` is given; surrounding
-                                                           spaces are dropped. Empty: no key.
-``STRATA_CACHE``               path    ``~/.cache/strata`` Where catalog models, their verified
-                                                           sha256s and packed stores
-                                                           (``executor.pack``) are kept. Empty: the
-                                                           default.
-``STRATA_COMPILED_PASSES``     boolean on                  Replay compiled graphs for small resident
-                                                           passes (``executor.pass_graph``); ``0``,
-                                                           ``false``, ``off`` or ``no`` runs every
-                                                           pass eagerly (``1``, ``true``, ``on``,
-                                                           ``yes``: on). Empty: the default.
-``STRATA_LONE_DECODE_KERNEL``  boolean off                 A lone decode attends with Strata's paged
-                                                           kernel (compiled passes then take it) on
-                                                           MLX's CUDA backend; ``1`` turns it on.
-                                                           Empty: the default.
-``STRATA_PIPELINED_STEPS``     boolean on                  Build each greedy serving step while the
-                                                           device computes the one before
-                                                           (``executor.serving``); ``0`` waits for
-                                                           every step's tokens first. Empty: the
-                                                           default.
-``STRATA_PIPELINE_FLOW``       boolean on                  A cluster plan's prompt chunks before the
-                                                           last flow through the ranks without
-                                                           coming back (``executor.pipeline``);
-                                                           ``0`` runs every pass lock-step. Empty:
-                                                           the default.
-============================== ======= =================== =========================================
+================================ ======= =================== =======================================
+Variable                         Type    Default             Meaning
+================================ ======= =================== =======================================
+``STRATA_API_KEY``               text    none                The API key ``strata serve`` requires
+                                                             (``Authorization: Bearer KEY``) when
+                                                             neither ``--api-key`` nor
+                                                             ``--api-key-file`` is given;
+                                                             surrounding spaces are dropped. Empty:
+                                                             no key.
+``STRATA_CACHE``                 path    ``~/.cache/strata`` Where catalog models, their verified
+                                                             sha256s and packed stores
+                                                             (``executor.pack``) are kept. Empty:
+                                                             the default.
+``STRATA_COMPILED_PASSES``       boolean on                  Replay compiled graphs for small
+                                                             resident passes
+                                                             (``executor.pass_graph``); ``0``,
+                                                             ``false``, ``off`` or ``no`` runs every
+                                                             pass eagerly (``1``, ``true``, ``on``,
+                                                             ``yes``: on). Empty: the default.
+``STRATA_LONE_DECODE_KERNEL``    boolean on                  A lone decode attends with Strata's
+                                                             paged kernel (compiled passes then take
+                                                             it) on MLX's CUDA backend; ``0`` takes
+                                                             MLX's SDPA. Empty: the default.
+``STRATA_PIPELINED_STEPS``       boolean on                  Build each greedy serving step while
+                                                             the device computes the one before
+                                                             (``executor.serving``); ``0`` waits for
+                                                             every step's tokens first. Empty: the
+                                                             default.
+``STRATA_PIPELINE_FLOW``         boolean on                  A cluster plan's prompt chunks before
+                                                             the last flow through the ranks without
+                                                             coming back (``executor.pipeline``);
+                                                             ``0`` runs every pass lock-step. Empty:
+                                                             the default.
+``STRATA_DECODE_MICRO_BATCHES``  integer the plan's          A cluster plan's decode steps of
+                                                             several sequences are cut into up to
+                                                             this many micro-batches flowing through
+                                                             the ranks (``executor.pipeline``);
+                                                             ``1`` runs them whole. Empty: the
+                                                             plan's ``micro_batches``.
+================================ ======= =================== =======================================
 """
 
 from __future__ import annotations
@@ -64,6 +72,17 @@ def _flag(name: str, text: str) -> bool:
         f"{name}={text!r} is not a boolean; set it to one of {', '.join(_TRUE + _FALSE)} "
         "or unset it"
     )
+
+
+def _count(name: str, text: str) -> int:
+    """A whole number of at least 1; anything else is refused."""
+    try:
+        value = int(text.strip())
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise StrataError(f"{name}={text!r} is not a whole number >= 1; set one or unset it")
+    return value
 
 
 def _path(name: str, text: str) -> Path:
@@ -114,9 +133,9 @@ VARIABLES: dict[str, EnvVar] = {
         EnvVar(
             "STRATA_LONE_DECODE_KERNEL",
             _flag,
-            lambda: False,
+            lambda: True,
             "a lone decode attends with Strata's paged kernel on MLX's CUDA backend (compiled "
-            "passes then take it); 1/true/on/yes: on",
+            "passes then take it); 0/false/off/no: MLX's SDPA",
         ),
         EnvVar(
             "STRATA_PIPELINED_STEPS",
@@ -131,6 +150,14 @@ VARIABLES: dict[str, EnvVar] = {
             lambda: True,
             "a cluster plan's prompt chunks before the last flow through the ranks without "
             "coming back (executor.pipeline); 0/false/off/no: every pass lock-step",
+        ),
+        EnvVar(
+            "STRATA_DECODE_MICRO_BATCHES",
+            _count,
+            lambda: None,
+            "a cluster plan's decode steps of several sequences are cut into up to this many "
+            "micro-batches flowing through the ranks (executor.pipeline); 1: whole; unset: the "
+            "plan's micro_batches",
         ),
     )
 }

@@ -117,14 +117,15 @@ class RuntimeConfig:
     (``executor.cuda_attention``), as every other pass on MLX's CUDA backend does, rather than
     MLX's SDPA over a gather of its keys and values; its pass is then one the compiled passes
     take (``executor.pass_graph``), replayed from C++ instead of built op by op in Python.
-    Default: off (``STRATA_LONE_DECODE_KERNEL``): on an H100 the compiled lone decodes ran at
-    100 tok/s against SDPA's 160 on the Llama-3-8B shape (docs/kernels.md#pipelined-steps)."""
+    Default: on (``STRATA_LONE_DECODE_KERNEL``): with the kernel's split design, on an H100, a
+    served lone decode of the Llama-3-8B shape took 5.4 ms a step against SDPA's 7.4 ms, whose
+    step waited on the host building it (docs/kernels.md#where-a-lone-decode-steps-time-goes)."""
 
     max_sequences: int
     """Passes of at most this many sequences are compiled (0: any number). With one: a prompt's
     chunk of up to ``pass_graph.MAX_ROWS`` rows (after a prefix-cache hit, or a short prompt), a
     speculative verification pass of a lone sequence, a draft model's catch-up chunk of one; not
-    a lone decode, which takes MLX's SDPA, not the paged kernel these passes need. Default: 1.
+    a lone decode where it takes the paged kernel (``lone_decode_kernel``). Default: 1.
 
     Why not more: with passes of several sequences compiled, the server's 16-sequence decode
     steps stalled 60-85 ms between steps, a thread-scheduling interaction not yet explained
@@ -156,6 +157,13 @@ class RuntimeConfig:
     synchronous copy, and page faults when GPU outputs later take their buffers
     (docs/kernels.md#input-staging). Default: on."""
 
+    mapped_inputs: bool
+    """Keep the staged inputs' buffers (``stage_inputs``) in host memory, mapped into the GPU's
+    page tables (``executor.cuda_driver.keep_on_host``: managed memory advised to prefer the
+    host and to be accessed by the GPU), so the GPU reads a pass's few inputs over PCIe where it
+    otherwise faulted their pages over each pass, about 0.2 ms of a decode step on an H100
+    (docs/kernels.md#where-a-lone-decode-steps-time-goes). Default: off (measured against)."""
+
     lent_copy_yield_s: float
     """Seconds the engine thread sleeps before copying lent KV slots (``ServingEngine.step``), so
     that the server's event loop can send the step's tokens first. Default: 0.0003, about the
@@ -177,6 +185,13 @@ class RuntimeConfig:
     other ranks compute this one (``executor.pipeline``, "Flowing passes"); off, every pass is
     lock-step (each comes back before the next is built). Default: ``STRATA_PIPELINE_FLOW`` (on
     unless set off)."""
+
+    decode_micro_batches: int
+    """A cluster plan's decode steps of several sequences are cut into up to this many
+    micro-batches, each sent on through the ranks before the one before comes back
+    (``executor.pipeline``, "Micro-batched decode steps"); 1: every step whole (lock-step); 0:
+    the plan's choice (``ClusterPrediction.micro_batches``, ``planner.pipeline``). Default:
+    ``STRATA_DECODE_MICRO_BATCHES``, else 0."""
 
     lend_partial_blocks: bool
     """Lend a cached child block that agrees with at least half a block of a prompt's next
@@ -215,6 +230,7 @@ class RuntimeConfig:
             "max_sequences": self.max_sequences,
             "segment_blocks": self.segment_blocks,
             "lent_copy_yield_s": self.lent_copy_yield_s,
+            "decode_micro_batches": self.decode_micro_batches,
         }
         for name, value in counts.items():
             if value < 0:
@@ -256,9 +272,11 @@ class RuntimeConfig:
             segment_blocks=4,
             warm_up_row_buckets=cuda,
             stage_inputs=True,
+            mapped_inputs=False,
             lent_copy_yield_s=0.0003,
             pipelined_steps=envs.get("STRATA_PIPELINED_STEPS"),
             pipeline_flow=envs.get("STRATA_PIPELINE_FLOW"),
+            decode_micro_batches=envs.get("STRATA_DECODE_MICRO_BATCHES") or 0,
             lend_partial_blocks=True,
             pinned_ram_tier=cuda,
             stage_direct_reads=cuda,

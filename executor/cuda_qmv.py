@@ -39,7 +39,7 @@ import math
 import mlx.core as mx
 from strata.executor.cuda_source import compact
 
-__all__ = ["BITS", "INPUTS", "OUTPUTS", "ROWS_PER_WARP", "launch", "supported"]
+__all__ = ["BITS", "INPUTS", "OUTPUTS", "ROWS_PER_WARP", "k_split", "launch", "supported"]
 
 BITS = (4, 8)
 """Bit widths this kernel unpacks (whole elements per 32-bit word)."""
@@ -54,6 +54,13 @@ WARPS_PER_BLOCK = 4
 MAX_SLABS_IN_FLIGHT = 4
 """Most slabs (``U``) whose weight loads a warp issues before using any: 4 x ``R`` 16-byte loads
 a lane, 8 KB a warp, enough reads in flight with a dozen warps a multiprocessor."""
+
+MAX_K_SPLIT = 1
+"""Most warps that share a row group, each summing every ``KS``-th run of ``U`` slabs of K, their
+partial sums added in shared memory (``KS``): more warps in flight for a product of few rows
+(a 4,096-row weight fills 1,024 warps of one row group each, about 8 of a multiprocessor's 64).
+``KS`` is a function of K and the bit width alone (:func:`k_split`), so a row's sum has the same
+bits in every call of that K, fused or not."""
 
 OUT_DTYPES = (mx.float16, mx.bfloat16)
 
@@ -105,7 +112,11 @@ _BODY = r"""
     const int VW = K / EPL;                      // 16-byte vectors per weight row
     const int G = K / GS;                        // scale groups per weight row
     const int lane = threadIdx.x & 31;
-    const int warp = blockIdx.x * WPB + (threadIdx.x >> 5);
+    // KS warps of the block share a row group (its K split into KS parts): ``warp`` numbers the
+    // row groups, ``part`` the warp's share of K (every KS-th run of U slabs).
+    const int wib = threadIdx.x >> 5;
+    const int part = wib % KS;
+    const int warp = blockIdx.x * (WPB / KS) + wib / KS;
     // The warp's R rows: row r is row rr[r] of the weight wr[r] (scales sr[r], biases br[r]);
     // results go to o from column col on.
     const uint32_t* wr[R];
@@ -116,7 +127,7 @@ _BODY = r"""
     int col;
     bool live = true, rot = false;
     STRATA_TILES
-    if (!live) return;                           // the whole warp: past the last rows
+    if (!live) return;                           // the whole warp (KS 1 only: see launch)
     const T* tag = nullptr;
     const uint4* xv = reinterpret_cast<const uint4*>(x);
     const uint4* wv[R];
@@ -130,7 +141,7 @@ _BODY = r"""
     #pragma unroll
     for (int r = 0; r < R; ++r) acc[r] = 0.0f;
     const int slabs = (VW + 31) / 32;
-    for (int s0 = 0; s0 < slabs; s0 += U) {
+    for (int s0 = part * U; s0 < slabs; s0 += U * KS) {
         // Every weight load of U slabs before any is used (reads in flight).
         uint4 q[U][R];
         T sc[U][R], bi[U][R];
@@ -199,6 +210,19 @@ _BODY = r"""
     #pragma unroll
     for (int r = 1; r < R; ++r)
         if (lane == r) mine = acc[r];
+    if constexpr (KS > 1) {
+        // The group's KS partial sums meet in shared memory, added in part order by its first
+        // warp, which stores (every warp of the block is live: launch).
+        __shared__ float strata_parts[WPB * R];
+        if (lane < R) strata_parts[wib * R + lane] = mine;
+        __syncthreads();
+        if (part != 0) return;
+        if (lane < R) {
+            mine = strata_parts[wib * R + lane];
+            #pragma unroll
+            for (int p = 1; p < KS; ++p) mine += strata_parts[(wib + p) * R + lane];
+        }
+    }
 """
 
 _TILES = {
@@ -354,26 +378,47 @@ def supported(n: int, k: int, bits: int, group_size: int, dtype: mx.Dtype) -> bo
     )
 
 
+def k_split(k: int, bits: int) -> tuple[int, int]:
+    """``(U, KS)`` for a row of ``k`` elements of ``bits`` bits: ``U`` slabs in flight (at most
+    ``MAX_SLABS_IN_FLIGHT``), and ``KS`` warps splitting K, a power of two up to
+    ``MAX_K_SPLIT`` that leaves each of them at least one run of ``U`` slabs."""
+    slabs = -(-k // (32 * (128 // bits)))
+    u = max(1, min(MAX_SLABS_IN_FLIGHT, slabs))
+    ks = 1
+    while ks * 2 <= MAX_K_SPLIT and ks * 2 * u <= slabs:
+        ks *= 2
+    return u, ks
+
+
 def launch(
     store: str, k: int, dtype: mx.Dtype, bits: int, group_size: int, widths: list[int]
 ) -> tuple[object, list, tuple[int, int, int], tuple[int, int, int]]:
     """``(kernel, template, grid, threadgroup)`` of one call of the ``store`` kernel for one row
     of ``k`` elements of ``dtype`` by weights of ``widths`` rows (the swiglu store: gate's) of
     ``bits`` bits in groups of ``group_size``; the caller (``executor.cuda_mma``) validates the
-    arrays and adds a RoPE's template arguments."""
+    arrays (every width a multiple of 16) and adds a RoPE's template arguments.
+
+    A block holds ``WARPS_PER_BLOCK / KS`` row groups of ``ROWS_PER_WARP`` rows (at least one);
+    split K (``KS`` > 1) at most 16 rows, so that every warp of every block is live (its
+    ``__syncthreads``)."""
     rows = widths[0] * 2 if store == "swiglu" else sum(widths)
-    warps = -(-rows // ROWS_PER_WARP)
-    blocks = -(-warps // WARPS_PER_BLOCK)
-    slabs = -(-k // (32 * (128 // bits)))
+    u, ks = k_split(k, bits)
+    groups = max(1, WARPS_PER_BLOCK // ks)
+    if ks > 1:
+        groups = min(groups, 16 // ROWS_PER_WARP)
+    wpb = groups * ks
+    row_groups = -(-rows // ROWS_PER_WARP)
+    blocks = -(-row_groups // groups)
     template = [
         ("T", dtype),
         ("GS", group_size),
         ("BITS", bits),
         ("R", ROWS_PER_WARP),
-        ("WPB", WARPS_PER_BLOCK),
-        ("U", max(1, min(MAX_SLABS_IN_FLIGHT, slabs))),
+        ("WPB", wpb),
+        ("U", u),
+        ("KS", ks),
     ]
-    threads = WARPS_PER_BLOCK * 32
+    threads = wpb * 32
     return _get_kernel(store), template, (blocks * threads, 1, 1), (threads, 1, 1)
 
 

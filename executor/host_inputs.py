@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import mlx.core as mx
 import numpy as np
+from strata.executor.cuda_driver import keep_on_host
 
 SLOTS = 2
 """Buffers in the ring: pass i writes buffer i mod SLOTS, so pass i never waits for pass i - 1,
@@ -61,14 +62,18 @@ class InputStaging:
 
     Args:
         slots: buffers in the ring (at least 1).
+        mapped: keep each buffer in host memory, mapped for the GPU (``cuda_driver.keep_on_host``;
+            ``RuntimeConfig.mapped_inputs``), until it is dropped or :meth:`close`.
 
     Raises:
         ValueError: ``slots`` below 1.
     """
 
-    def __init__(self, slots: int = SLOTS):
+    def __init__(self, slots: int = SLOTS, mapped: bool = False):
         if slots < 1:
             raise ValueError(f"input staging needs at least one buffer, got {slots}")
+        self._mapped = mapped
+        self.mapped = 0  # buffers the driver keeps on the host now
         self._buffers: list[mx.array | None] = [None] * slots
         self._hosts: list[np.ndarray | None] = [None] * slots  # numpy views of the buffers
         self._fences: list[mx.array | None] = [None] * slots
@@ -97,8 +102,17 @@ class InputStaging:
 
     def _drop(self, slot: int) -> None:
         """Forget buffer ``slot`` (a new one is made on its next use); views of the old one keep
-        it alive for whatever still reads them."""
+        it alive for whatever still reads them. A mapped buffer is given back to the driver's
+        placement first: it returns to MLX's cache once those views are gone."""
+        host = self._hosts[slot]
+        if host is not None and self._mapped and keep_on_host(host, keep=False):
+            self.mapped -= 1
         self._buffers[slot] = self._hosts[slot] = None
+
+    def close(self) -> None:
+        """Drop every buffer (the engine's end)."""
+        for slot in range(len(self._buffers)):
+            self._drop(slot)
 
     def _buffer(self, slot: int, need: int) -> tuple[mx.array, np.ndarray]:
         """Buffer ``slot`` with room for at least ``need`` elements (a new one, twice the size
@@ -106,8 +120,14 @@ class InputStaging:
         buf, host = self._buffers[slot], self._hosts[slot]  # set and dropped together
         if buf is None or host is None or buf.size < need:
             size = max(MIN_CAPACITY, 2 * (0 if buf is None else buf.size), 2 * need)
+            self._drop(slot)
             buf = mx.array(np.zeros(size, dtype=np.int32))
             host = np.asarray(buf)  # the buffer's own memory: writes reach the array
+            if self._mapped:
+                if keep_on_host(host):
+                    self.mapped += 1
+                else:  # unmanaged memory, or refused: whatever part was set is taken back
+                    keep_on_host(host, keep=False)
             self._buffers[slot], self._hosts[slot] = buf, host
             self.grown += 1
         return buf, host

@@ -24,10 +24,10 @@ import ctypes
 import functools
 import mmap
 import sys
-from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
+from strata.executor.cuda_driver import cudart
 from strata.executor.cuda_source import compact
 
 HOST_REGISTER_PORTABLE = 1
@@ -71,37 +71,11 @@ def _kernel():
     )
 
 
-@functools.cache
-def _cudart() -> ctypes.CDLL | None:
-    """The CUDA runtime library (None where there is none, or not MLX's CUDA backend): the one
-    MLX loaded where it is in ``/proc/self/maps``, else the system's or a pip package's (MLX may
-    link the runtime statically). Any of them works on the device's primary context, which MLX
-    uses too, so the pointers they give are valid in MLX's kernels."""
-    if not mx.cuda.is_available():
-        return None
-    mx.eval(mx.zeros(1))  # MLX has initialised CUDA in this process
-    candidates: list[str] = []
-    try:
-        maps = Path("/proc/self/maps").read_text()
-        candidates += sorted({ln.split()[-1] for ln in maps.splitlines() if "libcudart.so" in ln})
-    except OSError:
-        pass
-    candidates += ["libcudart.so.13", "libcudart.so.12", "libcudart.so"]
-    for base in sys.path:
-        candidates += sorted(str(p) for p in Path(base or ".").glob("nvidia/*/lib/libcudart.so*"))
-    for path in candidates:
-        try:
-            return ctypes.CDLL(path)
-        except OSError:
-            continue
-    return None
-
-
 class Pinned:
     """Host arrays registered with the CUDA runtime, copied to the device by a kernel.
 
     Args:
-        cudart: the CUDA runtime (:func:`_cudart`).
+        cudart: the CUDA runtime (``cuda_driver.cudart``).
     """
 
     def __init__(self, cudart: ctypes.CDLL):
@@ -200,5 +174,5 @@ def pinned_for(enabled: bool = True) -> Pinned | None:
     """A :class:`Pinned` on MLX's CUDA backend (Linux), else None (or where not ``enabled``)."""
     if not enabled or not sys.platform.startswith("linux"):
         return None
-    rt = _cudart()
+    rt = cudart()
     return Pinned(rt) if rt is not None else None

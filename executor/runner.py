@@ -361,7 +361,7 @@ class ModelRunner:
     def __init__(self, model: LlamaModel, config: RuntimeConfig, tile: int = 0):
         self.model, self.config, self.tile = model, config, tile
         self.kv: PagedKVCache | None = None
-        self.staging = InputStaging()
+        self.staging = InputStaging(mapped=config.mapped_inputs)
 
     def make_kv(self, num_blocks: int, block_size: int) -> PagedKVCache:
         """Make the KV pool: ``num_blocks`` blocks of ``block_size`` tokens. Call it on the
@@ -377,6 +377,7 @@ class ModelRunner:
             mx.synchronize()
             pass_graph.release(self.kv)
             self.kv = None
+        self.staging.close()
 
     def run(
         self,

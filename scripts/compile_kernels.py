@@ -15,6 +15,7 @@ usage: python scripts/compile_kernels.py [--arch sm_90] [--stores plain,swiglu] 
 from __future__ import annotations
 
 import argparse
+import itertools
 import re
 import shutil
 import subprocess
@@ -44,8 +45,11 @@ def _input_type(name: str, dtype: str) -> str:
     return _TYPES[dtype]
 
 
-def qmv_source(store: str, dtype: str, bits: int, group: int, rope: bool = False) -> str:
-    """The whole translation unit MLX would compile for one ``cuda_qmv`` instantiation."""
+def qmv_source(
+    store: str, dtype: str, bits: int, group: int, rope: bool = False, u: int = 4, ks: int = 1
+) -> str:
+    """The whole translation unit MLX would compile for one ``cuda_qmv`` instantiation (``u``
+    slabs in flight, ``ks`` warps splitting K: ``cuda_qmv.k_split``)."""
     header, body = cuda_qmv.source(store)
     params = []
     for name in cuda_qmv.INPUTS[store]:
@@ -58,8 +62,9 @@ def qmv_source(store: str, dtype: str, bits: int, group: int, rope: bool = False
         f"constexpr int GS = {group};",
         f"constexpr int BITS = {bits};",
         f"constexpr int R = {cuda_qmv.ROWS_PER_WARP};",
-        f"constexpr int WPB = {cuda_qmv.WARPS_PER_BLOCK};",
-        f"constexpr int U = {cuda_qmv.MAX_SLABS_IN_FLIGHT};",
+        f"constexpr int WPB = {max(cuda_qmv.WARPS_PER_BLOCK, ks)};",  # a multiple of KS
+        f"constexpr int U = {u};",
+        f"constexpr int KS = {ks};",
     ]
     if rope:
         consts += [
@@ -86,6 +91,7 @@ def main() -> int:
     ap.add_argument("--arch", default="sm_90")
     ap.add_argument("--stores", default=",".join(cuda_qmv.INPUTS))
     ap.add_argument("--keep", type=Path, help="write the .cu files here")
+    ap.add_argument("--splits", default="4:1,2:2,1:4", help="U:KS pairs (cuda_qmv.k_split)")
     args = ap.parse_args()
     nvcc = shutil.which("nvcc")
     if nvcc is None:
@@ -95,15 +101,22 @@ def main() -> int:
     if unknown := [st for st in stores if st not in cuda_qmv.INPUTS]:
         known = ", ".join(cuda_qmv.INPUTS)
         ap.error(f"--stores: unknown {', '.join(unknown)}; choose from {known}")
+    try:
+        splits = [tuple(int(v) for v in p.split(":")) for p in args.splits.split(",")]
+    except ValueError:
+        splits = []
+    if not splits or any(len(p) != 2 or min(p) < 1 for p in splits):
+        ap.error("--splits: pairs U:KS of positive integers, e.g. 4:1,2:2")
     failed = 0
     with tempfile.TemporaryDirectory() as tmp:
         out = args.keep or Path(tmp)
         out.mkdir(parents=True, exist_ok=True)
         for store in stores:
             for dtype in ("float16", "bfloat16"):
-                for bits in cuda_qmv.BITS:
-                    cu = out / f"qmv_{store}_{dtype}_{bits}.cu"
-                    cu.write_text(qmv_source(store, dtype, bits, 32, store == "split3_rope"))
+                for bits, (u, ks) in itertools.product(cuda_qmv.BITS, splits):
+                    cu = out / f"qmv_{store}_{dtype}_{bits}_u{u}_ks{ks}.cu"
+                    rope = store == "split3_rope"
+                    cu.write_text(qmv_source(store, dtype, bits, 32, rope, u, ks))
                     done = subprocess.run(
                         [
                             nvcc,

@@ -34,6 +34,7 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import tempfile
 import time
 from pathlib import Path
 
@@ -68,6 +69,30 @@ def per_call(fn, ws, reps: int = 7) -> float:
         mx.synchronize()
         times.append(time.perf_counter() - t0)
     return statistics.median(times[2:]) / len(ws)
+
+
+def device_per_call(fn, ws, reps: int = 3) -> float | None:
+    """Seconds of GPU kernel time per call of ``fn(w)`` over ``ws`` (every kernel a call
+    launches, summed; the host's time per call left out), from CUPTI through PyTorch's profiler;
+    None where PyTorch is not installed. Chains whose kernels are short against MLX's host time
+    per call measure the host in :func:`per_call`; this measures the device alone."""
+    try:
+        import torch
+        from torch.profiler import ProfilerActivity, profile
+    except ImportError:
+        return None
+    mx.eval([fn(w) for w in ws])  # built and warm before the record
+    torch.cuda.init()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(reps):
+            mx.eval([fn(w) for w in ws])
+            mx.synchronize()
+    with tempfile.TemporaryDirectory() as tmp:
+        trace = Path(tmp) / "trace.json"
+        prof.export_chrome_trace(str(trace))
+        events = json.loads(trace.read_text())["traceEvents"]
+    busy = sum(e["dur"] for e in events if e.get("ph") == "X" and e.get("cat") == "kernel")
+    return busy / 1e6 / (reps * len(ws))
 
 
 def check(got: mx.array, ref: mx.array, what: str, tol: float = 1e-3) -> float:

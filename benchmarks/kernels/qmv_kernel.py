@@ -18,11 +18,12 @@ residual's sum bit for bit).
   MLX's two products, SiLU and the product; ``down+residual``: ``matmul(..., residual=r)``
   against MLX's product and add.
 
-``--sweep U:WPB,...`` times the block's calls (SwiGLU, down + residual, Q/K/V, O + residual) and
-the head under each pair of the module's slabs in flight (``MAX_SLABS_IN_FLIGHT``) and warps per
-block (``WARPS_PER_BLOCK``).
+``--sweep U:WPB:KS,...`` times the block's calls (SwiGLU, down + residual, Q/K/V, O + residual)
+and the head on the GPU's clock (CUPTI through PyTorch: kernel time alone) under each triple of
+the module's slabs in flight (``MAX_SLABS_IN_FLIGHT``), warps per block (``WARPS_PER_BLOCK``) and
+most warps splitting K (``MAX_K_SPLIT``).
 
-usage: python benchmarks/kernels/qmv_kernel.py [-o FILE.json] [--sweep 4:4,2:4,4:8]
+usage: python benchmarks/kernels/qmv_kernel.py [-o FILE.json] [--sweep 4:4:1,2:4:2,1:4:4]
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ import json
 from pathlib import Path
 
 import mlx.core as mx
-from strata.benchmarks.kernels.mma_kernel import check, per_call
+from strata.benchmarks.kernels.mma_kernel import check, device_per_call, per_call
 from strata.executor import cuda_mma, cuda_qmv
 
 GROUP = 32
@@ -135,8 +136,12 @@ def fused_part() -> dict:
     return out
 
 
-def sweep(settings: list[tuple[int, int]]) -> dict:
-    """The block's four calls and the head under each (slabs in flight, warps per block)."""
+def sweep(settings: list[tuple[int, int, int]]) -> dict:
+    """The block's calls and the head, each timed on the GPU's clock (CUPTI: a call's kernel
+    time alone, where a chain of short calls measures MLX's host time per call), under each
+    (slabs in flight, warps per block, most warps splitting K). Each setting is checked first:
+    O and down against the float32 product, Q/K/V in one call against three calls, bit for
+    bit."""
     k = 4096
     blocks = 8
     gu = [weights(14336, k, 4, 2) for _ in range(blocks)]
@@ -147,34 +152,43 @@ def sweep(settings: list[tuple[int, int]]) -> dict:
     x = mx.random.normal((1, k)).astype(DTYPE)
     xd = mx.random.normal((1, 14336)).astype(DTYPE)
     r = mx.random.normal((1, 1, 4096)).astype(DTYPE)
-    ref = xd.astype(mx.float32) @ dense(down[0], 4).T
+    ref_down = xd.astype(mx.float32) @ dense(down[0], 4).T
+    ref_o = x.astype(mx.float32) @ dense(o[0], 4).T
+    ref_head = x.astype(mx.float32) @ dense(head[0], 8).T
+    calls = {
+        "swiglu": (lambda i: cuda_mma.swiglu(x, gu[i][0], gu[i][1], GROUP), range(blocks)),
+        "down+res": (lambda i: cuda_mma.matmul(xd, *down[i], GROUP, residual=r), range(blocks)),
+        "qkv": (lambda i: cuda_mma.matmul3(x, qkv[i], GROUP), range(blocks)),
+        "o+res": (lambda i: cuda_mma.matmul(x, *o[i], GROUP, residual=r), range(blocks)),
+        "head": (lambda i: cuda_mma.matmul(x, *head[i], GROUP), range(len(head))),
+    }
     out = {}
-    for u, wpb in settings:
+    for u, wpb, ks in settings:
         cuda_qmv.MAX_SLABS_IN_FLIGHT, cuda_qmv.WARPS_PER_BLOCK = u, wpb
+        cuda_qmv.MAX_K_SPLIT = ks
         cuda_mma._LAUNCHES.clear()
-        check(cuda_mma.matmul(xd, *down[0], GROUP), ref, f"U={u} WPB={wpb}")
-
-        def block(i):
-            return [
-                cuda_mma.swiglu(x, gu[i][0], gu[i][1], GROUP),
-                cuda_mma.matmul(xd, *down[i], GROUP, residual=r),
-                *cuda_mma.matmul3(x, qkv[i], GROUP),
-                cuda_mma.matmul(x, *o[i], GROUP, residual=r),
-            ]
-
-        per_block = per_call(block, list(range(blocks)))
-        per_head = per_call(lambda w: cuda_mma.matmul(x, *w, GROUP), head)
-        out[f"{u}:{wpb}"] = {
-            "block_us": round(per_block * 1e6, 2),
-            "head_us": round(per_head * 1e6, 2),
-        }
-        print(f"U={u} WPB={wpb}: block {per_block * 1e6:.1f} us, head {per_head * 1e6:.1f} us")
+        name = f"{u}:{wpb}:{ks}"
+        check(cuda_mma.matmul(xd, *down[0], GROUP), ref_down, f"{name} down")
+        check(cuda_mma.matmul(x, *o[0], GROUP), ref_o, f"{name} O")
+        check(cuda_mma.matmul(x, *head[0], GROUP), ref_head, f"{name} head")
+        for got, w in zip(cuda_mma.matmul3(x, qkv[0], GROUP), qkv[0], strict=True):
+            if not mx.array_equal(got, cuda_mma.matmul(x, *w, GROUP)).item():
+                raise SystemExit(f"{name}: matmul3 differs from matmul")
+        row = {}
+        for what, (fn, idx) in calls.items():
+            t = device_per_call(fn, list(idx))
+            if t is None:
+                raise SystemExit("--sweep times kernels on the GPU's clock: it needs PyTorch")
+            row[what] = round(t * 1e6, 2)
+        row["block"] = round(sum(v for kk, v in row.items() if kk != "head"), 2)
+        out[name] = row
+        print(f"U={u} WPB={wpb} KS={ks} (us on the GPU): {row}", flush=True)
     return out
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--sweep", help="U:WPB pairs, comma-separated, e.g. 4:4,2:4,4:8")
+    ap.add_argument("--sweep", help="U:WPB:KS triples, comma-separated, e.g. 4:4:1,2:4:2")
     ap.add_argument("-o", "--output")
     args = ap.parse_args()
     if not mx.cuda.is_available():
@@ -184,8 +198,8 @@ def main() -> None:
             settings = [tuple(int(v) for v in p.split(":")) for p in args.sweep.split(",")]
         except ValueError:
             settings = []
-        if not settings or any(len(p) != 2 or min(p) < 1 for p in settings):
-            ap.error("--sweep: pairs U:WPB of positive integers, e.g. 4:4,2:4")
+        if not settings or any(len(p) != 3 or min(p) < 1 for p in settings):
+            ap.error("--sweep: triples U:WPB:KS of positive integers, e.g. 4:4:1,2:4:2")
         res = {"sweep": sweep(settings)}
     else:
         res = {"matmul": plain_part(), **fused_part()}

@@ -29,6 +29,17 @@ def test_a_boolean_is_read_when_asked(text, value, monkeypatch):
     assert envs.STRATA_COMPILED_PASSES is value
 
 
+def test_a_count_is_a_whole_number_of_at_least_one(monkeypatch):
+    monkeypatch.delenv("STRATA_DECODE_MICRO_BATCHES", raising=False)
+    assert envs.STRATA_DECODE_MICRO_BATCHES is None  # the plan's
+    monkeypatch.setenv("STRATA_DECODE_MICRO_BATCHES", " 4 ")
+    assert envs.STRATA_DECODE_MICRO_BATCHES == 4
+    for text in ("0", "two", "2.5"):
+        monkeypatch.setenv("STRATA_DECODE_MICRO_BATCHES", text)
+        with pytest.raises(StrataError, match="is not a whole number >= 1; set one or unset it"):
+            envs.get("STRATA_DECODE_MICRO_BATCHES")
+
+
 def test_a_value_that_does_not_parse_names_the_variable_and_the_fix(monkeypatch):
     monkeypatch.setenv("STRATA_COMPILED_PASSES", "maybe")
     with pytest.raises(StrataError, match=r"STRATA_COMPILED_PASSES='maybe' .* 0, false, off"):

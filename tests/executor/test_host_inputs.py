@@ -133,3 +133,25 @@ def test_a_staged_batch_lays_out_what_a_fresh_one_does(monkeypatch):
 def test_a_ring_needs_a_buffer():
     with pytest.raises(ValueError, match="at least one buffer"):
         InputStaging(slots=0)
+
+
+@pytest.mark.parametrize("grow", [False, True])
+def test_mapped_buffers_read_the_same_and_are_given_back(monkeypatch, grow):
+    """``mapped``: on MLX's CUDA backend each buffer is kept on the host and mapped for the GPU
+    (``cuda_driver.keep_on_host``) until it is dropped or the ring closes; elsewhere nothing is
+    mapped. Either way the kernels read what was written, across a buffer's growth too."""
+    if grow:
+        monkeypatch.setattr(host_inputs, "MIN_CAPACITY", 32)
+    staging = InputStaging(slots=2, mapped=True)
+    cuda = mx.cuda.is_available()
+    for i in range(4):
+        staged = staging.begin()
+        want_a, want_b = np.arange(20) + i, np.arange(100, 140 if grow else 120) * (i + 1)
+        a, b = staged.put(want_a), staged.put(want_b)
+        out = a.sum() + b.sum()  # computed on the device from the views
+        staged.fence(out)
+        assert out.item() == int(want_a.sum() + want_b.sum())
+        assert np.array_equal(np.array(a), want_a) and np.array_equal(np.array(b), want_b)
+        assert staging.mapped == (min(i + 1, 2) if cuda else 0)
+    staging.close()
+    assert staging.mapped == 0

@@ -233,6 +233,59 @@ def test_one_row_kernel_matches_the_dequantized_product(bits, group, dtype, n, k
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("u, wpb, ks", [(2, 4, 2), (1, 4, 4), (4, 8, 4), (1, 8, 8)])
+@pytest.mark.parametrize("bits", [4, 8])
+def test_one_row_kernel_with_k_split_matches_the_dequantized_product(monkeypatch, u, wpb, ks, bits):
+    """K split over warps (``cuda_qmv.MAX_K_SPLIT``): every form within rounding of the float32
+    product (down's 14,336 columns in parts of several runs, Q/K/V's 4,096 in one slab each),
+    Q/K/V in one call equal to three calls bit for bit (a split depends on K alone), SwiGLU
+    against its float32 reference."""
+    from strata.executor import cuda_qmv
+
+    monkeypatch.setattr(cuda_qmv, "MAX_SLABS_IN_FLIGHT", u)
+    monkeypatch.setattr(cuda_qmv, "WARPS_PER_BLOCK", wpb)
+    monkeypatch.setattr(cuda_qmv, "MAX_K_SPLIT", ks)
+    monkeypatch.setattr(cuda_mma, "_LAUNCHES", {})
+    dtype, group = mx.float16, 32
+    rng = np.random.default_rng(21)
+    for n, k in [(256, 14336), (96, 4096), (576, 576)]:
+        w = _weight(n, k, bits, group, dtype, seed=n)
+        x = mx.array(rng.standard_normal((1, k)).astype(np.float32)).astype(dtype)
+        got = cuda_mma.matmul(x, w.weight, w.scales, w.biases, group)
+        ref = x.astype(mx.float32) @ _dense_reference(w, mx.float32).T
+        assert (mx.abs(got.astype(mx.float32) - ref).max() / mx.abs(ref).max()).item() < 1e-3
+    k = 4096
+    parts = [_weight(n, k, bits, group, dtype, seed=30 + n) for n in (512, 128, 128)]
+    quants = [(p.weight, p.scales, p.biases) for p in parts]
+    x = mx.array(rng.standard_normal((1, k)).astype(np.float32)).astype(dtype)
+    for fused, q in zip(cuda_mma.matmul3(x, quants, group), quants, strict=True):
+        assert mx.array_equal(fused, cuda_mma.matmul(x, *q, group))
+    gate, up = parts[0], _weight(512, k, bits, group, dtype, seed=99)
+    xf = x.astype(mx.float32)
+    g = xf @ _dense_reference(gate, mx.float32).T
+    want = g * mx.sigmoid(g) * (xf @ _dense_reference(up, mx.float32).T)
+    got = cuda_mma.swiglu(x, quants[0], (up.weight, up.scales, up.biases), group)
+    assert (mx.abs(got.astype(mx.float32) - want).max() / mx.abs(want).max()).item() < 2e-3
+
+
+def test_k_split_depends_on_k_and_bits_alone_and_leaves_each_warp_a_run(monkeypatch):
+    """``cuda_qmv.k_split``: ``U`` slabs in flight, at most the slabs there are; ``KS`` a power
+    of two within ``MAX_K_SPLIT`` with at least ``U`` slabs a warp; a block of whole row groups."""
+    from strata.executor import cuda_qmv
+
+    monkeypatch.setattr(cuda_qmv, "MAX_SLABS_IN_FLIGHT", 4)
+    monkeypatch.setattr(cuda_qmv, "MAX_K_SPLIT", 4)
+    assert cuda_qmv.k_split(4096, 4) == (4, 1)  # 4 slabs of 1,024 elements
+    assert cuda_qmv.k_split(14336, 4) == (4, 2)  # 14 slabs: two warps of 7
+    assert cuda_qmv.k_split(4096, 8) == (4, 2)  # 8 slabs of 512
+    assert cuda_qmv.k_split(576, 4) == (1, 1)
+    monkeypatch.setattr(cuda_qmv, "MAX_SLABS_IN_FLIGHT", 1)
+    assert cuda_qmv.k_split(4096, 4) == (1, 4)
+    monkeypatch.setattr(cuda_qmv, "MAX_K_SPLIT", 1)
+    assert cuda_qmv.k_split(14336, 4) == (1, 1)
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("lead", [(1, 16), (2, 8), (1, 5), (3,)])
 def test_tensor_core_kernels_take_any_rank_and_write_the_shapes_asked(lead):
     """``x`` of any rank gives ``[..., n]`` equal to the 2-D product (8-row multiples written in
