@@ -1163,7 +1163,8 @@ class LinkPlan(Strict):
 
 
 class ClusterPrediction(Strict):
-    """The pipeline's decode step: stages and link transfers in turn."""
+    """The pipeline's decode step: stages and link transfers in turn, or ``micro_batches`` of
+    the step flowing through them (``planner.pipeline``)."""
 
     step_s: float = Field(ge=0, description="one decode step at the plan's batch, seconds")
     decode_tok_s: float = Field(ge=0, description="aggregate decode tokens/s")

@@ -228,8 +228,16 @@ class Engine:
 
         ring = self._ring(group)
         dtypes = [DTYPES[s.runtime.compute_dtype] for s in stages]
+        planned = self.loaded.plan.cluster.prediction
+        micro = self.config.decode_micro_batches or (planned.micro_batches if planned else 1)
         self.pipeline = Pipeline(
-            ring, dtypes, fail, ranks.explain, ranks.ring, flow=self.config.pipeline_flow
+            ring,
+            dtypes,
+            fail,
+            ranks.explain,
+            ranks.ring,
+            flow=self.config.pipeline_flow,
+            micro_batches=micro,
         )
         self.model.pipeline = self.pipeline
 

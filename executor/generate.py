@@ -195,7 +195,8 @@ def generate(
         model ``experts`` and ``decode_experts`` (the expert cache's counters); with speculative
         decoding ``speculative`` (drafts proposed and accepted, verifications); on a cluster plan
         ``passes_flowed`` (passes sent through the ranks without waiting for them meanwhile:
-        ``executor.pipeline``).
+        ``executor.pipeline``) and ``passes_micro_batched`` (passes that were one micro-batch
+        of a cut decode step).
 
     Raises:
         StrataError: a negative ``max_tokens``; a prompt the plan can never run (empty, ids
@@ -275,8 +276,8 @@ def generate(
         stats["experts"] = expert_delta(start.experts, end.experts)
         stats["decode_experts"] = expert_delta(first[0].experts, end.experts)
     if serving.engine.pipeline is not None:  # a cluster plan: its chunks that flowed
-        key = "cluster_passes_flowed"
-        stats["passes_flowed"] = end.serving[key] - start.serving[key]
+        for key in ("cluster_passes_flowed", "cluster_passes_micro_batched"):
+            stats[key.replace("cluster_", "")] = end.serving[key] - start.serving[key]
     if serving.drafter is not None:
         stats["speculative"] = {
             k: end.serving[k] - start.serving[k]

@@ -11,20 +11,47 @@ prompt's chunks before its last: ``head`` False, no unit streamed) does not come
 says so (``back`` 0), the last rank keeps its rows, and rank 0 returns its own blocks' output
 (evaluated by the send) without waiting, so it builds and runs the next chunk while rank 1
 computes this one: the chunks flow through the stages one behind the other. Every other pass
-(logits read, or a unit streamed) comes back (``back`` 1) and rank 0 waits for it, so a sampled
-pass and every decode step stay lock-step.
+(logits read, or a unit streamed) comes back (``back`` 1).
 
-Why it cannot deadlock: every message still goes to the next rank of the ring only and each rank
-receives in the order its neighbour sends, so every rank runs the passes in rank 0's order (a
-chunk's KV writes come before the next chunk's reads on every rank). A send blocks only until the
-link takes it (TCP's buffers, then the receiver's own receive): flow control, rank 0 running
-ahead only as far as the buffers hold. The one message against the ring's order of waiting, the
-last rank's rows back to rank 0, is sent for ``back`` 1 passes only, and after such a pass rank 0
-sends nothing until it has received them: it is in its receive, not blocked in a send, so no
-cycle of blocking sends forms. The doorbell (``wake``, ``executor.ranks.wait_bell``) is one byte
-per header, so each header sent while a rank is busy is counted and none is slept through. A rank
-that dies after a flowed pass went out is seen by the next send or receive that needs it (or by
-rank 0's watch of its children), as in lock-step: a :class:`ClusterError`, the pipeline broken.
+Micro-batched decode steps (``RuntimeConfig.decode_micro_batches``, the plan's
+``ClusterPrediction.micro_batches``). A step whose rows are all one-token inputs (decodes) of
+several sequences, where rank 0 streams no unit, is cut into ``m`` micro-batches of consecutive
+rows, each its own pass (its own header and ``ForwardBatch``): rank 0 embeds micro-batch 1's
+rows, runs its blocks, sends them (``back`` 1) and goes on to micro-batch 2 without waiting, so
+rank 1 computes micro-batch 1 while rank 0 computes micro-batch 2; once all are out it receives
+them back in order, building each one's head as it comes, and the step's logits are the
+micro-batches' in row order: the scheduler and the sampling see one step. A step with a prefill
+chunk or a verification, or of one sequence, goes whole. Rows of different sequences are
+independent, so the ids are the uncut step's wherever a row's result does not depend on the
+row count of its call: on MLX's CPU (measured: ``executor.paged_kv``) and in batch-invariant
+serving, whose row and attention tiles the micro-batches' headers carry as the step's would;
+elsewhere a micro-batch rounds as a batch of its size would, as continuous batching's batches do.
+
+Why it cannot deadlock: every message but one kind goes to the next rank of the ring only and
+each rank receives in the order its neighbour sends, so every rank runs the passes in rank 0's
+order (a chunk's KV writes come before the next chunk's reads on every rank). A send waits until
+MLX's ring backend has written all its bytes to the socket (``mlx/distributed/ring/ring.cpp``
+as of MLX 0.32, unchanged since 0.32.1: ``RingGroup::send`` waits on the futures of
+``SocketThread::send_impl``, whose non-blocking ``::send`` loop ends once the kernel took the
+last byte; two 64 MiB messages crossing in blocking sends were still waiting after 40 s, and
+pass with :meth:`Ring.post`, a test): it blocks while the TCP buffers between the two ranks are
+full and the receiver is not receiving: flow control, rank 0 running
+ahead only as far as the buffers hold. The one message against the ring's order, the last rank's
+rows back to rank 0 (``back`` 1 passes only), is sent without waiting: queued on a stream of its
+own (:meth:`Ring.post`), which MLX's stream thread hands to the socket while the rank's own
+thread goes on receiving. So the last rank never waits on a send; every rank before it waits in
+a send only for its next rank to receive, and the last rank always does receive what comes:
+the waits form a chain that ends at the last rank, never a cycle, whatever the buffers' sizes.
+Rank 0 sends every micro-batch of a step before it receives any (only its receive waits on the
+last rank), and it sends nothing more until it has received them all. A bound on the
+micro-batches' bytes instead would rest on socket buffers no process controls (Linux's
+``tcp_wmem``/``tcp_rmem`` and their autotuning, macOS's ``tcp.sendspace``), so none is used. The
+doorbell (``wake``, ``executor.ranks.wait_bell``) is one byte per header, so each header sent
+while a rank is busy is counted and none is slept through. A rank that dies after a pass went
+out unanswered (flowing, or a micro-batch) is seen by the next send or receive that needs it (or
+by rank 0's watch of its children), as in lock-step: a :class:`ClusterError`, the pipeline
+broken; a last rank's queued send that fails fails its next one, and its receive from the rank
+before fails too.
 
 The descriptor is small int32 arrays: a header (:data:`HEADER`: command, body length, pass rows,
 attention tile, row tile, inputs, back) and a body. A step's body is each input's token count,
@@ -124,11 +151,24 @@ class Ring:
         self.group, self.name = group, name
         self.rank, self.size = group.rank(), group.size()
         self.next, self.prev = (self.rank + 1) % self.size, (self.rank - 1) % self.size
+        self._posts: mx.Stream | None = None  # made by the thread that posts (MLX >= 0.31.2)
 
     def send(self, x: mx.array, dst: int) -> None:
         """Send ``x`` to rank ``dst`` (waits until it is handed to the link)."""
         try:
             mx.eval(mx.distributed.send(x, dst, group=self.group, stream=mx.cpu))
+        except RuntimeError as e:
+            raise ClusterError(f"sending to {self.name(dst)} failed: {e}") from None
+
+    def post(self, x: mx.array, dst: int) -> None:
+        """Send ``x`` to rank ``dst`` without waiting (module docstring, "Why it cannot
+        deadlock"): queued on a CPU stream of this ring's own, whose thread waits for the link
+        while the caller goes on; posts go out in order. A post that failed raises here at the
+        next post (MLX keeps a stream's first error for its next task)."""
+        if self._posts is None:
+            self._posts = mx.new_stream(mx.cpu)
+        try:
+            mx.async_eval(mx.distributed.send(x, dst, group=self.group, stream=self._posts))
         except RuntimeError as e:
             raise ClusterError(f"sending to {self.name(dst)} failed: {e}") from None
 
@@ -161,12 +201,16 @@ class Pipeline:
             (``executor.ranks.Rendezvous``: MLX's receive would poll at full speed).
         flow: passes whose output nobody reads flow on without coming back (module docstring;
             ``RuntimeConfig.pipeline_flow``); False: every pass is lock-step.
+        micro_batches: a decode step of several sequences is cut into up to this many
+            micro-batches (module docstring; ``RuntimeConfig.decode_micro_batches``); 1: whole.
 
     Attributes:
         failure: None while the ranks run; the message once one stopped (every pass fails with
             it, and the server says it: ``ServingEngine.failure``).
         flowed: passes sent without waiting for them to come back (``/metrics``:
             ``strata_cluster_passes_flowed_total``).
+        micro_batched: passes that were one micro-batch of a cut decode step (``/metrics``:
+            ``strata_cluster_passes_micro_batched_total``).
     """
 
     def __init__(
@@ -177,11 +221,14 @@ class Pipeline:
         explain: Callable[[str], str] | None = None,
         wake: Callable[[], None] = lambda: None,
         flow: bool = True,
+        micro_batches: int = 1,
     ):
+        if micro_batches < 1:
+            raise StrataError(f"micro_batches is {micro_batches}; give 1 (whole steps) or more")
         self.ring, self.dtypes, self.on_fail = ring, dtypes, on_fail
         self.explain = explain or (lambda message: message)
-        self.wake, self.flow = wake, flow
-        self.flowed = 0
+        self.wake, self.flow, self.micro_batches = wake, flow, micro_batches
+        self.flowed = self.micro_batched = 0
         self.failure: str | None = None
         self._lock = threading.Lock()  # the failure is set by the engine or the watchdog
 
@@ -209,7 +256,8 @@ class Pipeline:
     def forward(self, model, batch: ForwardBatch, kv: PagedKVCache, head: bool = True) -> mx.array:
         """One pass of ``batch`` through every rank (module docstring): rank 0's embedding and
         blocks, the others' blocks, rank 0's head. With ``head`` False, no streamed unit and
-        ``flow`` on, the pass flows: sent without waiting for it to come back.
+        ``flow`` on, the pass flows: sent without waiting for it to come back. A decode step of
+        several sequences goes as micro-batches (:meth:`cut`) where ``micro_batches`` > 1.
 
         Returns:
             float32 logits [S, vocab] of ``batch.logit_rows`` (or, with ``head`` False and no
@@ -219,6 +267,9 @@ class Pipeline:
         Raises:
             ClusterError: a rank stopped or a link failed (names it); the pipeline is broken.
         """
+        parts = self.cut(batch) if head and model.store.pool is None else []
+        if len(parts) > 1:
+            return self._micro_batched(model, parts, kv)
         headed = head or model.store.pool is not None
         back = headed or not self.flow
         x = model.embed_pass(batch)
@@ -242,6 +293,74 @@ class Pipeline:
 
         y = self._guard(through)
         return model.head(y, batch) if headed else y
+
+    def cut(self, batch: ForwardBatch) -> list[ForwardBatch]:
+        """The micro-batches of a decode step (module docstring): up to ``micro_batches``
+        passes of consecutive rows (``np.array_split``: sizes differing by one at most), each
+        laid out with the step's attention tile and its rows' device ids (a pipelined step's
+        sampled ones included); ``[batch]`` for a step that is not cut (an input of several
+        tokens, one sequence, ``micro_batches`` 1)."""
+        n = len(batch.seq_slots)
+        m = min(self.micro_batches, n)
+        if m < 2 or batch.num_tokens != n:  # every input one token: row r is input r
+            return [batch]
+        ids = batch.id_array
+        each = batch.one_per_piece or [False] * n
+        parts = []
+        for rows in np.array_split(np.arange(n), m):
+            lo, hi = int(rows[0]), int(rows[-1]) + 1
+            inputs = [
+                SeqInput(
+                    [batch.ids[r]],
+                    int(batch.row_positions[r]),
+                    batch.seq_slots[r],
+                    "last" if batch.logit_counts[r] else "none",
+                    each[r],
+                )
+                for r in range(lo, hi)
+            ]
+            part = ForwardBatch.build(inputs, tile=batch.tile)
+            part.take_ids(np.arange(hi - lo), ids[lo:hi])
+            parts.append(part)
+        return parts
+
+    def _micro_batched(self, model, parts: list[ForwardBatch], kv: PagedKVCache) -> mx.array:
+        """A cut decode step (module docstring): every micro-batch sent before any comes back;
+        float32 logits [S, vocab] of the step, the micro-batches' in row order."""
+        r = self.ring
+        last = r.size - 1
+        logits: list[mx.array] = []
+
+        def through() -> None:
+            shapes = []
+            for part in parts:
+                x = model.embed_pass(part)
+                self._send_message(encode_step(part, x.shape[1], True))
+                try:
+                    y = model.blocks(x, part, kv, model.rope_factors(), *model.stage, schedule=True)
+                    r.send(y, r.next)
+                except ClusterError:
+                    raise
+                except Exception as e:  # rank 1 waits for these rows
+                    raise ClusterError(
+                        f"rank 0's blocks failed after the step went out: {e}"
+                    ) from e
+                shapes.append(tuple(y.shape))
+                self.micro_batched += 1
+            failed: Exception | None = None
+            for part, shape in zip(parts, shapes, strict=True):
+                y = r.recv(shape, self.dtypes[last], last).astype(model.dtype)
+                if failed is None:  # every micro-batch is received, whatever a head raised
+                    try:
+                        logits.append(model.head(y, part))
+                        mx.async_eval(logits[-1])  # computed while the next one is waited for
+                    except Exception as e:
+                        failed = e
+            if failed is not None:
+                raise failed
+
+        self._guard(through)
+        return mx.concatenate(logits)
 
     def _send_message(self, msg: np.ndarray) -> None:
         r = self.ring
@@ -279,8 +398,8 @@ def serve_stage(
 ) -> None:
     """The loop of a rank past 0 (module docstring) until ``STOP``: receive a header and body
     from the rank before, hand them on (but the last rank), then copy KV slots or run a pass's
-    blocks on the rows received and send them on (the last rank: back to rank 0, but for a
-    flowing pass, whose rows it only evaluates).
+    blocks on the rows received and send them on (the last rank: back to rank 0 without waiting,
+    :meth:`Ring.post`, but for a flowing pass, whose rows it only evaluates).
 
     Args:
         model: the stage's model (``model.stage``: its blocks).
@@ -321,5 +440,7 @@ def serve_stage(
         x = model.blocks(x.astype(model.dtype), batch, kv, model.rope_factors(), *model.stage)
         if last and not back:
             mx.eval(x)  # its KV writes, as a send would evaluate them; rank 0 is not waiting
+        elif last:  # the one send against the ring's order: never waited on (no cycle)
+            ring.post(x, ring.next)
         else:
             ring.send(x, ring.next)

@@ -548,6 +548,7 @@ class ServingEngine:
             "steps": self.steps,
             "pipelined_steps": self.pipelined_steps,
             "cluster_passes_flowed": pipeline.flowed if pipeline is not None else 0,
+            "cluster_passes_micro_batched": pipeline.micro_batched if pipeline is not None else 0,
             "batched_tokens": self.batched_tokens,
             "spec_proposed_tokens": self.spec_proposed,
             "spec_accepted_tokens": self.spec_accepted,

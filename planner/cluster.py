@@ -51,12 +51,14 @@ from strata.common.schemas import (
 )
 from strata.common.yamlio import canonical_sha256
 from strata.planner.costmodel import (
+    PinnedPlacement,
     UnitCost,
     batch_limits,
     capacity_rows,
     expert_slot_bytes,
     host_overlaps,
     objective,
+    score,
     step_compute_s,
     unit_costs,
 )
@@ -441,7 +443,28 @@ def _merge(
             )
         )
     batch = sols[0].batch
-    prediction, cpred, links = pipeline_prediction(stages, links, request, batch)
+    priced = [  # each stage as its ILP scored it, to price it at other batches
+        (
+            stage_description(desc, ranges, rank),
+            h,
+            PinnedPlacement(
+                {p.unit: p.tier for p in sol.placement},
+                sol.prefetch.depth,
+                sol.pool,
+                sol.batch,
+                sol.expert_cache,
+            ),
+        )
+        for rank, (h, sol) in enumerate(zip(hosts, sols, strict=True))
+    ]
+
+    def step_at(rows: int) -> list[float]:  # micro-batched decode (planner.pipeline)
+        return [
+            score(d, h.profile, h.request.model_copy(update={"concurrency": rows}), pin).step_s
+            for d, h, pin in priced
+        ]
+
+    prediction, cpred, links = pipeline_prediction(stages, links, request, batch, step_at)
     placement = [
         p.model_copy(update={"host": h.spec.name})
         for h, sol in zip(hosts, sols, strict=True)

@@ -23,6 +23,7 @@ from strata.planner.explain import (
     request_label,
     unit_refs,
 )
+from strata.planner.pipeline import transfer_s
 from strata.planner.rescore import description_of, judge, request_edited
 
 ONE_HOST = "the one host"
@@ -77,14 +78,27 @@ def hosts_lines(view: Plan) -> list[str]:
         )
     if not c.links:
         lines.append("  none (one host)")
-    parts = [f"{s.host} {format_time(s.prediction.step_s)}" for s in c.stages]  # type: ignore[union-attr]
-    parts += [f"{lk.hosts[0]}→{lk.hosts[1]} {format_time(lk.predicted_s)}" for lk in c.links]
+    m = c.prediction.micro_batches
+    if m == 1:
+        parts = [f"{s.host} {format_time(s.prediction.step_s)}" for s in c.stages]  # type: ignore[union-attr]
+        parts += [f"{lk.hosts[0]}→{lk.hosts[1]} {format_time(lk.predicted_s)}" for lk in c.links]
+        lines += [
+            f"Predicted pipeline decode step at batch {b}: {format_time(c.prediction.step_s)} = "
+            + " + ".join(parts),
+            "  lock-step, 1 micro-batch: no stage works while another does (planner/pipeline.py)",
+            f"  binding: {c.prediction.binding} (the largest term of the step)",
+        ]
+        return lines
+    rows = -(-b // m)
+    lock = sum(s.prediction.step_s for s in c.stages)  # type: ignore[union-attr]
+    lock += sum(transfer_s(lk, b) for lk in c.links)
     lines += [
-        f"Predicted pipeline decode step at batch {b}: {format_time(c.prediction.step_s)} = "
-        + " + ".join(parts),
-        f"  lock-step, {c.prediction.micro_batches} micro-batch: no stage works while another "
-        "does (planner/pipeline.py)",
-        f"  binding: {c.prediction.binding} (the largest term of the step)",
+        f"Predicted pipeline decode step at batch {b}: {format_time(c.prediction.step_s)} in "
+        f"{m} micro-batches of {rows} sequence{'s' * (rows != 1)} flowing through the stages "
+        "(each stage's time for one with its send, summed, + "
+        f"{m - 1} x the slowest: planner/pipeline.py); lock-step "
+        f"{format_time(lock)}",
+        f"  binding: {c.prediction.binding} (the largest term of a micro-batch)",
     ]
     return lines
 

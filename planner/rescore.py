@@ -260,11 +260,14 @@ def _judge_cluster(plan: Plan, machine: HardwareProfile | None) -> Judged:
     except SchemaError as e:
         raise PlanError(str(e)) from None
     stages = []
+    priced = []  # each stage's (description, machine, view): its step at other batches
     for rank, stage in enumerate(plan.cluster.stages):
         try:
-            view = judge(stage_view(plan, rank), machine if rank == 0 else None).view
+            sv = stage_view(plan, rank)
+            view = judge(sv, machine if rank == 0 else None).view
         except PlanError as e:
             raise PlanError(f"host {stage.host}'s stage: {e}") from None
+        priced.append((description_of(sv), (machine if rank == 0 else None) or sv.machine, sv))
         stages.append(
             stage.model_copy(
                 update={
@@ -275,8 +278,17 @@ def _judge_cluster(plan: Plan, machine: HardwareProfile | None) -> Judged:
                 }
             )
         )
+
+    def step_at(rows: int) -> list[float]:  # micro-batched decode (planner.pipeline)
+        return [
+            score(
+                d, m, sv.request.model_copy(update={"concurrency": rows}), executed_placement(sv)
+            ).step_s
+            for d, m, sv in priced
+        ]
+
     prediction, cluster_prediction, links = pipeline_prediction(
-        stages, plan.cluster.links, plan.request, plan.batch
+        stages, plan.cluster.links, plan.request, plan.batch, step_at
     )
     cluster = plan.cluster.model_copy(
         update={"stages": stages, "links": links, "prediction": cluster_prediction}

@@ -101,6 +101,10 @@ class ServerMetrics:
              "Cluster plans: passes sent through the ranks without waiting for them to come "
              "back (prompt chunks before the last; executor.pipeline).",
              [("", e["cluster_passes_flowed"])]),
+            ("cluster_passes_micro_batched_total", "counter",
+             "Cluster plans: passes that were one micro-batch of a decode step cut to flow "
+             "through the ranks (executor.pipeline).",
+             [("", e["cluster_passes_micro_batched"])]),
             ("batched_tokens_total", "counter",
              "Tokens run through the model (prefill chunks and decodes).",
              [("", e["batched_tokens"])]),

@@ -1,11 +1,11 @@
-"""Cluster plans run over MLX's ring backend: two (and three) loopback "hosts" as processes on
-this machine (issue 39). Greedy ids through ``run`` (a prompt's chunks flowing, and lock-step)
-and ``serve`` (two requests at once, a prefix-cache hit) are the one-host plan's, also for a
-mixture-of-experts model whose experts stream from NVMe on rank 1, and for a rank started by
-hand (attach mode); a rank killed mid-request ends the request with an error naming it within
-seconds, the other ranks exit and nothing is left behind; rank 0 waits for a missing rank only so
-long; the step descriptor rebuilds rank 0's layout; ``strata profile --link`` measures loopback
-over the ring."""
+"""Cluster plans run over MLX's ring backend: two (and three) loopback "hosts" as processes on this
+machine (issue 39). Greedy ids through ``run`` (a prompt's chunks flowing, and lock-step) and
+``serve`` (two requests at once, a prefix-cache hit) are the one-host plan's, also for a
+mixture-of-experts model whose experts stream from NVMe on rank 1, for a rank started by hand
+(attach mode), and for concurrent requests whose decode steps flow as micro-batches; a rank killed
+mid-request ends the request with an error naming it within seconds, the other ranks exit and
+nothing is left behind; rank 0 waits for a missing rank only so long; the step descriptor rebuilds
+rank 0's layout; ``strata profile --link`` measures loopback over the ring."""
 
 from __future__ import annotations
 
@@ -90,6 +90,17 @@ def plans(tmp_path_factory) -> tuple[Path, Path]:
 
 
 @pytest.fixture(scope="module")
+def four(tmp_path_factory) -> Path:
+    """The loopback cluster's plan of SmolLM2 for four sequences at once (each host's KV cache
+    as large as the two-host plan's: 4 x 512 tokens)."""
+    out = tmp_path_factory.mktemp("four") / "four.yaml"
+    argv = ["--context", "512", "--concurrency", "4", "--objective", "throughput"]
+    plan = ["plan", "--cluster", str(LOOPBACK), "--model", "smollm2-135m", *argv]
+    assert strata_main([*plan, "-o", str(out)]) == 0
+    return out
+
+
+@pytest.fixture(scope="module")
 def one_host_ids(plans) -> dict[tuple[int, ...], list[int]]:
     """The one-host plan's greedy ids of each prompt, through ``run`` (run once per module)."""
     one, _ = plans
@@ -122,6 +133,33 @@ def test_run_gives_the_one_host_ids(plans, one_host_ids):
     assert chunks >= 2 and flowing["stats"]["passes_flowed"] == chunks - 1
     lockstep = _run(two, PROMPT_A, env={"STRATA_PIPELINE_FLOW": "0"})
     assert lockstep["output_ids"] == want and lockstep["stats"]["passes_flowed"] == 0
+    assert flowing["stats"]["passes_micro_batched"] == 0  # one sequence: no step is cut
+
+
+@pytest.mark.slow
+def test_micro_batched_decode_gives_the_one_host_ids(plans, four, one_host_ids, tmp_path):
+    """Four requests at once over a plan of four sequences: their decode steps whole and cut
+    into two micro-batches (``benchmarks/cluster_decode.py``, one process tree, the ways
+    switched between rounds) give every request the one-host plan's ids; the cut steps ran as
+    micro-batched passes; ``STRATA_DECODE_MICRO_BATCHES`` sets the pipeline's at start."""
+    one, _ = plans
+    prompts = [PROMPT_A, PROMPT_B, [1, *range(700, 740)], [504, 3575, 282, 4649, 314, 260]]
+    want = [one_host_ids.get(tuple(p)) or _run(one, p)["output_ids"] for p in prompts]
+    out = tmp_path / "bench.json"
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "cluster_decode.py"), str(four)]
+        + ["--micro-batches", "1,2", "--rounds", "1", "--max-tokens", str(DECODE)]
+        + ["--prompt-ids", ";".join(",".join(map(str, p)) for p in prompts), "-o", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "STRATA_DECODE_MICRO_BATCHES": "3"},
+    )
+    assert proc.returncode == 0, proc.stderr
+    got = json.loads(out.read_text())
+    assert got["check_passed"] and got["output_ids"] == want
+    assert got["micro_batched_passes"]["1"] == [0] and got["micro_batched_passes"]["2"][0] > 0
+    assert got["started_micro_batches"] == 3
 
 
 @pytest.mark.slow
@@ -235,6 +273,43 @@ def test_a_rank_killed_mid_request_ends_it(plans, tmp_path):
 
 
 @pytest.mark.slow
+def test_a_rank_killed_during_micro_batched_decode_ends_every_request(four, tmp_path):
+    """Four streams whose decode steps go as two micro-batches (several passes out at once):
+    rank 1 killed, every stream ends with the error naming it within seconds, nothing hangs."""
+    env = {"STRATA_DECODE_MICRO_BATCHES": "2"}
+    with serve_process(four, tmp_path / "serve.log", key=(), env=env) as srv:
+        rank = _ranks(srv.proc.pid)[0]
+        left = _children(srv.proc.pid)
+        errors: list[str] = []
+        ended: list[float] = []
+
+        def stream(prompt: list[int]) -> None:
+            body = {"prompt": prompt, "max_tokens": 400, "stream": True, "ignore_eos": True}
+            with httpx.stream("POST", f"{srv.url}/v1/completions", json=body, timeout=60) as r:
+                for line in r.iter_lines():
+                    if line.startswith("data: {") and '"error"' in line:
+                        errors.append(json.loads(line[6:])["error"]["message"])
+            ended.append(time.monotonic())
+
+        prompts = [PROMPT_B, [1, *range(700, 720)], [1, *range(800, 820)], [504, 3575, 282]]
+        threads = [threading.Thread(target=stream, args=(p,)) for p in prompts]
+        for t in threads:
+            t.start()
+        deadline = time.monotonic() + 120
+        while "micro_batched_total 0" in httpx.get(f"{srv.url}/metrics", timeout=10).text:
+            assert time.monotonic() < deadline, "no decode step was cut"
+            time.sleep(0.2)
+        rank.send_signal(signal.SIGKILL)
+        t0 = time.monotonic()
+        for t in threads:
+            t.join(60)
+        assert len(ended) == 4 and max(ended) - t0 < GONE_S, [e - t0 for e in ended]
+        assert len(errors) == 4 and all("rank 1 (host b at 127.0.0.1)" in e for e in errors)
+        assert httpx.get(f"{srv.url}/health", timeout=10).status_code == 503
+    assert _all_gone(left)
+
+
+@pytest.mark.slow
 def test_run_ends_with_the_rank_that_died(plans):
     _, two = plans
     proc = subprocess.Popen(
@@ -296,6 +371,97 @@ def test_a_step_descriptor_rebuilds_the_same_layout(tile):
     assert [(c.row, c.length, c.start, list(c.slots)) for c in got.chunks] == [
         (c.row, c.length, c.start, list(c.slots)) for c in sent.chunks
     ]
+
+
+@pytest.mark.parametrize("tile", [0, 4])
+def test_a_decode_step_is_cut_into_micro_batches_of_its_rows(tile):
+    """Five decodes in two micro-batches: rows 0-2 and 3-4, each laid out as the step lays
+    those rows out (slots, positions, KV writes, tile) with the step's device ids (a pipelined
+    step's sampled one included); a step with a prefill chunk, or of one sequence, goes whole."""
+    import mlx.core as mx
+    import numpy as np
+    from strata.common.errors import StrataError
+    from strata.executor.paged_kv import ForwardBatch, SeqInput
+    from strata.executor.pipeline import Pipeline
+
+    slots = np.arange(100, dtype=np.int32)[::-1].copy()
+    inputs = [SeqInput([5 + i], 3 + i, slots[10 * i : 10 * i + 4 + i]) for i in range(5)]
+    step = ForwardBatch.build(inputs, tile=tile)
+    step.take_ids(np.array([1]), mx.array([99], dtype=mx.int32))  # a pipelined step's token
+    parts = Pipeline(None, [], micro_batches=2).cut(step)
+    assert [p.num_tokens for p in parts] == [3, 2] and all(p.tile == tile for p in parts)
+
+    def joined(f) -> list:
+        return np.concatenate([np.asarray(f(p)) for p in parts]).tolist()
+
+    assert joined(lambda p: p.id_array) == [5, 99, 7, 8, 9]
+    assert joined(lambda p: p.write_slots) == np.asarray(step.write_slots).tolist()
+    assert joined(lambda p: p.row_positions) == step.row_positions.tolist()
+    assert [list(t) for p in parts for t in p.seq_slots] == [list(t) for t in step.seq_slots]
+    assert len(Pipeline(None, [], micro_batches=8).cut(step)) == 5
+    prefill = ForwardBatch.build([*inputs, SeqInput([1, 2], 0, slots[60:62])], tile=tile)
+    assert Pipeline(None, [], micro_batches=2).cut(prefill) == [prefill]
+    one = ForwardBatch.build(inputs[:1], tile=tile)
+    assert Pipeline(None, [], micro_batches=2).cut(one) == [one]
+    with pytest.raises(StrataError, match="micro_batches is 0"):
+        Pipeline(None, [], micro_batches=0)
+
+
+_CROSSING = """
+import sys
+import mlx.core as mx
+from strata.executor.pipeline import Peer, Ring
+
+ring = Ring(mx.distributed.init(backend="ring", strict=True), lambda r: Peer(r, "h", "a"))
+n = 16 * 1024 * 1024  # 64 MiB of float32 a message: far more than any socket buffer holds
+if ring.rank == 0:  # two micro-batches out before either comes back
+    ring.send(mx.full((n,), 1.0), 1)
+    ring.send(mx.full((n,), 2.0), 1)
+    got = [float(ring.recv((n,), mx.float32, 1)[k]) for k in (0, -1)]
+    ring.send(mx.zeros((1,)), 1)  # done
+    print(got)
+else:  # the last rank: each back to rank 0 while rank 0 is still sending
+    for _ in range(2):
+        ring.post(ring.recv((n,), mx.float32, 0) * 10, 0)
+    ring.recv((1,), mx.float32, 0)
+"""
+
+
+def test_sends_back_to_rank_0_never_wait_so_crossing_messages_pass(tmp_path):
+    """Rank 0 sends two 64 MiB messages before it receives; the last rank sends each back as it
+    comes. With MLX's ring send, which waits until its socket took every byte, both ranks would
+    wait in their sends forever (tried: both still there after 40 s); the last rank's
+    ``Ring.post`` never waits, so both messages come back (``executor.pipeline``, "Why it
+    cannot deadlock")."""
+    import socket
+
+    ports = []
+    for _ in range(2):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            ports.append(s.getsockname()[1])
+    hosts = tmp_path / "hosts.json"
+    hosts.write_text(json.dumps([[f"127.0.0.1:{p}"] for p in ports]))
+    script = tmp_path / "crossing.py"
+    script.write_text(_CROSSING)
+    procs = [
+        subprocess.Popen(
+            [sys.executable, str(script)],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env={**os.environ, "MLX_HOSTFILE": str(hosts), "MLX_RANK": str(rank)},
+        )
+        for rank in (0, 1)
+    ]
+    try:
+        outs = [p.communicate(timeout=60) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    assert [p.returncode for p in procs] == [0, 0], outs
+    assert outs[0][0].strip() == "[10.0, 20.0]"
 
 
 def _announcing(port: int, rank: int, identity: str = "") -> tuple[threading.Thread, list]:

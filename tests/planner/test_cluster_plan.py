@@ -1,5 +1,6 @@
 """Plans over several hosts (``strata plan --cluster``, ``planner.cluster``): the loopback
-cluster's plan of SmolLM2, its stages and links, the pipeline's cost, and the views of it."""
+cluster's plan of SmolLM2, its stages and links, the pipeline's cost (decode steps whole or cut
+into micro-batches), and the views of it."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ from strata.planner.cluster import build_cluster_plan, candidate_splits
 from strata.planner.costmodel import batch_limits, kv_cache_bytes, recurrent_state_bytes
 from strata.planner.diff import diff
 from strata.planner.explain import explain
-from strata.planner.pipeline import flowing_ttft, pipeline_prediction
+from strata.planner.pipeline import flowing_ttft, pipeline_prediction, transfer_s
 from strata.planner.planning import build_plan
 from strata.planner.rescore import edited, judge, memory_needs
 from test_cli import assert_one_line_error, cli
@@ -178,6 +179,63 @@ def test_prefill_chunks_flow_through_two_stages_by_hand():
     # One chunk of 8 tokens (1.8 ms a transfer) is lock-step exactly: 0.05 + 0.04 + 2 x 1.8 ms.
     one = flowing_ttft([0.05, 0.04], [0.05, 0.04], links, 8, 10)
     assert one == 0.05 + 0.04 + 2 * (1e-3 + 8 * 100 / 1e6) and one == pytest.approx(0.0936)
+
+
+def test_a_decode_step_cut_into_micro_batches_by_hand(two_hosts):
+    """Four sequences over links of 1 ms + 0.1 ms a row. Compute-bound stages, ``t_a(r) = 2 +
+    10 r`` ms and ``t_b(r) = 3 + 20 r`` ms: lock-step 42 + 83 + 2 x 1.4 = 127.8 ms; two
+    micro-batches of 2 (w = 22 + 1.2, 43 + 1.2 ms) 67.4 + 44.2 = 111.6 ms; four of 1 (w = 13.1,
+    24.1 ms) 37.2 + 3 x 24.1 = 109.5 ms, which is more than 1% faster: four. Weight-bound
+    stages (the same time for any rows) stay whole, as does a rank 0 that streams a unit."""
+    request = Request(context=2048, concurrency=4, objective="throughput")
+    batch = batch_limits(request)
+    links = [_link("a", "b"), _link("b", "a")]
+
+    def stages(a: float, b: float, pool: int = 0) -> list:
+        out = []
+        for s, t in zip(two_hosts.cluster.stages, (a, b), strict=True):
+            pred = s.prediction.model_copy(update={"step_s": t})
+            out.append(
+                s.model_copy(update={"prediction": pred, "pool": Pool(slots=pool, slot_bytes=1)})
+            )
+        return out
+
+    def compute(rows: int) -> list[float]:
+        return [0.002 + 0.01 * rows, 0.003 + 0.02 * rows]
+
+    pred, cpred, got = pipeline_prediction(stages(0.042, 0.083), links, request, batch, compute)
+    assert cpred.micro_batches == 4 and cpred.step_s == pytest.approx(0.1095)
+    assert pred.step_s == cpred.step_s and pred.decode_tok_s == pytest.approx(4 / 0.1095)
+    assert cpred.binding == "host b"  # the slowest stage per micro-batch
+    assert [lk.predicted_s for lk in got] == pytest.approx([4 * 0.0011] * 2)  # 4 sends of a row
+    _, two, _ = pipeline_prediction(
+        stages(0.042, 0.083), links, request, batch, lambda r: compute(max(r, 2))
+    )
+    assert two.micro_batches == 2 and two.step_s == pytest.approx(0.1116)  # four: no faster
+    for args in (((0.05, 0.06), lambda r: [0.05, 0.06]), ((0.042, 0.083, 2), compute)):
+        _, whole, _ = pipeline_prediction(stages(*args[0]), links, request, batch, args[1])
+        lock = sum(args[0][:2]) + 2 * transfer_s(links[0], 4)
+        assert whole.micro_batches == 1 and whole.step_s == pytest.approx(lock)
+
+
+def test_compute_bound_plans_cut_decode_steps_weight_bound_ones_do_not(desc, tmp_path):
+    """The dev CPU's decode costs per row (compute-bound): over two loopback hosts at 16
+    sequences the plan cuts its steps, priced by the stages' own cost model at 16 / m sequences,
+    and its judged view (explain) agrees. The same model on two M3 Ultras is bound by weight
+    reads and per-operation costs: its steps stay whole."""
+    request = Request(context=128, concurrency=16, objective="throughput")
+    plan = build_cluster_plan("smollm2-135m", LOOPBACK, request, desc=desc)
+    c = plan.cluster
+    m = c.prediction.micro_batches
+    lock = sum(s.prediction.step_s for s in c.stages) + sum(transfer_s(lk, 16) for lk in c.links)
+    assert m > 1 and c.prediction.step_s < 0.9 * lock
+    view = judge(plan).view.cluster.prediction
+    assert view.micro_batches == m and view.step_s == pytest.approx(c.prediction.step_s)
+    assert f"in {m} micro-batches of {16 // m} sequence" in explain(plan)
+    ultra = str(ROOT / "profiles" / "m3-ultra-512gb.yaml")
+    cluster = _cluster_file(tmp_path, [("a", ultra), ("b", ultra)], [("a", "b"), ("b", "a")])
+    plan = build_cluster_plan("smollm2-135m", cluster, request, desc=desc)
+    assert plan.cluster.prediction.micro_batches == 1
 
 
 def test_a_rank_0_that_streams_prefills_lock_step(two_hosts):
