@@ -334,8 +334,17 @@ class Pipeline:
         def through() -> None:
             shapes = []
             for part in parts:
-                x = model.embed_pass(part)
-                self._send_message(encode_step(part, x.shape[1], True))
+                try:
+                    x = model.embed_pass(part)
+                    msg = encode_step(part, x.shape[1], True)
+                except Exception as e:
+                    if not shapes:  # nothing went out: the ranks are still in step
+                        raise
+                    # Earlier micro-batches are on their way back: no later pass would fit.
+                    raise ClusterError(
+                        f"rank 0 failed to build a micro-batch after the step went out: {e}"
+                    ) from e
+                self._send_message(msg)
                 try:
                     y = model.blocks(x, part, kv, model.rope_factors(), *model.stage, schedule=True)
                     r.send(y, r.next)
