@@ -117,9 +117,10 @@ class RuntimeConfig:
     (``executor.cuda_attention``), as every other pass on MLX's CUDA backend does, rather than
     MLX's SDPA over a gather of its keys and values; its pass is then one the compiled passes
     take (``executor.pass_graph``), replayed from C++ instead of built op by op in Python.
-    Default: on (``STRATA_LONE_DECODE_KERNEL``): with the kernel's split design, on an H100, a
-    served lone decode of the Llama-3-8B shape took 5.4 ms a step against SDPA's 7.4 ms, whose
-    step waited on the host building it (docs/kernels.md#where-a-lone-decode-steps-time-goes)."""
+    Default: on (``STRATA_LONE_DECODE_KERNEL``): with the split paged-attention kernel, on an
+    H100, a served lone decode of the Llama-3-8B shape took 5.4 ms a step against SDPA's 7.4 ms,
+    whose step waited on the host building it
+    (docs/kernels.md#where-a-lone-decode-steps-time-goes)."""
 
     max_sequences: int
     """Passes of at most this many sequences are compiled (0: any number). With one: a prompt's

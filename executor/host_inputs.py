@@ -74,6 +74,7 @@ class InputStaging:
             raise ValueError(f"input staging needs at least one buffer, got {slots}")
         self._mapped = mapped
         self.mapped = 0  # buffers the driver keeps on the host now
+        self._kept = [False] * slots  # which of them (only those are given back on a drop)
         self._buffers: list[mx.array | None] = [None] * slots
         self._hosts: list[np.ndarray | None] = [None] * slots  # numpy views of the buffers
         self._fences: list[mx.array | None] = [None] * slots
@@ -105,8 +106,9 @@ class InputStaging:
         it alive for whatever still reads them. A mapped buffer is given back to the driver's
         placement first: it returns to MLX's cache once those views are gone."""
         host = self._hosts[slot]
-        if host is not None and self._mapped and keep_on_host(host, keep=False):
+        if host is not None and self._kept[slot] and keep_on_host(host, keep=False):
             self.mapped -= 1
+        self._kept[slot] = False
         self._buffers[slot] = self._hosts[slot] = None
 
     def close(self) -> None:
@@ -126,6 +128,7 @@ class InputStaging:
             if self._mapped:
                 if keep_on_host(host):
                     self.mapped += 1
+                    self._kept[slot] = True
                 else:  # unmanaged memory, or refused: whatever part was set is taken back
                     keep_on_host(host, keep=False)
             self._buffers[slot], self._hosts[slot] = buf, host

@@ -276,11 +276,20 @@ def test_k_split_depends_on_k_and_bits_alone_and_leaves_each_warp_a_run(monkeypa
     monkeypatch.setattr(cuda_qmv, "MAX_SLABS_IN_FLIGHT", 4)
     monkeypatch.setattr(cuda_qmv, "MAX_K_SPLIT", 4)
     assert cuda_qmv.k_split(4096, 4) == (4, 1)  # 4 slabs of 1,024 elements
-    assert cuda_qmv.k_split(14336, 4) == (4, 2)  # 14 slabs: two warps of 7
+    assert cuda_qmv.k_split(14336, 4) == (4, 2)  # 14 slabs: runs of 4, the parts 8 and 6
     assert cuda_qmv.k_split(4096, 8) == (4, 2)  # 8 slabs of 512
     assert cuda_qmv.k_split(576, 4) == (1, 1)
     monkeypatch.setattr(cuda_qmv, "MAX_SLABS_IN_FLIGHT", 1)
     assert cuda_qmv.k_split(4096, 4) == (1, 4)
+    monkeypatch.setattr(cuda_qmv, "_get_kernel", lambda store: store)  # the geometry alone
+    for wpb, ks in [(4, 2), (4, 4), (8, 2), (8, 8)]:
+        monkeypatch.setattr(cuda_qmv, "WARPS_PER_BLOCK", wpb)
+        monkeypatch.setattr(cuda_qmv, "MAX_K_SPLIT", ks)
+        _, template, grid, threads = cuda_qmv.launch("plain", 4096, mx.float16, 4, 32, [4096])
+        t, used = dict(template), min(ks, 4)  # 4 slabs of one run each: at most 4 parts
+        assert t["KS"] == used and threads[0] == 32 * t["WPB"] and t["WPB"] % used == 0
+        assert 4 * t["WPB"] // used <= 16  # every warp of a block live: rows come in 16s
+        assert grid[0] // 32 == 4096 // 4 * used  # a warp per row group and part of K
     monkeypatch.setattr(cuda_qmv, "MAX_K_SPLIT", 1)
     assert cuda_qmv.k_split(14336, 4) == (1, 1)
 
