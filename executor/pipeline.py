@@ -277,14 +277,7 @@ class Pipeline:
 
         def through() -> mx.array:
             r = self.ring
-            self._send_message(msg)
-            try:
-                y = model.blocks(x, batch, kv, model.rope_factors(), *model.stage, schedule=True)
-                r.send(y, r.next)
-            except ClusterError:
-                raise
-            except Exception as e:  # rank 1 waits for these rows: no later message would fit
-                raise ClusterError(f"rank 0's blocks failed after the step went out: {e}") from e
+            y = self._send_pass(model, batch, x, kv, msg)
             if not back:  # flowing: the next pass is built while the other ranks run this one
                 self.flowed += 1
                 return y
@@ -344,16 +337,7 @@ class Pipeline:
                     raise ClusterError(
                         f"rank 0 failed to build a micro-batch after the step went out: {e}"
                     ) from e
-                self._send_message(msg)
-                try:
-                    y = model.blocks(x, part, kv, model.rope_factors(), *model.stage, schedule=True)
-                    r.send(y, r.next)
-                except ClusterError:
-                    raise
-                except Exception as e:  # rank 1 waits for these rows
-                    raise ClusterError(
-                        f"rank 0's blocks failed after the step went out: {e}"
-                    ) from e
+                y = self._send_pass(model, part, x, kv, msg)
                 shapes.append(tuple(y.shape))
                 self.micro_batched += 1
             failed: Exception | None = None
@@ -370,6 +354,23 @@ class Pipeline:
 
         self._guard(through)
         return mx.concatenate(logits)
+
+    def _send_pass(
+        self, model, batch: ForwardBatch, x: mx.array, kv: PagedKVCache, msg: np.ndarray
+    ) -> mx.array:
+        """Send a pass's descriptor ``msg``, run rank 0's blocks on its embedded rows ``x`` and
+        send the result on to rank 1 (returned). Once the descriptor is out, rank 1 waits for
+        these rows, so a failure of the blocks breaks the pipeline (:class:`ClusterError`): no
+        later message would fit."""
+        self._send_message(msg)
+        try:
+            y = model.blocks(x, batch, kv, model.rope_factors(), *model.stage, schedule=True)
+            self.ring.send(y, self.ring.next)
+        except ClusterError:
+            raise
+        except Exception as e:
+            raise ClusterError(f"rank 0's blocks failed after the step went out: {e}") from e
+        return y
 
     def _send_message(self, msg: np.ndarray) -> None:
         r = self.ring
